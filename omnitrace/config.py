@@ -1,0 +1,182 @@
+"""Encoder graph configuration and ``--hf-overrides`` parsing.
+
+Exceptions raised by omnitrace::
+
+    OmnitraceError
+     ├── ConfigError          (also a ValueError)   bad configuration value
+     └── EncoderGraphFailedError (also a RuntimeError) adapter is terminal after a failed capture
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "HF_OVERRIDE_KEYS",
+    "ConfigError",
+    "EncoderGraphConfig",
+    "EncoderGraphFailedError",
+    "OmnitraceError",
+]
+
+GiB = 1 << 30
+
+_PREFIX = "encoder_cuda_graph"
+
+#: The ``--hf-overrides`` keys, mapped to the config field each one sets.
+HF_OVERRIDE_KEYS: Mapping[str, str] = {
+    "encoder_cuda_graph": "enabled",
+    "encoder_cuda_graph_max_graphs": "max_graphs",
+    "encoder_cuda_graph_min_capture_calls": "min_capture_calls",
+    "encoder_cuda_graph_min_free_bytes": "min_free_bytes",
+    "encoder_cuda_graph_share_pools": "share_pools",
+}
+_FIELD_TO_KEY = {v: k for k, v in HF_OVERRIDE_KEYS.items()}
+
+
+class OmnitraceError(Exception):
+    """Base class of every error omnitrace raises on purpose."""
+
+
+class ConfigError(OmnitraceError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class EncoderGraphFailedError(OmnitraceError, RuntimeError):
+    """The adapter is terminal: an earlier CUDA graph capture failed."""
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(key: str, value: object, minimum: int, meaning: str) -> int:
+    # bool is a subclass of int, and a float such as 4.0 or a string such as "4" is a typo
+    # waiting to happen in a JSON override, so only a real int is accepted.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
+    if value < minimum:
+        raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
+    return value
+
+
+def _check_bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderGraphConfig:
+    """Admission and memory settings shared by the encoder graph adapters.
+
+    Args:
+        enabled: capture and replay graphs at all (``--enforce-eager`` forces false).
+        max_graphs: graphs retained per encoder; 0 disables capture.
+        min_capture_calls: calls with the same key before it is captured (at least 2).
+        min_free_bytes: device-free memory floor checked before each capture; 0 disables it.
+        share_pools: share one memory pool and capture stream per encoder, device and
+            replay stream (false gives every graph its own, for an A/B comparison).
+    """
+
+    enabled: bool = True
+    max_graphs: int = 4
+    min_capture_calls: int = 2
+    min_free_bytes: int = GiB
+    share_pools: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(_FIELD_TO_KEY["enabled"], self.enabled)
+        _check_int(
+            _FIELD_TO_KEY["max_graphs"],
+            self.max_graphs,
+            0,
+            "a nonnegative integer (0 disables capture)",
+        )
+        _check_int(
+            _FIELD_TO_KEY["min_capture_calls"],
+            self.min_capture_calls,
+            2,
+            "an integer of at least 2",
+        )
+        _check_int(
+            _FIELD_TO_KEY["min_free_bytes"],
+            self.min_free_bytes,
+            0,
+            "a nonnegative integer number of bytes (0 disables the check)",
+        )
+        _check_bool(_FIELD_TO_KEY["share_pools"], self.share_pools)
+
+    @property
+    def history_size(self) -> int:
+        """Keys remembered by admission: four times ``max_graphs``."""
+        return 4 * self.max_graphs
+
+    @property
+    def captures_enabled(self) -> bool:
+        """Whether any call can ever be captured."""
+        return self.enabled and self.max_graphs > 0
+
+    @classmethod
+    def from_hf_overrides(
+        cls,
+        overrides: Mapping[str, Any] | str | None,
+        *,
+        enforce_eager: bool = False,
+    ) -> EncoderGraphConfig:
+        """Build a config from the parsed ``--hf-overrides`` (a mapping or its JSON text).
+
+        Keys that do not start with ``encoder_cuda_graph`` belong to the model and are
+        ignored; an unknown ``encoder_cuda_graph_*`` key is an error.
+
+        Raises:
+            ConfigError: a value has the wrong type or range, the JSON does not parse, or a
+                key is unknown (the message suggests the closest valid key).
+        """
+        if not isinstance(enforce_eager, bool):
+            raise ConfigError(f"enforce_eager: expected true or false, got {_describe(enforce_eager)}")
+        if overrides is None:
+            overrides = {}
+        elif isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides) if overrides.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"hf_overrides: expected a JSON object, got invalid JSON ({exc})") from None
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(f"hf_overrides: expected a JSON object (mapping), got {_describe(overrides)}")
+
+        kwargs: dict[str, Any] = {}
+        for key, value in overrides.items():
+            if not isinstance(key, str) or not key.startswith(_PREFIX):
+                continue
+            field_name = HF_OVERRIDE_KEYS.get(key)
+            if field_name is None:
+                close = difflib.get_close_matches(key, list(HF_OVERRIDE_KEYS), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"{key}: unknown encoder graph option (valid: "
+                    f"{', '.join(sorted(HF_OVERRIDE_KEYS))}){hint}"
+                )
+            kwargs[field_name] = value
+        config = cls(**kwargs)
+        if enforce_eager and config.enabled:
+            config = config.replace(enabled=False)
+        return config
+
+    def replace(self, **changes: Any) -> EncoderGraphConfig:
+        """Return a copy with ``changes`` applied and validated."""
+        known = {f.name for f in fields(self)}
+        for name in changes:
+            if name not in known:
+                raise ConfigError(f"{name}: not an EncoderGraphConfig field (valid: {', '.join(sorted(known))})")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EncoderGraphConfig(**values)
+
+    def to_hf_overrides(self) -> dict[str, Any]:
+        """Return the ``--hf-overrides`` mapping that rebuilds this config."""
+        return {key: getattr(self, name) for key, name in HF_OVERRIDE_KEYS.items()}

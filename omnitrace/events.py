@@ -1,0 +1,137 @@
+"""The typed events every adapter decision produces.
+
+Events are past-tense facts: frozen, slotted, plain data (numbers, strings and tuples of
+them), never tensors or CUDA objects, so a consumer on another thread or in another process
+can hold them without keeping device memory alive.
+
+Every encoder call produces exactly one :class:`GraphReplayed` (a hit) or one
+:class:`GraphMissed` (an eager run). A capture adds :class:`GraphCaptured` before the
+capturing call's :class:`GraphReplayed`; a memory deferral adds :class:`MemoryDeferred`
+before its :class:`GraphMissed`; a failed capture emits :class:`CaptureFailed` and the call
+raises. Calls rejected by a terminal adapter raise without an event.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import TypeAlias
+
+__all__ = [
+    "CaptureFailed",
+    "Event",
+    "GraphCaptured",
+    "GraphMissed",
+    "GraphReplayed",
+    "MemoryDeferred",
+    "MissReason",
+    "now",
+]
+
+
+class MissReason(str, enum.Enum):
+    """Why a call ran eagerly."""
+
+    INELIGIBLE = "ineligible"
+    """The call can never be graphed (CPU, grad, autocast, capturing, disabled, ...)."""
+    CAPACITY = "capacity"
+    """The encoder already holds ``max_graphs`` graphs; graphs are never evicted."""
+    WARMUP = "warmup"
+    """The key has been seen fewer than ``min_capture_calls`` times."""
+    MEMORY = "memory"
+    """Device-free memory is under ``min_free_bytes``; a later call may try again."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def now() -> tuple[int, int]:
+    """Return ``(monotonic_ns, epoch_ns)`` for an event stamped now."""
+    return time.monotonic_ns(), time.time_ns()
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCaptured:
+    """A CUDA graph was captured for ``key`` (the capturing call then counts as a hit)."""
+
+    adapter: str
+    key: str
+    monotonic_ns: int
+    epoch_ns: int
+    duration_s: float
+    """Wall time of warm-up plus capture, on the host."""
+    pool_id: int
+    device: str
+    stream: int
+    """Replay stream the graph belongs to (the stream current at the call)."""
+    capture_stream: int
+    bytes_reserved: int
+    """Growth of the device allocator's reserved memory across the capture."""
+    static_bytes: int
+    """Bytes of the graph's static input and output buffers (outside the pool)."""
+    graph_index: int
+    """How many graphs the adapter held before this one (0 for the first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GraphReplayed:
+    """A call was served by replaying the graph for ``key``."""
+
+    adapter: str
+    key: str
+    monotonic_ns: int
+    epoch_ns: int
+    duration_s: float
+    """Host-side time of copy-in, replay launch and output clones."""
+
+
+@dataclass(frozen=True, slots=True)
+class GraphMissed:
+    """A call ran the encoder eagerly."""
+
+    adapter: str
+    key: str
+    monotonic_ns: int
+    epoch_ns: int
+    reason: MissReason
+    detail: str
+    """Finer cause: ``cpu``, ``grad``, ``autocast``, ``capturing``, ``disabled``, ``cap`` ..."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDeferred:
+    """Admission wanted to capture ``key`` but device-free memory was under the floor."""
+
+    adapter: str
+    key: str
+    monotonic_ns: int
+    epoch_ns: int
+    free_bytes: int
+    floor_bytes: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureFailed:
+    """Capturing ``key`` raised; the adapter is terminal from now on."""
+
+    adapter: str
+    key: str
+    monotonic_ns: int
+    epoch_ns: int
+    error_type: str
+    message: str
+    device: str
+    stream: int
+
+
+Event: TypeAlias = GraphCaptured | GraphReplayed | GraphMissed | MemoryDeferred | CaptureFailed
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    GraphCaptured,
+    GraphReplayed,
+    GraphMissed,
+    MemoryDeferred,
+    CaptureFailed,
+)

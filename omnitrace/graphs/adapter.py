@@ -1,0 +1,347 @@
+"""The exact-shape encoder graph adapter."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from omnitrace.bus import EventBus
+from omnitrace.config import ConfigError, EncoderGraphConfig, EncoderGraphFailedError
+from omnitrace.events import (
+    CaptureFailed,
+    Event,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    MissReason,
+)
+from omnitrace.graphs.admission import Admission, Verdict
+from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
+from omnitrace.graphs.pools import PoolRegistry
+from omnitrace.stats import AdapterStats, StatsFold
+
+__all__ = ["EncoderCudaGraph", "describe_key"]
+
+_INELIGIBLE = MissReason.INELIGIBLE
+_mono = time.monotonic_ns
+_epoch = time.time_ns
+_perf = time.perf_counter
+
+
+def describe_key(
+    specs: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...],
+    device: torch.device | None,
+    stream: int | None,
+) -> str:
+    """Render a shape key as text for events: ``bfloat16[1,1024,1152], None @cuda:0 s=0``."""
+    parts = []
+    for spec in specs:
+        if spec is None:
+            parts.append("None")
+        else:
+            shape, dtype = spec
+            parts.append(f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]")
+    text = ", ".join(parts)
+    if device is not None:
+        text += f" @{device}"
+    if stream is not None:
+        text += f" s={stream}"
+    return text
+
+
+class _Entry:
+    """A captured graph and the text of its key."""
+
+    __slots__ = ("graph", "key_text")
+
+    def __init__(self, graph: CapturedGraph, key_text: str) -> None:
+        self.graph = graph
+        self.key_text = key_text
+
+
+class EncoderCudaGraph:
+    """Replay one CUDA graph per exact input signature of an encoder forward.
+
+    ``graph(*tensors)`` returns what ``forward(*tensors)`` returns (cloned out of the graph's
+    static buffers on a hit) and reports its decision as events on ``bus``.
+
+    Args:
+        forward: the encoder forward; takes positional tensors (or None), returns tensors,
+            None, or tuples/lists/dicts of them.
+        name: adapter name used in events and stats (``"vision"``, ``"audio"``).
+        config: admission and memory settings (defaults: ``EncoderGraphConfig()``).
+        bus: where events go; without one they only feed this adapter's own stats.
+        backend: graph backend; ``None`` picks the pure-torch CUDA graph backend.
+
+    Raises:
+        TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
+        ConfigError: ``name`` is empty.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        *,
+        name: str,
+        config: EncoderGraphConfig | None = None,
+        bus: EventBus | None = None,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        if not callable(forward):
+            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"name: expected a non-empty string, got {name!r}")
+        if config is None:
+            config = EncoderGraphConfig()
+        elif not isinstance(config, EncoderGraphConfig):
+            raise TypeError(f"config must be an EncoderGraphConfig, got {type(config).__name__}")
+        if bus is not None and not isinstance(bus, EventBus):
+            raise TypeError(f"bus must be an EventBus, got {type(bus).__name__}")
+        if backend is None:
+            from omnitrace.graphs.backends.torch import TorchGraphBackend
+
+            backend = TorchGraphBackend()
+        self._forward = forward
+        self.name = name
+        self.config = config
+        self.backend = backend
+        self._bus = bus
+        self._enabled = config.captures_enabled
+        self._admission = Admission(config)
+        self._pools = PoolRegistry(backend, share=config.share_pools)
+        self._graphs: dict[Hashable, _Entry] = {}
+        self._fold = StatsFold()
+        self._lock = threading.RLock()
+        self._failure: str | None = None
+        if bus is not None:
+            bus.register_adapter(
+                name,
+                {
+                    "enabled": config.enabled,
+                    "max_graphs": config.max_graphs,
+                    "min_capture_calls": config.min_capture_calls,
+                    "min_free_bytes": config.min_free_bytes,
+                    "share_pools": config.share_pools,
+                    "backend": backend.name,
+                    "simulated": backend.simulated,
+                },
+            )
+
+    # -- public introspection -------------------------------------------------------------
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        return self._forward
+
+    @property
+    def terminal(self) -> bool:
+        """Whether a capture failed and the adapter refuses every call."""
+        return self._failure is not None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def captured_keys(self) -> tuple[str, ...]:
+        """Return the text keys of the held graphs, in capture order."""
+        with self._lock:
+            return tuple(entry.key_text for entry in self._graphs.values())
+
+    def get_cumulative_stats(self) -> dict[str, int | float]:
+        """Return hits, misses by reason, hit rate, graph count and capture failures."""
+        with self._lock:
+            return self._fold.snapshot(self.name).as_dict()
+
+    def stats(self) -> AdapterStats:
+        """Return the frozen stats snapshot (more detail than the dict)."""
+        with self._lock:
+            return self._fold.snapshot(self.name)
+
+    def __repr__(self) -> str:
+        state = "terminal" if self._failure else ("enabled" if self._enabled else "disabled")
+        return (
+            f"<EncoderCudaGraph {self.name!r} {state} graphs={len(self._graphs)}/"
+            f"{self.config.max_graphs} backend={self.backend.name}>"
+        )
+
+    # -- the call path --------------------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        with self._lock:
+            self._fold.fold(event)
+        bus = self._bus
+        if bus is not None:
+            bus.emit(event)
+
+    def _eager(
+        self,
+        inputs: tuple[Any, ...],
+        reason: MissReason,
+        detail: str,
+        key_text: str,
+    ) -> Any:
+        self._emit(GraphMissed(self.name, key_text, _mono(), _epoch(), reason, detail))
+        return self._forward(*inputs)
+
+    def __call__(self, *inputs: torch.Tensor | None) -> Any:
+        if self._failure is not None:
+            raise EncoderGraphFailedError(
+                f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
+                f"({self._failure}). Restart the worker, optionally with encoder graphs "
+                'disabled (--hf-overrides \'{"encoder_cuda_graph": false}\').'
+            )
+        device: torch.device | None = None
+        mixed = False
+        strided = True
+        specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
+        for index, x in enumerate(inputs):
+            if x is None:
+                specs.append(None)
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"encoder graph {self.name!r} takes tensors or None as positional inputs; "
+                    f"input {index} is a {type(x).__name__}"
+                )
+            specs.append((tuple(x.shape), x.dtype))
+            if device is None:
+                device = x.device
+            elif x.device != device:
+                mixed = True
+            if x.layout is not torch.strided:
+                strided = False
+        key_specs = tuple(specs)
+
+        if not self._enabled:
+            return self._eager(inputs, _INELIGIBLE, "disabled", describe_key(key_specs, device, None))
+        if device is None:
+            return self._eager(inputs, _INELIGIBLE, "no_tensors", describe_key(key_specs, None, None))
+        if mixed:
+            return self._eager(inputs, _INELIGIBLE, "mixed_devices", describe_key(key_specs, None, None))
+        backend = self.backend
+        if not backend.is_graph_device(device):
+            return self._eager(inputs, _INELIGIBLE, device.type, describe_key(key_specs, device, None))
+        if not strided:
+            return self._eager(inputs, _INELIGIBLE, "layout", describe_key(key_specs, device, None))
+        if torch.is_grad_enabled():
+            return self._eager(inputs, _INELIGIBLE, "grad", describe_key(key_specs, device, None))
+        if torch.is_autocast_enabled(device.type):
+            return self._eager(inputs, _INELIGIBLE, "autocast", describe_key(key_specs, device, None))
+        if backend.is_capturing(device):
+            return self._eager(inputs, _INELIGIBLE, "capturing", describe_key(key_specs, device, None))
+
+        stream = backend.stream_id(device)
+        key = (device, stream, key_specs)
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is None:
+                out, miss = self._admit(key, inputs, device, stream, key_specs)
+                if miss is None:
+                    return out
+            else:
+                start = _perf()
+                out = entry.graph.replay(inputs)
+                event: Event = GraphReplayed(
+                    self.name, entry.key_text, _mono(), _epoch(), _perf() - start
+                )
+                self._fold.fold(event)
+        if entry is None:
+            # Eager work runs outside the lock: other threads' hits need not wait for it.
+            return self._eager(inputs, *miss)
+        bus = self._bus
+        if bus is not None:
+            bus.emit(event)
+        return out
+
+    def _admit(
+        self,
+        key: Hashable,
+        inputs: tuple[Any, ...],
+        device: torch.device,
+        stream: int,
+        key_specs: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...],
+    ) -> tuple[Any, tuple[MissReason, str, str] | None]:
+        """Decide for an uncaptured key with the lock held: capture now, or name the miss."""
+        key_text = describe_key(key_specs, device, stream)
+        decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
+        verdict = decision.verdict
+        if verdict is Verdict.CAPACITY:
+            return None, (MissReason.CAPACITY, "cap", key_text)
+        if verdict is Verdict.WARMUP:
+            detail = f"call {decision.calls} of {self.config.min_capture_calls}"
+            return None, (MissReason.WARMUP, detail, key_text)
+        if verdict is Verdict.MEMORY:
+            free = decision.free_bytes if decision.free_bytes is not None else 0
+            self._emit(
+                MemoryDeferred(
+                    self.name, key_text, _mono(), _epoch(), free, self.config.min_free_bytes, str(device)
+                )
+            )
+            return None, (MissReason.MEMORY, "floor", key_text)
+        return self._capture(key, inputs, device, stream, key_text), None
+
+    def _capture(
+        self,
+        key: Hashable,
+        inputs: tuple[Any, ...],
+        device: torch.device,
+        stream: int,
+        key_text: str,
+    ) -> Any:
+        slot = self._pools.slot_for(device, stream)
+        start_mono, start_epoch, start = _mono(), _epoch(), _perf()
+        try:
+            graph = self.backend.capture(
+                self._forward,
+                inputs,
+                device=device,
+                pool=slot.pool,
+                capture_stream=slot.capture_stream,
+            )
+        except BaseException as exc:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            self._emit(
+                CaptureFailed(
+                    self.name,
+                    key_text,
+                    _mono(),
+                    _epoch(),
+                    type(exc).__name__,
+                    str(exc),
+                    str(device),
+                    stream,
+                )
+            )
+            raise
+        duration = _perf() - start
+        index = len(self._graphs)
+        self._graphs[key] = _Entry(graph, key_text)
+        self._admission.captured(key)
+        self._emit(
+            GraphCaptured(
+                self.name,
+                key_text,
+                start_mono,
+                start_epoch,
+                duration,
+                slot.pool_id,
+                str(device),
+                stream,
+                slot.capture_stream_id,
+                int(graph.bytes_reserved),
+                int(graph.static_bytes),
+                index,
+            )
+        )
+        # The capturing call is served by the graph it just captured, and counts as a hit.
+        replay_start = _perf()
+        out = graph.replay(inputs)
+        self._emit(
+            GraphReplayed(self.name, key_text, _mono(), _epoch(), _perf() - replay_start)
+        )
+        return out

@@ -1,0 +1,163 @@
+"""A graph backend that simulates a device on the CPU, for tests and the CPU demo.
+
+It is *not* an accelerator: "replay" runs the forward again. What it reproduces exactly is
+everything around the graph (static input and output buffers, cloned outputs, pools,
+capture streams, device-free memory, capture failures, the capturing state), so the full
+admission logic, every event and every sink can run on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
+
+__all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
+
+_stream_ids = itertools.count(1_000_001)
+
+
+class SimulatedGraph:
+    """Static buffers around a forward that is re-run on every replay."""
+
+    __slots__ = ("_backend", "_forward", "_spec", "_static_inputs", "_static_outputs",
+                 "bytes_reserved", "static_bytes")
+
+    def __init__(
+        self,
+        backend: SimulatedGraphBackend,
+        forward: Callable[..., Any],
+        static_inputs: list[torch.Tensor | None],
+        static_outputs: list[torch.Tensor],
+        spec: Any,
+        bytes_reserved: int,
+    ) -> None:
+        self._backend = backend
+        self._forward = forward
+        self._static_inputs = static_inputs
+        self._static_outputs = static_outputs
+        self._spec = spec
+        self.bytes_reserved = bytes_reserved
+        self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
+            t.nbytes for t in static_outputs
+        )
+
+    def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        for static, value in zip(self._static_inputs, inputs):
+            if static is not None:
+                static.copy_(value)  # type: ignore[arg-type]
+        leaves, _ = flatten_outputs(self._forward(*self._static_inputs))
+        for dst, src in zip(self._static_outputs, leaves):
+            dst.copy_(src)
+        self._backend.replays += 1
+        return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])
+
+
+class SimulatedGraphBackend:
+    """Simulate a CUDA device on CPU tensors (tests and the CPU demo only).
+
+    Args:
+        free_bytes: device-free memory reported to the memory floor check; a settable
+            attribute, and every capture consumes ``graph_bytes`` of it.
+        graph_bytes: memory each capture takes from ``free_bytes``.
+        fail_on_capture: make captures raise: ``True`` raises a ``RuntimeError``, an
+            exception instance or class raises that.
+    """
+
+    name = "simulated"
+    simulated = True
+
+    def __init__(
+        self,
+        *,
+        free_bytes: int = 80 << 30,
+        graph_bytes: int = 64 << 20,
+        fail_on_capture: bool | BaseException | type[BaseException] = False,
+    ) -> None:
+        for label, value in (("free_bytes", free_bytes), ("graph_bytes", graph_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{label}: expected a nonnegative integer, got {value!r}")
+        self.free_bytes = free_bytes
+        self.graph_bytes = graph_bytes
+        self.fail_on_capture = fail_on_capture
+        self.captures = 0
+        self.replays = 0
+        self.pools_created = 0
+        self.capture_streams_created = 0
+        self._stream = 0
+        self._capturing = False
+
+    # -- knobs for tests -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def stream(self, stream_id: int) -> Iterator[None]:
+        """Make ``stream_id`` the current (replay) stream inside the block."""
+        previous, self._stream = self._stream, stream_id
+        try:
+            yield
+        finally:
+            self._stream = previous
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Pretend the current stream is capturing a graph inside the block."""
+        previous, self._capturing = self._capturing, True
+        try:
+            yield
+        finally:
+            self._capturing = previous
+
+    # -- GraphBackend ----------------------------------------------------------------------
+
+    def is_graph_device(self, device: torch.device) -> bool:
+        return True
+
+    def is_capturing(self, device: torch.device) -> bool:
+        return self._capturing
+
+    def stream_id(self, device: torch.device) -> int:
+        return self._stream
+
+    def device_free_bytes(self, device: torch.device) -> int:
+        return self.free_bytes
+
+    def new_pool(self, device: torch.device) -> Any:
+        self.pools_created += 1
+        return ("simulated-pool", self.pools_created)
+
+    def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
+        self.capture_streams_created += 1
+        stream_id = next(_stream_ids)
+        return ("simulated-stream", stream_id), stream_id
+
+    def capture(
+        self,
+        forward: Callable[..., Any],
+        inputs: Sequence[torch.Tensor | None],
+        *,
+        device: torch.device,
+        pool: Any,
+        capture_stream: Any,
+    ) -> SimulatedGraph:
+        static_inputs = [None if x is None else x.detach().clone() for x in inputs]
+        leaves, spec = flatten_outputs(forward(*static_inputs))  # warm-up
+        static_outputs = [torch.empty_like(t) for t in leaves]
+        with self.capturing():
+            failure = self.fail_on_capture
+            if failure is True:
+                raise RuntimeError("simulated CUDA graph capture failure")
+            if isinstance(failure, BaseException):
+                raise failure
+            if isinstance(failure, type) and issubclass(failure, BaseException):
+                raise failure("simulated CUDA graph capture failure")
+            captured, _ = flatten_outputs(forward(*static_inputs))
+            for dst, src in zip(static_outputs, captured):
+                dst.copy_(src)
+        self.captures += 1
+        self.free_bytes = max(0, self.free_bytes - self.graph_bytes)
+        return SimulatedGraph(self, forward, static_inputs, static_outputs, spec, self.graph_bytes)

@@ -1,0 +1,174 @@
+"""Pure-PyTorch graph backend on ``torch.cuda.CUDAGraph``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
+
+__all__ = ["TorchCudaGraph", "TorchGraphBackend"]
+
+
+class TorchCudaGraph:
+    """A captured ``torch.cuda.CUDAGraph`` with static inputs and outputs.
+
+    The static buffers live outside the graph pool, so the pool only holds transient
+    capture allocations that later captures into a shared pool can reuse.
+    """
+
+    __slots__ = (
+        "_device_index",
+        "_graph",
+        "_spec",
+        "_static_inputs",
+        "_static_outputs",
+        "bytes_reserved",
+        "static_bytes",
+    )
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        static_inputs: list[torch.Tensor | None],
+        static_outputs: list[torch.Tensor],
+        spec: Any,
+        device_index: int,
+        bytes_reserved: int,
+    ) -> None:
+        self._graph = graph
+        self._static_inputs = static_inputs
+        self._static_outputs = static_outputs
+        self._spec = spec
+        self._device_index = device_index
+        self.bytes_reserved = bytes_reserved
+        self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
+            t.nbytes for t in static_outputs
+        )
+
+    def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        if torch.cuda.current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                return self._replay(inputs)
+        return self._replay(inputs)
+
+    def _replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        for static, value in zip(self._static_inputs, inputs):
+            if static is not None:
+                static.copy_(value)  # type: ignore[arg-type]
+        self._graph.replay()
+        # Clones keep a caller's tensors valid after the next replay overwrites the buffers.
+        return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])
+
+
+class TorchGraphBackend:
+    """Capture with ``torch.cuda.graph`` on a side stream into a given pool.
+
+    Args:
+        warmup_iters: eager runs on the capture stream before capture, as PyTorch documents
+            (lazy initialisation, cuBLAS workspaces, autotuning stay out of the graph).
+    """
+
+    name = "torch"
+    simulated = False
+
+    def __init__(self, *, warmup_iters: int = 1) -> None:
+        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
+            raise ValueError(f"warmup_iters: expected a nonnegative integer, got {warmup_iters!r}")
+        self.warmup_iters = warmup_iters
+
+    def is_graph_device(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def is_capturing(self, device: torch.device) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def stream_id(self, device: torch.device) -> int:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
+    def device_free_bytes(self, device: torch.device) -> int:
+        return int(torch.cuda.mem_get_info(device)[0])
+
+    def new_pool(self, device: torch.device) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
+        stream = torch.cuda.Stream(device=device)
+        return stream, int(stream.cuda_stream)
+
+    def capture(
+        self,
+        forward: Callable[..., Any],
+        inputs: Sequence[torch.Tensor | None],
+        *,
+        device: torch.device,
+        pool: Any,
+        capture_stream: Any,
+    ) -> TorchCudaGraph:
+        with torch.cuda.device(device):
+            return self._capture(forward, inputs, device, pool, capture_stream)
+
+    def _capture(
+        self,
+        forward: Callable[..., Any],
+        inputs: Sequence[torch.Tensor | None],
+        device: torch.device,
+        pool: Any,
+        capture_stream: torch.cuda.Stream,
+    ) -> TorchCudaGraph:
+        replay_stream = torch.cuda.current_stream(device)
+        # Static inputs are ordinary allocations on the replay stream, outside the pool.
+        static_inputs = [
+            None if x is None else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+            for x in inputs
+        ]
+        # The capture stream must not start until earlier replays and output clones on the
+        # replay stream are done: they may still read pool memory this capture will reuse.
+        capture_stream.wait_stream(replay_stream)
+        with torch.cuda.stream(capture_stream):
+            warm = None
+            for _ in range(max(1, self.warmup_iters)):
+                warm = forward(*static_inputs)
+            leaves, spec = flatten_outputs(warm)
+            shapes = [(t.shape, t.dtype) for t in leaves]
+            del warm, leaves
+        replay_stream.wait_stream(capture_stream)
+        static_outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+
+        # Measure pool growth only: settle the allocator first so the delta is the capture's.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        original: BaseException | None = None
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                try:
+                    out = forward(*static_inputs)
+                    out_leaves, _ = flatten_outputs(out)
+                    if len(out_leaves) != len(static_outputs):
+                        raise RuntimeError(
+                            "encoder returned a different output structure during capture "
+                            "than during warm-up"
+                        )
+                    for dst, src in zip(static_outputs, out_leaves):
+                        dst.copy_(src)
+                    del out, out_leaves
+                except BaseException as exc:
+                    original = exc
+                    raise
+        except BaseException:
+            # torch.cuda.graph leaves the capture stream current when ending the capture
+            # raises; restore the replay stream so other encoders are not left on it.
+            torch.cuda.set_stream(replay_stream)
+            if original is not None:
+                # Leaving torch.cuda.graph may raise its own error about the invalidated
+                # capture; the caller must see the encoder's original exception.
+                raise original from None
+            raise
+        replay_stream.wait_stream(capture_stream)
+        bytes_reserved = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return TorchCudaGraph(graph, static_inputs, static_outputs, spec, index, bytes_reserved)
