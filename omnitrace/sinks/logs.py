@@ -1,0 +1,230 @@
+"""Structured JSON logs of adapter decisions, through structlog.
+
+The sink only asks for ``structlog.get_logger("omnitrace")``: how lines are rendered and
+where they go is the application's choice, made once at its edge (the CLI calls
+:func:`configure_logging`). Each line's ``event`` is one of :data:`names.LOG_EVENTS`, at the
+level listed there, so an alert rule can match a fixed name (``capture_failed``) rather
+than a message text::
+
+    {"event": "capture_failed", "level": "error", "encoder": "vision",
+     "key": "bfloat16[1,1024,1152], None @cuda:0 s=0", "error_type": "RuntimeError", ...}
+
+Replays and misses are the bulk of events and are logged at debug level; ``sample_every``
+keeps one in N of them per encoder and counts the rest (each logged line says how many
+were skipped before it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import IO, Any, TextIO
+
+import structlog
+
+from omnitrace.config import ConfigError
+from omnitrace.events import (
+    CaptureFailed,
+    Event,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+)
+from omnitrace.sinks.names import LOG_EVENTS
+
+__all__ = ["LOGGER_NAME", "LogSink", "add_trace_context", "configure_logging", "trace_context"]
+
+LOGGER_NAME = "omnitrace"
+
+_LEVELS: Mapping[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+def trace_context() -> dict[str, str]:
+    """Return ``trace_id``/``span_id`` of the current OpenTelemetry span, if there is one.
+
+    Uses only the OTel API, and only when it is importable; without it, or outside a
+    recording span, the result is empty.
+    """
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return {}
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return {}
+    return {
+        "trace_id": format(context.trace_id, "032x"),
+        "span_id": format(context.span_id, "016x"),
+    }
+
+
+def add_trace_context(
+    logger: object, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Structlog processor: add the current OTel ``trace_id``/``span_id`` when a span is active."""
+    for key, value in trace_context().items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
+class _StderrProxy:
+    """A file that writes to whatever ``sys.stderr`` is at the time of each write.
+
+    A live terminal view swaps ``sys.stderr`` for a proxy that prints above the display;
+    looking it up per line keeps log lines from tearing through the view.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_logging(
+    *,
+    level: str = "info",
+    json: bool = True,
+    stream: IO[str] | TextIO | None = None,
+) -> None:
+    """Configure structlog for an application that uses omnitrace (call it once, at startup).
+
+    Args:
+        level: lowest level written: debug, info, warning, error or critical.
+        json: one JSON object per line (for log shipping); false gives coloured console lines.
+        stream: where lines go; default: the current ``sys.stderr`` at each write.
+
+    Raises:
+        ConfigError: ``level`` is not one of the names above.
+    """
+    if not isinstance(level, str) or level.lower() not in _LEVELS:
+        raise ConfigError(f"log level: expected one of {', '.join(_LEVELS)}, got {level!r}")
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer(sort_keys=False)
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            add_trace_context,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
+        logger_factory=structlog.PrintLoggerFactory(
+            file=stream if stream is not None else _StderrProxy()  # type: ignore[arg-type]
+        ),
+        # Not cached: a test or a CLI run may reconfigure, and the sink is not on the hot path.
+        cache_logger_on_first_use=False,
+    )
+
+
+class LogSink:
+    """Write one structured log line per adapter decision (a bus sink).
+
+    Args:
+        sample_every: log one in N replays and misses per encoder (1 logs all of them);
+            captures, deferrals and failures are always logged.
+
+    Raises:
+        ConfigError: ``sample_every`` is not a positive integer.
+    """
+
+    name = "logs"
+
+    def __init__(self, *, sample_every: int = 1) -> None:
+        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
+            raise ConfigError(f"sample_every: expected a positive integer, got {sample_every!r}")
+        self.sample_every = sample_every
+        self._seen: dict[tuple[str, str], int] = {}
+        self._skipped_since: dict[tuple[str, str], int] = {}
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    @property
+    def skipped(self) -> int:
+        """Replays and misses not logged because of sampling."""
+        return self._skipped
+
+    def _sampled(self, encoder: str, name: str) -> int | None:
+        """Return how many were skipped before this one if it is logged, else None."""
+        key = (encoder, name)
+        with self._lock:
+            seen = self._seen.get(key, 0)
+            self._seen[key] = seen + 1
+            if seen % self.sample_every == 0:
+                return self._skipped_since.pop(key, 0)
+            self._skipped_since[key] = self._skipped_since.get(key, 0) + 1
+            self._skipped += 1
+            return None
+
+    def handle(self, events: Sequence[Event]) -> None:
+        """Log ``events`` in order."""
+        log = structlog.get_logger(LOGGER_NAME)
+        # One span lookup per batch: the sink runs on the bus's worker thread, where the
+        # context is that of whoever drives the bus, not of the encoder call.
+        trace = trace_context()
+        for event in events:
+            name, fields = _describe(event)
+            fields.update(trace)
+            if isinstance(event, (GraphReplayed, GraphMissed)) and self.sample_every > 1:
+                skipped = self._sampled(event.adapter, name)
+                if skipped is None:
+                    continue
+                fields["sample_every"] = self.sample_every
+                fields["skipped"] = skipped
+            getattr(log, LOG_EVENTS[name])(name, **fields)
+
+    def close(self) -> None:
+        """Nothing to release: the logger's stream belongs to the application."""
+
+
+def _describe(event: Event) -> tuple[str, dict[str, Any]]:
+    """Return the log event name and fields of ``event``."""
+    fields: dict[str, Any] = {"encoder": event.adapter, "key": event.key}
+    match event:
+        case GraphCaptured():
+            fields.update(
+                duration_s=event.duration_s,
+                pool_id=event.pool_id,
+                device=event.device,
+                stream=event.stream,
+                capture_stream=event.capture_stream,
+                bytes_reserved=event.bytes_reserved,
+                static_bytes=event.static_bytes,
+                graph_index=event.graph_index,
+            )
+            name = "graph_captured"
+        case GraphReplayed():
+            fields["duration_s"] = event.duration_s
+            name = "graph_replayed"
+        case GraphMissed():
+            fields.update(reason=event.reason.value, detail=event.detail)
+            name = "graph_missed"
+        case MemoryDeferred():
+            fields.update(
+                free_bytes=event.free_bytes, floor_bytes=event.floor_bytes, device=event.device
+            )
+            name = "memory_deferred"
+        case CaptureFailed():
+            fields.update(
+                error_type=event.error_type,
+                message=event.message,
+                device=event.device,
+                stream=event.stream,
+            )
+            name = "capture_failed"
+    fields["event_epoch_ns"] = event.epoch_ns
+    return name, fields
