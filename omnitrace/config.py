@@ -155,8 +155,10 @@ class EncoderGraphConfig:
                 continue
             field_name = HF_OVERRIDE_KEYS.get(key)
             if field_name is None:
-                close = difflib.get_close_matches(key, list(HF_OVERRIDE_KEYS), n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                # Compare what follows the shared prefix, or every key looks alike.
+                suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
+                close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
+                hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
                 raise ConfigError(
                     f"{key}: unknown encoder graph option (valid: "
                     f"{', '.join(sorted(HF_OVERRIDE_KEYS))}){hint}"

@@ -1,0 +1,537 @@
+"""EncoderCudaGraph on the simulated backend: every admission rule, event and stat."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnitrace import (
+    CaptureFailed,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EncoderGraphFailedError,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    MissReason,
+    derive_stats,
+)
+from omnitrace.graphs.backends.torch import TorchGraphBackend
+from omnitrace.stats import STATS_KEYS
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+CFG = EncoderGraphConfig(min_free_bytes=0)
+
+
+class Counting(torch.nn.Module):
+    """A small encoder that counts how often it really runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        if x is None:
+            return torch.zeros(1)
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+
+@pytest.fixture
+def bus() -> Iterator[EventBus]:
+    b = EventBus()
+    yield b
+    b.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Iterator[None]:
+    with torch.no_grad():
+        yield
+
+
+def make(
+    bus: EventBus,
+    config: EncoderGraphConfig = CFG,
+    backend: SimulatedGraphBackend | None = None,
+    name: str = "vision",
+) -> tuple[EncoderCudaGraph, Counting, SimulatedGraphBackend]:
+    model = Counting()
+    be = backend or SimulatedGraphBackend()
+    return EncoderCudaGraph(model, name=name, config=config, bus=bus, backend=be), model, be
+
+
+def kinds(events: list[Any]) -> list[str]:
+    out = []
+    for e in events:
+        if isinstance(e, GraphMissed):
+            out.append(f"miss:{e.reason.value}")
+        else:
+            out.append(type(e).__name__)
+    return out
+
+
+def test_captures_on_second_call_and_counts_it_as_a_hit(bus: EventBus) -> None:
+    """First call is a warm-up miss; the second captures, replays and counts as a hit."""
+    graph, model, _ = make(bus)
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        first, second, third = graph(x), graph(x), graph(x)
+    assert kinds(events) == ["miss:warmup", "GraphCaptured", "GraphReplayed", "GraphReplayed"]
+    for out in (first, second, third):
+        torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+    stats = graph.get_cumulative_stats()
+    assert tuple(stats) == STATS_KEYS
+    assert stats["graph_hits"] == 2
+    assert stats["warmup_misses"] == 1
+    assert stats["num_graphs"] == 1
+    assert stats["hit_rate"] == pytest.approx(2 / 3)
+
+
+def test_min_capture_calls_three_waits_for_the_third_call(bus: EventBus) -> None:
+    """With min_capture_calls=3 the first two calls are warm-up misses."""
+    graph, _, _ = make(bus, CFG.replace(min_capture_calls=3))
+    x = torch.randn(1, 8)
+    with capture_events(bus) as events:
+        for _ in range(3):
+            graph(x)
+    assert kinds(events) == ["miss:warmup", "miss:warmup", "GraphCaptured", "GraphReplayed"]
+    details = [e.detail for e in events if isinstance(e, GraphMissed)]
+    assert details == ["call 1 of 3", "call 2 of 3"]
+
+
+def test_returned_outputs_are_clones_that_survive_later_replays(bus: EventBus) -> None:
+    """A tensor the caller keeps is not overwritten by the next replay."""
+    graph, model, _ = make(bus)
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    graph(a)
+    kept = graph(a)  # capturing call
+    kept_hit = graph(a)
+    graph(b)  # replays into the same static buffers
+    torch.testing.assert_close(kept, model.lin(a), rtol=0, atol=0)
+    torch.testing.assert_close(kept_hit, model.lin(a), rtol=0, atol=0)
+    assert kept.data_ptr() != kept_hit.data_ptr()
+
+
+def test_cap_holds_four_graphs_without_eviction(bus: EventBus) -> None:
+    """A fifth shape is a capacity miss from its first call; the four graphs keep hitting."""
+    graph, _, _ = make(bus)
+    shapes = [torch.randn(n, 8) for n in range(1, 6)]
+    for x in shapes[:4]:
+        graph(x)
+        graph(x)
+    assert graph.num_graphs == 4
+    with capture_events(bus) as events:
+        for _ in range(3):
+            graph(shapes[4])
+        for x in shapes[:4]:
+            graph(x)
+    assert kinds(events) == ["miss:capacity"] * 3 + ["GraphReplayed"] * 4
+    assert graph.get_cumulative_stats()["capacity_misses"] == 3
+    assert graph.num_graphs == 4
+
+
+def test_history_is_bounded_to_four_times_max_graphs(bus: EventBus) -> None:
+    """A key pushed out of the history (4 x max_graphs) counts its calls from zero again."""
+    graph, _, _ = make(bus, CFG.replace(max_graphs=1, min_capture_calls=2))
+    target = torch.randn(1, 8)
+    graph(target)  # call 1 of 2
+    for n in range(2, 6):  # four other keys fill the history of 4
+        graph(torch.randn(n, 8))
+    with capture_events(bus) as events:
+        graph(target)
+    assert kinds(events) == ["miss:warmup"]
+    assert events[0].detail == "call 1 of 2"
+
+
+def test_recently_called_key_stays_in_history(bus: EventBus) -> None:
+    """The least recently called key leaves the history first, not the first inserted."""
+    graph, _, _ = make(bus, CFG.replace(max_graphs=1, min_capture_calls=3))
+    target = torch.randn(1, 8)
+    graph(target)
+    graph(torch.randn(2, 8))
+    graph(torch.randn(3, 8))
+    graph(target)  # call 2 of 3, now most recent
+    graph(torch.randn(4, 8))
+    graph(torch.randn(5, 8))  # evicts the (2, 8) key, not target
+    with capture_events(bus) as events:
+        graph(target)
+    assert kinds(events) == ["GraphCaptured", "GraphReplayed"]
+
+
+def test_memory_floor_defers_then_admits(bus: EventBus) -> None:
+    """Free memory under the floor gives a deferral and a memory miss; a later call captures."""
+    backend = SimulatedGraphBackend(free_bytes=100, graph_bytes=10)
+    graph, _, _ = make(bus, CFG.replace(min_free_bytes=500), backend)
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+        graph(x)
+        backend.free_bytes = 1000
+        graph(x)
+    assert kinds(events) == [
+        "miss:warmup",
+        "MemoryDeferred",
+        "miss:memory",
+        "MemoryDeferred",
+        "miss:memory",
+        "GraphCaptured",
+        "GraphReplayed",
+    ]
+    deferral = events[1]
+    assert isinstance(deferral, MemoryDeferred)
+    assert (deferral.free_bytes, deferral.floor_bytes) == (100, 500)
+    assert backend.free_bytes == 990
+    stats = graph.get_cumulative_stats()
+    assert (stats["memory_misses"], stats["num_graphs"]) == (2, 1)
+
+
+def test_existing_graphs_replay_under_the_floor(bus: EventBus) -> None:
+    """Once captured, a graph replays whatever the free memory is."""
+    backend = SimulatedGraphBackend(free_bytes=1000, graph_bytes=0)
+    graph, _, _ = make(bus, CFG.replace(min_free_bytes=500), backend)
+    x = torch.randn(2, 8)
+    graph(x)
+    graph(x)
+    backend.free_bytes = 0
+    with capture_events(bus) as events:
+        graph(x)
+        graph(torch.randn(3, 8))
+        graph(torch.randn(3, 8))
+    assert kinds(events) == ["GraphReplayed", "miss:warmup", "MemoryDeferred", "miss:memory"]
+
+
+def test_zero_floor_never_reads_free_memory(bus: EventBus) -> None:
+    """min_free_bytes=0 disables the check: a device with no free memory still captures."""
+    backend = SimulatedGraphBackend(free_bytes=0)
+    graph, _, _ = make(bus, CFG.replace(min_free_bytes=0), backend)
+    x = torch.randn(2, 8)
+    graph(x)
+    graph(x)
+    assert graph.num_graphs == 1
+
+
+def _ineligible(graph: EncoderCudaGraph, bus: EventBus, call: Callable[[], object]) -> str:
+    with capture_events(bus) as events:
+        call()
+    assert len(events) == 1
+    event = events[0]
+    assert isinstance(event, GraphMissed)
+    assert event.reason is MissReason.INELIGIBLE
+    return event.detail
+
+
+def test_ineligible_calls_run_eagerly_with_a_detail(bus: EventBus) -> None:
+    """No tensors, grad, autocast, capturing, sparse layout and mixed devices stay eager."""
+    graph, model, backend = make(bus)
+    x = torch.randn(2, 8)
+    details = []
+    details.append(_ineligible(graph, bus, lambda: graph(None)))
+
+    def with_grad() -> object:
+        with torch.enable_grad():
+            return graph(x)
+
+    details.append(_ineligible(graph, bus, with_grad))
+
+    def with_autocast() -> object:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return graph(x)
+
+    details.append(_ineligible(graph, bus, with_autocast))
+
+    def capturing() -> object:
+        with backend.capturing():
+            return graph(x)
+
+    details.append(_ineligible(graph, bus, capturing))
+    sparse = torch.zeros(2, 8).to_sparse()
+    details.append(_ineligible(graph, bus, lambda: graph(x, sparse)))
+    mixed = EncoderCudaGraph(lambda a, b: a, name="mixed", config=CFG, bus=bus, backend=backend)
+    meta = torch.empty(2, 8, device="meta")
+    details.append(_ineligible(mixed, bus, lambda: mixed(x, meta)))
+    assert details == ["no_tensors", "grad", "autocast", "capturing", "layout", "mixed_devices"]
+    stats = graph.get_cumulative_stats()
+    assert stats["ineligible_misses"] == 5
+    assert stats["graph_hits"] == 0
+    assert graph.num_graphs == 0
+
+
+def test_cpu_tensors_are_ineligible_on_the_torch_backend(bus: EventBus) -> None:
+    """With the real backend a CPU call runs eagerly with detail 'cpu' and the same result."""
+    model = Counting()
+    graph = EncoderCudaGraph(model, name="audio", config=CFG, bus=bus, backend=TorchGraphBackend())
+    x = torch.randn(3, 8)
+    with capture_events(bus) as events:
+        out = graph(x)
+        graph(x)
+    assert [e.detail for e in events if isinstance(e, GraphMissed)] == ["cpu", "cpu"]
+    torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+
+
+def test_disabled_adapter_is_ineligible(bus: EventBus) -> None:
+    """enabled=False and max_graphs=0 both run every call eagerly as 'disabled'."""
+    for config in (CFG.replace(enabled=False), CFG.replace(max_graphs=0)):
+        graph, model, backend = make(bus, config)
+        x = torch.randn(2, 8)
+        with capture_events(bus) as events:
+            graph(x)
+            graph(x)
+            graph(x)
+        assert [e.detail for e in events] == ["disabled"] * 3  # type: ignore[union-attr]
+        assert backend.captures == 0
+        assert model.calls == 3
+
+
+def test_enforce_eager_config_never_captures(bus: EventBus) -> None:
+    """A config built with enforce_eager=True keeps every call eager."""
+    config = EncoderGraphConfig.from_hf_overrides({"encoder_cuda_graph": True}, enforce_eager=True)
+    graph, _, backend = make(bus, config)
+    for _ in range(4):
+        graph(torch.randn(2, 8))
+    assert backend.captures == 0
+    assert graph.get_cumulative_stats()["ineligible_misses"] == 4
+
+
+def test_non_tensor_input_is_a_clear_type_error(bus: EventBus) -> None:
+    """A positional argument that is neither a tensor nor None raises TypeError naming it."""
+    graph, _, _ = make(bus)
+    with pytest.raises(TypeError, match="input 1 is a int"):
+        graph(torch.randn(2, 8), 3)  # type: ignore[arg-type]
+
+
+def test_nested_call_during_capture_is_ineligible(bus: EventBus) -> None:
+    """An adapter called inside another adapter's capture runs eagerly ('capturing')."""
+    backend = SimulatedGraphBackend()
+    inner_model = Counting()
+    inner = EncoderCudaGraph(inner_model, name="inner", config=CFG, bus=bus, backend=backend)
+    outer = EncoderCudaGraph(lambda x: inner(x) * 2, name="outer", config=CFG, bus=bus, backend=backend)
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        outer(x)
+        outer(x)
+    inner_details = [e.detail for e in events if isinstance(e, GraphMissed) and e.adapter == "inner"]
+    assert "capturing" in inner_details
+
+
+def test_capture_failure_is_fatal_and_keeps_the_original_exception(bus: EventBus) -> None:
+    """The capture's own exception propagates; later calls raise without running anything."""
+    boom = RuntimeError("operation not permitted when stream is capturing")
+    graph, model, backend = make(bus, backend=SimulatedGraphBackend(fail_on_capture=boom))
+    x = torch.randn(2, 8)
+    graph(x)
+    with capture_events(bus) as events, pytest.raises(RuntimeError) as info:
+        graph(x)
+    assert info.value is boom
+    assert kinds(events) == ["CaptureFailed"]
+    failed = events[0]
+    assert isinstance(failed, CaptureFailed)
+    assert (failed.error_type, failed.message) == ("RuntimeError", str(boom))
+    runs_before = model.calls
+    for _ in range(2):
+        with pytest.raises(EncoderGraphFailedError) as later:
+            graph(torch.randn(5, 8))
+    message = str(later.value)
+    assert "RuntimeError: operation not permitted when stream is capturing" in message
+    assert "Restart the worker" in message
+    assert '"encoder_cuda_graph": false' in message
+    assert model.calls == runs_before
+    assert graph.terminal
+    assert graph.get_cumulative_stats()["capture_failures"] == 1
+
+
+def test_unsupported_output_type_fails_capture(bus: EventBus) -> None:
+    """An encoder returning a non-tensor leaf cannot be graphed: a TypeError, terminal."""
+    graph = EncoderCudaGraph(
+        lambda x: (x * 2, 3), name="odd", config=CFG, bus=bus, backend=SimulatedGraphBackend()
+    )
+    x = torch.randn(2, 8)
+    graph(x)
+    with pytest.raises(TypeError, match=r"encoder output\[1\] is a int"):
+        graph(x)
+    assert graph.terminal
+
+
+def test_tuple_and_dict_outputs_round_trip(bus: EventBus) -> None:
+    """Nested tuple/list/dict outputs keep their structure on replay."""
+    graph = EncoderCudaGraph(
+        lambda x: {"h": x + 1, "pair": (x * 2, None), "l": [x - 1]},
+        name="tree",
+        config=CFG,
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        out = graph(x)
+    assert set(out) == {"h", "pair", "l"}
+    torch.testing.assert_close(out["h"], x + 1)
+    torch.testing.assert_close(out["pair"][0], x * 2)
+    assert out["pair"][1] is None
+    torch.testing.assert_close(out["l"][0], x - 1)
+    assert graph.get_cumulative_stats()["graph_hits"] == 2
+
+
+def test_optional_none_input_is_part_of_the_key(bus: EventBus) -> None:
+    """Calls with and without the optional mask are different keys."""
+    graph, model, _ = make(bus)
+    x, mask = torch.randn(2, 8), torch.ones(2, 8)
+    for _ in range(2):
+        graph(x)
+        graph(x, mask)
+    assert graph.num_graphs == 2
+    torch.testing.assert_close(graph(x, mask * 3), model.lin(x) * 3)
+
+
+def test_dtype_is_part_of_the_key(bus: EventBus) -> None:
+    """Same shape, other dtype: another key."""
+    graph = EncoderCudaGraph(lambda x: x * 2, name="d", config=CFG, bus=bus, backend=SimulatedGraphBackend())
+    for dtype in (torch.float32, torch.float64):
+        graph(torch.ones(2, dtype=dtype))
+        graph(torch.ones(2, dtype=dtype))
+    assert graph.num_graphs == 2
+
+
+def test_shared_pool_per_stream_and_isolation_between_streams(bus: EventBus) -> None:
+    """With sharing, one pool per replay stream; another stream or adapter gets its own."""
+    backend = SimulatedGraphBackend()
+    graph, _, _ = make(bus, backend=backend)
+    other, _, _ = make(bus, backend=backend, name="audio")
+    with capture_events(bus) as events:
+        for n in (1, 2):
+            graph(torch.randn(n, 8))
+            graph(torch.randn(n, 8))
+        with backend.stream(7):
+            graph(torch.randn(1, 8))
+            graph(torch.randn(1, 8))
+        other(torch.randn(1, 8))
+        other(torch.randn(1, 8))
+    captures = [e for e in events if isinstance(e, GraphCaptured)]
+    assert [(c.adapter, c.stream) for c in captures] == [
+        ("vision", 0),
+        ("vision", 0),
+        ("vision", 7),
+        ("audio", 0),
+    ]
+    pools = [c.pool_id for c in captures]
+    streams = [c.capture_stream for c in captures]
+    assert pools[0] == pools[1]
+    assert streams[0] == streams[1]
+    assert len({pools[0], pools[2], pools[3]}) == 3
+    assert len({streams[0], streams[2], streams[3]}) == 3
+    assert graph.num_graphs == 3  # same shape on stream 7 is its own key
+
+
+def test_share_pools_false_gives_every_graph_its_own_pool(bus: EventBus) -> None:
+    """The A/B switch: separate pool and capture stream per graph."""
+    backend = SimulatedGraphBackend()
+    graph, _, _ = make(bus, CFG.replace(share_pools=False), backend)
+    with capture_events(bus) as events:
+        for n in (1, 2, 3):
+            graph(torch.randn(n, 8))
+            graph(torch.randn(n, 8))
+    captures = [e for e in events if isinstance(e, GraphCaptured)]
+    assert len({c.pool_id for c in captures}) == 3
+    assert len({c.capture_stream for c in captures}) == 3
+    assert backend.pools_created == 3
+
+
+def test_stats_are_the_fold_of_the_event_stream(bus: EventBus) -> None:
+    """get_cumulative_stats() equals derive_stats() over the recorded events, per adapter."""
+    backend = SimulatedGraphBackend(free_bytes=10**9, graph_bytes=45 * 10**7)
+    vision, _, _ = make(bus, CFG.replace(max_graphs=2, min_free_bytes=2 * 10**8), backend)
+    audio, _, _ = make(bus, CFG.replace(max_graphs=1), backend, name="audio")
+    generator = torch.Generator().manual_seed(3)
+    with capture_events(bus) as events:
+        for _ in range(60):
+            n = int(torch.randint(1, 6, (1,), generator=generator))
+            vision(torch.randn(n, 8))
+            audio(torch.randn(n % 2 + 1, 8))
+        with torch.enable_grad():
+            vision(torch.randn(1, 8))
+    derived = derive_stats(events)
+    assert derived["vision"] == vision.get_cumulative_stats()
+    assert derived["audio"] == audio.get_cumulative_stats()
+    assert {name: s.as_dict() for name, s in bus.adapter_stats().items()} == derived
+    total = derived["vision"]["graph_hits"] + derived["vision"]["graph_misses"]
+    assert total == 61
+    assert derived["vision"]["memory_misses"] > 0
+
+
+def test_every_call_produces_exactly_one_hit_or_miss(bus: EventBus) -> None:
+    """Calls, hits and misses balance across many threads."""
+    graph, _, _ = make(bus, CFG.replace(max_graphs=3))
+    inputs = [torch.randn(n, 8) for n in range(1, 6)]
+
+    def worker() -> None:
+        with torch.no_grad():  # grad mode is per thread
+            for i in range(50):
+                graph(inputs[i % 5])
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    with capture_events(bus) as events:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    outcomes = [e for e in events if isinstance(e, GraphReplayed | GraphMissed)]
+    assert len(outcomes) == 200
+    stats = graph.get_cumulative_stats()
+    assert stats["graph_hits"] + stats["graph_misses"] == 200
+    assert stats["num_graphs"] == 3
+
+
+def test_adapter_without_bus_still_keeps_stats() -> None:
+    """With no bus the adapter's own fold still counts."""
+    graph = EncoderCudaGraph(lambda x: x + 1, name="solo", config=CFG, backend=SimulatedGraphBackend())
+    x = torch.zeros(2)
+    for _ in range(3):
+        graph(x)
+    assert graph.get_cumulative_stats()["graph_hits"] == 2
+
+
+def test_constructor_validates_its_arguments() -> None:
+    """Bad forward, name, config or bus are rejected up front."""
+    with pytest.raises(TypeError, match="forward must be callable"):
+        EncoderCudaGraph(3, name="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="name: expected a non-empty string"):
+        EncoderCudaGraph(lambda x: x, name=" ")
+    with pytest.raises(TypeError, match="config must be an EncoderGraphConfig"):
+        EncoderCudaGraph(lambda x: x, name="x", config={"max_graphs": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bus must be an EventBus"):
+        EncoderCudaGraph(lambda x: x, name="x", bus=object())  # type: ignore[arg-type]
+
+
+def test_registers_its_config_on_the_bus(bus: EventBus) -> None:
+    """Consumers can read each adapter's cap and floor from the bus."""
+    make(bus, CFG.replace(max_graphs=6, min_free_bytes=123))
+    info = bus.adapters()["vision"]
+    assert (info["max_graphs"], info["min_free_bytes"], info["simulated"]) == (6, 123, True)
+
+
+def test_events_carry_plain_data_only(bus: EventBus) -> None:
+    """Event fields are numbers, strings or enums, never tensors or device objects."""
+    backend = SimulatedGraphBackend(free_bytes=0)
+    graph, _, _ = make(bus, CFG.replace(min_free_bytes=1), backend)
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+        backend.free_bytes = 10
+        graph(x)
+    assert {type(e) for e in events} == {GraphMissed, MemoryDeferred, GraphCaptured, GraphReplayed}
+    for event in events:
+        for name in event.__slots__:
+            value = getattr(event, name)
+            assert isinstance(value, int | float | str), (type(event).__name__, name, type(value))
+        assert event.key.startswith("float32[2,8] @cpu s=0")

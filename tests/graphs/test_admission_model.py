@@ -1,0 +1,125 @@
+"""Property tests: the adapter's admission decisions match a plain reference model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnitrace import (
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    derive_stats,
+)
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+
+@dataclass
+class Reference:
+    """The rules of the design note, written as directly as possible."""
+
+    max_graphs: int
+    min_calls: int
+    floor: int
+    graph_bytes: int
+    free: int
+    graphs: list[tuple[int, int]] = field(default_factory=list)
+    history: list[list[object]] = field(default_factory=list)  # [key, calls], oldest first
+
+    def call(self, key: tuple[int, int]) -> list[str]:
+        if self.max_graphs == 0:
+            return ["miss:ineligible"]
+        if key in self.graphs:
+            return ["hit"]
+        if len(self.graphs) >= self.max_graphs:
+            return ["miss:capacity"]
+        calls = 1
+        for entry in self.history:
+            if entry[0] == key:
+                calls = int(entry[1]) + 1  # type: ignore[call-overload]
+                self.history.remove(entry)
+                break
+        self.history.append([key, calls])
+        if len(self.history) > 4 * self.max_graphs:
+            self.history.pop(0)
+        if calls < self.min_calls:
+            return ["miss:warmup"]
+        if self.floor > 0 and self.free < self.floor:
+            return ["deferred", "miss:memory"]
+        self.history = [e for e in self.history if e[0] != key]
+        self.graphs.append(key)
+        self.free = max(0, self.free - self.graph_bytes)
+        return ["captured", "hit"]
+
+
+def observed(events: list[object]) -> list[str]:
+    out = []
+    for e in events:
+        if isinstance(e, GraphMissed):
+            out.append(f"miss:{e.reason.value}")
+        elif isinstance(e, GraphReplayed):
+            out.append("hit")
+        elif isinstance(e, GraphCaptured):
+            out.append("captured")
+        elif isinstance(e, MemoryDeferred):
+            out.append("deferred")
+    return out
+
+
+operation = st.one_of(
+    st.tuples(st.just("call"), st.integers(1, 9), st.integers(0, 1)),
+    st.tuples(st.just("free"), st.integers(0, 12), st.just(0)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    max_graphs=st.integers(0, 3),
+    min_calls=st.integers(2, 5),
+    floor=st.sampled_from([0, 4, 8]),
+    graph_bytes=st.integers(0, 3),
+    free=st.integers(0, 12),
+    ops=st.lists(operation, max_size=100),
+)
+def test_adapter_matches_reference_model(
+    max_graphs: int,
+    min_calls: int,
+    floor: int,
+    graph_bytes: int,
+    free: int,
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Every call's events, and the final stats, agree with the reference model."""
+    config = EncoderGraphConfig(
+        max_graphs=max_graphs, min_capture_calls=min_calls, min_free_bytes=floor
+    )
+    backend = SimulatedGraphBackend(free_bytes=free, graph_bytes=graph_bytes)
+    reference = Reference(max_graphs, min_calls, floor, graph_bytes, free)
+    bus = EventBus()
+    graph = EncoderCudaGraph(lambda x: x * 2, name="m", config=config, bus=bus, backend=backend)
+    try:
+        with torch.no_grad(), capture_events(bus) as events:
+            for kind, a, b in ops:
+                if kind == "free":
+                    backend.free_bytes = a
+                    reference.free = a
+                    continue
+                start = len(events)
+                with backend.stream(b):
+                    x = torch.full((a, 2), float(a))
+                    out = graph(x)
+                torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+                assert observed(events[start:]) == reference.call((a, b))
+                assert backend.free_bytes == reference.free
+        stats = graph.get_cumulative_stats()
+        assert stats["num_graphs"] == len(reference.graphs)
+        assert derive_stats(events).get("m", stats) == stats
+    finally:
+        bus.close()

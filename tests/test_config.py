@@ -1,0 +1,155 @@
+"""EncoderGraphConfig: defaults, validation and --hf-overrides parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omnitrace import ConfigError, EncoderGraphConfig
+
+MAX = "encoder_cuda_graph_max_graphs"
+CALLS = "encoder_cuda_graph_min_capture_calls"
+FREE = "encoder_cuda_graph_min_free_bytes"
+SHARE = "encoder_cuda_graph_share_pools"
+ON = "encoder_cuda_graph"
+
+
+def test_defaults_follow_the_design_note() -> None:
+    """Defaults are four graphs, capture on the second call, a 1 GiB floor, shared pools."""
+    cfg = EncoderGraphConfig()
+    assert (cfg.enabled, cfg.max_graphs, cfg.min_capture_calls) == (True, 4, 2)
+    assert cfg.min_free_bytes == 1073741824
+    assert cfg.share_pools is True
+    assert cfg.history_size == 16
+
+
+def test_from_hf_overrides_reads_every_key() -> None:
+    """Every documented key sets its field."""
+    cfg = EncoderGraphConfig.from_hf_overrides(
+        {ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False}
+    )
+    assert cfg == EncoderGraphConfig(
+        enabled=True, max_graphs=7, min_capture_calls=3, min_free_bytes=0, share_pools=False
+    )
+
+
+def test_from_hf_overrides_accepts_json_text_and_ignores_model_keys() -> None:
+    """A JSON string parses like the mapping, and non-encoder-graph keys are left to the model."""
+    text = json.dumps({MAX: 2, "architectures": ["MiniCPMO"], "vision_config": {"x": 1}})
+    assert EncoderGraphConfig.from_hf_overrides(text).max_graphs == 2
+
+
+@pytest.mark.parametrize("overrides", [None, {}, "", "   "])
+def test_empty_overrides_give_defaults(overrides: object) -> None:
+    """No overrides means the default config."""
+    assert EncoderGraphConfig.from_hf_overrides(overrides) == EncoderGraphConfig()  # type: ignore[arg-type]
+
+
+def test_enforce_eager_always_disables() -> None:
+    """--enforce-eager wins over an explicit encoder_cuda_graph=true."""
+    cfg = EncoderGraphConfig.from_hf_overrides({ON: True, MAX: 4}, enforce_eager=True)
+    assert cfg.enabled is False
+    assert cfg.captures_enabled is False
+
+
+def test_zero_max_graphs_disables_capture() -> None:
+    """max_graphs=0 is valid and means no capture."""
+    cfg = EncoderGraphConfig.from_hf_overrides({MAX: 0})
+    assert cfg.captures_enabled is False
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (MAX, -1, f"{MAX}: expected a nonnegative integer (0 disables capture), got -1 (int)"),
+        (MAX, True, f"{MAX}: expected a nonnegative integer (0 disables capture), got True (bool)"),
+        (MAX, 4.0, f"{MAX}: expected a nonnegative integer (0 disables capture), got 4.0 (float)"),
+        (MAX, "4", f"{MAX}: expected a nonnegative integer (0 disables capture), got '4' (str)"),
+        (MAX, None, f"{MAX}: expected a nonnegative integer (0 disables capture), got None (NoneType)"),
+        (CALLS, 1, f"{CALLS}: expected an integer of at least 2, got 1 (int)"),
+        (CALLS, 0, f"{CALLS}: expected an integer of at least 2, got 0 (int)"),
+        (CALLS, 2.5, f"{CALLS}: expected an integer of at least 2, got 2.5 (float)"),
+        (CALLS, False, f"{CALLS}: expected an integer of at least 2, got False (bool)"),
+        (
+            FREE,
+            -5,
+            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
+            "got -5 (int)",
+        ),
+        (
+            FREE,
+            "1GiB",
+            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
+            "got '1GiB' (str)",
+        ),
+        (
+            FREE,
+            1e9,
+            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
+            "got 1000000000.0 (float)",
+        ),
+        (SHARE, 1, f"{SHARE}: expected true or false, got 1 (int)"),
+        (SHARE, "false", f"{SHARE}: expected true or false, got 'false' (str)"),
+        (ON, 0, f"{ON}: expected true or false, got 0 (int)"),
+        (ON, "yes", f"{ON}: expected true or false, got 'yes' (str)"),
+    ],
+)
+def test_bad_values_name_key_value_and_range(key: str, value: object, message: str) -> None:
+    """Each bad value family raises ConfigError naming the key, the value and what is accepted."""
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig.from_hf_overrides({key: value})
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    """A misspelt encoder_cuda_graph_* key is an error that suggests the valid key."""
+    with pytest.raises(ConfigError, match=r"did you mean 'encoder_cuda_graph_max_graphs'\?"):
+        EncoderGraphConfig.from_hf_overrides({"encoder_cuda_graph_max_graph": 3})
+
+
+def test_unknown_key_far_from_any_lists_the_valid_ones() -> None:
+    """An unknown key with no close match still lists what is valid."""
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig.from_hf_overrides({"encoder_cuda_graph_zzz": 3})
+    assert "unknown encoder graph option" in str(info.value)
+    assert "encoder_cuda_graph_share_pools" in str(info.value)
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "4"])
+def test_bad_json_or_non_object_is_a_config_error(text: str) -> None:
+    """Invalid JSON or a JSON value that is not an object raises ConfigError."""
+    with pytest.raises(ConfigError, match="hf_overrides: expected a JSON object"):
+        EncoderGraphConfig.from_hf_overrides(text)
+
+
+def test_enforce_eager_must_be_bool() -> None:
+    """enforce_eager is validated like every other switch."""
+    with pytest.raises(ConfigError, match="enforce_eager: expected true or false, got 1"):
+        EncoderGraphConfig.from_hf_overrides({}, enforce_eager=1)  # type: ignore[arg-type]
+
+
+def test_direct_construction_validates_too() -> None:
+    """Building the dataclass directly applies the same rules."""
+    with pytest.raises(ConfigError, match=MAX):
+        EncoderGraphConfig(max_graphs=-2)
+
+
+def test_config_is_frozen_and_replace_validates() -> None:
+    """The config cannot be mutated; replace() returns a validated copy."""
+    cfg = EncoderGraphConfig()
+    with pytest.raises(AttributeError):
+        cfg.max_graphs = 3  # type: ignore[misc]
+    assert cfg.replace(max_graphs=8).max_graphs == 8
+    with pytest.raises(ConfigError, match=CALLS):
+        cfg.replace(min_capture_calls=1)
+    with pytest.raises(ConfigError, match="not an EncoderGraphConfig field"):
+        cfg.replace(max_graph=1)
+
+
+def test_to_hf_overrides_round_trips() -> None:
+    """to_hf_overrides() produces overrides that rebuild the same config."""
+    cfg = EncoderGraphConfig(max_graphs=3, min_capture_calls=5, min_free_bytes=7, share_pools=False)
+    assert EncoderGraphConfig.from_hf_overrides(cfg.to_hf_overrides()) == cfg
