@@ -1,0 +1,269 @@
+"""The JSONL event log: schema, rotation, the reader, the follower and stats reproduction."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnitrace import (
+    CaptureFailed,
+    ConfigError,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    MissReason,
+    derive_stats,
+)
+from omnitrace.events import Event
+from omnitrace.sinks.jsonl import (
+    SCHEMA_VERSION,
+    AdapterInfo,
+    EventLogError,
+    EventLogFollower,
+    JsonlSink,
+    read_events,
+    read_records,
+    worker_rank,
+)
+from omnitrace.testing import SimulatedGraphBackend
+
+EVENTS: list[Event] = [
+    GraphMissed("audio", "float32[1,80,100]", 1, 11, MissReason.WARMUP, "call 1 of 2"),
+    GraphCaptured("audio", "float32[1,80,100]", 2, 12, 0.25, 3, "cuda:0", 0, 9, 4096, 512, 0),
+    GraphReplayed("audio", "float32[1,80,100]", 3, 13, 0.0015),
+    MemoryDeferred("vision", "float32[1,1024,64]", 4, 14, 100, 200, "cuda:0"),
+    GraphMissed("vision", "float32[1,1024,64]", 5, 15, MissReason.MEMORY, "floor"),
+    CaptureFailed("vision", "float32[1,256,64]", 6, 16, "RuntimeError", "boom \u2603", "cuda:0", 0),
+]
+
+
+def _write(path: Path, events: list[Event], **kwargs: int) -> JsonlSink:
+    sink = JsonlSink(path, **kwargs)
+    try:
+        sink.handle(events)
+    finally:
+        sink.close()
+    return sink
+
+
+def test_every_line_has_version_type_pid_and_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each event is one JSON line with v, type, the writer's pid and its RANK."""
+    monkeypatch.setenv("RANK", "3")
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == len(EVENTS)
+    assert {(line["v"], line["pid"], line["rank"]) for line in lines} == {
+        (SCHEMA_VERSION, os.getpid(), 3)
+    }
+    assert [line["type"] for line in lines] == [type(e).__name__ for e in EVENTS]
+    assert lines[0]["reason"] == "warmup"
+
+
+def test_round_trip_restores_typed_events_and_enum(tmp_path: Path) -> None:
+    """read_events gives back equal typed events, with MissReason restored as the enum."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS)
+    back = list(read_events(path))
+    assert back == EVENTS
+    assert back[0].reason is MissReason.WARMUP  # type: ignore[union-attr]
+
+
+def test_rank_falls_back_to_local_rank_then_zero() -> None:
+    """RANK wins over LOCAL_RANK; neither set means rank 0; garbage is a ConfigError."""
+    assert worker_rank({"RANK": "2", "LOCAL_RANK": "5"}) == 2
+    assert worker_rank({"LOCAL_RANK": "5"}) == 5
+    assert worker_rank({}) == 0
+    with pytest.raises(ConfigError, match=r"^RANK: expected a nonnegative integer, got 'x'$"):
+        worker_rank({"RANK": "x"})
+
+
+def test_path_placeholders_name_the_worker(tmp_path: Path) -> None:
+    """{pid} and {rank} in the path are replaced so workers write separate files."""
+    sink = _write(tmp_path / "events-{rank}-{pid}.jsonl", EVENTS[:1])
+    assert sink.path == tmp_path / f"events-0-{os.getpid()}.jsonl"
+    assert sink.path.exists()
+
+
+def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    """A half-written final line (no newline) is ignored by the reader."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[:3])
+    with open(path, "ab") as f:
+        f.write(b'{"v": 1, "type": "GraphRepl')
+    assert list(read_events(path)) == EVENTS[:3]
+
+
+def test_writer_after_a_crash_starts_on_a_fresh_line(tmp_path: Path) -> None:
+    """A new writer terminates a torn line, so the reader loses only the torn record."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[:2])
+    with open(path, "ab") as f:
+        f.write(b'{"v": 1, "type": "Gra')
+    _write(path, EVENTS[2:])
+    assert list(read_events(path)) == EVENTS
+
+
+def test_newer_schema_version_is_a_clear_error(tmp_path: Path) -> None:
+    """A line of a future schema version names the versions and says to upgrade."""
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"v": 2, "type": "GraphReplayed", "pid": 1, "rank": 0}\n')
+    expected = (
+        rf"^{path}:1: event log schema version 2 is newer than this omnitrace reads "
+        r"\(version 1\); upgrade omnitrace to read this log$"
+    )
+    with pytest.raises(EventLogError, match=expected):
+        list(read_events(path))
+
+
+def test_unknown_type_and_missing_field_are_errors(tmp_path: Path) -> None:
+    """A record of an unknown type or without a required field names the problem."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"v": 1, "type": "GraphExploded", "pid": 1, "rank": 0}\n')
+    with pytest.raises(EventLogError, match=r"unknown record type 'GraphExploded'"):
+        list(read_events(path))
+    path.write_text('{"v": 1, "type": "GraphReplayed", "pid": 1, "rank": 0, "adapter": "a"}\n')
+    with pytest.raises(EventLogError, match=r"GraphReplayed is missing field 'key'"):
+        list(read_events(path))
+
+
+def test_bad_reason_and_wrong_field_type_are_errors(tmp_path: Path) -> None:
+    """An unknown miss reason or a string where a number belongs is rejected."""
+    record = json.loads(
+        json.dumps(
+            {"v": 1, "type": "GraphMissed", "pid": 1, "rank": 0, "adapter": "a", "key": "k"}
+            | {"monotonic_ns": 1, "epoch_ns": 1, "reason": "bored", "detail": ""}
+        )
+    )
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(EventLogError, match=r"GraphMissed.reason: expected one of ineligible"):
+        list(read_events(path))
+    record |= {"reason": "warmup", "epoch_ns": "soon"}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(EventLogError, match=r"GraphMissed.epoch_ns: expected int, got 'soon'"):
+        list(read_events(path))
+
+
+def test_rotation_caps_file_size_and_reader_spans_the_backups(tmp_path: Path) -> None:
+    """Past max_bytes the file rotates to .1, .2; the reader reads them oldest first."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=400, backups=5)
+    try:
+        for event in EVENTS:
+            sink.handle([event])
+    finally:
+        sink.close()
+    assert sink.rotations >= 2
+    assert all(p.stat().st_size <= 400 for p in tmp_path.iterdir())
+    assert list(read_events(path)) == EVENTS
+    assert list(read_events(path, include_rotated=False)) != EVENTS
+
+
+def test_rotation_drops_the_oldest_beyond_backups(tmp_path: Path) -> None:
+    """With backups=1 only the newest rotated file survives, so the oldest events are gone."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=300, backups=1)
+    try:
+        for event in EVENTS:
+            sink.handle([event])
+    finally:
+        sink.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
+    survivors = list(read_events(path))
+    assert survivors == EVENTS[len(EVENTS) - len(survivors) :]
+    assert len(survivors) < len(EVENTS)
+
+
+def test_follower_sees_batches_holds_partial_lines_and_crosses_rotation(tmp_path: Path) -> None:
+    """The follower returns new records per poll, waits for a line's end, survives rotation."""
+    path = tmp_path / "events.jsonl"
+    with EventLogFollower(path) as follower:
+        assert follower.poll() == []  # not created yet
+        sink = JsonlSink(path, max_bytes=450, backups=2)
+        try:
+            sink.handle(EVENTS[:2])
+            assert [r.item for r in follower.poll()] == EVENTS[:2]
+            with open(path, "ab") as f:
+                line = json.dumps({"v": 1, "type": "GraphReplayed", "pid": 1, "rank": 7})
+                f.write(line[:20].encode())
+            assert follower.poll() == []
+            with open(path, "ab") as f:
+                f.write(
+                    line[20:-1].encode()
+                    + b', "adapter": "x", "key": "k", "monotonic_ns": 0, "epoch_ns": 0,'
+                    + b' "duration_s": 0.0}\n'
+                )
+            (record,) = follower.poll()
+            assert (record.rank, record.item) == (7, GraphReplayed("x", "k", 0, 0, 0.0))
+            seen = []
+            for event in EVENTS[2:]:
+                sink.handle([event])
+                seen.extend(r.item for r in follower.poll())
+            assert sink.rotations >= 1
+            assert seen == EVENTS[2:]
+        finally:
+            sink.close()
+
+
+def _run_adapters(bus: EventBus) -> dict[str, dict[str, int | float]]:
+    backend = SimulatedGraphBackend(free_bytes=(1 << 30) + (200 << 20), graph_bytes=128 << 20)
+    config = EncoderGraphConfig(max_graphs=2, min_free_bytes=1 << 30)
+    vision = EncoderCudaGraph(torch.tanh, name="vision", config=config, bus=bus, backend=backend)
+    audio = EncoderCudaGraph(torch.relu, name="audio", config=config, bus=bus, backend=backend)
+    shapes = [(1, 8), (1, 8), (2, 8), (1, 8), (2, 8), (3, 8), (3, 8), (4, 8), (4, 8), (1, 8)]
+    with torch.no_grad():
+        for i, shape in enumerate(shapes * 3):
+            (vision if i % 2 else audio)(torch.randn(shape))
+        vision(torch.randn(2, 2).requires_grad_())
+    return {"vision": vision.get_cumulative_stats(), "audio": audio.get_cumulative_stats()}
+
+
+def test_derive_stats_over_the_log_reproduces_live_adapter_stats(tmp_path: Path) -> None:
+    """A real adapter run on the simulated backend gives the same stats live and from the log."""
+    path = tmp_path / "events.jsonl"
+    bus = EventBus()
+    try:
+        sink = JsonlSink(path, bus=bus)
+        bus.add_sink(sink)
+        live = _run_adapters(bus)
+        assert bus.flush()
+    finally:
+        bus.close()
+    from_log = derive_stats(read_events(path))
+    assert from_log == live
+    assert from_log == {name: s.as_dict() for name, s in bus.adapter_stats().items()}
+    assert live["vision"]["memory_misses"] + live["audio"]["memory_misses"] > 0
+    assert live["vision"]["graph_hits"] > 0
+    infos = [r.item for r in read_records(path) if isinstance(r.item, AdapterInfo)]
+    assert {i.adapter: i.info["max_graphs"] for i in infos} == {"vision": 2, "audio": 2}
+
+
+def test_closed_sink_refuses_to_write(tmp_path: Path) -> None:
+    """Writing after close raises, so the bus disables the sink instead of losing silently."""
+    sink = JsonlSink(tmp_path / "e.jsonl")
+    sink.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        sink.handle(EVENTS[:1])
+
+
+def test_negative_limits_are_rejected(tmp_path: Path) -> None:
+    """max_bytes and backups must be nonnegative integers."""
+    with pytest.raises(ConfigError, match=r"^max_bytes: expected a nonnegative integer, got -1$"):
+        JsonlSink(tmp_path / "e.jsonl", max_bytes=-1)
+
+
+def test_missing_log_is_file_not_found(tmp_path: Path) -> None:
+    """Reading a log that does not exist says where it looked."""
+    with pytest.raises(FileNotFoundError, match="no event log at"):
+        list(read_events(tmp_path / "nope.jsonl"))
