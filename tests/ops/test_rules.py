@@ -1,0 +1,108 @@
+"""Prometheus alert rules: promtool accepts them and they fire on the situations they name."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omnitrace.events import MissReason
+from omnitrace.sinks.names import ATTR, METRICS
+
+from ._support import load_generator, prom_label, promtool
+
+ENCODER = prom_label(ATTR.ENCODER)
+REASON = prom_label(ATTR.MISS_REASON)
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool(), *args], capture_output=True, text=True, check=False)
+
+
+def _alerts() -> dict[str, dict[str, Any]]:
+    rules = load_generator().prometheus_rules()
+    return {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+
+
+def test_rule_file_passes_promtool_check() -> None:
+    """promtool check rules accepts the committed Prometheus rule file."""
+    path = load_generator().PROMETHEUS_RULES_PATH
+    result = _promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
+
+
+def test_promtool_check_rejects_a_broken_rule(tmp_path: Path) -> None:
+    """promtool check rules fails on a rule whose PromQL does not parse, so the check bites."""
+    broken = tmp_path / "broken.yml"
+    broken.write_text(
+        yaml.safe_dump({"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "sum(("}]}]})
+    )
+    assert _promtool("check", "rules", str(broken)).returncode != 0
+
+
+def _series(metric: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    body = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{metric}{{{body}}}", "values": values}
+
+
+def _expected(alert: str, encoder: str, value_text: str = "") -> dict[str, Any]:
+    rule = _alerts()[alert]
+    annotations = {
+        k: v.replace("{{ $labels." + ENCODER + " }}", encoder).replace(
+            "{{ $value | humanizePercentage }}", value_text
+        )
+        for k, v in rule["annotations"].items()
+    }
+    return {"exp_labels": {**rule["labels"], ENCODER: encoder}, "exp_annotations": annotations}
+
+
+def test_alerts_fire_on_their_situations_and_stay_quiet_otherwise(tmp_path: Path) -> None:
+    """Each alert fires for the encoder in its situation and never for a healthy encoder."""
+    gen = load_generator()
+    hits, misses = METRICS["hits"].prometheus, METRICS["misses"].prometheus
+    failures = METRICS["capture_failures"].prometheus
+    capacity = MissReason.CAPACITY.value
+    # 1-minute samples for an hour. "vision": 1 hit/s and 2 capacity misses/s (hit rate 1/3,
+    # capacity share 2/3) and one failed capture. "audio": 10 hits/s, a few warm-up misses.
+    series = [
+        _series(hits, {ENCODER: "vision"}, "0+60x60"),
+        _series(misses, {ENCODER: "vision", REASON: capacity}, "0+120x60"),
+        _series(failures, {ENCODER: "vision"}, "1x60"),
+        _series(hits, {ENCODER: "audio"}, "0+600x60"),
+        _series(misses, {ENCODER: "audio", REASON: MissReason.WARMUP.value}, "2x60"),
+        _series(failures, {ENCODER: "audio"}, "0x60"),
+    ]
+    late, early = "45m", "5m"
+    alert_cases = [
+        {
+            "eval_time": early,
+            "alertname": "OmnitraceCaptureFailed",
+            "exp_alerts": [_expected("OmnitraceCaptureFailed", "vision")],
+        },
+        # Pending, not yet firing, before the 15-minute hold has passed.
+        {"eval_time": early, "alertname": "OmnitraceHitRateLow", "exp_alerts": []},
+        {"eval_time": early, "alertname": "OmnitraceCapacityMisses", "exp_alerts": []},
+        {
+            "eval_time": late,
+            "alertname": "OmnitraceHitRateLow",
+            "exp_alerts": [_expected("OmnitraceHitRateLow", "vision", "33.33%")],
+        },
+        {
+            "eval_time": late,
+            "alertname": "OmnitraceCapacityMisses",
+            "exp_alerts": [_expected("OmnitraceCapacityMisses", "vision")],
+        },
+    ]
+    assert {c["alertname"] for c in alert_cases} == set(_alerts())
+    tests = {
+        "rule_files": [str(gen.PROMETHEUS_RULES_PATH)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alert_cases}],
+    }
+    path = tmp_path / "omnitrace.test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False), encoding="utf-8")
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
