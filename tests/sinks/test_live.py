@@ -1,0 +1,290 @@
+"""The live view: pure rendering of frozen snapshots, the boards feeding it, its refresh rate."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from omnitrace import (
+    CaptureFailed,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    MissReason,
+)
+from omnitrace.sinks.jsonl import AdapterInfo, EventRecord, JsonlSink, read_records
+from omnitrace.sinks.live import (
+    BusBoard,
+    EncoderSnapshot,
+    LiveSnapshot,
+    LiveView,
+    Notice,
+    RecordBoard,
+    format_bytes,
+    render,
+)
+from omnitrace.stats import AdapterStats, CapturedGraphInfo
+from omnitrace.testing import SimulatedGraphBackend
+
+T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
+MiB = 1 << 20
+
+
+def _text(renderable: object, width: int = 140) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def _snapshot() -> LiveSnapshot:
+    vision = AdapterStats(
+        "vision",
+        graph_hits=30,
+        warmup_misses=4,
+        capacity_misses=3,
+        memory_misses=2,
+        ineligible_misses=1,
+        graphs=(
+            CapturedGraphInfo("float32[1,1024,64]", T0, 0.0123, 1, "cpu", 0, 64 * MiB, 1024),
+            CapturedGraphInfo("float32[1,256,64]", T0 + 5 * 10**9, 0.004, 1, "cpu", 0, MiB, 64),
+        ),
+        memory_deferrals=2,
+        last_free_bytes=900 * MiB,
+        floor_bytes=1 << 30,
+    )
+    audio = AdapterStats("audio", graph_hits=3, capture_failures=1, failure="RuntimeError: boom")
+    return LiveSnapshot(
+        title="omnitrace demo",
+        taken_epoch_ns=T0 + 61 * 10**9,
+        encoders=(
+            EncoderSnapshot(
+                vision,
+                max_graphs=2,
+                min_free_bytes=1 << 30,
+                backend="simulated",
+                notices=(Notice(T0, False, "22:13:20Z deferred k: free 900.0 MiB"),),
+            ),
+            EncoderSnapshot(
+                audio, max_graphs=4, notices=(Notice(T0, True, "22:13:20Z FAILED k2"),)
+            ),
+        ),
+        emitted=120,
+        dropped=0,
+        footer=("streaming audio: 3 eager calls (never graphed)",),
+    )
+
+
+def test_render_shows_rates_misses_caps_keys_memory_and_bus() -> None:
+    """A frame lists, per encoder, hit rate, misses by reason, graphs vs cap, keys and memory."""
+    lines = _lines(_text(render(_snapshot())))
+    assert lines[0] == "omnitrace demo   22:14:21Z"
+    body = "\n".join(lines)
+    assert "│ hit rate  75.0 %   hits 30 / calls 40" in body
+    assert "│ misses   warmup 4 · capacity 3 · memory 2 · ineligible 1" in body
+    assert "│ graphs   2 / 2 full  backend simulated" in body
+    assert "│ memory   floor 1.0 GiB · last free 900.0 MiB · deferrals 2" in body
+    assert "float32[1,1024,64]  22:13:20Z  12.3 ms" in body
+    assert "float32[1,256,64]   22:13:25Z   4.0 ms" in body
+    assert "│ graphs   0 / 4 " in body
+    assert "│ TERMINAL RuntimeError: boom" in body
+    assert lines[-2:] == [
+        "bus  events 120 · dropped 0",
+        "streaming audio: 3 eager calls (never graphed)",
+    ]
+
+
+def test_two_encoders_of_one_process_are_side_by_side() -> None:
+    """With one worker, the vision and audio panels share the same rows."""
+    lines = _lines(_text(render(_snapshot())))
+    assert lines[1].startswith("╭─ vision ")
+    assert "╭─ audio " in lines[1]
+
+
+def test_failures_are_red_and_deferrals_yellow() -> None:
+    """Failure notices and the terminal line use red; deferral notices use yellow."""
+    console = Console(record=True, width=140, file=io.StringIO(), color_system="standard")
+    console.print(render(_snapshot()))
+    styled = console.export_text(styles=True)
+    assert "\x1b[1;31mRuntimeError: boom" in styled
+    assert "\x1b[1;31m22:13:20Z FAILED k2" in styled
+    assert "\x1b[33m22:13:20Z deferred k" in styled
+
+
+def test_unknown_drop_count_is_said_to_be_unknown() -> None:
+    """A snapshot built from a log (drops unknown) shows a dash and why, not zero."""
+    snapshot = LiveSnapshot("t", T0, (), emitted=5, dropped=None)
+    lines = _lines(_text(render(snapshot)))
+    assert lines[1:] == [
+        "no encoder events yet",
+        "bus  events 5 · dropped — (not in the event log)",
+    ]
+
+
+def test_format_bytes_uses_binary_units() -> None:
+    """Bytes are shown with KiB/MiB/GiB and one decimal; None is a dash."""
+    assert [format_bytes(v) for v in (512, 1536, 900 * MiB, 3 << 30, None)] == [
+        "512 B",
+        "1.5 KiB",
+        "900.0 MiB",
+        "3.0 GiB",
+        "—",
+    ]
+
+
+def _run(bus: EventBus, backend: SimulatedGraphBackend) -> EncoderCudaGraph:
+    config = EncoderGraphConfig(max_graphs=1, min_free_bytes=1 << 30)
+    graph = EncoderCudaGraph(torch.tanh, name="vision", config=config, bus=bus, backend=backend)
+    with torch.no_grad():
+        for shape in [(1, 4), (1, 4), (1, 4), (2, 4), (2, 4)]:
+            graph(torch.ones(shape))
+    return graph
+
+
+def test_bus_board_snapshot_matches_the_adapter_and_collects_deferrals() -> None:
+    """The bus board shows the adapter's cap, floor, stats and its memory deferral notice."""
+    backend = SimulatedGraphBackend(free_bytes=(1 << 30) + 10 * MiB, graph_bytes=20 * MiB)
+    bus = EventBus()
+    try:
+        board = BusBoard(bus, title="demo", footer=lambda: ["extra"])
+        graph = _run(bus, backend)
+        backend.free_bytes = 100 * MiB
+        assert bus.flush()
+        snapshot = board.snapshot()
+    finally:
+        bus.close()
+    (encoder,) = snapshot.encoders
+    assert encoder.stats.as_dict() == graph.get_cumulative_stats()
+    assert (encoder.max_graphs, encoder.min_free_bytes, encoder.backend) == (
+        1,
+        1 << 30,
+        "simulated",
+    )
+    assert snapshot.emitted == bus.statistics().emitted
+    assert snapshot.footer == ("extra",)
+    assert encoder.stats.capacity_misses == 2
+    body = _text(render(snapshot))
+    assert "graphs   1 / 1 full" in body
+
+
+def test_bus_board_keeps_failure_notice_for_terminal_adapter() -> None:
+    """A capture failure on the bus shows as a red notice and a terminal line."""
+    backend = SimulatedGraphBackend(fail_on_capture=True)
+    bus = EventBus()
+    try:
+        board = BusBoard(bus)
+        graph = EncoderCudaGraph(
+            torch.tanh,
+            name="audio",
+            config=EncoderGraphConfig(min_free_bytes=0),
+            bus=bus,
+            backend=backend,
+        )
+        with torch.no_grad():
+            graph(torch.ones(3))
+            with pytest.raises(RuntimeError, match="simulated"):
+                graph(torch.ones(3))
+        assert bus.flush()
+        (encoder,) = board.snapshot().encoders
+    finally:
+        bus.close()
+    assert [n.failed for n in encoder.notices] == [True]
+    assert "FAILED float32[3] @cpu s=0: RuntimeError: simulated CUDA graph capture failure" in (
+        encoder.notices[0].text
+    )
+    assert encoder.stats.failure == "RuntimeError: simulated CUDA graph capture failure"
+
+
+def test_record_board_puts_workers_side_by_side() -> None:
+    """Records of two worker pids fold separately and render as two labelled columns."""
+    board = RecordBoard(title="top")
+    events = [
+        GraphMissed("vision", "k", 1, T0, MissReason.WARMUP, "call 1 of 2"),
+        GraphCaptured("vision", "k", 2, T0, 0.01, 1, "cuda:0", 0, 5, MiB, 64, 0),
+        GraphReplayed("vision", "k", 3, T0, 0.001),
+    ]
+    board.add([EventRecord(AdapterInfo("vision", {"max_graphs": 4}), 100, 0)])
+    board.add(EventRecord(e, 100, 0) for e in events)
+    board.add(EventRecord(e, 200, 1) for e in events[:1])
+    board.add([EventRecord(MemoryDeferred("vision", "k", 4, T0, 5, 10, "cuda:1"), 200, 1)])
+    board.add([EventRecord(CaptureFailed("vision", "q", 5, T0, "E", "m", "cuda:1", 0), 200, 1)])
+    snapshot = board.snapshot()
+    assert [(e.source, e.stats.graph_hits, e.max_graphs) for e in snapshot.encoders] == [
+        ("rank 0 · pid 100", 1, 4),
+        ("rank 1 · pid 200", 0, None),
+    ]
+    assert snapshot.emitted == 6
+    lines = _lines(_text(render(snapshot), width=160))
+    assert lines[1].startswith("╭─ vision · rank 0 · pid 100 ")
+    assert "╭─ vision · rank 1 · pid 200 " in lines[1]
+    assert "graphs   1 / 4 " in "\n".join(lines)
+    assert "graphs   0 / ? " in "\n".join(lines)
+
+
+def test_record_board_from_a_written_log_equals_the_bus_board(tmp_path: Path) -> None:
+    """Stats folded from the JSONL log equal the in-process board's, caps included."""
+    path = tmp_path / "e.jsonl"
+    bus = EventBus()
+    try:
+        bus_board = BusBoard(bus)
+        bus.add_sink(JsonlSink(path, bus=bus))
+        _run(bus, SimulatedGraphBackend())
+        assert bus.flush()
+        live = bus_board.snapshot()
+    finally:
+        bus.close()
+    board = RecordBoard()
+    board.add(read_records(path))
+    from_log = board.snapshot()
+    assert [(e.stats, e.max_graphs) for e in from_log.encoders] == [
+        (e.stats, e.max_graphs) for e in live.encoders
+    ]
+    assert from_log.encoders[0].source == ""
+
+
+class _CountingBoard:
+    def __init__(self, bus: EventBus) -> None:
+        self.inner = BusBoard(bus)
+        self.calls = 0
+
+    def snapshot(self) -> LiveSnapshot:
+        self.calls += 1
+        return self.inner.snapshot()
+
+
+def test_live_view_refreshes_at_a_fixed_rate_not_per_event() -> None:
+    """Thousands of events in half a second produce only a handful of frames."""
+    bus = EventBus()
+    try:
+        board = _CountingBoard(bus)
+        console = Console(file=io.StringIO(), force_terminal=True, width=120)
+        graph = EncoderCudaGraph(
+            torch.tanh,
+            name="vision",
+            config=EncoderGraphConfig(min_free_bytes=0),
+            bus=bus,
+            backend=SimulatedGraphBackend(),
+        )
+        x = torch.ones(2)
+        start = time.monotonic()
+        with LiveView(board, console=console, refresh_per_second=4), torch.no_grad():
+            while time.monotonic() - start < 0.5:
+                graph(x)
+        calls = graph.get_cumulative_stats()["graph_hits"]
+    finally:
+        bus.close()
+    assert calls > 200
+    assert 2 <= board.calls <= 8
+    assert "hit rate" in console.file.getvalue()  # type: ignore[attr-defined]
