@@ -304,7 +304,8 @@ class EncoderCudaGraph:
                 capture_stream=slot.capture_stream,
             )
         except BaseException as exc:
-            self._failure = f"{type(exc).__name__}: {exc}"
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            self._failure = f"{type(exc).__name__}: {first_line}"
             self._emit(
                 CaptureFailed(
                     self.name,

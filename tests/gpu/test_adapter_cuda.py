@@ -1,0 +1,292 @@
+"""The adapter on a real CUDA device with the pure-torch backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from omnitrace import (
+    CaptureFailed,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MemoryDeferred,
+    MissReason,
+    derive_stats,
+)
+from omnitrace.demo.encoders import AudioEncoder, EncoderGeometry, VisionEncoder
+from omnitrace.testing import capture_events
+
+pytestmark = pytest.mark.gpu
+
+CFG = EncoderGraphConfig(min_free_bytes=0)
+SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
+
+
+@pytest.fixture
+def bus() -> Iterator[EventBus]:
+    b = EventBus()
+    yield b
+    b.close()
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    with torch.no_grad():
+        yield
+    torch.cuda.synchronize()
+
+
+def vision(dtype: torch.dtype = torch.bfloat16) -> VisionEncoder:
+    torch.manual_seed(0)
+    return VisionEncoder(SMALL).to("cuda", dtype).eval()
+
+
+def test_outputs_match_eager_and_capture_happens_on_the_second_call(bus: EventBus) -> None:
+    """Replayed bf16 outputs equal eager ones; the second call captures."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    x = torch.randn(1, 256, 256, device="cuda", dtype=torch.bfloat16)
+    with capture_events(bus) as events:
+        outs = [graph(x) for _ in range(3)]
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["GraphMissed", "GraphCaptured", "GraphReplayed", "GraphReplayed"]
+    reference = model(x)
+    for out in outs:
+        torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=1e-2)
+    captured = events[1]
+    assert isinstance(captured, GraphCaptured)
+    assert captured.device == "cuda:0"
+    assert captured.stream == torch.cuda.current_stream().cuda_stream
+    assert captured.static_bytes == 2 * x.nbytes
+    print(f"\ncapture took {captured.duration_s * 1e3:.1f} ms, pool grew {captured.bytes_reserved} B")
+
+
+def test_vision_mask_and_audio_encoder_match_eager(bus: EventBus) -> None:
+    """The optional mask input and the Whisper-like audio encoder replay correctly."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(2, 1, 64, 64, device="cuda") > 0.2
+    mask[..., 0] = True
+    for _ in range(3):
+        out = graph(x, mask)
+    torch.testing.assert_close(out, model(x, mask), rtol=1.6e-2, atol=1e-2)
+    torch.manual_seed(1)
+    audio_model = AudioEncoder(SMALL).to("cuda", torch.bfloat16).eval()
+    audio = EncoderCudaGraph(audio_model, name="audio", config=CFG, bus=bus)
+    mel = torch.randn(1, 80, 100, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        out = audio(mel)
+    assert out.shape == (1, 50, 256)
+    torch.testing.assert_close(out, audio_model(mel), rtol=1.6e-2, atol=1e-2)
+    assert graph.get_cumulative_stats()["graph_hits"] == 2
+    assert audio.get_cumulative_stats()["graph_hits"] == 2
+
+
+def test_cap_of_four_without_eviction(bus: EventBus) -> None:
+    """Four shapes are captured; a fifth stays eager from its first call on."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    inputs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (16, 32, 48, 64, 80)]
+    for x in inputs[:4]:
+        graph(x)
+        graph(x)
+    with capture_events(bus) as events:
+        for _ in range(3):
+            graph(inputs[4])
+        for x in inputs[:4]:
+            torch.testing.assert_close(graph(x), model(x), rtol=1.6e-2, atol=1e-2)
+    misses = [e for e in events if isinstance(e, GraphMissed)]
+    assert [m.reason for m in misses] == [MissReason.CAPACITY] * 3
+    assert sum(isinstance(e, GraphReplayed) for e in events) == 4
+    assert graph.num_graphs == 4
+
+
+def test_retained_outputs_survive_later_replays(bus: EventBus) -> None:
+    """Outputs a caller keeps are unchanged after replays with other inputs."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    xs = [torch.randn(1, 128, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    graph(xs[0])
+    kept = [graph(x) for x in xs]  # capture, then three hits into the same static buffers
+    expected = [model(x) for x in xs]
+    for out, ref in zip(kept, expected):
+        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    assert len({k.data_ptr() for k in kept}) == 4
+
+
+def _capture_four(share: bool) -> tuple[set[int], int]:
+    model = vision()
+    bus = EventBus()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(share_pools=share), bus=bus)
+    xs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (256, 512, 768, 1024)]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    with capture_events(bus) as events:
+        for x in xs:
+            graph(x)
+            graph(x)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_reserved() - before
+    pools = {e.pool_id for e in events if isinstance(e, GraphCaptured)}
+    del graph
+    bus.close()
+    return pools, used
+
+
+def test_shared_pool_vs_separate_pools() -> None:
+    """Sharing puts all captures in one pool and reserves less than a pool per graph."""
+    shared_pools, shared_bytes = _capture_four(True)
+    torch.cuda.empty_cache()
+    separate_pools, separate_bytes = _capture_four(False)
+    print(
+        f"\nfour graphs: shared pool {shared_bytes / 2**20:.1f} MiB, "
+        f"separate pools {separate_bytes / 2**20:.1f} MiB"
+    )
+    assert len(shared_pools) == 1
+    assert len(separate_pools) == 4
+    assert shared_bytes < separate_bytes
+
+
+def test_replay_streams_are_isolated(bus: EventBus) -> None:
+    """The same shape on another stream is another key, pool and capture stream."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    x = torch.randn(1, 64, 256, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph(x)
+            out = graph(x)
+        torch.cuda.current_stream().wait_stream(side)
+    captures = [e for e in events if isinstance(e, GraphCaptured)]
+    assert [c.stream for c in captures] == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
+    assert captures[0].pool_id != captures[1].pool_id
+    assert captures[0].capture_stream != captures[1].capture_stream
+    torch.testing.assert_close(out, model(x), rtol=1.6e-2, atol=1e-2)
+
+
+def test_real_memory_floor_defers_capture(bus: EventBus) -> None:
+    """A floor above the device's free memory turns captures into memory misses."""
+    model = vision()
+    huge = 10 * torch.cuda.get_device_properties(0).total_memory
+    graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(min_free_bytes=huge), bus=bus)
+    x = torch.randn(1, 64, 256, device="cuda", dtype=torch.bfloat16)
+    with capture_events(bus) as events:
+        for _ in range(4):
+            out = graph(x)
+    deferrals = [e for e in events if isinstance(e, MemoryDeferred)]
+    assert len(deferrals) == 3
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < deferrals[0].free_bytes <= total
+    assert deferrals[0].floor_bytes == huge
+    assert graph.get_cumulative_stats()["memory_misses"] == 3
+    assert graph.num_graphs == 0
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_grad_autocast_and_enforce_eager_stay_eager(bus: EventBus) -> None:
+    """Grad mode, autocast and an enforce_eager config never capture on CUDA."""
+    model = vision(torch.float32)
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    x = torch.randn(1, 32, 256, device="cuda")
+    with torch.enable_grad():
+        graph(x)
+        graph(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graph(x)
+        graph(x)
+    eager_cfg = EncoderGraphConfig.from_hf_overrides({"encoder_cuda_graph": True}, enforce_eager=True)
+    eager = EncoderCudaGraph(model, name="eager", config=eager_cfg, bus=bus)
+    eager(x)
+    eager(x)
+    assert graph.get_cumulative_stats()["ineligible_misses"] == 4
+    assert graph.num_graphs == 0
+    assert eager.num_graphs == 0
+    details = [s.as_dict() for s in bus.adapter_stats().values()]
+    assert all(d["num_graphs"] == 0 for d in details)
+
+
+CAPTURE_FAILURE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EncoderGraphFailedError, EventBus
+    from omnitrace.testing import capture_events
+
+    calls = []
+    def forward(x):
+        calls.append(1)
+        y = x * 2
+        if y.sum().item() > -1e30:  # a host sync: not allowed while capturing
+            y = y + 1
+        return y
+
+    bus = EventBus()
+    graph = EncoderCudaGraph(forward, name="vision", config=EncoderGraphConfig(min_free_bytes=0), bus=bus)
+    x = torch.ones(4, device="cuda")
+    result = {}
+    with torch.no_grad(), capture_events(bus) as events:
+        graph(x)
+        try:
+            graph(x)
+        except Exception as exc:
+            result["first"] = [type(exc).__module__ + "." + type(exc).__name__, str(exc)[:200]]
+        before = len(calls)
+        try:
+            graph(x)
+        except EncoderGraphFailedError as exc:
+            result["later"] = str(exc)
+        result["ran_after_failure"] = len(calls) - before
+    result["events"] = [type(e).__name__ for e in events]
+    result["stats"] = graph.get_cumulative_stats()
+    bus.close()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+def test_real_capture_failure_makes_the_adapter_terminal() -> None:
+    """A host sync inside capture propagates torch's error; later calls raise without running."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPTURE_FAILURE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    import json
+
+    result = json.loads(lines[0][len("RESULT ") :])
+    print("\n" + json.dumps(result, indent=1))
+    assert result["first"][0] != "omnitrace.config.EncoderGraphFailedError"
+    assert "captur" in result["first"][1].lower()
+    assert "Restart the worker" in result["later"]
+    assert result["ran_after_failure"] == 0
+    assert result["events"] == ["GraphMissed", "CaptureFailed"]
+    assert result["stats"]["capture_failures"] == 1
+
+
+def test_stats_fold_matches_derived_stats_on_cuda(bus: EventBus) -> None:
+    """On the device too, the adapter's stats are exactly derive_stats of its events."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(max_graphs=2), bus=bus)
+    with capture_events(bus) as events:
+        for n in (16, 16, 32, 32, 16, 48, 48, 32):
+            graph(torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16))
+    assert derive_stats(events)["vision"] == graph.get_cumulative_stats()
+    assert any(isinstance(e, CaptureFailed) for e in events) is False
