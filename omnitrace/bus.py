@@ -2,10 +2,11 @@
 
 ``emit()`` runs on the encoder's hot path, so it only does bounded, non-blocking work under
 one short lock: it feeds the synchronous folds (the stats, which must see every event in
-order and never drop one) and appends the event to one bounded queue per asynchronous sink.
-Sinks are drained on an asyncio loop (the host's, or the bus's own thread when the host has
-none); a sink whose queue is full loses the event and the loss is counted, and a sink that
-raises is disabled and reported once. Nothing a consumer does can raise into, or block, the
+order and never drop one) and appends the event to one bounded pending queue, whatever the
+number of sinks. On an asyncio loop (the host's, or the bus's own thread when the host has
+none) a pump moves pending events into one bounded queue per sink and wakes each sink's
+drainer; a sink whose queue is full loses the event and the loss is counted, and a sink
+that raises is disabled and reported once. Nothing a consumer does can raise into, or block, the
 caller of ``emit()``.
 """
 
@@ -127,11 +128,11 @@ class _Channel:
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.wakeup: asyncio.Event | None = None
 
-    def statistics(self) -> SinkStatistics:
+    def statistics(self, pending: int) -> SinkStatistics:
         return SinkStatistics(
             name=self.name,
             capacity=self.capacity,
-            queued=len(self.queue) + self.in_flight,
+            queued=len(self.queue) + self.in_flight + (0 if self.disabled else pending),
             peak_queued=self.peak,
             delivered=self.delivered,
             dropped=self.dropped,
@@ -150,7 +151,8 @@ class EventBus:
 
     Args:
         sinks: sinks to attach now (the bus then starts at once).
-        queue_size: capacity of each sink's queue; further events are dropped and counted.
+        queue_size: capacity of the pending queue and of each sink's queue; events past it
+            are dropped and counted.
         drain_interval: seconds between drains of the sink queues (events wait at most this
             long before a sink sees them; ``flush()`` drains at once).
 
@@ -181,6 +183,9 @@ class EventBus:
         self._stats = StatsFold()
         self._folds: tuple[Fold, ...] = (self._stats.fold,)
         self._channels: tuple[_Channel, ...] = ()
+        self._pending: deque[Event] = deque()
+        self._pump_task: asyncio.Task[None] | None = None
+        self._pump_wakeup: asyncio.Event | None = None
         self._adapters: dict[str, Mapping[str, Any]] = {}
         self._emitted = 0
         self._rejected = 0
@@ -217,14 +222,13 @@ class EventBus:
             if self._closed:
                 self._after_close += 1
                 return
-            for channel in self._channels:
-                queue = channel.queue
-                if channel.disabled or len(queue) >= channel.capacity:
-                    channel.dropped += 1
-                    continue
-                queue.append(event)
-                if len(queue) > channel.peak:
-                    channel.peak = len(queue)
+            if self._channels:
+                if len(self._pending) < self._queue_size:
+                    self._pending.append(event)
+                else:
+                    # Degraded path only: the pump is behind, every sink loses this event.
+                    for channel in self._channels:
+                        channel.dropped += 1
 
     # -- folds ----------------------------------------------------------------------------
 
@@ -279,7 +283,7 @@ class EventBus:
                 rejected=self._rejected,
                 emitted_after_close=self._after_close,
                 disabled_folds=self._disabled_folds,
-                sinks=tuple(c.statistics() for c in self._channels),
+                sinks=tuple(c.statistics(len(self._pending)) for c in self._channels),
             )
 
     @property
@@ -352,15 +356,51 @@ class EventBus:
                 max_workers=1, thread_name_prefix=f"omnitrace-sink-{channel.name}"
             )
         self._tasks[channel] = self._loop.create_task(self._drain_forever(channel))
+        if self._pump_task is None:
+            self._pump_wakeup = asyncio.Event()
+            self._pump_task = self._loop.create_task(self._pump_forever())
 
-    async def _drain_forever(self, channel: _Channel) -> None:
-        wakeup = channel.wakeup
+    async def _pump_forever(self) -> None:
+        wakeup = self._pump_wakeup
         assert wakeup is not None
         while True:
             try:
                 await asyncio.wait_for(wakeup.wait(), self._interval)
             except asyncio.TimeoutError:
                 pass
+            wakeup.clear()
+            self._distribute()
+
+    def _distribute(self) -> None:
+        """Move pending events into the sink queues and wake the sinks that got some."""
+        with self._lock:
+            if not self._pending:
+                return
+            batch = list(self._pending)
+            self._pending.clear()
+            woken = []
+            for channel in self._channels:
+                if channel.disabled:
+                    channel.dropped += len(batch)
+                    continue
+                queue = channel.queue
+                room = channel.capacity - len(queue)
+                if room < len(batch):
+                    channel.dropped += len(batch) - max(room, 0)
+                    queue.extend(batch[: max(room, 0)])
+                else:
+                    queue.extend(batch)
+                channel.peak = max(channel.peak, len(queue))
+                woken.append(channel)
+        for channel in woken:
+            if channel.wakeup is not None:
+                channel.wakeup.set()
+
+    async def _drain_forever(self, channel: _Channel) -> None:
+        wakeup = channel.wakeup
+        assert wakeup is not None
+        while True:
+            await wakeup.wait()
             wakeup.clear()
             await self._drain_once(channel)
 
@@ -390,7 +430,14 @@ class EventBus:
                 await channel.sink.handle(batch)
             else:
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(channel.executor, channel.sink.handle, batch)
+                try:
+                    future = loop.run_in_executor(channel.executor, channel.sink.handle, batch)
+                except RuntimeError:
+                    # At interpreter exit the executors shut down before the bus's atexit
+                    # flush runs: deliver on this thread rather than lose the batch.
+                    channel.sink.handle(batch)
+                else:
+                    await future
         except Exception as exc:
             self._disable_sink(channel, exc, len(batch))
             return
@@ -417,6 +464,7 @@ class EventBus:
         """Deliver every queued event now; return False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         while True:
+            self._distribute()
             pending = False
             for channel in self._channels:
                 with self._lock:
@@ -440,7 +488,7 @@ class EventBus:
         loop = self._loop
         if loop is None or not self._started:
             with self._lock:
-                return not any(c.queue for c in self._channels)
+                return not self._pending and not any(c.queue for c in self._channels)
         self._check_not_loop_thread("flush", "aflush")
         if loop.is_closed():
             return False
@@ -468,6 +516,8 @@ class EventBus:
             return
         await self.aflush(timeout)
         self._mark_closed()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
         for channel, task in list(self._tasks.items()):
             task.cancel()
             if channel.executor is not None:
@@ -512,6 +562,11 @@ class EventBus:
         with self._lock:
             self._closed = True
             lost = 0
+            for channel in self._channels:
+                if not channel.disabled:
+                    channel.dropped += len(self._pending)
+            lost += len(self._pending)
+            self._pending.clear()
             for channel in self._channels:
                 lost += len(channel.queue)
                 channel.dropped += len(channel.queue)
