@@ -52,15 +52,20 @@ def promtool() -> str:
     return path
 
 
+def series_keys() -> dict[str, str]:
+    """Return every series name the Prometheus exporters expose -> its ``names.METRICS`` key."""
+    series: dict[str, str] = {}
+    for key, metric in METRICS.items():
+        if metric.kind == "histogram":
+            series.update((metric.prometheus + s, key) for s in ("_bucket", "_sum", "_count"))
+        else:
+            series[metric.prometheus] = key
+    return series
+
+
 def known_series() -> set[str]:
     """Return every series name the Prometheus exporters expose, from ``names.METRICS``."""
-    series: set[str] = set()
-    for metric in METRICS.values():
-        if metric.kind == "histogram":
-            series.update(metric.prometheus + s for s in ("_bucket", "_sum", "_count"))
-        else:
-            series.add(metric.prometheus)
-    return series
+    return set(series_keys())
 
 
 def prom_label(attribute: str) -> str:

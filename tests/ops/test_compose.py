@@ -159,7 +159,7 @@ def test_alloy_tails_the_mounted_log_folder_and_pushes_to_loki(compose: dict[str
     assert f'"__path__"     = "{target}/*.log"' in config
     loki_port = _config(DEPLOY_DIR / "loki" / "loki.yaml")["server"]["http_listen_port"]
     assert f'url = "http://loki:{loki_port}/loki/api/v1/push"' in config
-    assert alloy_stream_labels(config) == {"service_name", "level", "event"}
+    assert alloy_stream_labels(config) == set(load_generator().LOG_STREAM_LABELS)
     assert f"./{(DEPLOY_DIR / 'alloy' / 'config.alloy').relative_to(ROOT).as_posix()}" in {
         s for s, _ in _mounts(compose["services"]["alloy"])
     }

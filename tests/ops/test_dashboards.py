@@ -23,6 +23,7 @@ from ._support import (
     logql_facts,
     prom_label,
     promql_facts,
+    series_keys,
 )
 
 ALL_QUERIES = committed_queries()
@@ -88,13 +89,12 @@ def test_a_metric_renamed_in_names_is_reported_in_the_committed_queries(
 
 def test_every_exported_metric_is_on_the_dashboard() -> None:
     """Each metric of names.py appears in at least one dashboard panel."""
-    on_dashboard = set().union(
-        *(promql_facts(q.expr).metrics for q in PROMQL if q.where.startswith("panel"))
-    )
+    keys = series_keys()
     shown = {
-        key
-        for key, metric in names.METRICS.items()
-        if any(series.startswith(metric.prometheus) for series in on_dashboard)
+        keys[series]
+        for q in PROMQL
+        if q.where.startswith("panel")
+        for series in promql_facts(q.expr).metrics
     }
     assert shown == set(names.METRICS)
 
