@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import threading
@@ -364,10 +365,8 @@ class EventBus:
         wakeup = self._pump_wakeup
         assert wakeup is not None
         while True:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wakeup.wait(), self._interval)
-            except asyncio.TimeoutError:
-                pass
             wakeup.clear()
             self._distribute()
 
@@ -547,7 +546,9 @@ class EventBus:
         try:
             future.result(timeout + 5.0)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            logger.error("EventBus.close() timed out after %.1fs; undelivered events are lost", timeout)
+            logger.error(
+                "EventBus.close() timed out after %.1fs; undelivered events are lost", timeout
+            )
             self._mark_closed()
         if self._thread is not None:
             loop.call_soon_threadsafe(loop.stop)
@@ -603,10 +604,8 @@ def _register_atexit(bus: EventBus) -> Callable[[], None]:
     def close_at_exit() -> None:
         live = ref()
         if live is not None and not live.closed:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop thread itself is exiting
                 live.close(timeout=2.0)
-            except RuntimeError:
-                pass
 
     atexit.register(close_at_exit)
     return close_at_exit

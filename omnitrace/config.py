@@ -138,16 +138,22 @@ class EncoderGraphConfig:
                 key is unknown (the message suggests the closest valid key).
         """
         if not isinstance(enforce_eager, bool):
-            raise ConfigError(f"enforce_eager: expected true or false, got {_describe(enforce_eager)}")
+            raise ConfigError(
+                f"enforce_eager: expected true or false, got {_describe(enforce_eager)}"
+            )
         if overrides is None:
             overrides = {}
         elif isinstance(overrides, str):
             try:
                 overrides = json.loads(overrides) if overrides.strip() else {}
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"hf_overrides: expected a JSON object, got invalid JSON ({exc})") from None
+                raise ConfigError(
+                    f"hf_overrides: expected a JSON object, got invalid JSON ({exc})"
+                ) from None
         if not isinstance(overrides, Mapping):
-            raise ConfigError(f"hf_overrides: expected a JSON object (mapping), got {_describe(overrides)}")
+            raise ConfigError(
+                f"hf_overrides: expected a JSON object (mapping), got {_describe(overrides)}"
+            )
 
         kwargs: dict[str, Any] = {}
         for key, value in overrides.items():
@@ -157,7 +163,9 @@ class EncoderGraphConfig:
             if field_name is None:
                 # Compare what follows the shared prefix, or every key looks alike.
                 suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
-                close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
+                close = difflib.get_close_matches(
+                    key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6
+                )
                 hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
                 raise ConfigError(
                     f"{key}: unknown encoder graph option (valid: "
@@ -174,7 +182,9 @@ class EncoderGraphConfig:
         known = {f.name for f in fields(self)}
         for name in changes:
             if name not in known:
-                raise ConfigError(f"{name}: not an EncoderGraphConfig field (valid: {', '.join(sorted(known))})")
+                raise ConfigError(
+                    f"{name}: not an EncoderGraphConfig field (valid: {', '.join(sorted(known))})"
+                )
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return EncoderGraphConfig(**values)

@@ -78,7 +78,9 @@ class AdapterStats:
 
     @property
     def graph_misses(self) -> int:
-        return self.ineligible_misses + self.capacity_misses + self.warmup_misses + self.memory_misses
+        return (
+            self.ineligible_misses + self.capacity_misses + self.warmup_misses + self.memory_misses
+        )
 
     @property
     def calls(self) -> int:

@@ -135,7 +135,9 @@ def test_raising_sink_is_disabled_and_reported_once(caplog: pytest.LogCaptureFix
     assert len(reports) == 1
 
 
-def test_raising_fold_is_removed_and_never_reaches_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+def test_raising_fold_is_removed_and_never_reaches_the_caller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """emit() swallows a fold's exception, removes that fold and keeps the stats fold."""
     calls = []
 
@@ -222,7 +224,9 @@ def test_emit_is_thread_safe() -> None:
         t.join()
     bus.close()
     assert len(sink.events) == 8000
-    assert {n: s.graph_hits for n, s in bus.adapter_stats().items()} == {f"a{t}": 2000 for t in range(4)}
+    assert {n: s.graph_hits for n, s in bus.adapter_stats().items()} == {
+        f"a{t}": 2000 for t in range(4)
+    }
 
 
 async def test_runs_on_the_host_loop_when_started_inside_one() -> None:
@@ -242,7 +246,7 @@ async def test_runs_on_the_host_loop_when_started_inside_one() -> None:
         bus.emit(replayed(i))
     assert await bus.aflush(5)
     assert len(received) == 10
-    with pytest.raises(RuntimeError, match="use 'await bus.aflush\\(\\)'"):
+    with pytest.raises(RuntimeError, match=r"use 'await bus.aflush\(\)'"):
         bus.flush()
     await bus.aclose()
     assert bus.closed

@@ -26,9 +26,7 @@ def test_defaults_follow_the_design_note() -> None:
 
 def test_from_hf_overrides_reads_every_key() -> None:
     """Every documented key sets its field."""
-    cfg = EncoderGraphConfig.from_hf_overrides(
-        {ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False}
-    )
+    cfg = EncoderGraphConfig.from_hf_overrides({ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False})
     assert cfg == EncoderGraphConfig(
         enabled=True, max_graphs=7, min_capture_calls=3, min_free_bytes=0, share_pools=False
     )
@@ -66,7 +64,11 @@ def test_zero_max_graphs_disables_capture() -> None:
         (MAX, True, f"{MAX}: expected a nonnegative integer (0 disables capture), got True (bool)"),
         (MAX, 4.0, f"{MAX}: expected a nonnegative integer (0 disables capture), got 4.0 (float)"),
         (MAX, "4", f"{MAX}: expected a nonnegative integer (0 disables capture), got '4' (str)"),
-        (MAX, None, f"{MAX}: expected a nonnegative integer (0 disables capture), got None (NoneType)"),
+        (
+            MAX,
+            None,
+            f"{MAX}: expected a nonnegative integer (0 disables capture), got None (NoneType)",
+        ),
         (CALLS, 1, f"{CALLS}: expected an integer of at least 2, got 1 (int)"),
         (CALLS, 0, f"{CALLS}: expected an integer of at least 2, got 0 (int)"),
         (CALLS, 2.5, f"{CALLS}: expected an integer of at least 2, got 2.5 (float)"),

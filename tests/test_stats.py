@@ -23,7 +23,9 @@ from omnitrace.events import Event
 
 adapters = st.sampled_from(["vision", "audio"])
 events = st.one_of(
-    st.builds(GraphReplayed, adapters, st.just("k"), st.integers(0), st.integers(0), st.floats(0, 1)),
+    st.builds(
+        GraphReplayed, adapters, st.just("k"), st.integers(0), st.integers(0), st.floats(0, 1)
+    ),
     st.builds(
         GraphMissed,
         adapters,
@@ -49,12 +51,25 @@ events = st.one_of(
         st.integers(0),
     ),
     st.builds(
-        MemoryDeferred, adapters, st.just("k"), st.integers(0), st.integers(0),
-        st.integers(0), st.integers(0), st.just("cuda:0"),
+        MemoryDeferred,
+        adapters,
+        st.just("k"),
+        st.integers(0),
+        st.integers(0),
+        st.integers(0),
+        st.integers(0),
+        st.just("cuda:0"),
     ),
     st.builds(
-        CaptureFailed, adapters, st.just("k"), st.integers(0), st.integers(0),
-        st.just("RuntimeError"), st.text(max_size=5), st.just("cuda:0"), st.integers(0),
+        CaptureFailed,
+        adapters,
+        st.just("k"),
+        st.integers(0),
+        st.integers(0),
+        st.just("RuntimeError"),
+        st.text(max_size=5),
+        st.just("cuda:0"),
+        st.integers(0),
     ),
 )
 

@@ -72,7 +72,8 @@ class _Block(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )
         x = x + self.proj(attn.transpose(1, 2).reshape(b, n, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        return out
 
 
 class VisionEncoder(nn.Module):
@@ -93,7 +94,8 @@ class VisionEncoder(nn.Module):
             mask = mask.to(hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, mask)
-        return self.post_layernorm(hidden)
+        out: torch.Tensor = self.post_layernorm(hidden)
+        return out
 
 
 class AudioEncoder(nn.Module):
@@ -124,4 +126,5 @@ class AudioEncoder(nn.Module):
         x = x + pos.to(x.dtype)
         for layer in self.layers:
             x = layer(x, None)
-        return self.layer_norm(x)
+        out: torch.Tensor = self.layer_norm(x)
+        return out

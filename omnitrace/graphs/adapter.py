@@ -193,7 +193,7 @@ class EncoderCudaGraph:
             raise EncoderGraphFailedError(
                 f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
                 f"({self._failure}). Restart the worker, optionally with encoder graphs "
-                'disabled (--hf-overrides \'{"encoder_cuda_graph": false}\').'
+                "disabled (--hf-overrides '{\"encoder_cuda_graph\": false}')."
             )
         device: torch.device | None = None
         mixed = False
@@ -218,25 +218,38 @@ class EncoderCudaGraph:
         key_specs = tuple(specs)
 
         if not self._enabled:
-            return self._eager(inputs, _INELIGIBLE, "disabled", describe_key(key_specs, device, None))
+            return self._eager(
+                inputs, _INELIGIBLE, "disabled", describe_key(key_specs, device, None)
+            )
         if device is None:
-            return self._eager(inputs, _INELIGIBLE, "no_tensors", describe_key(key_specs, None, None))
+            return self._eager(
+                inputs, _INELIGIBLE, "no_tensors", describe_key(key_specs, None, None)
+            )
         if mixed:
-            return self._eager(inputs, _INELIGIBLE, "mixed_devices", describe_key(key_specs, None, None))
+            return self._eager(
+                inputs, _INELIGIBLE, "mixed_devices", describe_key(key_specs, None, None)
+            )
         backend = self.backend
         if not backend.is_graph_device(device):
-            return self._eager(inputs, _INELIGIBLE, device.type, describe_key(key_specs, device, None))
+            return self._eager(
+                inputs, _INELIGIBLE, device.type, describe_key(key_specs, device, None)
+            )
         if not strided:
             return self._eager(inputs, _INELIGIBLE, "layout", describe_key(key_specs, device, None))
         if torch.is_grad_enabled():
             return self._eager(inputs, _INELIGIBLE, "grad", describe_key(key_specs, device, None))
         if torch.is_autocast_enabled(device.type):
-            return self._eager(inputs, _INELIGIBLE, "autocast", describe_key(key_specs, device, None))
+            return self._eager(
+                inputs, _INELIGIBLE, "autocast", describe_key(key_specs, device, None)
+            )
         if backend.is_capturing(device):
-            return self._eager(inputs, _INELIGIBLE, "capturing", describe_key(key_specs, device, None))
+            return self._eager(
+                inputs, _INELIGIBLE, "capturing", describe_key(key_specs, device, None)
+            )
 
         stream = backend.stream_id(device)
         key = (device, stream, key_specs)
+        miss: tuple[MissReason, str, str] | None = None
         with self._lock:
             entry = self._graphs.get(key)
             if entry is None:
@@ -250,7 +263,7 @@ class EncoderCudaGraph:
                     self.name, entry.key_text, _mono(), _epoch(), _perf() - start
                 )
                 self._fold.fold(event)
-        if entry is None:
+        if miss is not None:
             # Eager work runs outside the lock: other threads' hits need not wait for it.
             return self._eager(inputs, *miss)
         bus = self._bus
@@ -279,7 +292,13 @@ class EncoderCudaGraph:
             free = decision.free_bytes if decision.free_bytes is not None else 0
             self._emit(
                 MemoryDeferred(
-                    self.name, key_text, _mono(), _epoch(), free, self.config.min_free_bytes, str(device)
+                    self.name,
+                    key_text,
+                    _mono(),
+                    _epoch(),
+                    free,
+                    self.config.min_free_bytes,
+                    str(device),
                 )
             )
             return None, (MissReason.MEMORY, "floor", key_text)
@@ -342,7 +361,5 @@ class EncoderCudaGraph:
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
         out = graph.replay(inputs)
-        self._emit(
-            GraphReplayed(self.name, key_text, _mono(), _epoch(), _perf() - replay_start)
-        )
+        self._emit(GraphReplayed(self.name, key_text, _mono(), _epoch(), _perf() - replay_start))
         return out

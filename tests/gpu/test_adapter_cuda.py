@@ -67,7 +67,9 @@ def test_outputs_match_eager_and_capture_happens_on_the_second_call(bus: EventBu
     assert captured.device == "cuda:0"
     assert captured.stream == torch.cuda.current_stream().cuda_stream
     assert captured.static_bytes == 2 * x.nbytes
-    print(f"\ncapture took {captured.duration_s * 1e3:.1f} ms, pool grew {captured.bytes_reserved} B")
+    print(
+        f"\ncapture took {captured.duration_s * 1e3:.1f} ms, pool grew {captured.bytes_reserved} B"
+    )
 
 
 def test_vision_mask_and_audio_encoder_match_eager(bus: EventBus) -> None:
@@ -96,7 +98,9 @@ def test_cap_of_four_without_eviction(bus: EventBus) -> None:
     """Four shapes are captured; a fifth stays eager from its first call on."""
     model = vision()
     graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
-    inputs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (16, 32, 48, 64, 80)]
+    inputs = [
+        torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (16, 32, 48, 64, 80)
+    ]
     for x in inputs[:4]:
         graph(x)
         graph(x)
@@ -119,7 +123,7 @@ def test_retained_outputs_survive_later_replays(bus: EventBus) -> None:
     graph(xs[0])
     kept = [graph(x) for x in xs]  # capture, then three hits into the same static buffers
     expected = [model(x) for x in xs]
-    for out, ref in zip(kept, expected):
+    for out, ref in zip(kept, expected, strict=True):
         torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
     assert len({k.data_ptr() for k in kept}) == 4
 
@@ -128,7 +132,9 @@ def _capture_four(share: bool) -> tuple[set[int], int]:
     model = vision()
     bus = EventBus()
     graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(share_pools=share), bus=bus)
-    xs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (256, 512, 768, 1024)]
+    xs = [
+        torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (256, 512, 768, 1024)
+    ]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
@@ -173,7 +179,10 @@ def test_replay_streams_are_isolated(bus: EventBus) -> None:
             out = graph(x)
         torch.cuda.current_stream().wait_stream(side)
     captures = [e for e in events if isinstance(e, GraphCaptured)]
-    assert [c.stream for c in captures] == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
+    assert [c.stream for c in captures] == [
+        torch.cuda.current_stream().cuda_stream,
+        side.cuda_stream,
+    ]
     assert captures[0].pool_id != captures[1].pool_id
     assert captures[0].capture_stream != captures[1].capture_stream
     torch.testing.assert_close(out, model(x), rtol=1.6e-2, atol=1e-2)
@@ -190,7 +199,7 @@ def test_real_memory_floor_defers_capture(bus: EventBus) -> None:
             out = graph(x)
     deferrals = [e for e in events if isinstance(e, MemoryDeferred)]
     assert len(deferrals) == 3
-    free, total = torch.cuda.mem_get_info()
+    _, total = torch.cuda.mem_get_info()
     assert 0 < deferrals[0].free_bytes <= total
     assert deferrals[0].floor_bytes == huge
     assert graph.get_cumulative_stats()["memory_misses"] == 3
@@ -209,7 +218,9 @@ def test_grad_autocast_and_enforce_eager_stay_eager(bus: EventBus) -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graph(x)
         graph(x)
-    eager_cfg = EncoderGraphConfig.from_hf_overrides({"encoder_cuda_graph": True}, enforce_eager=True)
+    eager_cfg = EncoderGraphConfig.from_hf_overrides(
+        {"encoder_cuda_graph": True}, enforce_eager=True
+    )
     eager = EncoderCudaGraph(model, name="eager", config=eager_cfg, bus=bus)
     eager(x)
     eager(x)
@@ -235,7 +246,8 @@ CAPTURE_FAILURE_SCRIPT = textwrap.dedent(
         return y
 
     bus = EventBus()
-    graph = EncoderCudaGraph(forward, name="vision", config=EncoderGraphConfig(min_free_bytes=0), bus=bus)
+    config = EncoderGraphConfig(min_free_bytes=0)
+    graph = EncoderCudaGraph(forward, name="vision", config=config, bus=bus)
     x = torch.ones(4, device="cuda")
     result = {}
     with torch.no_grad(), capture_events(bus) as events:

@@ -233,7 +233,7 @@ def _ineligible(graph: EncoderCudaGraph, bus: EventBus, call: Callable[[], objec
 
 def test_ineligible_calls_run_eagerly_with_a_detail(bus: EventBus) -> None:
     """No tensors, grad, autocast, capturing, sparse layout and mixed devices stay eager."""
-    graph, model, backend = make(bus)
+    graph, _, backend = make(bus)
     x = torch.randn(2, 8)
     details = []
     details.append(_ineligible(graph, bus, lambda: graph(None)))
@@ -315,19 +315,23 @@ def test_nested_call_during_capture_is_ineligible(bus: EventBus) -> None:
     backend = SimulatedGraphBackend()
     inner_model = Counting()
     inner = EncoderCudaGraph(inner_model, name="inner", config=CFG, bus=bus, backend=backend)
-    outer = EncoderCudaGraph(lambda x: inner(x) * 2, name="outer", config=CFG, bus=bus, backend=backend)
+    outer = EncoderCudaGraph(
+        lambda x: inner(x) * 2, name="outer", config=CFG, bus=bus, backend=backend
+    )
     x = torch.randn(2, 8)
     with capture_events(bus) as events:
         outer(x)
         outer(x)
-    inner_details = [e.detail for e in events if isinstance(e, GraphMissed) and e.adapter == "inner"]
+    inner_details = [
+        e.detail for e in events if isinstance(e, GraphMissed) and e.adapter == "inner"
+    ]
     assert "capturing" in inner_details
 
 
 def test_capture_failure_is_fatal_and_keeps_the_original_exception(bus: EventBus) -> None:
     """The capture's own exception propagates; later calls raise without running anything."""
     boom = RuntimeError("operation not permitted when stream is capturing")
-    graph, model, backend = make(bus, backend=SimulatedGraphBackend(fail_on_capture=boom))
+    graph, model, _ = make(bus, backend=SimulatedGraphBackend(fail_on_capture=boom))
     x = torch.randn(2, 8)
     graph(x)
     with capture_events(bus) as events, pytest.raises(RuntimeError) as info:
@@ -395,7 +399,9 @@ def test_optional_none_input_is_part_of_the_key(bus: EventBus) -> None:
 
 def test_dtype_is_part_of_the_key(bus: EventBus) -> None:
     """Same shape, other dtype: another key."""
-    graph = EncoderCudaGraph(lambda x: x * 2, name="d", config=CFG, bus=bus, backend=SimulatedGraphBackend())
+    graph = EncoderCudaGraph(
+        lambda x: x * 2, name="d", config=CFG, bus=bus, backend=SimulatedGraphBackend()
+    )
     for dtype in (torch.float32, torch.float64):
         graph(torch.ones(2, dtype=dtype))
         graph(torch.ones(2, dtype=dtype))
@@ -493,7 +499,9 @@ def test_every_call_produces_exactly_one_hit_or_miss(bus: EventBus) -> None:
 
 def test_adapter_without_bus_still_keeps_stats() -> None:
     """With no bus the adapter's own fold still counts."""
-    graph = EncoderCudaGraph(lambda x: x + 1, name="solo", config=CFG, backend=SimulatedGraphBackend())
+    graph = EncoderCudaGraph(
+        lambda x: x + 1, name="solo", config=CFG, backend=SimulatedGraphBackend()
+    )
     x = torch.zeros(2)
     for _ in range(3):
         graph(x)

@@ -25,8 +25,15 @@ _stream_ids = itertools.count(1_000_001)
 class SimulatedGraph:
     """Static buffers around a forward that is re-run on every replay."""
 
-    __slots__ = ("_backend", "_forward", "_spec", "_static_inputs", "_static_outputs",
-                 "bytes_reserved", "static_bytes")
+    __slots__ = (
+        "_backend",
+        "_forward",
+        "_spec",
+        "_static_inputs",
+        "_static_outputs",
+        "bytes_reserved",
+        "static_bytes",
+    )
 
     def __init__(
         self,
@@ -48,11 +55,11 @@ class SimulatedGraph:
         )
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        for static, value in zip(self._static_inputs, inputs):
+        for static, value in zip(self._static_inputs, inputs, strict=True):
             if static is not None:
                 static.copy_(value)  # type: ignore[arg-type]
         leaves, _ = flatten_outputs(self._forward(*self._static_inputs))
-        for dst, src in zip(self._static_outputs, leaves):
+        for dst, src in zip(self._static_outputs, leaves, strict=True):
             dst.copy_(src)
         self._backend.replays += 1
         return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])
@@ -156,7 +163,7 @@ class SimulatedGraphBackend:
             if isinstance(failure, type) and issubclass(failure, BaseException):
                 raise failure("simulated CUDA graph capture failure")
             captured, _ = flatten_outputs(forward(*static_inputs))
-            for dst, src in zip(static_outputs, captured):
+            for dst, src in zip(static_outputs, captured, strict=True):
                 dst.copy_(src)
         self.captures += 1
         self.free_bytes = max(0, self.free_bytes - self.graph_bytes)

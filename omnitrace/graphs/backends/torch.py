@@ -55,7 +55,7 @@ class TorchCudaGraph:
         return self._replay(inputs)
 
     def _replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        for static, value in zip(self._static_inputs, inputs):
+        for static, value in zip(self._static_inputs, inputs, strict=True):
             if static is not None:
                 static.copy_(value)  # type: ignore[arg-type]
         self._graph.replay()
@@ -95,7 +95,7 @@ class TorchGraphBackend:
         return torch.cuda.graph_pool_handle()
 
     def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
-        stream = torch.cuda.Stream(device=device)
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return stream, int(stream.cuda_stream)
 
     def capture(
@@ -121,7 +121,9 @@ class TorchGraphBackend:
         replay_stream = torch.cuda.current_stream(device)
         # Static inputs are ordinary allocations on the replay stream, outside the pool.
         static_inputs = [
-            None if x is None else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+            None
+            if x is None
+            else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
             for x in inputs
         ]
         # The capture stream must not start until earlier replays and output clones on the
@@ -153,7 +155,7 @@ class TorchGraphBackend:
                             "encoder returned a different output structure during capture "
                             "than during warm-up"
                         )
-                    for dst, src in zip(static_outputs, out_leaves):
+                    for dst, src in zip(static_outputs, out_leaves, strict=True):
                         dst.copy_(src)
                     del out, out_leaves
                 except BaseException as exc:
