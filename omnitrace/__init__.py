@@ -22,7 +22,6 @@ from omnitrace.stats import STATS_KEYS, AdapterStats, StatsFold, derive_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "STATS_KEYS",
     "AdapterStats",
     "BusStatistics",
     "CaptureFailed",
@@ -38,6 +37,7 @@ __all__ = [
     "MemoryDeferred",
     "MissReason",
     "OmnitraceError",
+    "STATS_KEYS",
     "Sink",
     "SinkStatistics",
     "StatsFold",
