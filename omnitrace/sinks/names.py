@@ -25,7 +25,7 @@ class MetricName:
 
     otel: str
     kind: str
-    """counter, histogram, gauge (observable) or updowncounter."""
+    """counter, histogram, gauge (observable) or updowncounter, as Prometheus types it."""
     unit: str
     description: str
     attributes: tuple[str, ...]
@@ -51,7 +51,18 @@ class ATTR:
     GRAPH_INDEX = "omnitrace.graph.index"
     FREE_BYTES = "omnitrace.memory.free_bytes"
     FLOOR_BYTES = "omnitrace.memory.floor_bytes"
+    DTYPE = "omnitrace.graph.dtype"
+    """Distinct dtypes of the key's tensor inputs, in input order, comma-separated."""
+    SHAPES = "omnitrace.graph.shapes"
+    """One ``[d0,d1,...]`` (or ``None``) per positional input, parsed from the key text."""
     ERROR_TYPE = "error.type"  # OTel semantic convention
+    EXCEPTION_TYPE = "exception.type"  # OTel semantic convention (exception event)
+    EXCEPTION_MESSAGE = "exception.message"  # OTel semantic convention (exception event)
+    # Resource attributes (not per span or metric point): which worker of a distributed job.
+    SERVICE_NAME = "service.name"
+    PROCESS_PID = "process.pid"
+    RANK = "omnitrace.worker.rank"
+    LOCAL_RANK = "omnitrace.worker.local_rank"
 
 
 class SPANS:
@@ -60,59 +71,87 @@ class SPANS:
     CAPTURE = "omnitrace.graph.capture"
     MEMORY_DEFERRAL = "omnitrace.graph.memory_deferral"
     CAPTURE_FAILURE = "omnitrace.graph.capture"  # same operation, ERROR status
+    EXCEPTION_EVENT = "exception"  # span event name the OTel semantic conventions fix
 
 
-def _metric(
-    otel: str, kind: str, unit: str, description: str, attributes: tuple[str, ...], prometheus: str
-) -> MetricName:
-    return MetricName(otel, kind, unit, description, attributes, prometheus)
-
-
+# Every counter is an observable counter that reads the bus's stats fold, so its value is the
+# stats dict's value exactly. The Prometheus names follow the exporter's translation (a unit in
+# braces is an annotation and adds no suffix, counters gain _total, seconds gain _seconds) and
+# a test scrapes a real exporter to hold them to it.
 METRICS: dict[str, MetricName] = {
-    "hits": _metric(
-        "omnitrace.encoder.graph.hits", "counter", "{call}",
-        "Encoder calls served by a CUDA graph replay (capturing calls included).",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_hits_total",
+    "hits": MetricName(
+        otel="omnitrace.encoder.graph.hits",
+        kind="counter",
+        unit="{call}",
+        description="Encoder calls served by a CUDA graph replay (capturing calls included).",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_hits_total",
     ),
-    "misses": _metric(
-        "omnitrace.encoder.graph.misses", "counter", "{call}",
-        "Encoder calls that ran eagerly, by reason (ineligible, capacity, warmup, memory).",
-        (ATTR.ENCODER, ATTR.MISS_REASON), "omnitrace_encoder_graph_misses_total",
+    "misses": MetricName(
+        otel="omnitrace.encoder.graph.misses",
+        kind="counter",
+        unit="{call}",
+        description=(
+            "Encoder calls that ran eagerly, by reason (ineligible, capacity, warmup, memory)."
+        ),
+        attributes=(ATTR.ENCODER, ATTR.MISS_REASON),
+        prometheus="omnitrace_encoder_graph_misses_total",
     ),
-    "captures": _metric(
-        "omnitrace.encoder.graph.captures", "counter", "{graph}",
-        "CUDA graphs captured.",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_captures_total",
+    "captures": MetricName(
+        otel="omnitrace.encoder.graph.captures",
+        kind="counter",
+        unit="{graph}",
+        description="CUDA graphs captured.",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_captures_total",
     ),
-    "capture_failures": _metric(
-        "omnitrace.encoder.graph.capture_failures", "counter", "{failure}",
-        "CUDA graph captures that failed; the adapter is terminal after one.",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_capture_failures_total",
+    "capture_failures": MetricName(
+        otel="omnitrace.encoder.graph.capture_failures",
+        kind="counter",
+        unit="{failure}",
+        description="CUDA graph captures that failed; the adapter is terminal after one.",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_capture_failures_total",
     ),
-    "memory_deferrals": _metric(
-        "omnitrace.encoder.graph.memory_deferrals", "counter", "{deferral}",
-        "Captures deferred because device-free memory was under the floor.",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_memory_deferrals_total",
+    "memory_deferrals": MetricName(
+        otel="omnitrace.encoder.graph.memory_deferrals",
+        kind="counter",
+        unit="{deferral}",
+        description="Captures deferred because device-free memory was under the floor.",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_memory_deferrals_total",
     ),
-    "graphs": _metric(
-        "omnitrace.encoder.graph.graphs", "gauge", "{graph}",
-        "CUDA graphs held by the encoder adapter.",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_graphs",
+    "graphs": MetricName(
+        otel="omnitrace.encoder.graph.graphs",
+        kind="gauge",
+        unit="{graph}",
+        description="CUDA graphs held by the encoder adapter.",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_graphs",
     ),
-    "max_graphs": _metric(
-        "omnitrace.encoder.graph.max_graphs", "gauge", "{graph}",
-        "Graph cap of the encoder adapter (max_graphs).",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_max_graphs",
+    "max_graphs": MetricName(
+        otel="omnitrace.encoder.graph.max_graphs",
+        kind="gauge",
+        unit="{graph}",
+        description="Graph cap of the encoder adapter (max_graphs).",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_max_graphs",
     ),
-    "capture_duration": _metric(
-        "omnitrace.encoder.graph.capture.duration", "histogram", "s",
-        "Host wall time of warm-up plus capture.",
-        (ATTR.ENCODER,), "omnitrace_encoder_graph_capture_duration_seconds",
+    "capture_duration": MetricName(
+        otel="omnitrace.encoder.graph.capture.duration",
+        kind="histogram",
+        unit="s",
+        description="Host wall time of warm-up plus capture.",
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_capture_duration_seconds",
     ),
-    "bus_dropped": _metric(
-        "omnitrace.bus.dropped", "counter", "{event}",
-        "Events a sink lost because its queue was full or it was disabled.",
-        (ATTR.SINK,), "omnitrace_bus_dropped_total",
+    "bus_dropped": MetricName(
+        otel="omnitrace.bus.dropped",
+        kind="counter",
+        unit="{event}",
+        description="Events a sink lost because its queue was full or it was disabled.",
+        attributes=(ATTR.SINK,),
+        prometheus="omnitrace_bus_dropped_total",
     ),
 }
 
