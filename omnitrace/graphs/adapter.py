@@ -208,7 +208,7 @@ class EncoderCudaGraph:
                     f"encoder graph {self.name!r} takes tensors or None as positional inputs; "
                     f"input {index} is a {type(x).__name__}"
                 )
-            specs.append((tuple(x.shape), x.dtype))
+            specs.append((x.shape, x.dtype))  # torch.Size is a hashable tuple
             if device is None:
                 device = x.device
             elif x.device != device:

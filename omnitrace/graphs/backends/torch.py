@@ -11,6 +11,8 @@ from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
 
 __all__ = ["TorchCudaGraph", "TorchGraphBackend"]
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 class TorchCudaGraph:
     """A captured ``torch.cuda.CUDAGraph`` with static inputs and outputs.
@@ -86,6 +88,10 @@ class TorchGraphBackend:
         return torch.cuda.is_current_stream_capturing()
 
     def stream_id(self, device: torch.device) -> int:
+        # The raw-pointer query skips building a Stream object: this runs on every call.
+        if _raw_stream is not None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(_raw_stream(index))
         return int(torch.cuda.current_stream(device).cuda_stream)
 
     def device_free_bytes(self, device: torch.device) -> int:
