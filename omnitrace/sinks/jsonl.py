@@ -197,6 +197,8 @@ class JsonlSink:
         backups: rotated files to keep (``path.1`` is the newest); 0 truncates instead.
         bus: when given, the adapters it registered (graph cap, memory floor) are written
             as ``AdapterInfo`` lines, so a reader of the log can show them too.
+        fresh: delete an existing log and its rotated files first (default: append, so a
+            restarted worker continues its log).
 
     Raises:
         ConfigError: ``max_bytes`` or ``backups`` is negative, or the rank variable is bad.
@@ -211,6 +213,7 @@ class JsonlSink:
         max_bytes: int = 64 << 20,
         backups: int = 3,
         bus: _AdapterSource | None = None,
+        fresh: bool = False,
     ) -> None:
         for label, value in (("max_bytes", max_bytes), ("backups", backups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -226,6 +229,9 @@ class JsonlSink:
         self._described: set[str] = set()
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            for old in _rotated_files(self.path):
+                old.unlink(missing_ok=True)
         self._file: IO[bytes] | None = self._open()
 
     def _open(self) -> IO[bytes]:

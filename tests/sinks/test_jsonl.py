@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ EVENTS: list[Event] = [
 ]
 
 
-def _write(path: Path, events: list[Event], **kwargs: int) -> JsonlSink:
+def _write(path: Path, events: list[Event], **kwargs: Any) -> JsonlSink:
     sink = JsonlSink(path, **kwargs)
     try:
         sink.handle(events)
@@ -267,3 +268,18 @@ def test_missing_log_is_file_not_found(tmp_path: Path) -> None:
     """Reading a log that does not exist says where it looked."""
     with pytest.raises(FileNotFoundError, match="no event log at"):
         list(read_events(tmp_path / "nope.jsonl"))
+
+
+def test_fresh_sink_replaces_the_log_and_its_backups(tmp_path: Path) -> None:
+    """fresh=True starts an empty log, removing rotated files of an earlier run."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=300, backups=2)
+    try:
+        for event in EVENTS:
+            sink.handle([event])
+    finally:
+        sink.close()
+    assert (tmp_path / "events.jsonl.1").exists()
+    _write(path, EVENTS[:1], fresh=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl"]
+    assert list(read_events(path)) == EVENTS[:1]

@@ -1,0 +1,373 @@
+"""Run MiniCPM-o-shaped encoders under graph adapters, with every sink attached.
+
+On a CUDA machine the encoders run in bf16 on the real graph backend; without one they run
+on the CPU under :class:`~omnitrace.testing.SimulatedGraphBackend`, which reproduces the
+admission logic, the events and the sinks but not the speed-up (a simulated "replay" runs
+the forward again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from omnitrace.bus import EventBus
+from omnitrace.config import EncoderGraphConfig
+from omnitrace.demo.encoders import MEL_BINS, AudioEncoder, EncoderGeometry, VisionEncoder
+from omnitrace.demo.traffic import Request, TrafficMix
+from omnitrace.graphs.adapter import EncoderCudaGraph
+from omnitrace.graphs.backends.base import GraphBackend
+from omnitrace.sinks.jsonl import JsonlSink
+from omnitrace.sinks.live import BusBoard, LiveView
+from omnitrace.sinks.logs import LogSink
+from omnitrace.testing import SimulatedGraphBackend
+
+__all__ = ["DemoOptions", "DemoResult", "run_demo"]
+
+MiB = 1 << 20
+#: Share of the run after which the burst of new shapes starts.
+BURST_AT = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``omnitrace demo`` runs (see ``omnitrace demo --help``)."""
+
+    config: EncoderGraphConfig = field(default_factory=EncoderGraphConfig)
+    requests: int = 400
+    duration_s: float | None = None
+    seed: int = 0
+    hidden: int = 64
+    heads: int = 4
+    vision_layers: int = 2
+    audio_layers: int = 2
+    events_log: Path = Path("omnitrace-events.jsonl")
+    tui: bool = False
+    rate: float | None = None
+    """Requests per second (None: as fast as the encoders go)."""
+    log_sample_every: int = 1
+    sim_free_mib: int = 1624
+    sim_graph_mib: int = 96
+    fail_capture: str | None = None
+    """Simulated only: make this encoder's captures fail, to see the failure path."""
+    force_cpu: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """The final numbers of a demo run."""
+
+    encoders: dict[str, dict[str, int | float]]
+    max_graphs: dict[str, int]
+    requests: int
+    streaming_eager_calls: int
+    calls_after_failure: int
+    elapsed_s: float
+    emitted: int
+    dropped: int
+    backend: str
+    device: str
+    dtype: str
+    events_log: str
+    otlp_endpoint: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the summary as plain JSON data."""
+        return {
+            "encoders": {
+                name: {**stats, "calls": int(stats["graph_hits"] + stats["graph_misses"])}
+                for name, stats in self.encoders.items()
+            },
+            "max_graphs": self.max_graphs,
+            "requests": self.requests,
+            "streaming_eager_calls": self.streaming_eager_calls,
+            "calls_after_failure": self.calls_after_failure,
+            "elapsed_s": self.elapsed_s,
+            "bus": {"emitted": self.emitted, "dropped": self.dropped},
+            "backend": self.backend,
+            "device": self.device,
+            "dtype": self.dtype,
+            "events_log": self.events_log,
+            "otlp_endpoint": self.otlp_endpoint,
+        }
+
+
+def _geometry(hidden: int, heads: int, layers: int) -> EncoderGeometry:
+    return EncoderGeometry(hidden=hidden, layers=layers, heads=heads, mlp=4 * hidden)
+
+
+@contextlib.contextmanager
+def _otlp_export(bus: EventBus, say: Callable[[str], None]) -> Iterator[str | None]:
+    """Attach the OTel sink when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; shut it down after."""
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None
+    if endpoint is None:
+        yield None
+        return
+    # Imported here: the OTel SDK and exporters are only needed when exporting.
+    from omnitrace.sinks.otel import OTelSink, configure_sdk
+
+    setup = configure_sdk(service_name="omnitrace-demo")
+    say(f"exporting spans and metrics over OTLP to {endpoint}")
+    try:
+        bus.add_sink(
+            OTelSink(
+                bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
+            )
+        )
+        yield endpoint
+    finally:
+        # The bus is closed first (inside the block), so every span has been handed over.
+        setup.shutdown()
+
+
+class _Encoders:
+    """The two models, their adapters and the inputs the traffic asks for."""
+
+    def __init__(
+        self,
+        options: DemoOptions,
+        bus: EventBus,
+        device: torch.device,
+        dtype: torch.dtype,
+        backends: dict[str, GraphBackend | None],
+    ) -> None:
+        torch.manual_seed(options.seed)
+        self.hidden = options.hidden
+        self.device = device
+        self.dtype = dtype
+        vision_geometry = _geometry(options.hidden, options.heads, options.vision_layers)
+        audio_geometry = _geometry(options.hidden, options.heads, options.audio_layers)
+        self.vision_model = VisionEncoder(vision_geometry).to(device, dtype).eval()
+        self.audio_model = AudioEncoder(audio_geometry).to(device, dtype).eval()
+        self.vision = EncoderCudaGraph(
+            self.vision_model,
+            name="vision",
+            config=options.config,
+            bus=bus,
+            backend=backends["vision"],
+        )
+        self.audio = EncoderCudaGraph(
+            self.audio_model,
+            name="audio",
+            config=options.config,
+            bus=bus,
+            backend=backends["audio"],
+        )
+        self.streaming_calls = 0
+        self.after_failure = 0
+        self._generator = torch.Generator(device="cpu").manual_seed(options.seed)
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self._generator).to(self.device, self.dtype)
+
+    def serve(self, request: Request) -> Any:
+        """Run one request and return the encoder output."""
+        if request.kind == "streaming":
+            # MiniCPM-o's streaming audio path is stateful (KV-cached across chunks): it calls
+            # the encoder directly and never goes through the graph adapter.
+            self.streaming_calls += 1
+            return self.audio_model(self._randn(request.batch, MEL_BINS, request.length))
+        model: torch.nn.Module
+        if request.kind == "audio":
+            adapter, model = self.audio, self.audio_model
+            inputs: tuple[torch.Tensor | None, ...] = (
+                self._randn(request.batch, MEL_BINS, request.length),
+            )
+        else:
+            adapter, model = self.vision, self.vision_model
+            hidden = self._randn(request.batch, request.length, self.hidden)
+            mask = None
+            if request.masked:
+                # The second slice is padded: its last quarter of keys is masked out.
+                mask = torch.ones(
+                    request.batch, 1, request.length, request.length, dtype=torch.bool
+                )
+                mask[1:, :, :, (3 * request.length) // 4 :] = False
+                mask = mask.to(self.device)
+            inputs = (hidden, mask)
+        if adapter.terminal:
+            # A real worker would now restart (optionally with graphs disabled); the demo
+            # keeps serving eagerly outside the adapter and counts these calls.
+            self.after_failure += 1
+            return model(*inputs)
+        try:
+            return adapter(*inputs)
+        except Exception:
+            # The capture failure itself propagates out of the capturing call (the fatal
+            # contract); the demo records it and carries on without graphs for this encoder.
+            if not adapter.terminal:
+                raise
+            self.after_failure += 1
+            return model(*inputs)
+
+
+def _pick_device(options: DemoOptions) -> tuple[torch.device, torch.dtype, bool]:
+    if torch.cuda.is_available() and not options.force_cpu:
+        return torch.device("cuda"), torch.bfloat16, False
+    return torch.device("cpu"), torch.float32, True
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    console: Console,
+    say: Callable[[str], None],
+) -> DemoResult:
+    """Run the demo traffic through both encoder adapters and return the final stats.
+
+    Args:
+        options: sizes, traffic, config and outputs.
+        console: where the live view or the progress bar draws.
+        say: prints one status line (device choice, where outputs go).
+    """
+    device, dtype, simulated = _pick_device(options)
+    backends: dict[str, GraphBackend | None]
+    if simulated:
+        say(
+            "no CUDA device: running on the CPU with the simulated graph backend "
+            "(admission, events and sinks are real; replays are not faster)"
+        )
+        shared = SimulatedGraphBackend(
+            free_bytes=options.sim_free_mib * MiB, graph_bytes=options.sim_graph_mib * MiB
+        )
+        backends = {"vision": shared, "audio": shared}
+        if options.fail_capture is not None:
+            backends[options.fail_capture] = SimulatedGraphBackend(fail_on_capture=True)
+        backend_name = "simulated"
+    else:
+        backends = {"vision": None, "audio": None}
+        backend_name = "torch"
+
+    with _cpu_threads(1 if simulated else None):
+        return _run(options, console, say, device, dtype, backends, backend_name)
+
+
+@contextlib.contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads, restoring the previous count afterwards."""
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    # The demo's CPU matrices are tiny: extra intra-op threads cost more in spinning and
+    # handoff than they save, and on a small shared machine they slow the run several-fold.
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(
+    options: DemoOptions,
+    console: Console,
+    say: Callable[[str], None],
+    device: torch.device,
+    dtype: torch.dtype,
+    backends: dict[str, GraphBackend | None],
+    backend_name: str,
+) -> DemoResult:
+    bus = EventBus()
+    # A fresh log per run, so the log holds exactly this run's events.
+    jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
+    say(f"writing the event log to {jsonl.path.resolve()}")
+    streaming = [0]
+    after_failure = [0]
+    try:
+        bus.add_sink(LogSink(sample_every=options.log_sample_every))
+        bus.add_sink(jsonl)
+        board = BusBoard(
+            bus,
+            title=f"omnitrace demo · {backend_name} backend on {device.type}",
+            footer=lambda: [
+                f"streaming audio  {streaming[0]} eager calls (stateful, never graphed)",
+                *(
+                    [f"after capture failure  {after_failure[0]} calls served eagerly"]
+                    if after_failure[0]
+                    else []
+                ),
+            ],
+        )
+        with _otlp_export(bus, say) as endpoint:
+            encoders = _Encoders(options, bus, device, dtype, backends)
+            start = time.monotonic()
+            served = 0
+            with _progress(options, console, board) as advance, torch.no_grad():
+                mix = TrafficMix(options.seed)
+                total = options.requests or None
+                while total is None or served < total:
+                    elapsed = time.monotonic() - start
+                    if options.duration_s is not None and elapsed >= options.duration_s:
+                        break
+                    burst = (total is not None and served >= BURST_AT * total) or (
+                        options.duration_s is not None and elapsed >= BURST_AT * options.duration_s
+                    )
+                    encoders.serve(mix.next(burst=burst))
+                    served += 1
+                    streaming[0] = encoders.streaming_calls
+                    after_failure[0] = encoders.after_failure
+                    advance()
+                    if options.rate:
+                        delay = start + served / options.rate - time.monotonic()
+                        if delay > 0:
+                            time.sleep(delay)
+                    if device.type == "cuda" and served % 64 == 0:
+                        torch.cuda.synchronize()
+            elapsed = time.monotonic() - start
+            bus.close()
+        statistics = bus.statistics()
+    finally:
+        bus.close()
+        jsonl.close()
+    return DemoResult(
+        encoders={
+            "vision": encoders.vision.get_cumulative_stats(),
+            "audio": encoders.audio.get_cumulative_stats(),
+        },
+        max_graphs={"vision": options.config.max_graphs, "audio": options.config.max_graphs},
+        requests=served,
+        streaming_eager_calls=encoders.streaming_calls,
+        calls_after_failure=encoders.after_failure,
+        elapsed_s=elapsed,
+        emitted=statistics.emitted,
+        dropped=statistics.dropped,
+        backend=backend_name,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        events_log=str(jsonl.path),
+        otlp_endpoint=endpoint,
+    )
+
+
+@contextlib.contextmanager
+def _progress(
+    options: DemoOptions, console: Console, board: BusBoard
+) -> Iterator[Callable[[], None]]:
+    """Show the live view, or a progress bar on a terminal, and yield a per-request tick."""
+    if options.tui:
+        with LiveView(board, console=console):
+            yield lambda: None
+        return
+    if not console.is_terminal:
+        yield lambda: None
+        return
+    progress = Progress(
+        TextColumn("demo traffic"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("requests", total=options.requests or None)
+        yield lambda: progress.advance(task)
