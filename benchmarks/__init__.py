@@ -1,0 +1,1 @@
+"""Benchmarks for omnitrace: plain scripts behind one runner (``python -m benchmarks.run``)."""

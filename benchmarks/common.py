@@ -1,0 +1,297 @@
+"""Shared plumbing for the benchmark scripts: run context, timing, statistics, targets, JSON.
+
+Every benchmark module exposes ``NAME``, ``NEEDS_CUDA`` and ``run(ctx) -> dict``; it may also
+expose ``plot(result, out_dir, plt) -> list[Path]``. The runner (``benchmarks.run``) adds the
+environment, writes ``<out>/<NAME>.json`` and draws the plots; ``benchmarks.report`` turns
+the JSON files into the markdown tables of ``BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "SCALES",
+    "Context",
+    "CudaUnavailableError",
+    "cuda_status",
+    "environment",
+    "free_cuda_memory",
+    "summarize",
+    "target",
+    "time_per_call",
+    "write_json",
+]
+
+T = TypeVar("T")
+
+#: Run sizes: ``full`` for the real report, ``quick`` for a short look, ``tiny`` for CI.
+SCALES = ("full", "quick", "tiny")
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class CudaUnavailableError(RuntimeError):
+    """A benchmark that measures CUDA was asked to run on a machine without a usable GPU."""
+
+
+@dataclass
+class Context:
+    """What a benchmark needs to know about this run.
+
+    Args:
+        scale: ``full``, ``quick`` or ``tiny`` (see :data:`SCALES`).
+        out_dir: where JSON results and plots go.
+        cuda: whether a usable CUDA device is present.
+        simulate: run the CUDA benchmarks on CPU with the simulated backend and tiny
+            encoders; it checks the plumbing only, and every number it produces is
+            meaningless (results say ``"simulated": true``).
+    """
+
+    scale: str = "full"
+    out_dir: Path = field(default_factory=lambda: Path("bench-results"))
+    cuda: bool = False
+    simulate: bool = False
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
+    deadline: float = math.inf
+    """``time.monotonic()`` by which the whole run should be done (the runner sets it)."""
+
+    def __post_init__(self) -> None:
+        if self.scale not in SCALES:
+            raise ValueError(f"scale: expected one of {', '.join(SCALES)}, got {self.scale!r}")
+
+    def pick(self, full: T, quick: T, tiny: T) -> T:
+        """Return the value for this run's scale."""
+        return {"full": full, "quick": quick, "tiny": tiny}[self.scale]
+
+    def remaining(self) -> float:
+        """Seconds left before the run's deadline."""
+        return self.deadline - time.monotonic()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda") if self.cuda and not self.simulate else torch.device("cpu")
+
+    def sync(self) -> None:
+        """Wait for the device (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Return whether CUDA is usable here, and why not if it is not."""
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "none (CPU-only build)"
+        return (
+            False,
+            f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})",
+        )
+    try:
+        x = torch.ones(4, device="cuda")
+        torch.cuda.synchronize()
+        if float(x.sum()) != 4.0:
+            return False, "a CUDA smoke test computed a wrong result"
+    except Exception as exc:
+        return False, f"a CUDA smoke test failed: {type(exc).__name__}: {exc}"
+    return True, torch.cuda.get_device_name()
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def environment(command: str | None = None) -> dict[str, Any]:
+    """Describe the machine, the software and the command line of this run."""
+    import omnitrace
+
+    env: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv) if command is None else command,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "omnitrace": omnitrace.__version__,
+        "git_commit": _git_commit(),
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_bytes"] = int(props.total_memory)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["driver"] = _driver_version()
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
+
+
+# -- statistics --------------------------------------------------------------------------
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    # Linear interpolation between closest ranks, like numpy's default.
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(samples_s: Iterable[float], *, scale: float = 1e6) -> dict[str, float | int]:
+    """Return median, p10, p90, mean and min of ``samples_s`` (seconds), times ``scale``.
+
+    The default scale reports microseconds.
+    """
+    ordered = sorted(float(s) * scale for s in samples_s)
+    if not ordered:
+        raise ValueError("summarize() needs at least one sample")
+    return {
+        "n": len(ordered),
+        "median": statistics.median(ordered),
+        "p10": _quantile(ordered, 0.10),
+        "p90": _quantile(ordered, 0.90),
+        "mean": statistics.fmean(ordered),
+        "min": ordered[0],
+    }
+
+
+def time_per_call(
+    fn: Callable[[], object],
+    iters: int,
+    *,
+    sync: Callable[[], None] | None = None,
+) -> list[float]:
+    """Time ``iters`` calls of ``fn`` one by one; return seconds per call.
+
+    With ``sync``, the device is idle before each call starts and the call counts until the
+    device finished it (the latency a caller waiting for the result sees).
+    """
+    perf = time.perf_counter
+    samples: list[float] = []
+    for _ in range(iters):
+        if sync is not None:
+            sync()
+        start = perf()
+        fn()
+        if sync is not None:
+            sync()
+        samples.append(perf() - start)
+    return samples
+
+
+def target(
+    name: str,
+    value: float | None,
+    op: str,
+    limit: float,
+    unit: str,
+    *,
+    note: str = "",
+) -> dict[str, Any]:
+    """Record a target check; ``met`` is None when ``value`` could not be measured."""
+    if op not in ("<=", ">=", "<", ">"):
+        raise ValueError(f"op: expected one of <=, >=, <, >, got {op!r}")
+    met: bool | None
+    if value is None or not math.isfinite(value):
+        met = None
+    elif op == "<=":
+        met = value <= limit
+    elif op == ">=":
+        met = value >= limit
+    elif op == "<":
+        met = value < limit
+    else:
+        met = value > limit
+    return {
+        "name": name,
+        "value": value,
+        "op": op,
+        "limit": limit,
+        "unit": unit,
+        "met": met,
+        "note": note,
+    }
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def free_cuda_memory() -> None:
+    """Drop garbage and return cached device blocks so memory deltas start from a floor."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -- JSON --------------------------------------------------------------------------------
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    return str(obj)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as strict JSON (non-finite floats become null)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_clean(payload), indent=2, allow_nan=False)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,562 @@
+"""Host-side overhead of the adapter's hit path and of the event bus.
+
+CPU parts (any machine, ``--suite cpu``):
+
+* ``emit``: ``EventBus.emit()`` cost with 0, 1 and 4 subscribers, as no-op sinks
+  (``add_sink``) and as no-op folds (``add_fold``); the bus's own stats fold always runs.
+* ``fold``: events/s through :class:`omnitrace.StatsFold` alone.
+* ``throughput``: events/s through ``emit`` with the stats fold only, and through 1 and 4
+  asynchronous sinks with queues large enough that nothing drops (timed until ``flush()``
+  returns), with ``bus.statistics()`` and the delivered counts.
+* ``hit_path``: the adapter's hit path on the simulated backend (no device): total, and its
+  split into admission/key building, copy/clone and emit.
+
+CUDA part: adapter hit against a bare ``torch.cuda.CUDAGraph`` copy-replay-clone on a tiny
+encoder, where launch cost dominates: host time per call and synchronized latency.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import Context, summarize, target
+from omnitrace import (
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    Event,
+    EventBus,
+    GraphMissed,
+    GraphReplayed,
+    MissReason,
+    StatsFold,
+)
+from omnitrace.demo.encoders import VISION_TINY, VisionEncoder
+from omnitrace.testing import SimulatedGraphBackend
+
+NAME = "overhead"
+NEEDS_CUDA = False
+
+#: Targets from the issue.
+EMIT_TARGET_US = 1.0
+HIT_PATH_TARGET_US = 15.0
+
+
+class NoOpSink:
+    """A sink that only counts what it receives (runs on the bus's worker thread)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received = 0
+
+    def handle(self, events: Sequence[Event]) -> None:
+        self.received += len(events)
+
+
+class AsyncNoOpSink:
+    """A coroutine sink that only counts what it receives (runs on the bus loop)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received = 0
+
+    async def handle(self, events: Sequence[Event]) -> None:
+        self.received += len(events)
+
+
+class CountingFold:
+    """A synchronous fold that only counts."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, event: Event) -> None:
+        self.count += 1
+
+
+def event_mix(n: int) -> list[Event]:
+    """Return ``n`` events like a serving stream: hits of two encoders, a few warm-up misses."""
+    events: list[Event] = []
+    mono, epoch = time.monotonic_ns(), time.time_ns()
+    for i in range(n):
+        adapter = "vision" if i % 2 == 0 else "audio"
+        if i % 20 == 19:
+            events.append(
+                GraphMissed(
+                    adapter,
+                    "bfloat16[1,80,312] @cuda:0 s=0",
+                    mono + i,
+                    epoch + i,
+                    MissReason.WARMUP,
+                    "call 1 of 2",
+                )
+            )
+        else:
+            events.append(
+                GraphReplayed(
+                    adapter, "bfloat16[1,1024,1152] @cuda:0 s=0", mono + i, epoch + i, 2e-5
+                )
+            )
+    return events
+
+
+def _expected_counts(events: Sequence[Event]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for ev in events:
+        slot = out.setdefault(ev.adapter, {"graph_hits": 0, "graph_misses": 0})
+        if isinstance(ev, GraphReplayed):
+            slot["graph_hits"] += 1
+        else:
+            slot["graph_misses"] += 1
+    return out
+
+
+def _rounds(
+    variants: dict[str, Callable[[], object]], per_round: int, rounds: int
+) -> dict[str, dict[str, float | int]]:
+    """Time ``per_round`` back-to-back calls of each variant, interleaved over ``rounds``.
+
+    Each sample is the mean cost of one call within one round (so a sample is a loop, which
+    keeps the timer's own cost out of sub-microsecond numbers); the summary is over rounds.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    perf = time.perf_counter_ns
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = perf()
+            for _ in range(per_round):
+                fn()
+            samples[name].append((perf() - start) / per_round / 1e9)
+    return {name: summarize(s) for name, s in samples.items()}
+
+
+# -- emit cost ---------------------------------------------------------------------------
+
+
+def bench_emit(ctx: Context) -> dict[str, Any]:
+    per_round = ctx.pick(20_000, 5_000, 500)
+    rounds = ctx.pick(15, 7, 3)
+    events = event_mix(64)
+    rows: list[dict[str, Any]] = []
+    for kind in ("sinks", "folds"):
+        for count in (0, 1, 4):
+            if kind == "folds" and count == 0:
+                continue  # the same configuration as sinks=0
+            # Every round emits per_round events; the queues hold them all, so nothing drops
+            # even if the drain thread is slow to start.
+            bus = EventBus(queue_size=per_round * rounds + 1)
+            sinks = [NoOpSink(f"noop{i}") for i in range(count)] if kind == "sinks" else []
+            folds = [CountingFold() for _ in range(count)] if kind == "folds" else []
+            for sink in sinks:
+                bus.add_sink(sink)
+            for fold in folds:
+                bus.add_fold(fold)
+            it = iter(range(1 << 62))
+
+            def emit_one(bus: EventBus = bus, it: Any = it) -> None:
+                bus.emit(events[next(it) & 63])
+
+            stats = _rounds({"emit": emit_one}, per_round, rounds)["emit"]
+            flushed = bus.flush(timeout=30.0)
+            bus_stats = bus.statistics()
+            bus.close()
+            emitted = per_round * rounds
+            rows.append(
+                {
+                    "subscribers": kind if count else "none",
+                    "count": count,
+                    "per_emit_us": stats,
+                    "emitted": bus_stats.emitted,
+                    "expected": emitted,
+                    "dropped": bus_stats.dropped,
+                    "flushed": flushed,
+                    "delivered": [s.received for s in sinks],
+                    "folded": [f.count for f in folds],
+                }
+            )
+            ctx.log(
+                f"  emit, {count} {kind if count else 'subscribers'}: "
+                f"{stats['median'] * 1000:.0f} ns/emit (median of {rounds} rounds)"
+            )
+    # The loop and the event lookup cost something too; report them so they can be subtracted.
+    it2 = iter(range(1 << 62))
+    loop_only = _rounds({"loop": lambda: events[next(it2) & 63]}, per_round, rounds)["loop"]
+    return {"rows": rows, "loop_overhead_us": loop_only, "per_round": per_round, "rounds": rounds}
+
+
+# -- fold and bus throughput ------------------------------------------------------------
+
+
+def bench_fold(ctx: Context) -> dict[str, Any]:
+    n = ctx.pick(500_000, 100_000, 5_000)
+    events = event_mix(n)
+    fold = StatsFold()
+    start = time.perf_counter()
+    fold.extend(events)
+    elapsed = time.perf_counter() - start
+    snaps = fold.snapshots()
+    expected = _expected_counts(events)
+    folded = {
+        name: {"graph_hits": s.graph_hits, "graph_misses": s.graph_misses}
+        for name, s in snaps.items()
+    }
+    ctx.log(f"  stats fold: {n / elapsed / 1e6:.2f} M events/s")
+    return {
+        "events": n,
+        "seconds": elapsed,
+        "events_per_s": n / elapsed,
+        "folded": folded,
+        "expected": expected,
+    }
+
+
+def bench_throughput(ctx: Context) -> dict[str, Any]:
+    n = ctx.pick(400_000, 100_000, 5_000)
+    events = event_mix(n)
+    expected = _expected_counts(events)
+    rows: list[dict[str, Any]] = []
+    configs: list[tuple[str, int]] = [("fold only", 0), ("sync sinks", 1), ("sync sinks", 4)]
+    configs += [("async sinks", 1), ("async sinks", 4)]
+    for label, count in configs:
+        bus = EventBus(queue_size=n + 1)
+        sinks: list[NoOpSink | AsyncNoOpSink] = []
+        for i in range(count):
+            sink = AsyncNoOpSink(f"async{i}") if label == "async sinks" else NoOpSink(f"noop{i}")
+            sinks.append(sink)
+            bus.add_sink(sink)
+        emit = bus.emit
+        start = time.perf_counter()
+        for ev in events:
+            emit(ev)
+        emitted_at = time.perf_counter()
+        flushed = bus.flush(timeout=60.0)
+        done = time.perf_counter()
+        stats = bus.statistics()
+        folded = {
+            name: {"graph_hits": s.graph_hits, "graph_misses": s.graph_misses}
+            for name, s in bus.adapter_stats().items()
+        }
+        bus.close()
+        rows.append(
+            {
+                "config": label if count else "fold only",
+                "sinks": count,
+                "events": n,
+                "emit_seconds": emitted_at - start,
+                "total_seconds": done - start,
+                "events_per_s": n / (done - start),
+                "emit_events_per_s": n / (emitted_at - start),
+                "flushed": flushed,
+                "emitted": stats.emitted,
+                "dropped": stats.dropped,
+                "delivered": [s.delivered for s in stats.sinks],
+                "received": [s.received for s in sinks],
+                "peak_queued": [s.peak_queued for s in stats.sinks],
+                "folded": folded,
+                "expected": expected,
+            }
+        )
+        ctx.log(
+            f"  bus, {rows[-1]['config']} x{count}: {n / (done - start) / 1e6:.2f} M events/s "
+            f"end to end, dropped {stats.dropped}"
+        )
+    return {"rows": rows}
+
+
+# -- the hit path on the simulated backend ----------------------------------------------
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def bench_hit_path(ctx: Context) -> dict[str, Any]:
+    per_round = ctx.pick(5_000, 2_000, 200)
+    rounds = ctx.pick(15, 7, 3)
+    x = torch.randn(1, 16, 64)
+    config = EncoderGraphConfig(min_free_bytes=0)
+    cpu = torch.device("cpu")
+    backend = SimulatedGraphBackend()
+    graph = backend.capture(_identity, (x,), device=cpu, pool=None, capture_stream=None)
+
+    buses: list[EventBus] = []
+    bus_fold = EventBus(queue_size=10)
+    bus_sink = EventBus(queue_size=per_round * rounds + 16)
+    sink = NoOpSink("noop")
+    bus_sink.add_sink(sink)
+    buses += [bus_fold, bus_sink]
+    adapters = {
+        "no_bus": EncoderCudaGraph(
+            _identity, name="a", config=config, backend=SimulatedGraphBackend()
+        ),
+        "bus": EncoderCudaGraph(
+            _identity, name="b", config=config, bus=bus_fold, backend=SimulatedGraphBackend()
+        ),
+        "bus_sink": EncoderCudaGraph(
+            _identity, name="c", config=config, bus=bus_sink, backend=SimulatedGraphBackend()
+        ),
+    }
+    with torch.no_grad():
+        for adapter in adapters.values():
+            for _ in range(config.min_capture_calls):
+                adapter(x)
+        before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
+        mono, epoch = time.monotonic_ns, time.time_ns
+        variants: dict[str, Callable[[], object]] = {
+            "forward": lambda: _identity(x),
+            "copy_clone": lambda: graph.replay((x,)),
+            "event": lambda: GraphReplayed("a", "k", mono(), epoch(), 1e-6),
+            "adapter_no_bus": lambda: adapters["no_bus"](x),
+            "adapter_bus": lambda: adapters["bus"](x),
+            "adapter_bus_sink": lambda: adapters["bus_sink"](x),
+        }
+        timings = _rounds(variants, per_round, rounds)
+    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
+    bus_sink.flush(timeout=30.0)
+    statistics = {"bus": bus_fold.statistics(), "bus_sink": bus_sink.statistics()}
+    for bus in buses:
+        bus.close()
+
+    med = {name: s["median"] for name, s in timings.items()}
+    split = {
+        "admission_key": med["adapter_no_bus"] - med["copy_clone"],
+        "copy_clone": med["copy_clone"] - med["forward"],
+        "emit": med["adapter_bus"] - med["adapter_no_bus"],
+        "emit_with_sink": med["adapter_bus_sink"] - med["adapter_no_bus"],
+        "forward": med["forward"],
+        "total": med["adapter_bus"],
+        "total_with_sink": med["adapter_bus_sink"],
+    }
+    timed_calls = per_round * rounds
+    hits = {name: after[name]["graph_hits"] - before[name]["graph_hits"] for name in adapters}
+    misses = {name: after[name]["graph_misses"] - before[name]["graph_misses"] for name in adapters}
+    ctx.log(
+        "  hit path (simulated, no device): "
+        f"total {split['total']:.2f} us = admission/key {split['admission_key']:.2f} "
+        f"+ copy/clone {split['copy_clone']:.2f} + emit {split['emit']:.2f} us"
+    )
+    return {
+        "input_shape": list(x.shape),
+        "timings_us": timings,
+        "split_us": split,
+        "timed_calls": timed_calls,
+        "hits": hits,
+        "misses": misses,
+        "dropped": statistics["bus_sink"].dropped,
+        "delivered": sink.received,
+        "note": "simulated backend: replay re-runs an identity forward on CPU; no device work",
+    }
+
+
+# -- CUDA: adapter hit against bare copy-replay-clone -----------------------------------
+
+
+class BareGraph:
+    """A ``torch.cuda.CUDAGraph`` with static input, replayed as copy_ + replay + clone."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+        self.static_in = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # lazy init and workspaces stay out of the graph
+                forward(self.static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = forward(self.static_in)
+        torch.cuda.synchronize()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.static_in.copy_(x)
+        self.graph.replay()
+        return self.static_out.clone()
+
+    def replay_only(self) -> None:
+        self.graph.replay()
+
+
+def _host_and_latency(
+    variants: dict[str, Callable[[], object]], per_round: int, rounds: int
+) -> dict[str, dict[str, Any]]:
+    host: dict[str, list[float]] = {name: [] for name in variants}
+    latency: dict[str, list[float]] = {name: [] for name in variants}
+    perf = time.perf_counter
+    sync = torch.cuda.synchronize
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            for _ in range(per_round):
+                sync()
+                start = perf()
+                fn()
+                launched = perf()
+                sync()
+                done = perf()
+                host[name].append(launched - start)
+                latency[name].append(done - start)
+    return {
+        name: {"host_us": summarize(host[name]), "latency_us": summarize(latency[name])}
+        for name in variants
+    }
+
+
+def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
+    per_round = ctx.pick(400, 100, 20)
+    rounds = ctx.pick(10, 5, 2)
+    dtype = torch.bfloat16
+    with torch.device("cuda"):
+        model = VisionEncoder(VISION_TINY).to(dtype).eval()
+    x = torch.randn(1, 16, VISION_TINY.hidden, device="cuda", dtype=dtype)
+    config = EncoderGraphConfig(min_free_bytes=0)
+    bus = EventBus()
+    sink_bus = EventBus(queue_size=per_round * rounds + 16)
+    sink = NoOpSink("noop")
+    sink_bus.add_sink(sink)
+    with torch.no_grad():
+        ref = model(x)
+        bare = BareGraph(model, x)
+        adapters = {
+            "adapter_no_bus": EncoderCudaGraph(model, name="tiny-a", config=config, backend=None),
+            "adapter_bus": EncoderCudaGraph(
+                model, name="tiny-b", config=config, bus=bus, backend=None
+            ),
+            "adapter_bus_sink": EncoderCudaGraph(
+                model, name="tiny-c", config=config, bus=sink_bus, backend=None
+            ),
+        }
+        for adapter in adapters.values():
+            for _ in range(config.min_capture_calls):
+                adapter(x)
+        errors = {
+            "bare": _max_rel_err(bare(x), ref),
+            **{name: _max_rel_err(a(x), ref) for name, a in adapters.items()},
+        }
+        variants: dict[str, Callable[[], object]] = {
+            "replay_only": bare.replay_only,
+            "bare": lambda bare=bare: bare(x),
+            **{name: (lambda a=a: a(x)) for name, a in adapters.items()},
+        }
+        for fn in variants.values():
+            for _ in range(20):
+                fn()
+        torch.cuda.synchronize()
+        before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
+        timings = _host_and_latency(variants, per_round, rounds)
+    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
+    sink_bus.flush(timeout=30.0)
+    dropped = sink_bus.statistics().dropped
+    bus.close()
+    sink_bus.close()
+    timed = per_round * rounds
+    hits = {name: after[name]["graph_hits"] - before[name]["graph_hits"] for name in adapters}
+    misses = {name: after[name]["graph_misses"] - before[name]["graph_misses"] for name in adapters}
+    bare_host = timings["bare"]["host_us"]["median"]
+    over = {
+        name: {
+            "host_us": timings[name]["host_us"]["median"] - bare_host,
+            "latency_us": timings[name]["latency_us"]["median"]
+            - timings["bare"]["latency_us"]["median"],
+        }
+        for name in adapters
+    }
+    ctx.log(
+        f"  CUDA tiny encoder: bare {bare_host:.1f} us host, adapter+bus "
+        f"{timings['adapter_bus']['host_us']['median']:.1f} us host "
+        f"(+{over['adapter_bus']['host_us']:.1f} us)"
+    )
+    del adapters, bare
+    return {
+        "encoder": "VisionEncoder(VISION_TINY)",
+        "input_shape": list(x.shape),
+        "dtype": "bfloat16",
+        "timings": timings,
+        "over_bare": over,
+        "timed_calls": timed,
+        "hits": hits,
+        "misses": misses,
+        "dropped": dropped,
+        "delivered": sink.received,
+        "max_rel_err": errors,
+    }
+
+
+def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = float(ref.float().abs().max())
+    return float((out.float() - ref.float()).abs().max()) / max(scale, 1e-12)
+
+
+# -- entry point -------------------------------------------------------------------------
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Run the CPU parts, then the CUDA part when a GPU is present."""
+    result: dict[str, Any] = {}
+    ctx.log("overhead: EventBus.emit() cost")
+    result["emit"] = bench_emit(ctx)
+    ctx.log("overhead: stats fold throughput")
+    result["fold"] = bench_fold(ctx)
+    ctx.log("overhead: bus throughput")
+    result["throughput"] = bench_throughput(ctx)
+    ctx.log("overhead: adapter hit path on the simulated backend")
+    result["hit_path"] = bench_hit_path(ctx)
+    if ctx.cuda and not ctx.simulate:
+        ctx.log("overhead: CUDA adapter hit vs bare copy-replay-clone (tiny encoder)")
+        result["cuda"] = bench_cuda_hit_vs_bare(ctx)
+    else:
+        result["cuda"] = {"skipped": "no CUDA device (CPU parts only)"}
+
+    with_sinks = [r for r in result["emit"]["rows"] if r["subscribers"] == "sinks"]
+    worst_emit = max(r["per_emit_us"]["median"] for r in with_sinks)
+    targets = [
+        target(
+            "emit() with sinks attached",
+            worst_emit,
+            "<=",
+            EMIT_TARGET_US,
+            "us",
+            note="median per emit, worst of 1 and 4 no-op sinks",
+        )
+    ]
+    cuda = result["cuda"]
+    hit_over = None if "skipped" in cuda else cuda["over_bare"]["adapter_bus"]["host_us"]
+    targets.append(
+        target(
+            "hit-path host overhead over bare copy-replay-clone",
+            hit_over,
+            "<=",
+            HIT_PATH_TARGET_US,
+            "us",
+            note="CUDA tiny encoder, adapter with a bus, median host time per call",
+        )
+    )
+    result["targets"] = targets
+    return result
+
+
+def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
+    """Draw emit cost by subscribers and the hit-path split."""
+    paths: list[Path] = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = result["emit"]["rows"]
+    labels = [f"{r['count']} {r['subscribers']}" if r["count"] else "none" for r in rows]
+    ax1.bar(labels, [r["per_emit_us"]["median"] * 1000 for r in rows], color="tab:blue")
+    ax1.axhline(EMIT_TARGET_US * 1000, color="tab:red", linestyle="--", label="target 1 us")
+    ax1.set_ylabel("ns per emit (median)")
+    ax1.set_title("EventBus.emit() cost")
+    ax1.legend()
+    split = result["hit_path"]["split_us"]
+    parts = ["admission_key", "copy_clone", "emit"]
+    ax2.bar(parts, [split[p] for p in parts], color="tab:green")
+    ax2.set_ylabel("us per call (median)")
+    ax2.set_title("Hit path split (simulated backend)")
+    fig.tight_layout()
+    path = out_dir / "overhead.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    return paths

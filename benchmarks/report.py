@@ -1,0 +1,541 @@
+"""Render benchmark JSON results as markdown tables, and refresh ``BENCHMARKS.md`` with them.
+
+Usage::
+
+    python -m benchmarks.report bench-results                      # print the markdown
+    python -m benchmarks.report bench-results --write BENCHMARKS.md  # replace its tables
+
+``--write`` replaces what lies between ``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->``
+for every section X it has results for (``environment``, ``targets``, and one per
+benchmark), and leaves the rest of the file, prose included, as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Table", "markdown_sections", "text_summary", "update_document"]
+
+MiB = 1 << 20
+
+
+@dataclass
+class Table:
+    """A titled table of preformatted cells."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    note: str = ""
+
+
+def _us(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _ns(value_us: float | None) -> str:
+    return "n/a" if value_us is None else f"{value_us * 1000:,.0f}"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.2f} %"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / MiB:,.1f}"
+
+
+def _met(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
+# -- per benchmark -----------------------------------------------------------------------
+
+
+def _overhead(result: dict[str, Any]) -> list[Table]:
+    tables: list[Table] = []
+    emit = Table(
+        "EventBus.emit() cost",
+        ["subscribers", "median ns/emit", "p10", "p90", "dropped"],
+    )
+    for row in result["emit"]["rows"]:
+        label = (
+            "stats fold only" if not row["count"] else f"{row['count']} no-op {row['subscribers']}"
+        )
+        s = row["per_emit_us"]
+        emit.rows.append(
+            [label, _ns(s["median"]), _ns(s["p10"]), _ns(s["p90"]), str(row["dropped"])]
+        )
+    emit.note = (
+        "The bus's stats fold runs in every row. Python loop cost "
+        f"{_ns(result['emit']['loop_overhead_us']['median'])} ns/iteration is included."
+    )
+    tables.append(emit)
+
+    thr = Table(
+        "Bus throughput",
+        ["path", "events", "M events/s (end to end)", "M events/s (emit side)", "dropped"],
+    )
+    fold = result["fold"]
+    thr.rows.append(
+        [
+            "StatsFold.fold alone",
+            f"{fold['events']:,}",
+            f"{fold['events_per_s'] / 1e6:.2f}",
+            "",
+            "0",
+        ]
+    )
+    for row in result["throughput"]["rows"]:
+        label = (
+            "emit, stats fold only"
+            if not row["sinks"]
+            else f"emit + flush, {row['sinks']} {row['config']}"
+        )
+        thr.rows.append(
+            [
+                label,
+                f"{row['events']:,}",
+                f"{row['events_per_s'] / 1e6:.2f}",
+                f"{row['emit_events_per_s'] / 1e6:.2f}",
+                str(row["dropped"]),
+            ]
+        )
+    tables.append(thr)
+
+    hp = result["hit_path"]["split_us"]
+    split = Table(
+        "Adapter hit path, host time per call (simulated backend, no device work)",
+        ["part", "median us"],
+        [
+            ["admission, key building, event, own stats", _us(hp["admission_key"], 2)],
+            ["copy-in, output copy, clone", _us(hp["copy_clone"], 2)],
+            ["emit (bus with stats fold)", _us(hp["emit"], 2)],
+            ["emit (bus with one no-op sink)", _us(hp["emit_with_sink"], 2)],
+            ["total (with bus)", _us(hp["total"], 2)],
+        ],
+        "Differences of medians of interleaved rounds; a part can be slightly negative "
+        "at noise level.",
+    )
+    tables.append(split)
+
+    cuda = result.get("cuda", {})
+    if "skipped" in cuda:
+        tables.append(Table("Adapter hit vs bare graph on CUDA", ["skipped"], [[cuda["skipped"]]]))
+    else:
+        t = Table(
+            f"Adapter hit vs bare copy-replay-clone on CUDA ({cuda['encoder']}, "
+            f"input {tuple(cuda['input_shape'])})",
+            ["path", "host us/call", "over bare", "latency us/call", "over bare"],
+        )
+        bare = cuda["timings"]["bare"]
+        for name, tm in cuda["timings"].items():
+            over_h = tm["host_us"]["median"] - bare["host_us"]["median"]
+            over_l = tm["latency_us"]["median"] - bare["latency_us"]["median"]
+            t.rows.append(
+                [
+                    name,
+                    _us(tm["host_us"]["median"]),
+                    _us(over_h),
+                    _us(tm["latency_us"]["median"]),
+                    _us(over_l),
+                ]
+            )
+        t.note = (
+            "Host: from call to return (device idle before). Latency: until the device finished."
+        )
+        tables.append(t)
+    return tables
+
+
+def _latency(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        "Encoder latency per call, median us (bf16)",
+        [
+            "encoder",
+            "input",
+            "eager",
+            "adapter",
+            "bare graph",
+            "replay only",
+            "compile r-o",
+            "adapter speed-up",
+            "adapter vs bare",
+            "adapter vs compile",
+        ],
+    )
+    for row in result["rows"]:
+        m = row["methods"]
+
+        def med(name: str, m: dict[str, Any] = m) -> float | None:
+            entry = m.get(name)
+            return None if not entry or "latency_us" not in entry else entry["latency_us"]["median"]
+
+        eager, adapter, bare, compiled = med("eager"), med("adapter"), med("bare"), med("compile")
+        t.rows.append(
+            [
+                row["label"],
+                row["input"],
+                _us(eager, 0),
+                _us(adapter, 0),
+                _us(bare, 0),
+                _us(med("replay_only"), 0),
+                _us(compiled, 0) if compiled is not None else _why(m.get("compile")),
+                _x(eager / adapter) if eager and adapter else "n/a",
+                _pct(adapter / bare - 1) if adapter and bare else "n/a",
+                _pct(adapter / compiled - 1) if adapter and compiled else "n/a",
+            ]
+        )
+    t.note = (
+        "Per call: device idle before, timed until the device finished. 'adapter vs bare' "
+        "should be within +2 %; 'adapter vs compile' negative means the adapter is faster."
+    )
+    tables = [t]
+    spread = Table(
+        "Latency spread, p10 / p90 us",
+        ["encoder", "input", "eager", "adapter", "bare graph", "compile r-o"],
+    )
+    for row in result["rows"]:
+        cells = [row["label"], row["input"]]
+        for name in ("eager", "adapter", "bare", "compile"):
+            entry = row["methods"].get(name) or {}
+            s = entry.get("latency_us")
+            cells.append(f"{s['p10']:,.0f} / {s['p90']:,.0f}" if s else "n/a")
+        spread.rows.append(cells)
+    tables.append(spread)
+    checks = Table(
+        "Correctness and compile time",
+        ["encoder", "input", "max rel err adapter", "bare", "compile", "compile s", "adapter hits"],
+    )
+    for row in result["rows"]:
+        m = row["methods"]
+        checks.rows.append(
+            [
+                row["label"],
+                row["input"],
+                _err(m.get("adapter")),
+                _err(m.get("bare")),
+                _err(m.get("compile")),
+                _us((m.get("compile") or {}).get("compile_s"), 1),
+                f"{row.get('adapter_hits', 'n/a')}/{row.get('adapter_timed_calls', 'n/a')}",
+            ]
+        )
+    tables.append(checks)
+    return tables
+
+
+def _why(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "n/a"
+    reason = entry.get("skipped") or entry.get("error") or "n/a"
+    return str(reason).split(":")[0][:40]
+
+
+def _err(entry: dict[str, Any] | None) -> str:
+    if not entry or entry.get("max_rel_err") is None:
+        return "n/a"
+    return f"{entry['max_rel_err']:.1e}"
+
+
+def _traffic(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        "Traffic replay: admission settings",
+        [
+            "max_graphs",
+            "min_capture_calls",
+            "hit rate",
+            "mean latency us",
+            "vs eager",
+            "captures",
+            "graph MiB (events)",
+            "reserved delta MiB",
+            "misses w/c/m",
+        ],
+    )
+    for row in result["rows"]:
+        t.rows.append(
+            [
+                str(row["max_graphs"]),
+                str(row["min_capture_calls"]) if row["max_graphs"] else "-",
+                f"{row['hit_rate'] * 100:.1f} %",
+                _us(row["mean_latency_us"], 0),
+                _pct(row.get("vs_eager")),
+                str(row["captures"]),
+                _mib(row["graph_bytes"]),
+                _mib(row.get("reserved_delta_bytes")),
+                f"{row['warmup_misses']}/{row['capacity_misses']}/{row['memory_misses']}",
+            ]
+        )
+    stream = result["stream"]
+    t.note = (
+        f"{stream['requests']} requests ({stream['vision_requests']} image, "
+        f"{stream['audio_requests']} audio), {stream['distinct_keys']} distinct shapes, "
+        f"seed {stream['seed']}. Graph MiB: bytes_reserved + static_bytes of GraphCaptured events."
+    )
+    return [t]
+
+
+def _memory(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        f"Device memory held by N graphs ({result['encoder']})",
+        [
+            "graphs",
+            "shared pools MiB",
+            "separate pools MiB",
+            "saved",
+            "capture peak shared",
+            "capture peak separate",
+        ],
+    )
+    by = {(r["graphs"], r["share_pools"]): r for r in result["rows"]}
+    for n in sorted({r["graphs"] for r in result["rows"]}):
+        shared, separate = by.get((n, True)), by.get((n, False))
+        held_s = shared["held_bytes"] if shared else None
+        held_p = separate["held_bytes"] if separate else None
+        t.rows.append(
+            [
+                str(n),
+                _mib(held_s),
+                _mib(held_p),
+                _x(held_p / held_s) if held_s and held_p else "n/a",
+                _mib(shared["peak_bytes"]) if shared else "n/a",
+                _mib(separate["peak_bytes"]) if separate else "n/a",
+            ]
+        )
+    t.note = (
+        "Held: torch.cuda.memory_reserved() growth after capture and empty_cache(), static "
+        "buffers included. Peak: max_memory_reserved() growth during the captures."
+    )
+    tables = [t]
+    floor = result.get("floor")
+    if floor:
+        f = Table(
+            "min_free_bytes under tight memory",
+            [
+                "floor",
+                "floor GiB",
+                "free GiB at admission",
+                "memory misses",
+                "deferrals",
+                "graphs",
+                "hits",
+            ],
+        )
+        for row in floor["rows"]:
+            f.rows.append(
+                [
+                    row["label"],
+                    f"{row['floor_bytes'] / (1 << 30):.2f}",
+                    "n/a" if row["free_bytes"] is None else f"{row['free_bytes'] / (1 << 30):.2f}",
+                    str(row["memory_misses"]),
+                    str(row["memory_deferrals"]),
+                    str(row["num_graphs"]),
+                    str(row["graph_hits"]),
+                ]
+            )
+        f.note = floor.get("note", "")
+        tables.append(f)
+    return tables
+
+
+def _observability(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        "End-to-end throughput with sinks",
+        ["configuration", "calls/s (median of rounds)", "vs no sinks", "events", "dropped"],
+    )
+    base = result["arms"].get("bus_no_sinks", {}).get("calls_per_s")
+    for arm in result["arms"].values():
+        t.rows.append(
+            [
+                arm["label"],
+                f"{arm['calls_per_s']:,.1f}",
+                _pct(arm["calls_per_s"] / base - 1) if base else "n/a",
+                str(arm.get("emitted", "n/a")),
+                str(arm.get("dropped", "n/a")),
+            ]
+        )
+    sinks = ", ".join(
+        f"{name}: {'on' if s['status'] == 'on' else 'skipped (' + s['reason'] + ')'}"
+        for name, s in result["sinks"].items()
+    )
+    t.note = f"Sinks: {sinks}."
+    return [t]
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
+    "overhead": _overhead,
+    "latency": _latency,
+    "traffic": _traffic,
+    "memory": _memory,
+    "observability": _observability,
+}
+
+
+# -- formatting --------------------------------------------------------------------------
+
+
+def _markdown(table: Table) -> str:
+    lines = [f"**{table.title}**", ""]
+    lines.append("| " + " | ".join(table.headers) + " |")
+    lines.append("|" + "|".join("---" for _ in table.headers) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    if table.note:
+        lines += ["", table.note]
+    return "\n".join(lines)
+
+
+def _text(table: Table) -> str:
+    widths = [len(h) for h in table.headers]
+    for row in table.rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [table.title, fmt.format(*table.headers), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in table.rows]
+    return "\n".join(lines)
+
+
+def _targets_table(outputs: dict[str, dict[str, Any]]) -> Table:
+    t = Table("Targets", ["benchmark", "target", "measured", "limit", "status"])
+    for name, payload in outputs.items():
+        if payload.get("status") != "ok":
+            t.rows.append([name, "(benchmark failed)", payload.get("error") or "", "", "ERROR"])
+            continue
+        for tg in (payload.get("result") or {}).get("targets", []):
+            value = tg["value"]
+            shown = "n/a" if value is None else f"{value:,.3g} {tg['unit']}"
+            t.rows.append(
+                [
+                    name,
+                    tg["name"],
+                    shown,
+                    f"{tg['op']} {tg['limit']:g} {tg['unit']}",
+                    _met(tg["met"]),
+                ]
+            )
+    return t
+
+
+def _environment(outputs: dict[str, dict[str, Any]]) -> str:
+    env = next(iter(outputs.values()))["environment"]
+    gpu = env.get("gpu") or "none"
+    parts = [
+        f"- Date (UTC): {env.get('date_utc')}",
+        f"- Command: `{env.get('command')}`",
+        f"- GPU: {gpu} (driver {env.get('driver') or 'n/a'}), torch {env.get('torch')} "
+        f"(CUDA {env.get('torch_cuda') or 'n/a'}), Python {env.get('python')}",
+        f"- omnitrace {env.get('omnitrace')} at {env.get('git_commit') or 'unknown commit'}; "
+        f"scale {env.get('scale')}",
+    ]
+    if env.get("simulated"):
+        parts.append("- SIMULATED on CPU: the numbers check the plumbing and mean nothing.")
+    return "\n".join(parts)
+
+
+def load(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
+    from benchmarks.run import BENCHMARKS
+
+    outputs: dict[str, dict[str, Any]] = {}
+    for name in BENCHMARKS:
+        path = out_dir / f"{name}.json"
+        if path.exists():
+            outputs[name] = json.loads(path.read_text(encoding="utf-8"))
+    return outputs
+
+
+def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
+    if payload.get("status") != "ok" or payload.get("result") is None:
+        return []
+    return RENDERERS[name](payload["result"])
+
+
+def markdown_sections(outputs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Return ``{section: markdown}`` for ``environment``, ``targets`` and each benchmark."""
+    if not outputs:
+        return {}
+    sections = {
+        "environment": _environment(outputs),
+        "targets": _markdown(_targets_table(outputs)),
+    }
+    for name, payload in outputs.items():
+        if payload.get("status") != "ok":
+            sections[name] = f"Failed: `{payload.get('error')}` (see `{name}.json`)."
+            continue
+        body = "\n\n".join(_markdown(t) for t in _tables_for(name, payload))
+        plots = payload.get("plots") or []
+        if plots:
+            body += "\n\n" + "\n".join(f"![{name}]({Path(p).name})" for p in plots)
+        sections[name] = body
+    return sections
+
+
+def text_summary(outputs: dict[str, dict[str, Any]]) -> str:
+    """Return the compact plain-text summary the runner prints at the end."""
+    blocks = []
+    for name, payload in outputs.items():
+        status = payload.get("status")
+        blocks.append(f"{name}: {status} in {payload.get('duration_s', 0):.1f} s")
+    lines = ["", "== summary", *blocks, ""]
+    if "latency" in outputs:
+        tables = _tables_for("latency", outputs["latency"])
+        if tables:
+            lines += [_text(tables[0]), ""]
+    lines.append(_text(_targets_table(outputs)))
+    return "\n".join(lines)
+
+
+_SECTION = re.compile(
+    r"(<!-- BEGIN bench:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- END bench:(?P=name) -->)",
+    re.DOTALL,
+)
+
+
+def update_document(text: str, sections: dict[str, str]) -> str:
+    """Replace the marked sections of ``text`` that ``sections`` has content for."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in sections:
+            return match.group(0)
+        return f"{match.group(1)}{sections[name].rstrip()}\n{match.group(4)}"
+
+    return _SECTION.sub(replace, text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Render benchmark JSON results as markdown tables.",
+    )
+    parser.add_argument("results", type=Path, help="folder written by benchmarks.run --out")
+    parser.add_argument("--write", type=Path, help="update the marked sections of this file")
+    args = parser.parse_args(argv)
+    outputs = load(args.results)
+    if not outputs:
+        print(f"error: no benchmark results (*.json) in {args.results}", file=sys.stderr)
+        return 2
+    sections = markdown_sections(outputs)
+    if args.write is None:
+        for name, body in sections.items():
+            print(f"## {name}\n\n{body}\n")
+        return 0
+    text = args.write.read_text(encoding="utf-8")
+    updated = update_document(text, sections)
+    args.write.write_text(updated, encoding="utf-8")
+    print(f"updated {', '.join(sections)} in {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

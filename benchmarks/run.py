@@ -1,0 +1,212 @@
+"""Run the omnitrace benchmarks, write JSON results and PNG plots, print a summary.
+
+Usage::
+
+    python -m benchmarks.run --suite all --out bench-results     # CUDA machine, ~6 min
+    python -m benchmarks.run --suite cpu                          # any machine, seconds
+    python -m benchmarks.run --suite latency,memory --quick       # a subset, shorter
+
+Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split; no GPU),
+``overhead`` (the same plus adapter-vs-bare on CUDA), ``latency``, ``traffic``, ``memory``,
+``observability``, and ``all``. Every suite but ``cpu`` needs CUDA and stops at once, before
+measuring anything, when there is none.
+
+Each benchmark writes ``<out>/<name>.json`` (environment, command line, results, targets)
+as soon as it finishes, so an interrupted run keeps what it measured; ``summary.json``
+lists every benchmark's status and target checks. ``python -m benchmarks.report <out>``
+renders the tables of ``BENCHMARKS.md`` from these files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from benchmarks.common import Context, cuda_status, environment, free_cuda_memory, write_json
+
+#: Benchmarks in the order ``all`` runs them: memory first, while the device is clean;
+#: latency last, because torch.compile's compile time is the least predictable part.
+BENCHMARKS = ("overhead", "memory", "traffic", "observability", "latency")
+SUITES: dict[str, tuple[str, ...]] = {
+    "all": BENCHMARKS,
+    "cpu": ("overhead",),
+    **{name: (name,) for name in BENCHMARKS},
+}
+#: Wall-clock budget of a whole run, by scale; the latency benchmark bounds torch.compile
+#: by what is left of it.
+TIME_BUDGET_S = {"full": 330.0, "quick": 120.0, "tiny": 60.0}
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description="Run omnitrace benchmarks; write JSON results and PNG plots.",
+    )
+    parser.add_argument(
+        "--suite",
+        default="all",
+        help=f"comma-separated suites: {', '.join(SUITES)} (default: all)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="output folder (bench-results)"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds the whole run may take; torch.compile is skipped past it "
+        "(default: 330, or 120 with --quick)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write JSON only")
+    # For the test suite and for checking the plumbing without a GPU: numbers meaningless.
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv))
+    names: list[str] = []
+    for suite in (s.strip() for s in args.suite.split(",")):
+        if suite not in SUITES:
+            parser.error(f"--suite: unknown suite {suite!r} (valid: {', '.join(SUITES)})")
+        names += [n for n in SUITES[suite] if n not in names]
+    args.benchmarks = names
+    args.cpu_only = args.suite.strip() == "cpu"
+    return args
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def _plots(module: ModuleType, result: dict[str, Any], out_dir: Path, ctx: Context) -> list[str]:
+    plot = getattr(module, "plot", None)
+    if plot is None:
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        ctx.log(f"  plots skipped: matplotlib is not installed ({module.NAME})")
+        return []
+    try:
+        return [str(p) for p in plot(result, out_dir, plt)]
+    except Exception as exc:
+        ctx.log(f"  plot of {module.NAME} failed: {type(exc).__name__}: {exc}")
+        return []
+
+
+def run_benchmarks(
+    names: Sequence[str],
+    ctx: Context,
+    *,
+    command: str,
+    plots: bool = True,
+    time_budget: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run ``names`` in order; write one JSON file each and ``summary.json``; return them."""
+    env = environment(command)
+    env["scale"] = ctx.scale
+    env["simulated"] = ctx.simulate
+    budget = TIME_BUDGET_S[ctx.scale] if time_budget is None else time_budget
+    ctx.deadline = time.monotonic() + budget
+    outputs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        module = _module(name)
+        ctx.log(f"== {name}")
+        start = time.perf_counter()
+        payload: dict[str, Any] = {
+            "benchmark": name,
+            "environment": env,
+            "status": "ok",
+            "error": None,
+            "result": None,
+        }
+        try:
+            payload["result"] = module.run(ctx)
+        except Exception as exc:
+            payload["status"] = "error"
+            payload["error"] = f"{type(exc).__name__}: {exc}"
+            payload["traceback"] = traceback.format_exc()
+            ctx.log(f"  FAILED: {payload['error']}")
+            ctx.log(payload["traceback"])
+        payload["duration_s"] = time.perf_counter() - start
+        free_cuda_memory()
+        if plots and payload["result"] is not None:
+            payload["plots"] = _plots(module, payload["result"], ctx.out_dir, ctx)
+        write_json(ctx.out_dir / f"{name}.json", payload)
+        outputs[name] = payload
+        ctx.log(f"  done in {payload['duration_s']:.1f} s -> {ctx.out_dir / (name + '.json')}")
+    summary = {
+        "environment": env,
+        "benchmarks": {
+            name: {
+                "status": p["status"],
+                "error": p["error"],
+                "duration_s": p["duration_s"],
+                "targets": (p["result"] or {}).get("targets", []),
+            }
+            for name, p in outputs.items()
+        },
+    }
+    write_json(ctx.out_dir / "summary.json", summary)
+    return outputs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line, check the device, run, print the summary; return the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse(argv)
+    scale = "tiny" if args.tiny else ("quick" if args.quick else "full")
+    # Only --suite cpu runs overhead without its CUDA part; named on its own, it needs CUDA.
+    needs_cuda = [
+        n
+        for n in args.benchmarks
+        if _module(n).NEEDS_CUDA or (n == "overhead" and not args.cpu_only)
+    ]
+    cuda_ok, cuda_info = cuda_status() if not args.cpu_only else (False, "not used by --suite cpu")
+    if needs_cuda and not cuda_ok and not args.simulate:
+        print(
+            f"error: suite(s) {', '.join(needs_cuda)} need a CUDA device, "
+            f"and there is none usable here: {cuda_info}.\n"
+            "Run 'python -m benchmarks.run --suite cpu' on this machine, or the full suite "
+            "on a CUDA machine.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.simulate:
+        # Tiny CPU forwards only lose from intra-op threads on a shared, busy CI machine.
+        import torch
+
+        torch.set_num_threads(1)
+    ctx = Context(scale=scale, out_dir=args.out, cuda=cuda_ok, simulate=args.simulate)
+    command = shlex.join(["python", "-m", "benchmarks.run", *argv])
+    device = (
+        "simulated on CPU (numbers meaningless)"
+        if args.simulate
+        else (cuda_info if cuda_ok else "CPU")
+    )
+    ctx.log(f"omnitrace benchmarks: {', '.join(args.benchmarks)} [{scale}] on {device}")
+    outputs = run_benchmarks(
+        args.benchmarks,
+        ctx,
+        command=command,
+        plots=not args.no_plots,
+        time_budget=args.time_budget,
+    )
+    from benchmarks.report import text_summary
+
+    print(text_summary(outputs), flush=True)
+    return 1 if any(p["status"] != "ok" for p in outputs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
