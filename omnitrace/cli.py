@@ -331,11 +331,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
         )
     with _logging(args):
-        try:
-            result = run_demo(options, console=console, say=_say)
-        except KeyboardInterrupt:
-            _say("interrupted")
-            return 130
+        result = run_demo(options, console=console, say=_say)
+    if result.interrupted:
+        _say(f"interrupted after {result.requests} requests")
     console.print(stats_table(result.encoders, max_graphs=result.max_graphs))
     console.print(
         f"requests {result.requests} in {result.elapsed_s:.1f} s · "
@@ -352,7 +350,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.json_summary.parent.mkdir(parents=True, exist_ok=True)
         args.json_summary.write_text(json.dumps(result.to_json(), indent=2) + "\n")
         _say(f"summary: {args.json_summary.resolve()}")
-    return 0
+    return 130 if result.interrupted else 0
 
 
 # -- top ------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ class DemoResult:
     dtype: str
     events_log: str
     otlp_endpoint: str | None
+    interrupted: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """Return the summary as plain JSON data."""
@@ -98,6 +99,7 @@ class DemoResult:
             "dtype": self.dtype,
             "events_log": self.events_log,
             "otlp_endpoint": self.otlp_endpoint,
+            "interrupted": self.interrupted,
         }
 
 
@@ -301,27 +303,33 @@ def _run(
             encoders = _Encoders(options, bus, device, dtype, backends)
             start = time.monotonic()
             served = 0
-            with _progress(options, console, board) as advance, torch.no_grad():
-                mix = TrafficMix(options.seed)
-                total = options.requests or None
-                while total is None or served < total:
-                    elapsed = time.monotonic() - start
-                    if options.duration_s is not None and elapsed >= options.duration_s:
-                        break
-                    burst = (total is not None and served >= BURST_AT * total) or (
-                        options.duration_s is not None and elapsed >= BURST_AT * options.duration_s
-                    )
-                    encoders.serve(mix.next(burst=burst))
-                    served += 1
-                    streaming[0] = encoders.streaming_calls
-                    after_failure[0] = encoders.after_failure
-                    advance()
-                    if options.rate:
-                        delay = start + served / options.rate - time.monotonic()
-                        if delay > 0:
-                            time.sleep(delay)
-                    if device.type == "cuda" and served % 64 == 0:
-                        torch.cuda.synchronize()
+            interrupted = False
+            try:
+                with _progress(options, console, board) as advance, torch.no_grad():
+                    mix = TrafficMix(options.seed)
+                    total = options.requests or None
+                    while total is None or served < total:
+                        elapsed = time.monotonic() - start
+                        if options.duration_s is not None and elapsed >= options.duration_s:
+                            break
+                        burst = (total is not None and served >= BURST_AT * total) or (
+                            options.duration_s is not None
+                            and elapsed >= BURST_AT * options.duration_s
+                        )
+                        encoders.serve(mix.next(burst=burst))
+                        served += 1
+                        streaming[0] = encoders.streaming_calls
+                        after_failure[0] = encoders.after_failure
+                        advance()
+                        if options.rate:
+                            delay = start + served / options.rate - time.monotonic()
+                            if delay > 0:
+                                time.sleep(delay)
+                        if device.type == "cuda" and served % 64 == 0:
+                            torch.cuda.synchronize()
+            except KeyboardInterrupt:
+                # Ctrl-C ends the traffic early; the run still closes its sinks and reports.
+                interrupted = True
             elapsed = time.monotonic() - start
             bus.close()
         statistics = bus.statistics()
@@ -345,6 +353,7 @@ def _run(
         dtype=str(dtype).removeprefix("torch."),
         events_log=str(jsonl.path),
         otlp_endpoint=endpoint,
+        interrupted=interrupted,
     )
 
 
