@@ -161,7 +161,7 @@ def _overhead(result: dict[str, Any]) -> list[Table]:
 
 def _latency(result: dict[str, Any]) -> list[Table]:
     t = Table(
-        "Encoder latency per call, median us (bf16)",
+        f"Encoder latency per call, median us ({result.get('dtype', 'bf16')})",
         [
             "encoder",
             "input",
@@ -361,8 +361,8 @@ def _observability(result: dict[str, Any]) -> list[Table]:
                 arm["label"],
                 f"{arm['calls_per_s']:,.1f}",
                 _pct(arm["calls_per_s"] / base - 1) if base else "n/a",
-                str(arm.get("emitted", "n/a")),
-                str(arm.get("dropped", "n/a")),
+                "-" if arm.get("emitted") is None else str(arm["emitted"]),
+                "-" if arm.get("dropped") is None else str(arm["dropped"]),
             ]
         )
     sinks = ", ".join(
