@@ -515,10 +515,14 @@ class EventBus:
             return
         await self.aflush(timeout)
         self._mark_closed()
+        tasks = [*self._tasks.values()]
         if self._pump_task is not None:
-            self._pump_task.cancel()
-        for channel, task in list(self._tasks.items()):
+            tasks.append(self._pump_task)
+        for task in tasks:
             task.cancel()
+        # Wait for the cancellations, or a loop closed right after would destroy pending tasks.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for channel in list(self._tasks):
             if channel.executor is not None:
                 await asyncio.get_running_loop().run_in_executor(
                     channel.executor, _close_quietly, channel
@@ -526,6 +530,7 @@ class EventBus:
             else:
                 _close_quietly(channel)
         self._tasks.clear()
+        self._pump_task = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush, close every sink and stop the bus thread (idempotent).
