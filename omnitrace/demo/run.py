@@ -168,6 +168,13 @@ class _Encoders:
         self.after_failure = 0
         self._generator = torch.Generator(device="cpu").manual_seed(options.seed)
 
+    def footer(self) -> list[str]:
+        """Extra lines for the live view: the calls that bypass the adapters."""
+        lines = [f"streaming audio  {self.streaming_calls} eager calls (stateful, never graphed)"]
+        if self.after_failure:
+            lines.append(f"after capture failure  {self.after_failure} calls served eagerly")
+        return lines
+
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator).to(self.device, self.dtype)
 
@@ -210,6 +217,38 @@ class _Encoders:
                 raise
             self.after_failure += 1
             return model(*inputs)
+
+
+def _drive(
+    options: DemoOptions, encoders: _Encoders, advance: Callable[[], None], start: float
+) -> tuple[int, bool]:
+    """Send the traffic; return how many requests were served and whether Ctrl-C stopped it."""
+    mix = TrafficMix(options.seed)
+    total = options.requests or None
+    duration = options.duration_s
+    served = 0
+    try:
+        while total is None or served < total:
+            elapsed = time.monotonic() - start
+            if duration is not None and elapsed >= duration:
+                break
+            burst = (total is not None and served >= BURST_AT * total) or (
+                duration is not None and elapsed >= BURST_AT * duration
+            )
+            encoders.serve(mix.next(burst=burst))
+            served += 1
+            advance()
+            if options.rate:
+                delay = start + served / options.rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            if encoders.device.type == "cuda" and served % 64 == 0:
+                # Bound the queued GPU work, so the pace and the view follow real progress.
+                torch.cuda.synchronize()
+    except KeyboardInterrupt:
+        # Ctrl-C ends the traffic early; the run still closes its sinks and reports.
+        return served, True
+    return served, False
 
 
 def _pick_device(options: DemoOptions) -> tuple[torch.device, torch.dtype, bool]:
@@ -282,54 +321,20 @@ def _run(
     # A fresh log per run, so the log holds exactly this run's events.
     jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
     say(f"writing the event log to {jsonl.path.resolve()}")
-    streaming = [0]
-    after_failure = [0]
     try:
         bus.add_sink(LogSink(sample_every=options.log_sample_every))
         bus.add_sink(jsonl)
+        # Adapters emit only when called, so the sinks below still see every event.
+        encoders = _Encoders(options, bus, device, dtype, backends)
         board = BusBoard(
             bus,
             title=f"omnitrace demo · {backend_name} backend on {device.type}",
-            footer=lambda: [
-                f"streaming audio  {streaming[0]} eager calls (stateful, never graphed)",
-                *(
-                    [f"after capture failure  {after_failure[0]} calls served eagerly"]
-                    if after_failure[0]
-                    else []
-                ),
-            ],
+            footer=encoders.footer,
         )
         with _otlp_export(bus, say) as endpoint:
-            encoders = _Encoders(options, bus, device, dtype, backends)
             start = time.monotonic()
-            served = 0
-            interrupted = False
-            try:
-                with _progress(options, console, board) as advance, torch.no_grad():
-                    mix = TrafficMix(options.seed)
-                    total = options.requests or None
-                    while total is None or served < total:
-                        elapsed = time.monotonic() - start
-                        if options.duration_s is not None and elapsed >= options.duration_s:
-                            break
-                        burst = (total is not None and served >= BURST_AT * total) or (
-                            options.duration_s is not None
-                            and elapsed >= BURST_AT * options.duration_s
-                        )
-                        encoders.serve(mix.next(burst=burst))
-                        served += 1
-                        streaming[0] = encoders.streaming_calls
-                        after_failure[0] = encoders.after_failure
-                        advance()
-                        if options.rate:
-                            delay = start + served / options.rate - time.monotonic()
-                            if delay > 0:
-                                time.sleep(delay)
-                        if device.type == "cuda" and served % 64 == 0:
-                            torch.cuda.synchronize()
-            except KeyboardInterrupt:
-                # Ctrl-C ends the traffic early; the run still closes its sinks and reports.
-                interrupted = True
+            with _progress(options, console, board) as advance, torch.no_grad():
+                served, interrupted = _drive(options, encoders, advance, start)
             elapsed = time.monotonic() - start
             bus.close()
         statistics = bus.statistics()
