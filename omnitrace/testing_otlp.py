@@ -91,6 +91,8 @@ class OTLPReceiver:
     Attributes:
         reject: when true, answer every export with a non-retryable error (HTTP 400, gRPC
             INVALID_ARGUMENT) instead of accepting it; rejected requests are only counted.
+        reject_signals: reject only these signals (``"traces"``, ``"metrics"``, ``"logs"``),
+            like a backend that takes traces but not metrics.
         rejected: how many export requests were rejected.
     """
 
@@ -100,6 +102,7 @@ class OTLPReceiver:
         self.protocol = protocol
         self.host = host
         self.reject = False
+        self.reject_signals: set[str] = set()
         self.rejected = 0
         self._port: int | None = None
         self._changed = threading.Condition()
@@ -228,19 +231,21 @@ class OTLPReceiver:
     # -- storage shared by both protocols -------------------------------------------------
 
     def _accept(self, request: _Request) -> bool:
+        store: list[Any]
+        if isinstance(request, ExportTraceServiceRequest):
+            signal, store = "traces", self._traces
+        elif isinstance(request, ExportMetricsServiceRequest):
+            signal, store = "metrics", self._metrics
+        else:
+            signal, store = "logs", self._logs
         with self._changed:
-            if self.reject:
-                self.rejected += 1
-                self._changed.notify_all()
-                return False
-            if isinstance(request, ExportTraceServiceRequest):
-                self._traces.append(request)
-            elif isinstance(request, ExportMetricsServiceRequest):
-                self._metrics.append(request)
+            accepted = not (self.reject or signal in self.reject_signals)
+            if accepted:
+                store.append(request)
             else:
-                self._logs.append(request)
+                self.rejected += 1
             self._changed.notify_all()
-            return True
+        return accepted
 
     # -- HTTP -----------------------------------------------------------------------------
 

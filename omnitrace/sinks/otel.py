@@ -404,11 +404,16 @@ def _name(obj: object) -> str:
 
 
 class _ExportMonitor(logging.Filter):
-    """Count export outcomes per signal and report an outage once.
+    """Count export outcomes per signal; report an outage once and its end once.
+
+    Signals are tracked apart because one endpoint may take one and refuse the other (Jaeger
+    takes traces, not metrics), but reported together: a dead endpoint fails both, and that
+    is one problem for the operator, logged once; the all-clear comes when every signal
+    exports again.
 
     Also a logging filter for the OTLP exporters' own loggers: while an outage is reported,
-    their per-attempt errors and retry warnings are suppressed, so a dead collector costs the
-    host one log line instead of one per export interval.
+    their per-attempt errors and retry warnings for the failing signal are suppressed, so a
+    dead collector costs the host one log line instead of one per export interval.
     """
 
     def __init__(self, protocol: str, endpoint: str) -> None:
@@ -418,32 +423,39 @@ class _ExportMonitor(logging.Filter):
         self._lock = threading.Lock()
         self.failures: dict[str, int] = {"traces": 0, "metrics": 0}
         self.successes: dict[str, int] = {"traces": 0, "metrics": 0}
-        self.in_outage = False
+        self.in_outage: dict[str, bool] = {"traces": False, "metrics": False}
+        self.reported = False
         self.closing = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not self.in_outage
+        if not self.reported:
+            return True
+        signal = _LOGGER_SIGNALS.get(record.name)
+        if signal is None:  # a logger shared by both signals (gRPC)
+            return not any(self.in_outage.values())
+        return not self.in_outage[signal]
 
-    def skip(self) -> bool:
+    def skip(self, signal: str) -> bool:
         """Whether to drop a batch without trying: shutting down, and the endpoint is dead."""
-        return self.closing and self.in_outage
+        return self.closing and self.in_outage[signal]
 
     def outcome(self, signal: str, ok: bool, error: str | None = None) -> None:
         with self._lock:
+            self.in_outage[signal] = not ok
             if ok:
                 self.successes[signal] += 1
-                recovered = self.in_outage
-                self.in_outage = False
-                failed = 0
             else:
                 self.failures[signal] += 1
-                recovered = False
-                failed = not self.in_outage
-                self.in_outage = True
-        if failed:
+            report = not ok and not self.reported
+            recovered = ok and self.reported and not any(self.in_outage.values())
+            if report:
+                self.reported = True
+            elif recovered:
+                self.reported = False
+        if report:
             logger.warning(
-                "OpenTelemetry %s export to %s (%s) failed%s; telemetry is dropped until it "
-                "recovers. Further failures are counted, not logged.",
+                "OpenTelemetry %s export to %s (%s) failed%s; telemetry is dropped until the "
+                "endpoint recovers. Further failures are counted, not logged.",
                 signal,
                 self.endpoint,
                 self.protocol,
@@ -453,9 +465,12 @@ class _ExportMonitor(logging.Filter):
             logger.info("OpenTelemetry export to %s recovered", self.endpoint)
 
 
+_LOGGER_SIGNALS: Mapping[str, str] = {
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter": "traces",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter": "metrics",
+}
 _EXPORTER_LOGGERS = (
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    *_LOGGER_SIGNALS,
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.common.http",
 )
@@ -590,6 +605,7 @@ def configure_sdk(
     endpoint: str | None = None,
     protocol: OTLPProtocol | None = None,
     otlp: bool = True,
+    otlp_metrics: bool = True,
     prometheus: bool = False,
     prometheus_port: int | None = None,
     prometheus_host: str = "127.0.0.1",
@@ -609,7 +625,9 @@ def configure_sdk(
             protocol's localhost default.
         protocol: ``"http/protobuf"`` or ``"grpc"``; None reads
             ``OTEL_EXPORTER_OTLP_PROTOCOL``, then defaults to http/protobuf.
-        otlp: export spans and metrics over OTLP at all.
+        otlp: export over OTLP at all.
+        otlp_metrics: also export metrics over OTLP (false for a traces-only backend such
+            as a bare Jaeger; scrape the Prometheus endpoint for metrics then).
         prometheus: add a Prometheus metric reader (pull; metrics only).
         prometheus_port: also serve ``/metrics`` on this port (0 picks a free one).
         prometheus_host: address the scrape endpoint binds.
@@ -657,9 +675,11 @@ def configure_sdk(
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create(_resource_attributes(service_name, resource_attributes))
-    tracer_provider = TracerProvider(resource=resource)
-    readers: list[MetricReader] = []
+    # Exporters first (a missing gRPC extra fails here, before anything runs), then the
+    # scrape endpoint (a port in use fails there), and only then the threads of the batch
+    # processor and the periodic reader, so a failed call leaves nothing running behind.
     monitor: _ExportMonitor | None = None
+    span_exporter = metric_exporter = None
     base: str | None = None
     if otlp:
         base = (
@@ -669,25 +689,10 @@ def configure_sdk(
         )
         monitor = _ExportMonitor(protocol_text, base)
         span_exporter, metric_exporter = _guarded_exporters(
-            protocol_text, endpoint, timeout, monitor
+            protocol_text, endpoint, timeout, monitor, metrics=otlp_metrics
         )
-        tracer_provider.add_span_processor(
-            BatchSpanProcessor(
-                span_exporter,
-                schedule_delay_millis=min(5000.0, interval * 1000),
-                export_timeout_millis=timeout * 1000,
-            )
-        )
-        readers.append(
-            PeriodicExportingMetricReader(
-                metric_exporter,
-                export_interval_millis=interval * 1000,
-                export_timeout_millis=timeout * 1000,
-            )
-        )
-        for name in _EXPORTER_LOGGERS:
-            logging.getLogger(name).addFilter(monitor)
 
+    readers: list[MetricReader] = []
     prometheus_reader = server = thread = None
     if prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -697,9 +702,37 @@ def configure_sdk(
         prometheus_reader = PrometheusMetricReader(registry=registry)
         readers.append(prometheus_reader)
         if prometheus_port is not None:
-            server, thread = start_http_server(
-                prometheus_port, addr=prometheus_host, registry=registry
+            try:
+                server, thread = start_http_server(
+                    prometheus_port, addr=prometheus_host, registry=registry
+                )
+            except BaseException:
+                prometheus_reader.shutdown()  # unregisters it from the registry
+                for exporter in (span_exporter, metric_exporter):
+                    if exporter is not None:
+                        exporter.shutdown()
+                raise
+
+    tracer_provider = TracerProvider(resource=resource)
+    if span_exporter is not None:
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(
+                span_exporter,
+                schedule_delay_millis=min(5000.0, interval * 1000),
+                export_timeout_millis=timeout * 1000,
             )
+        )
+    if metric_exporter is not None:
+        readers.append(
+            PeriodicExportingMetricReader(
+                metric_exporter,
+                export_interval_millis=interval * 1000,
+                export_timeout_millis=timeout * 1000,
+            )
+        )
+    if monitor is not None:
+        for name in _EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(monitor)
 
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     if install_global:
@@ -718,15 +751,15 @@ def configure_sdk(
 
 
 def _guarded_exporters(
-    protocol: str, endpoint: str | None, timeout: float, monitor: _ExportMonitor
-) -> tuple[Any, Any]:
+    protocol: str, endpoint: str | None, timeout: float, monitor: _ExportMonitor, *, metrics: bool
+) -> tuple[Any, Any | None]:
     """Build the OTLP span and metric exporters, wrapped so they count and never raise."""
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     inner_spans: SpanExporter
-    inner_metrics: MetricExporter
+    inner_metrics: MetricExporter | None = None
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
@@ -740,7 +773,8 @@ def _guarded_exporters(
                 "protocol 'grpc' needs the OTLP gRPC exporter: pip install 'omnitrace[grpc]'"
             ) from exc
         inner_spans = GrpcSpanExporter(endpoint=endpoint, timeout=timeout)
-        inner_metrics = GrpcMetricExporter(endpoint=endpoint, timeout=timeout)
+        if metrics:
+            inner_metrics = GrpcMetricExporter(endpoint=endpoint, timeout=timeout)
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
             OTLPMetricExporter as HttpMetricExporter,
@@ -753,11 +787,12 @@ def _guarded_exporters(
             return None if endpoint is None else f"{endpoint.rstrip('/')}/{path}"
 
         inner_spans = HttpSpanExporter(endpoint=url("v1/traces"), timeout=timeout)
-        inner_metrics = HttpMetricExporter(endpoint=url("v1/metrics"), timeout=timeout)
+        if metrics:
+            inner_metrics = HttpMetricExporter(endpoint=url("v1/metrics"), timeout=timeout)
 
     class GuardedSpanExporter(SpanExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-            if monitor.skip():
+            if monitor.skip("traces"):
                 monitor.outcome("traces", False)
                 return SpanExportResult.FAILURE
             try:
@@ -777,21 +812,25 @@ def _guarded_exporters(
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return inner_spans.force_flush(timeout_millis)
 
+    if inner_metrics is None:
+        return GuardedSpanExporter(), None
+    metric_exporter: MetricExporter = inner_metrics
+
     class GuardedMetricExporter(MetricExporter):
         def __init__(self) -> None:
             super().__init__(
-                preferred_temporality=inner_metrics._preferred_temporality,
-                preferred_aggregation=inner_metrics._preferred_aggregation,
+                preferred_temporality=metric_exporter._preferred_temporality,
+                preferred_aggregation=metric_exporter._preferred_aggregation,
             )
 
         def export(
             self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
         ) -> MetricExportResult:
-            if monitor.skip():
+            if monitor.skip("metrics"):
                 monitor.outcome("metrics", False)
                 return MetricExportResult.FAILURE
             try:
-                result = inner_metrics.export(metrics_data, timeout_millis=timeout_millis)
+                result = metric_exporter.export(metrics_data, timeout_millis=timeout_millis)
             except Exception as exc:
                 monitor.outcome("metrics", False, f"{_name(exc)}: {exc}")
                 return MetricExportResult.FAILURE
@@ -799,11 +838,11 @@ def _guarded_exporters(
             return result
 
         def force_flush(self, timeout_millis: float = 10_000) -> bool:
-            return inner_metrics.force_flush(timeout_millis=timeout_millis)
+            return metric_exporter.force_flush(timeout_millis=timeout_millis)
 
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             try:
-                inner_metrics.shutdown(timeout_millis=timeout_millis)
+                metric_exporter.shutdown(timeout_millis=timeout_millis)
             except Exception:
                 logger.debug("OTLP metric exporter raised on shutdown", exc_info=True)
 

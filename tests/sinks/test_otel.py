@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -675,6 +676,76 @@ def test_export_failure_is_reported_again_only_after_a_recovery(
             setup.shutdown()
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_traces_only_backend_logs_the_metrics_outage_once_and_traces_still_flow(
+    protocol: str, caplog: pytest.LogCaptureFixture, bus: EventBus
+) -> None:
+    """A backend refusing metrics (a bare Jaeger) costs one warning; spans keep arriving."""
+    with OTLPReceiver(protocol) as receiver:  # type: ignore[arg-type]
+        receiver.reject_signals = {"metrics"}
+        setup = configure_sdk(
+            endpoint=receiver.endpoint,
+            protocol=protocol,  # type: ignore[arg-type]
+            export_interval_s=600,
+        )
+        try:
+            sink = OTelSink(
+                bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
+            )
+            bus.add_sink(sink)
+            with caplog.at_level(logging.INFO, logger="omnitrace.otel"):
+                for _ in range(3):
+                    run_scenario(bus)
+                    assert bus.flush(5.0)
+                    assert setup.force_flush() is False
+            ours = [r for r in caplog.records if r.name == "omnitrace.otel"]
+            assert [(r.levelno, "metrics" in r.getMessage()) for r in ours] == [
+                (logging.WARNING, True)
+            ]
+            assert setup.export_failures == {"traces": 0, "metrics": 3}
+            assert setup.export_successes["traces"] == 3
+            # Three spans per scenario: a capture, a deferral and a failure.
+            assert len(receiver.spans()) == 9
+        finally:
+            bus.close()
+            setup.shutdown()
+
+
+def test_otlp_metrics_off_sends_traces_only(bus: EventBus) -> None:
+    """otlp_metrics=False exports spans over OTLP and no metrics at all."""
+    with OTLPReceiver() as receiver:
+        setup = configure_sdk(endpoint=receiver.endpoint, otlp_metrics=False)
+        try:
+            bus.add_sink(
+                OTelSink(
+                    bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
+                )
+            )
+            run_scenario(bus)
+            assert bus.flush(5.0)
+            assert setup.force_flush() is True
+            assert len(receiver.spans()) == 3
+            assert receiver.metrics_requests == []
+            assert setup.export_successes == {"traces": 1, "metrics": 0}
+        finally:
+            bus.close()
+            setup.shutdown()
+
+
+def test_a_busy_prometheus_port_raises_and_leaves_nothing_registered() -> None:
+    """A scrape port already in use raises OSError and unregisters the reader again."""
+    registry = CollectorRegistry()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        with pytest.raises(OSError, match="in use"):
+            configure_sdk(
+                otlp=False, prometheus=True, prometheus_port=port, prometheus_registry=registry
+            )
+    assert list(registry.collect()) == []
+
+
 # -- SDK wiring --------------------------------------------------------------------------
 
 
@@ -824,3 +895,49 @@ def test_importing_omnitrace_does_not_import_opentelemetry() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_install_global_lets_a_sink_without_providers_export() -> None:
+    """configure_sdk(install_global=True) makes OTelSink(bus) export through the new SDK."""
+    # Global providers can be set once per process, so this runs in a fresh interpreter.
+    code = (
+        "import torch\n"
+        "from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus\n"
+        "from omnitrace.sinks.otel import OTelSink, configure_sdk\n"
+        "from omnitrace.testing import SimulatedGraphBackend\n"
+        "from omnitrace.testing_otlp import OTLPReceiver\n"
+        "with OTLPReceiver() as receiver:\n"
+        "    setup = configure_sdk(endpoint=receiver.endpoint, install_global=True)\n"
+        "    bus = EventBus()\n"
+        "    bus.add_sink(OTelSink(bus))\n"
+        "    graph = EncoderCudaGraph(lambda x: x + 1, name='g', bus=bus,\n"
+        "        config=EncoderGraphConfig(min_free_bytes=0), backend=SimulatedGraphBackend())\n"
+        "    with torch.no_grad():\n"
+        "        graph(torch.ones(2)); graph(torch.ones(2))\n"
+        "    bus.close()\n"
+        "    assert setup.force_flush()\n"
+        "    print(sorted(s.name for s in receiver.spans()))\n"
+        "    hits = receiver.latest_metric('omnitrace.encoder.graph.hits')\n"
+        "    print(hits.sum.data_points[0].as_int)\n"
+        "    setup.shutdown()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == [f"['{SPANS.CAPTURE}']", "1"]
+
+
+def test_telemetry_doc_lists_every_exported_name() -> None:
+    """docs/telemetry.md names every span, span attribute and metric (OTel and Prometheus)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "telemetry.md").read_text()
+    names = {SPANS.CAPTURE, SPANS.MEMORY_DEFERRAL, SPANS.EXCEPTION_EVENT}
+    names |= {v for k, v in vars(ATTR).items() if k.isupper()}
+    for spec in METRICS.values():
+        names |= {spec.otel, spec.prometheus, spec.unit}
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert missing == []
