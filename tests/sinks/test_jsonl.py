@@ -30,6 +30,7 @@ from omnitrace.sinks.jsonl import (
     EventLogError,
     EventLogFollower,
     JsonlSink,
+    follow,
     read_events,
     read_records,
     worker_rank,
@@ -283,3 +284,19 @@ def test_fresh_sink_replaces_the_log_and_its_backups(tmp_path: Path) -> None:
     _write(path, EVENTS[:1], fresh=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl"]
     assert list(read_events(path)) == EVENTS[:1]
+
+
+def test_follow_yields_events_until_stop(tmp_path: Path) -> None:
+    """follow() yields events written before and during the follow, then ends on stop()."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path)
+    try:
+        sink.handle(EVENTS[:3])
+        seen: list[Event] = []
+        for event in follow(path, poll_interval=0.01, stop=lambda: len(seen) >= 3):
+            seen.append(event)
+            if len(seen) == 3:
+                sink.handle(EVENTS[3:])
+    finally:
+        sink.close()
+    assert seen == EVENTS
