@@ -1,0 +1,7 @@
+"""``python -m omnitrace`` runs the command-line interface."""
+
+import sys
+
+from omnitrace.cli import main
+
+sys.exit(main())
