@@ -70,3 +70,15 @@ def test_readme_has_exactly_the_two_setup_commands() -> None:
     assert "omnitrace demo" in demo
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci.splitlines()
+
+
+def test_readme_documents_every_exported_name() -> None:
+    """Every metric (OTel and Prometheus), span and log event name of names.py is in the README."""
+    from omnitrace.sinks import names
+
+    text = (ROOT / "README.md").read_text()
+    wanted = {names.SPANS.CAPTURE, names.SPANS.MEMORY_DEFERRAL, *names.LOG_EVENTS}
+    for metric in names.METRICS.values():
+        wanted.update({metric.otel, metric.prometheus, *metric.attributes})
+    missing = sorted(n for n in wanted if f"`{n}`" not in text)
+    assert missing == []
