@@ -33,10 +33,12 @@ __all__ = [
     "cuda_status",
     "environment",
     "free_cuda_memory",
+    "rotated",
     "summarize",
     "target",
     "time_per_call",
     "write_json",
+    "write_partial",
 ]
 
 T = TypeVar("T")
@@ -72,6 +74,8 @@ class Context:
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
     deadline: float = math.inf
     """``time.monotonic()`` by which the whole run should be done (the runner sets it)."""
+    environment: dict[str, Any] | None = None
+    """The run's environment (the runner sets it), for results written before the end."""
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
@@ -201,6 +205,19 @@ def summarize(samples_s: Iterable[float], *, scale: float = 1e6) -> dict[str, fl
     }
 
 
+def rotated(names: Sequence[T], round_index: int) -> list[T]:
+    """Return ``names`` starting at ``round_index mod len(names)``, wrapping around.
+
+    Timing rounds use it so every method (or arm) takes every position in a round equally
+    often, and none always runs right after the same other one.
+    """
+    items = list(names)
+    if not items:
+        return items
+    k = round_index % len(items)
+    return items[k:] + items[:k]
+
+
 def time_per_call(
     fn: Callable[[], object],
     iters: int,
@@ -290,8 +307,30 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` as strict JSON (non-finite floats become null)."""
+    """Write ``payload`` as strict JSON (non-finite floats become null), atomically.
+
+    The text goes to a temporary file beside ``path`` first, so a reader (or a run killed
+    mid-write) never sees half a file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_clean(payload), indent=2, allow_nan=False)
-    path.write_text(text + "\n", encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return path
+
+
+def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
+    """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial.
+
+    The runner overwrites the file with the final result; a run killed before that keeps
+    this one (``benchmarks.report`` renders it, marked partial).
+    """
+    payload = {
+        "benchmark": name,
+        "environment": ctx.environment or {},
+        "status": "partial",
+        "error": None,
+        "result": result,
+    }
+    return write_json(ctx.out_dir / f"{name}.json", payload)

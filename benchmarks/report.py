@@ -201,6 +201,11 @@ def _latency(result: dict[str, Any]) -> list[Table]:
         "Per call: device idle before, timed until the device finished. 'adapter vs bare' "
         "should be within +2 %; 'adapter vs compile' negative means the adapter is faster."
     )
+    failed = [r for r in result["rows"] if r.get("failure")]
+    if failed:
+        t.note += " Failed configurations (each ran in its own process): " + "; ".join(
+            f"{r['label']} batch {r['batch']}: {r['failure']}" for r in failed
+        )
     tables = [t]
     spread = Table(
         "Latency spread, p10 / p90 us",
@@ -352,15 +357,27 @@ def _memory(result: dict[str, Any]) -> list[Table]:
 def _observability(result: dict[str, Any]) -> list[Table]:
     t = Table(
         "End-to-end throughput with sinks",
-        ["configuration", "calls/s (median of rounds)", "vs no sinks", "events", "dropped"],
+        [
+            "configuration",
+            "sinks on",
+            "calls/s (median)",
+            "loss vs bus, median of paired rounds",
+            "p25 / p75",
+            "loss, total time",
+            "events",
+            "dropped",
+        ],
     )
-    base = result["arms"].get("bus_no_sinks", {}).get("calls_per_s")
     for arm in result["arms"].values():
+        paired = arm.get("vs_baseline") or {}
         t.rows.append(
             [
                 arm["label"],
+                ", ".join(arm.get("sinks_on") or []) or "-",
                 f"{arm['calls_per_s']:,.1f}",
-                _pct(arm["calls_per_s"] / base - 1) if base else "n/a",
+                _pct(paired.get("loss")),
+                f"{_pct(paired.get('loss_p25'))} / {_pct(paired.get('loss_p75'))}",
+                _pct(paired.get("loss_total")),
                 "-" if arm.get("emitted") is None else str(arm["emitted"]),
                 "-" if arm.get("dropped") is None else str(arm["dropped"]),
             ]
@@ -369,7 +386,12 @@ def _observability(result: dict[str, Any]) -> list[Table]:
         f"{name}: {'on' if s['status'] == 'on' else 'skipped (' + s['reason'] + ')'}"
         for name, s in result["sinks"].items()
     )
-    t.note = f"Sinks: {sinks}."
+    t.note = (
+        f"Loss: 1 - median over {result.get('rounds', 'n/a')} rounds of the arm's calls/s "
+        "over the bus-without-sinks arm's in the same round (positive: slower); arms "
+        "interleaved with a rotating start, the same call sequence in every arm and round. "
+        f"Sinks: {sinks}."
+    )
     return [t]
 
 
@@ -408,16 +430,17 @@ def _text(table: Table) -> str:
 def _targets_table(outputs: dict[str, dict[str, Any]]) -> Table:
     t = Table("Targets", ["benchmark", "target", "measured", "limit", "status"])
     for name, payload in outputs.items():
-        if payload.get("status") != "ok":
+        if payload.get("status") not in _RENDERED:
             t.rows.append([name, "(benchmark failed)", payload.get("error") or "", "", "ERROR"])
             continue
+        partial = " (partial run)" if payload.get("status") == "partial" else ""
         for tg in (payload.get("result") or {}).get("targets", []):
             value = tg["value"]
             shown = "n/a" if value is None else f"{value:,.3g} {tg['unit']}"
             t.rows.append(
                 [
                     name,
-                    tg["name"],
+                    tg["name"] + partial,
                     shown,
                     f"{tg['op']} {tg['limit']:g} {tg['unit']}",
                     _met(tg["met"]),
@@ -454,8 +477,12 @@ def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     return outputs
 
 
+#: Statuses whose results are rendered: finished, or cut short with what was measured.
+_RENDERED = ("ok", "partial")
+
+
 def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
-    if payload.get("status") != "ok" or payload.get("result") is None:
+    if payload.get("status") not in _RENDERED or payload.get("result") is None:
         return []
     return RENDERERS[name](payload["result"])
 
@@ -469,10 +496,12 @@ def markdown_sections(outputs: dict[str, dict[str, Any]]) -> dict[str, str]:
         "targets": _markdown(_targets_table(outputs)),
     }
     for name, payload in outputs.items():
-        if payload.get("status") != "ok":
+        if payload.get("status") not in _RENDERED:
             sections[name] = f"Failed: `{payload.get('error')}` (see `{name}.json`)."
             continue
         body = "\n\n".join(_markdown(t) for t in _tables_for(name, payload))
+        if payload.get("status") == "partial":
+            body = f"_Partial: the run stopped before {name} finished._\n\n{body}"
         plots = payload.get("plots") or []
         if plots:
             body += "\n\n" + "\n".join(f"![{name}]({Path(p).name})" for p in plots)

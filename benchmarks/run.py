@@ -20,6 +20,8 @@ renders the tables of ``BENCHMARKS.md`` from these files.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import importlib
 import shlex
 import sys
@@ -116,6 +118,7 @@ def run_benchmarks(
     env = environment(command)
     env["scale"] = ctx.scale
     env["simulated"] = ctx.simulate
+    ctx.environment = env
     budget = TIME_BUDGET_S[ctx.scale] if time_budget is None else time_budget
     ctx.deadline = time.monotonic() + budget
     outputs: dict[str, dict[str, Any]] = {}
@@ -161,10 +164,20 @@ def run_benchmarks(
     return outputs
 
 
+def _enable_faulthandler() -> None:
+    """Dump Python tracebacks on a fatal signal, so a crash of the runner is never silent."""
+    if faulthandler.is_enabled():
+        return
+    # A stderr without a file descriptor (a captured test run) cannot take the dumps.
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        faulthandler.enable()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, check the device, run, print the summary; return the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
+    _enable_faulthandler()
     scale = "tiny" if args.tiny else ("quick" if args.quick else "full")
     # Only --suite cpu runs overhead without its CUDA part; named on its own, it needs CUDA.
     needs_cuda = [

@@ -161,10 +161,13 @@ def test_report_renders_and_updates_marked_sections(
     assert "summary" in report.text_summary(report.load(out))
 
 
-def _cli(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, tmp: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(extra_env or {}),
     }
     return subprocess.run(
         [sys.executable, "-W", "error", "-m", "benchmarks.run", *args, "--out", str(tmp)],
@@ -210,3 +213,144 @@ def test_every_suite_runs_simulated_on_cpu(tmp_path: Path) -> None:
     high, low = memory["floor"]["rows"]
     assert (high["num_graphs"], low["num_graphs"]) == (0, 1)
     assert high["memory_misses"] == high["calls"] - 1
+    for row in latency["rows"]:
+        assert row["child"]["status"] == "ok"
+        assert row["failure"] is None
+    assert len(list((tmp_path / "latency-points").glob("point-*.json"))) == len(latency["rows"])
+    obs = json.loads((tmp_path / "observability.json").read_text(encoding="utf-8"))["result"]
+    assert list(obs["arms"]) == [
+        "no_bus",
+        "bus_no_sinks",
+        "otel",
+        "logs",
+        "jsonl",
+        "live",
+        "production",
+        "all_sinks",
+    ]
+    assert obs["same_counts_in_every_arm"] is True
+    assert obs["flushed"] is True
+    for arm in obs["arms"].values():
+        assert len(arm["rounds_calls_per_s"]) == obs["rounds"]
+        assert arm["vs_baseline"]["rounds"] == obs["rounds"]
+        assert arm["dropped"] in (None, 0)
+    assert obs["arms"]["bus_no_sinks"]["vs_baseline"]["loss"] == 0.0
+
+
+def test_rotated_puts_every_method_in_every_position() -> None:
+    """Over n rounds each method takes every position once, so none always runs after eager."""
+    from benchmarks.common import rotated
+
+    names = ["eager", "adapter", "bare", "replay_only", "compile"]
+    orders = [rotated(names, r) for r in range(len(names))]
+    for position in range(len(names)):
+        assert sorted(order[position] for order in orders) == sorted(names)
+    # Whatever follows eager in one round opens another round, with nothing before it.
+    for name in names[1:]:
+        follows_eager = sum(1 for o in orders if o.index(name) == o.index("eager") + 1)
+        assert follows_eager < len(orders)
+    assert {order[0] for order in orders} == set(names)
+    assert rotated(names, 7) == names[2:] + names[:2]
+
+
+def test_paired_loss_cancels_slow_rounds_shared_by_both_arms() -> None:
+    """A slow phase that hits both arms of a round leaves the paired median loss unchanged."""
+    from benchmarks.observability import paired_loss
+
+    base = [600.0, 360.0, 600.0, 600.0, 400.0, 600.0, 620.0, 410.0]
+    arm = [b * 0.99 for b in base]
+    result = paired_loss(base, arm)
+    assert result["rounds"] == len(base)
+    assert result["loss"] == pytest.approx(0.01)
+    assert result["loss_total"] == pytest.approx(0.01)
+    assert paired_loss(base, base)["loss"] == 0.0
+    with pytest.raises(ValueError, match="same, non-zero number of rounds"):
+        paired_loss(base, arm[:-1])
+
+
+def test_latency_records_a_crashed_configuration_and_runs_the_rest(tmp_path: Path) -> None:
+    """A configuration whose process segfaults is recorded with its signal; the next still runs."""
+    done = _cli(
+        "--suite",
+        "latency",
+        "--simulate",
+        "--tiny",
+        "--no-plots",
+        tmp=tmp_path,
+        extra_env={"OMNITRACE_BENCH_LATENCY_FAULT": "0:segv"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((tmp_path / "latency.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "ok"
+    crashed, fine = payload["result"]["rows"]
+    assert crashed["child"]["status"] == "crashed"
+    assert crashed["child"]["signal"] == "SIGSEGV"
+    assert crashed["child"]["stage"] == "timing"
+    assert any("Segmentation fault" in line for line in crashed["child"]["stderr_tail"])
+    assert "SIGSEGV" in crashed["failure"]
+    assert fine["child"]["status"] == "ok"
+    assert fine["adapter_hits"] == fine["adapter_timed_calls"] > 0
+    by_name = {t["name"]: t for t in payload["result"]["targets"]}
+    failed = by_name["configurations whose process crashed, hung or failed"]
+    assert (failed["value"], failed["met"]) == (1.0, False)
+
+
+def test_latency_child_past_its_timeout_is_stopped_with_a_traceback(
+    bench: Any, tmp_path: Path
+) -> None:
+    """A hung configuration is killed at its timeout, with faulthandler's traceback kept."""
+    from benchmarks import latency
+
+    spec = {
+        "index": 0,
+        "encoder": "audio",
+        "what": "1 s chunk",
+        "size": 100,
+        "batch": 1,
+        "simulate": True,
+        "scale": "tiny",
+        "warmup": 1,
+        "per_round": 2,
+        "cycles": 1,
+        "compile": False,
+        "compile_skip": "skipped: needs CUDA",
+        "compile_limit_s": None,
+        "fault": {"kind": "hang", "stage": "timing"},
+    }
+    lines: list[str] = []
+    outcome = latency.run_child(spec, tmp_path, timeout_s=20.0, log=lines.append)
+    child = outcome["child"]
+    assert child["status"] == "timeout"
+    assert child["stage"] == "timing"
+    assert any("latency_point.py" in line for line in child["stderr_tail"])
+    assert outcome["record"]["row"]["methods"]["adapter"]["max_rel_err"] == 0.0
+    assert any("[timing]" in line for line in lines)
+
+
+def test_report_renders_a_partial_result(bench: Any) -> None:
+    """A result left by an interrupted run is rendered and marked partial, not failed."""
+    _, report = bench
+    payload = {
+        "benchmark": "observability",
+        "environment": {"torch": torch.__version__},
+        "status": "partial",
+        "error": None,
+        "result": {
+            "arms": {},
+            "sinks": {},
+            "targets": [
+                {
+                    "name": "t",
+                    "value": 1.0,
+                    "op": "<",
+                    "limit": 2.0,
+                    "unit": "%",
+                    "met": True,
+                    "note": "",
+                }
+            ],
+        },
+    }
+    sections = report.markdown_sections({"observability": payload})
+    assert sections["observability"].startswith("_Partial")
+    assert "t (partial run)" in sections["targets"]
