@@ -1,0 +1,363 @@
+"""Attach encoder graph adapters to a loaded MiniCPM-o 4.5 model.
+
+Two adapters, named as the design note names them:
+
+* vision, on ``model.vpm._encoder_graph``: the SigLIP encoder stack plus its post-layernorm,
+  ``(hidden, attention_mask) -> hidden``. Patch embedding and mask building stay eager, so
+  the graph key is the embedded sequence, not the variable-size image. :func:`instrument`
+  routes ``model.vpm.forward`` through it.
+* audio, on ``model._audio_encoder_graph``: the stateless Whisper encoder, the audio
+  projection and the average pooling, ``(mel, attention_mask) -> embeddings``. The model's
+  batch audio path calls it through :func:`encode_audio`.
+
+Eager fallbacks stay eager and are recorded as ineligible misses without touching the graph:
+training mode, attention or hidden-state outputs requested from the vision tower, fp16 audio
+(the Whisper layers check for fp16 overflow on the host, which a graph cannot do), and the
+stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph.
+CPU, grad and autocast are handled by the adapter itself.
+
+Configuration comes from the model's hf config (the ``--hf-overrides`` keys land there as
+attributes) and from vLLM's ``enforce_eager``, which always disables the graphs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnitrace.bus import EventBus
+from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
+from omnitrace.events import GraphMissed, MissReason, now
+from omnitrace.graphs.adapter import EncoderCudaGraph, describe_key
+from omnitrace.graphs.backends.base import GraphBackend
+
+__all__ = [
+    "AUDIO_ATTR",
+    "VISION_ATTR",
+    "Instrumented",
+    "config_from_model",
+    "encode_audio",
+    "encode_audio_streaming",
+    "instrument",
+]
+
+#: Where the vision adapter lives, on ``model.vpm``.
+VISION_ATTR = "_encoder_graph"
+#: Where the audio adapter lives, on the model.
+AUDIO_ATTR = "_audio_encoder_graph"
+
+_ORIGINAL_FORWARD = "_omnitrace_original_forward"
+_VISION_EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+@dataclass(frozen=True, slots=True)
+class Instrumented:
+    """The adapters :func:`instrument` attached (None where the model has no such encoder)."""
+
+    vision: EncoderCudaGraph | None
+    audio: EncoderCudaGraph | None
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def _hf_overrides_of(hf_config: Any) -> dict[str, Any]:
+    if hf_config is None:
+        return {}
+    if isinstance(hf_config, Mapping):
+        return {k: v for k, v in hf_config.items() if k in HF_OVERRIDE_KEYS}
+    return {k: getattr(hf_config, k) for k in HF_OVERRIDE_KEYS if hasattr(hf_config, k)}
+
+
+def config_from_model(
+    model: Any,
+    vllm_config: Any = None,
+    *,
+    hf_config: Any = None,
+    enforce_eager: bool | None = None,
+) -> EncoderGraphConfig:
+    """Build the encoder graph config of ``model``.
+
+    The ``encoder_cuda_graph*`` keys are read from ``hf_config`` (default: vLLM's
+    ``model_config.hf_config``, else ``model.config``); ``enforce_eager`` defaults to vLLM's
+    ``model_config.enforce_eager``.
+
+    Raises:
+        ConfigError: an override has the wrong type, range or name.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if hf_config is None:
+        hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        hf_config = getattr(model, "config", None)
+    if enforce_eager is None:
+        enforce_eager = bool(getattr(model_config, "enforce_eager", False))
+    return EncoderGraphConfig.from_hf_overrides(
+        _hf_overrides_of(hf_config), enforce_eager=enforce_eager
+    )
+
+
+# -- recording model-specific fallbacks ------------------------------------------------------
+
+
+def _record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> None:
+    """Record an eager run the model chose before reaching the adapter."""
+    specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
+    device: torch.device | None = None
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            specs.append((tuple(x.shape), x.dtype))
+            device = device or x.device
+        else:
+            specs.append(None)
+    mono, epoch = now()
+    event = GraphMissed(
+        graph.name,
+        describe_key(tuple(specs), device, None),
+        mono,
+        epoch,
+        MissReason.INELIGIBLE,
+        detail,
+    )
+    # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
+    # derive_stats() over a recorded log agree on calls that never reached the graph.
+    graph._emit(event)
+
+
+# -- vision ------------------------------------------------------------------------------------
+
+
+def _encoder_output(result: Any) -> torch.Tensor:
+    # vLLM's encoder returns the tensor; Hugging Face's returns a ModelOutput or a tuple.
+    if isinstance(result, torch.Tensor):
+        return result
+    last = getattr(result, "last_hidden_state", None)
+    if isinstance(last, torch.Tensor):
+        return last
+    first = result[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"vision encoder returned {type(result).__name__} without a tensor")
+    return first
+
+
+def _vision_stack(vpm: Any) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    encoder, post_layernorm = vpm.encoder, vpm.post_layernorm
+
+    def stack(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = _encoder_output(encoder(inputs_embeds=hidden, attention_mask=attention_mask))
+        result: torch.Tensor = post_layernorm(out)
+        return result
+
+    return stack
+
+
+def _vision_attention_mask(
+    vpm: Any, patch_attention_mask: torch.Tensor | None, hidden: torch.Tensor
+) -> torch.Tensor | None:
+    """Build the additive ``(B, 1, 1, L)`` mask the SigLIP encoder layers take, eagerly."""
+    if patch_attention_mask is None or not getattr(vpm, "apply_encoder_attention_mask", True):
+        return None
+    flat = patch_attention_mask.view(patch_attention_mask.shape[0], -1)
+    mask = (~flat).to(dtype=hidden.dtype) * torch.finfo(hidden.dtype).min
+    return mask[:, None, None, :]
+
+
+class _VisionForward:
+    """``vpm.forward`` with the encoder stack and post-layernorm served by the adapter."""
+
+    def __init__(self, vpm: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
+        self._vpm = vpm
+        self._graph = graph
+        self.original = original
+
+    def __call__(
+        self,
+        pixel_values: torch.Tensor,
+        patch_attention_mask: torch.Tensor | None = None,
+        tgt_sizes: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        vpm, graph = self._vpm, self._graph
+        detail = None
+        if vpm.training:
+            detail = "training"
+        elif any(kwargs.get(name) for name in _VISION_EXTRA_OUTPUTS):
+            detail = "extra_outputs"
+        elif args or set(kwargs) - {"position_ids", *_VISION_EXTRA_OUTPUTS}:
+            detail = "arguments"
+        elif getattr(vpm, "use_data_parallel", False):
+            # Data-parallel vision sharding splits the batch inside the forward.
+            detail = "data_parallel"
+        if detail is not None:
+            _record_ineligible(graph, detail, pixel_values, patch_attention_mask)
+            return self.original(pixel_values, patch_attention_mask, tgt_sizes, *args, **kwargs)
+        embed_kwargs: dict[str, Any] = {
+            "pixel_values": pixel_values,
+            "patch_attention_mask": patch_attention_mask,
+            "tgt_sizes": tgt_sizes,
+        }
+        if kwargs.get("position_ids") is not None:
+            embed_kwargs["position_ids"] = kwargs["position_ids"]
+        hidden = vpm.embeddings(**embed_kwargs)
+        mask = _vision_attention_mask(vpm, patch_attention_mask, hidden)
+        return graph(hidden, mask)
+
+
+# -- audio -------------------------------------------------------------------------------------
+
+
+def _pool(model: Any, states: torch.Tensor) -> torch.Tensor:
+    embeds = model.audio_projection_layer(states)
+    pooled: torch.Tensor = model.audio_avg_pooler(embeds.transpose(1, 2))
+    return pooled.transpose(1, 2)
+
+
+def _audio_states(model: Any, result: Any) -> torch.Tensor:
+    hidden_states = getattr(result, "hidden_states", None)
+    layer = getattr(model, "audio_encoder_layer", -1)
+    if hidden_states is not None:
+        states: torch.Tensor = hidden_states[layer]
+        return states
+    return _encoder_output(result)
+
+
+def _audio_stack(model: Any) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    def stack(mel: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return _pool(model, _audio_states(model, model.apm(mel, attention_mask=attention_mask)))
+
+    return stack
+
+
+def _audio_dtype(model: Any) -> torch.dtype | None:
+    for parameter in model.apm.parameters():
+        dtype: torch.dtype = parameter.dtype
+        return dtype
+    return None
+
+
+def encode_audio(
+    model: Any, mel: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Run the stateless audio encoder (Whisper, projection, pooling) on ``mel``.
+
+    Uses ``model._audio_encoder_graph`` when it is attached and the call is eligible;
+    training mode and fp16 stay eager (recorded as ineligible misses).
+    """
+    graph: EncoderCudaGraph | None = getattr(model, AUDIO_ATTR, None)
+    stack = _audio_stack(model)
+    if graph is None:
+        return stack(mel, attention_mask)
+    detail = None
+    if model.training or model.apm.training:
+        detail = "training"
+    elif mel.dtype == torch.float16 or _audio_dtype(model) == torch.float16:
+        # The Whisper layers clamp fp16 overflow after a host-side check of the values.
+        detail = "fp16"
+    if detail is not None:
+        _record_ineligible(graph, detail, mel, attention_mask)
+        return stack(mel, attention_mask)
+    out: torch.Tensor = graph(mel, attention_mask)
+    return out
+
+
+def encode_audio_streaming(
+    model: Any,
+    mel: torch.Tensor,
+    past_key_values: Any = None,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """Run one chunk of the stateful streaming audio path; never uses the graph.
+
+    The Whisper encoder runs with its key/value cache (``use_cache=True``), whose state
+    changes on every chunk, so a replayed graph would be wrong. The call is recorded as an
+    ineligible miss with detail ``streaming`` when an audio adapter is attached.
+
+    Returns:
+        ``(embeddings, past_key_values)`` for the next chunk.
+    """
+    graph: EncoderCudaGraph | None = getattr(model, AUDIO_ATTR, None)
+    if graph is not None:
+        _record_ineligible(graph, "streaming", mel, attention_mask)
+    result = model.apm(
+        mel, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=True
+    )
+    return _pool(model, _audio_states(model, result)), getattr(result, "past_key_values", None)
+
+
+# -- attaching ---------------------------------------------------------------------------------
+
+
+_attach_lock = threading.Lock()
+
+
+def _backend(backend: GraphBackend | None, vllm_config: Any) -> GraphBackend:
+    if backend is not None:
+        return backend
+    from omnitrace.graphs.backends.select import select_backend
+
+    return select_backend(vllm_config)
+
+
+def instrument(
+    model: Any,
+    vllm_config: Any = None,
+    *,
+    bus: EventBus | None = None,
+    hf_config: Any = None,
+    enforce_eager: bool | None = None,
+    backend: GraphBackend | None = None,
+) -> Instrumented:
+    """Attach the vision and audio adapters to a loaded MiniCPM-o model.
+
+    Idempotent: a model that already carries adapters gets them back unchanged.
+
+    Args:
+        model: the loaded model (``vpm`` vision tower and/or ``apm`` audio encoder).
+        vllm_config: the engine's ``VllmConfig``: source of ``enforce_eager`` and the hf
+            config, and selects vLLM's graph manager as the backend.
+        bus: where both adapters emit events.
+        hf_config: overrides the hf config the ``encoder_cuda_graph*`` keys are read from.
+        enforce_eager: overrides vLLM's ``enforce_eager``.
+        backend: one backend for both adapters (tests pass a SimulatedGraphBackend);
+            default: :func:`~omnitrace.graphs.backends.select.select_backend`, one per adapter.
+
+    Raises:
+        ConfigError: an ``encoder_cuda_graph*`` override is invalid.
+    """
+    config = config_from_model(model, vllm_config, hf_config=hf_config, enforce_eager=enforce_eager)
+    with _attach_lock:
+        vision: EncoderCudaGraph | None = None
+        vpm = getattr(model, "vpm", None)
+        if isinstance(vpm, nn.Module):
+            vision = getattr(vpm, VISION_ATTR, None)
+            if vision is None:
+                vision = EncoderCudaGraph(
+                    _vision_stack(vpm),
+                    name="vision",
+                    config=config,
+                    bus=bus,
+                    backend=_backend(backend, vllm_config),
+                )
+                # Instance attributes: the class (shared with other models) is untouched.
+                object.__setattr__(vpm, VISION_ATTR, vision)
+                object.__setattr__(vpm, _ORIGINAL_FORWARD, vpm.forward)
+                object.__setattr__(vpm, "forward", _VisionForward(vpm, vision, vpm.forward))
+        audio: EncoderCudaGraph | None = None
+        if isinstance(getattr(model, "apm", None), nn.Module):
+            audio = getattr(model, AUDIO_ATTR, None)
+            if audio is None:
+                audio = EncoderCudaGraph(
+                    _audio_stack(model),
+                    name="audio",
+                    config=config,
+                    bus=bus,
+                    backend=_backend(backend, vllm_config),
+                )
+                object.__setattr__(model, AUDIO_ATTR, audio)
+    return Instrumented(vision=vision, audio=audio)

@@ -1,0 +1,193 @@
+"""vLLM general plugin: encoder graphs and telemetry for MiniCPM-o in ``vllm serve``.
+
+Installed with ``pip install 'omnitrace[vllm]'``, the ``vllm.general_plugins`` entry point
+``omnitrace = omnitrace.integrations.vllm_plugin:register`` makes vLLM call :func:`register`
+in every process it starts. ``register`` wraps vLLM's model loader so that a loaded model
+with a MiniCPM-o vision tower (``vpm``) or audio encoder (``apm``) gets its adapters from
+:func:`omnitrace.integrations.minicpmo.instrument`. vLLM itself is not edited.
+
+Each worker process gets one event bus of its own (created on first use in that process,
+so a forked worker never shares its parent's). Sinks come from the environment:
+
+``OMNITRACE_PLUGIN=0``
+    do nothing (the plugin stays installed but inert).
+``OMNITRACE_EVENTS_LOG=path``
+    a JSONL event log (``omnitrace.sinks.jsonl.JsonlSink``); ``{pid}`` and ``{rank}`` in
+    the path are filled in per worker, and every line carries the pid and rank.
+``OMNITRACE_OTLP=1``
+    OpenTelemetry spans and metrics (``omnitrace.sinks.otel``), with the worker's pid and
+    rank as resource attributes; endpoint and protocol from the usual ``OTEL_*`` variables.
+``OMNITRACE_SERVICE_NAME``
+    the OTel ``service.name`` (default ``omnitrace``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from omnitrace.bus import EventBus
+from omnitrace.config import ConfigError, OmnitraceError
+from omnitrace.integrations.worker import worker_identity
+
+__all__ = ["ENV_EVENTS_LOG", "ENV_OTLP", "ENV_PLUGIN", "PluginError", "register", "worker_bus"]
+
+logger = logging.getLogger("omnitrace")
+
+ENV_PLUGIN = "OMNITRACE_PLUGIN"
+ENV_EVENTS_LOG = "OMNITRACE_EVENTS_LOG"
+ENV_OTLP = "OMNITRACE_OTLP"
+ENV_SERVICE_NAME = "OMNITRACE_SERVICE_NAME"
+
+_LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+_PATCHED = "_omnitrace_patched"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+_lock = threading.Lock()
+_bus: EventBus | None = None
+_bus_pid: int | None = None
+
+
+class PluginError(OmnitraceError, RuntimeError):
+    """The plugin's environment asks for something that cannot be set up."""
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {raw!r}")
+
+
+def _import_sink(module: str, env: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(
+            f"{env} is set but {module} cannot be imported ({exc}); install omnitrace with "
+            "its telemetry dependencies or unset the variable"
+        ) from exc
+
+
+def _build_sinks(bus: EventBus, environ: Mapping[str, str]) -> list[Any]:
+    pid, rank = worker_identity(environ)
+    sinks: list[Any] = []
+    path = environ.get(ENV_EVENTS_LOG, "").strip()
+    if path:
+        jsonl = _import_sink("omnitrace.sinks.jsonl", ENV_EVENTS_LOG)
+        kwargs: dict[str, Any] = {"bus": bus}
+        if rank is not None and "rank" in inspect.signature(jsonl.JsonlSink).parameters:
+            kwargs["rank"] = rank
+        sinks.append(jsonl.JsonlSink(path, **kwargs))
+    if _flag(environ, ENV_OTLP, False):
+        otel = _import_sink("omnitrace.sinks.otel", ENV_OTLP)
+        attributes: dict[str, str | int | float | bool] = {"process.pid": pid}
+        if rank is not None:
+            attributes["omnitrace.worker.rank"] = rank
+        setup = otel.configure_sdk(
+            service_name=environ.get(ENV_SERVICE_NAME, "omnitrace"),
+            resource_attributes=attributes,
+        )
+        sinks.append(
+            otel.OTelSink(
+                bus,
+                tracer_provider=setup.tracer_provider,
+                meter_provider=setup.meter_provider,
+            )
+        )
+    return sinks
+
+
+def worker_bus(environ: Mapping[str, str] | None = None) -> EventBus:
+    """Return this process's bus, creating it (with its sinks) on first use.
+
+    Raises:
+        PluginError: a sink the environment asks for cannot be imported.
+        ConfigError: an ``OMNITRACE_*`` variable has an invalid value.
+    """
+    global _bus, _bus_pid
+    env = os.environ if environ is None else environ
+    pid = os.getpid()
+    with _lock:
+        if _bus is not None and _bus_pid == pid:
+            return _bus
+        # A forked child must not drain its parent's queues or write through its sinks.
+        bus = EventBus()
+        for sink in _build_sinks(bus, env):
+            bus.add_sink(sink)
+        _bus, _bus_pid = bus, pid
+        return bus
+
+
+def _looks_like_minicpmo(model: Any) -> bool:
+    return hasattr(model, "vpm") or hasattr(model, "apm")
+
+
+def _after_load(model: Any, vllm_config: Any) -> None:
+    if not _looks_like_minicpmo(model):
+        return
+    from omnitrace.integrations.minicpmo import instrument
+
+    result = instrument(model, vllm_config, bus=worker_bus())
+    pid, rank = worker_identity()
+    logger.info(
+        "omnitrace: encoder graphs attached (vision=%s, audio=%s, pid=%d, rank=%s)",
+        result.vision is not None,
+        result.audio is not None,
+        pid,
+        rank,
+    )
+
+
+def _wrap_load_model(load_model: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load_model)
+    def load_model_with_graphs(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        model = load_model(self, vllm_config, *args, **kwargs)
+        _after_load(model, vllm_config)
+        return model
+
+    setattr(load_model_with_graphs, _PATCHED, True)
+    return load_model_with_graphs
+
+
+def register(environ: Mapping[str, str] | None = None) -> bool:
+    """Hook omnitrace into vLLM's model loading (the ``vllm.general_plugins`` entry point).
+
+    Safe to call any number of times in any process, as vLLM does.
+
+    Returns:
+        Whether the loader is hooked (False when ``OMNITRACE_PLUGIN=0``).
+
+    Raises:
+        ConfigError: an ``OMNITRACE_*`` variable has an invalid value.
+        PluginError: vLLM's model loader is not where this plugin expects it.
+    """
+    env = os.environ if environ is None else environ
+    if not _flag(env, ENV_PLUGIN, True):
+        logger.info("omnitrace: vLLM plugin disabled by %s", ENV_PLUGIN)
+        return False
+    try:
+        loader_module = importlib.import_module(_LOADER_MODULE)
+        loader = loader_module.BaseModelLoader
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(
+            f"omnitrace's vLLM plugin cannot find {_LOADER_MODULE}.BaseModelLoader ({exc}); "
+            f"this vLLM is not supported by the plugin (set {ENV_PLUGIN}=0 to run without it)"
+        ) from exc
+    with _lock:
+        if not getattr(loader.load_model, _PATCHED, False):
+            loader.load_model = _wrap_load_model(loader.load_model)
+    return True

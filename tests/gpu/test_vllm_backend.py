@@ -1,0 +1,133 @@
+"""The adapter on a real CUDA device through vLLM's EncoderCudaGraphManager.
+
+Needs CUDA and an importable vLLM (on a machine without network: its wheel with --no-deps
+plus the pure-Python packages listed in docs/vllm.md). Skips cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus, GraphCaptured, derive_stats
+from omnitrace.demo.encoders import AudioEncoder, EncoderGeometry, VisionEncoder
+from omnitrace.testing import capture_events
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cuda")
+pytest.importorskip("vllm.v1.worker.encoder_cudagraph", reason="needs vLLM")
+
+from omnitrace.graphs.backends.vllm import VllmGraphBackend  # noqa: E402
+
+SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
+CFG = EncoderGraphConfig(min_free_bytes=0)
+
+
+def _vllm_config() -> Any:
+    from vllm.config import VllmConfig
+
+    return VllmConfig()
+
+
+@pytest.fixture
+def bus() -> Iterator[EventBus]:
+    b = EventBus()
+    yield b
+    b.close()
+
+
+def test_vision_replays_match_eager_exactly(bus: EventBus) -> None:
+    """Vision outputs served by vLLM's manager are bitwise equal to eager outputs."""
+    torch.manual_seed(0)
+    model = VisionEncoder(SMALL).cuda().eval()
+    backend = VllmGraphBackend(_vllm_config())
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus, backend=backend)
+    with torch.no_grad():
+        for tokens in (64, 64, 64, 128, 128, 128):
+            x = torch.randn(1, tokens, SMALL.hidden, device="cuda")
+            assert torch.equal(graph(x, None), model(x, None))
+    stats = graph.get_cumulative_stats()
+    assert (stats["graph_hits"], stats["num_graphs"]) == (4, 2)
+
+
+def test_audio_replays_match_eager_exactly() -> None:
+    """Audio outputs (bf16) served by vLLM's manager equal eager outputs bitwise."""
+    torch.manual_seed(0)
+    model = AudioEncoder(SMALL).cuda().to(torch.bfloat16).eval()
+    graph = EncoderCudaGraph(
+        model, name="audio", config=CFG, backend=VllmGraphBackend(_vllm_config())
+    )
+    mel = torch.randn(1, 80, 100, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        outs = [graph(mel) for _ in range(4)]
+        expected = model(mel)
+    assert all(torch.equal(out, expected) for out in outs)
+
+
+def test_outputs_are_clones_that_survive_later_replays() -> None:
+    """An output kept from one replay is not overwritten by the next replay."""
+    torch.manual_seed(0)
+    model = VisionEncoder(SMALL).cuda().eval()
+    graph = EncoderCudaGraph(
+        model, name="vision", config=CFG, backend=VllmGraphBackend(_vllm_config())
+    )
+    a = torch.randn(1, 64, SMALL.hidden, device="cuda")
+    b = torch.randn(1, 64, SMALL.hidden, device="cuda")
+    with torch.no_grad():
+        graph(a, None)
+        kept = graph(a, None)
+        graph(b, None)
+        assert torch.equal(kept, model(a, None))
+
+
+def test_merged_manager_stats_equal_adapter_stats_and_event_fold(bus: EventBus) -> None:
+    """vLLM's counters merged with pre-manager rejections equal the adapter's stats and events."""
+    torch.manual_seed(0)
+    model = VisionEncoder(SMALL).cuda().eval()
+    backend = VllmGraphBackend(_vllm_config())
+    config = EncoderGraphConfig(min_free_bytes=0, max_graphs=2)
+    graph = EncoderCudaGraph(model, name="vision", config=config, bus=bus, backend=backend)
+    with capture_events(bus) as events, torch.no_grad():
+        for tokens in (32, 32, 32, 64, 64, 96, 96, 96, 32, 64):
+            graph(torch.randn(1, tokens, SMALL.hidden, device="cuda"), None)
+        graph(torch.randn(1, 32, SMALL.hidden), None)  # CPU: ineligible, before any manager
+    stats = graph.get_cumulative_stats()
+    assert stats["capacity_misses"] == 3
+    assert stats["ineligible_misses"] == 1
+    assert backend.manager_stats().graph_hits == stats["graph_hits"]
+    assert backend.merged_stats(stats) == stats
+    assert derive_stats(events)["vision"] == stats
+
+
+def test_shared_pool_reaches_every_manager_and_reserves_less(bus: EventBus) -> None:
+    """With shared pools all captures report one pool id and reserve no more than separate pools."""
+    reserved = {}
+    for share in (True, False):
+        torch.manual_seed(0)
+        torch.cuda.empty_cache()
+        model = VisionEncoder(SMALL).cuda().eval()
+        config = EncoderGraphConfig(min_free_bytes=0, share_pools=share)
+        graph = EncoderCudaGraph(
+            model,
+            name=f"vision-{share}",
+            config=config,
+            bus=bus,
+            backend=VllmGraphBackend(_vllm_config()),
+        )
+        with capture_events(bus) as events, torch.no_grad():
+            for tokens in (64, 64, 128, 128, 192, 192, 256, 256):
+                graph(torch.randn(1, tokens, SMALL.hidden, device="cuda"), None)
+        captured = [e for e in events if isinstance(e, GraphCaptured)]
+        assert len(captured) == 4
+        pools = {e.pool_id for e in captured}
+        assert len(pools) == (1 if share else 4)
+        reserved[share] = sum(e.bytes_reserved for e in captured)
+        del graph
+    assert reserved[True] <= reserved[False]

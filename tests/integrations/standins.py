@@ -1,0 +1,188 @@
+"""Small stand-ins with MiniCPM-o 4.5's attribute layout (random weights, CPU-sized).
+
+``vpm`` has ``embeddings``, ``encoder.layers`` and ``post_layernorm`` like vLLM's SigLIP
+tower; the model has a Whisper-like ``apm`` returning every hidden state, an
+``audio_projection_layer`` and an ``audio_avg_pooler``, and an hf ``config`` object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PATCH = 4
+HIDDEN = 32
+MEL_BINS = 8
+
+
+class Layer(nn.Module):
+    """Pre-norm attention + MLP block taking an additive mask."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # One head: (B, 1, L, D) takes the (B, 1, 1, L) additive mask as vLLM's layers do.
+        q, k, v = self.qkv(self.ln1(x)).unsqueeze(1).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(1)
+        return x + self.fc(F.gelu(self.ln2(x)))
+
+
+class Embeddings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3 * PATCH * PATCH, HIDDEN)
+        self.calls = 0
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        patch_attention_mask: torch.Tensor | None = None,
+        tgt_sizes: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.calls += 1
+        patches = F.unfold(pixel_values, kernel_size=PATCH, stride=PATCH).transpose(1, 2)
+        return self.proj(patches)
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(HIDDEN) for _ in range(layers))
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return x
+
+
+class VisionTower(nn.Module):
+    """SigLIP-like: eager patch embedding and mask, then encoder stack + post-layernorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = Embeddings()
+        self.encoder = Encoder()
+        self.post_layernorm = nn.LayerNorm(HIDDEN)
+        self.apply_encoder_attention_mask = True
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        patch_attention_mask: torch.Tensor | None = None,
+        tgt_sizes: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> Any:
+        hidden = self.embeddings(
+            pixel_values=pixel_values, patch_attention_mask=patch_attention_mask
+        )
+        mask = None
+        if patch_attention_mask is not None:
+            flat = patch_attention_mask.view(patch_attention_mask.shape[0], -1)
+            mask = ((~flat).to(hidden.dtype) * torch.finfo(hidden.dtype).min)[:, None, None, :]
+        out = self.post_layernorm(self.encoder(inputs_embeds=hidden, attention_mask=mask))
+        if output_hidden_states:
+            return out, (hidden,)
+        return out
+
+
+@dataclass
+class WhisperOutput:
+    last_hidden_state: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    past_key_values: Any = None
+
+
+class WhisperLike(nn.Module):
+    """Two convolutions (stride 2), a transformer stack and every hidden state out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(MEL_BINS, HIDDEN, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(HIDDEN, HIDDEN, kernel_size=3, stride=2, padding=1)
+        self.layers = nn.ModuleList(Layer(HIDDEN) for _ in range(2))
+        self.layer_norm = nn.LayerNorm(HIDDEN)
+        self.stateful_calls = 0
+
+    def forward(
+        self,
+        input_features: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+    ) -> WhisperOutput:
+        x = F.gelu(self.conv2(F.gelu(self.conv1(input_features)))).transpose(1, 2)
+        states = [x]
+        if use_cache:
+            self.stateful_calls += 1
+            if past_key_values is not None:
+                x = x + past_key_values[-1].mean()
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+            states.append(x)
+        x = self.layer_norm(x)
+        states.append(x)
+        cache = (*(past_key_values or ()), x) if use_cache else None
+        return WhisperOutput(x, tuple(states), cache)
+
+
+class Projector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(HIDDEN, HIDDEN)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.relu(self.linear1(x)))
+
+
+class MiniCPMOStandIn(nn.Module):
+    """The attributes omnitrace's MiniCPM-o integration touches, nothing more."""
+
+    def __init__(self, **hf_overrides: Any) -> None:
+        super().__init__()
+        self.vpm = VisionTower()
+        self.apm = WhisperLike()
+        self.audio_projection_layer = Projector()
+        self.audio_avg_pooler = nn.AvgPool1d(2, stride=2)
+        self.audio_encoder_layer = -1
+        self.config = SimpleNamespace(**hf_overrides)
+
+    def eager_audio(self, mel: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        states = self.apm(mel, attention_mask=mask).hidden_states[self.audio_encoder_layer]
+        embeds = self.audio_projection_layer(states)
+        return self.audio_avg_pooler(embeds.transpose(1, 2)).transpose(1, 2)
+
+
+def build(seed: int = 0, **hf_overrides: Any) -> MiniCPMOStandIn:
+    torch.manual_seed(seed)
+    return MiniCPMOStandIn(**hf_overrides).eval()
+
+
+def image(batch: int = 1, side: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixels and a patch mask with the last patch row masked out."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, side, side, generator=g)
+    mask = torch.ones(batch, side // PATCH, side // PATCH, dtype=torch.bool)
+    mask[:, -1, :] = False
+    return pixels, mask
+
+
+def mel(frames: int = 20, seed: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, MEL_BINS, frames, generator=g)

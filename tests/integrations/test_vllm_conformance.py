@@ -1,0 +1,385 @@
+"""Conformance with the installed vLLM: protocol, copied configs, API detection, plugin.
+
+Runs wherever vLLM imports (CI installs it on CPU torch, see .ci/tiers/vllm.sh); skips
+cleanly elsewhere. The CPU graph below records the ATen ops of the capture and re-runs them
+on replay, reading the same static input buffers and writing the same output buffer, so the
+real vLLM manager's capture, replay, copy-in and postprocessing all run without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import itertools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+
+from omnitrace import EncoderCudaGraph, EncoderGraphConfig  # noqa: E402
+from omnitrace.graphs.backends.select import select_backend  # noqa: E402
+from omnitrace.graphs.backends.vllm import (  # noqa: E402
+    ExactShapeEncoder,
+    UnsupportedVllmError,
+    VllmGraphBackend,
+    copy_vllm_config,
+    detect_vllm_api,
+    load_vllm_api,
+)
+
+pytestmark = pytest.mark.vllm
+
+defs = pytest.importorskip("vllm.v1.worker.encoder_cudagraph_defs")
+manager_module = pytest.importorskip("vllm.v1.worker.encoder_cudagraph")
+interfaces = pytest.importorskip("vllm.model_executor.models.interfaces")
+
+
+def _config() -> Any:
+    from vllm.config import VllmConfig
+
+    return VllmConfig()
+
+
+def _encoder(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    y = torch.tanh(x @ x.transpose(-1, -2)) @ x
+    return y if mask is None else y + mask
+
+
+def _exact_model(api: Any, *inputs: torch.Tensor | None) -> ExactShapeEncoder:
+    out = _encoder(*inputs)  # type: ignore[arg-type]
+    return ExactShapeEncoder(api, _encoder, list(inputs), None, [(out.shape, out.dtype)])
+
+
+# -- the CPU graph: record ATen ops at capture, re-run them at replay -----------------------
+
+
+class _Tape(TorchDispatchMode):
+    def __init__(self, tape: list[tuple[Any, Any, Any, Any]]) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.tape.append((func, args, kwargs, out))
+        return out
+
+
+class CpuGraph:
+    """Stands in for torch.cuda.CUDAGraph: replays recorded ops on the same buffers."""
+
+    instances: ClassVar[list[CpuGraph]] = []
+
+    def __init__(self) -> None:
+        self.tape: list[tuple[Any, Any, Any, Any]] = []
+        self.pool: Any = None
+        self.stream: Any = None
+        CpuGraph.instances.append(self)
+
+    def replay(self) -> None:
+        env: dict[int, torch.Tensor] = {}
+
+        def sub(x: Any) -> Any:
+            return env.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        with torch.inference_mode():
+            for func, args, kwargs, out in self.tape:
+                new = func(*tree_map(sub, args), **tree_map(sub, kwargs))
+                for old, fresh in zip(tree_leaves(out), tree_leaves(new), strict=True):
+                    if isinstance(old, torch.Tensor):
+                        env[id(old)] = fresh
+
+
+@contextlib.contextmanager
+def _cpu_graph_capture(
+    graph: CpuGraph, pool: Any = None, stream: Any = None, **_: Any
+) -> Iterator[None]:
+    graph.pool, graph.stream = pool, stream
+    with _Tape(graph.tape):
+        yield
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class CpuVllmBackend(VllmGraphBackend):
+    """The vLLM backend with CPU answers to the device questions (test double)."""
+
+    _ids = itertools.count(1)
+
+    def is_graph_device(self, device: torch.device) -> bool:
+        return True
+
+    def is_capturing(self, device: torch.device) -> bool:
+        return False
+
+    def stream_id(self, device: torch.device) -> int:
+        return 0
+
+    def device_free_bytes(self, device: torch.device) -> int:
+        return 1 << 40
+
+    def new_pool(self, device: torch.device) -> Any:
+        return ("pool", next(self._ids))
+
+    def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
+        stream = _Stream()
+        return stream, id(stream)
+
+    def _device_scope(self, device: torch.device) -> Any:
+        return contextlib.nullcontext()
+
+    def _current_stream(self, device: torch.device) -> Any:
+        return _Stream()
+
+    def _stream_scope(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def _settle(self, device: torch.device) -> int:
+        return 0
+
+    def _device_index(self, device: torch.device) -> int | None:
+        return None
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[CpuGraph]:
+    CpuGraph.instances = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CpuGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _cpu_graph_capture)
+    monkeypatch.setattr(manager_module, "current_stream", lambda: "current-stream")
+    return CpuGraph.instances
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_detected_api_matches_the_installed_vllm() -> None:
+    """load_vllm_api reports the installed version and the 'values' buffer layout."""
+    api = load_vllm_api()
+    assert api.version == vllm.__version__
+    assert api.values_field == "values"
+    assert api.manager_cls is manager_module.EncoderCudaGraphManager
+
+
+def test_exact_shape_model_satisfies_supports_encoder_cudagraph() -> None:
+    """vLLM's own supports_encoder_cudagraph() accepts the exact-shape model."""
+    model = _exact_model(load_vllm_api(), torch.randn(1, 6, 4), None)
+    assert interfaces.supports_encoder_cudagraph(model)
+
+
+def test_exact_shape_model_builds_vllm_data_classes() -> None:
+    """Config, item spec and buffers are vLLM's classes with one item filling the budget."""
+    api = load_vllm_api()
+    x = torch.randn(2, 6, 4)
+    model = _exact_model(api, x, None)
+    config = model.get_encoder_cudagraph_config()
+    assert isinstance(config, defs.EncoderCudaGraphConfig)
+    assert config.buffer_keys == ["input_0"]
+    assert config.out_hidden_size == 4
+    assert model.token_budget == 12
+    (spec,) = model.get_encoder_cudagraph_item_specs({"input_0": x})
+    assert spec.output_tokens == 12
+    capture = model.prepare_encoder_cudagraph_capture_inputs(12, 1, 0, x.device, x.dtype)
+    assert isinstance(capture, defs.EncoderCudaGraphCaptureInputs)
+    assert capture.values["input_0"] is x
+
+
+def test_manager_is_built_from_copied_configs_without_touching_the_originals() -> None:
+    """The manager sees one budget and one item; the caller's config objects are unchanged."""
+    config = _config()
+    compilation = config.compilation_config
+    before = (
+        list(compilation.encoder_cudagraph_token_budgets),
+        compilation.encoder_cudagraph_max_vision_items_per_batch,
+        compilation.encoder_cudagraph_max_frames_per_batch,
+    )
+    model_config = config.model_config
+    api = load_vllm_api()
+    model = _exact_model(api, torch.randn(1, 6, 4), None)
+    copied = copy_vllm_config(config, model.token_budget)
+    manager = api.manager_cls(copied, torch.device("cpu"), torch.float32, model)
+    assert manager.token_budgets == [6]
+    assert manager.max_batch_size == 1
+    assert manager.max_frames_per_batch == 0
+    assert manager.use_dp is False
+    assert copied.compilation_config is not compilation
+    assert config.compilation_config is compilation
+    assert config.model_config is model_config
+    after = (
+        list(compilation.encoder_cudagraph_token_budgets),
+        compilation.encoder_cudagraph_max_vision_items_per_batch,
+        compilation.encoder_cudagraph_max_frames_per_batch,
+    )
+    assert after == before
+
+
+def test_legacy_buffer_layout_is_rejected_naming_the_version() -> None:
+    """A vLLM whose capture inputs have (mm_kwargs, buffers) fields is refused by version."""
+    from dataclasses import make_dataclass
+
+    legacy = type(
+        "Defs",
+        (),
+        {
+            "EncoderCudaGraphConfig": defs.EncoderCudaGraphConfig,
+            "EncoderItemSpec": defs.EncoderItemSpec,
+            "EncoderCudaGraphCaptureInputs": make_dataclass("C", ["mm_kwargs", "buffers"]),
+            "EncoderCudaGraphReplayBuffers": make_dataclass("R", ["buffers"]),
+        },
+    )
+    with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.22\.0 .*mm_kwargs, buffers"):
+        detect_vllm_api("0.22.0", legacy, manager_module.EncoderCudaGraphManager)
+
+
+def test_select_backend_returns_the_vllm_backend_with_a_config() -> None:
+    """With vLLM importable and a config given, select_backend picks the vLLM backend."""
+    backend = select_backend(_config())
+    assert isinstance(backend, VllmGraphBackend)
+    assert backend.vllm_version == vllm.__version__
+
+
+def _run(
+    backend: VllmGraphBackend,
+    forward: Callable[..., Any],
+    calls: list[tuple[Any, ...]],
+    config: EncoderGraphConfig,
+) -> tuple[EncoderCudaGraph, list[Any]]:
+    graph = EncoderCudaGraph(forward, name="vision", config=config, backend=backend)
+    with torch.no_grad():
+        outs = [graph(*args) for args in calls]
+    return graph, outs
+
+
+def test_replays_through_vllm_manager_equal_eager(cpu_graphs: list[CpuGraph]) -> None:
+    """Outputs served by vLLM's manager equal eager outputs and are cloned, not buffers."""
+    backend = CpuVllmBackend(_config())
+    x = torch.randn(1, 6, 4)
+    mask = torch.randn(1, 6, 4)
+    calls = [(x * i, mask) for i in range(1, 6)]
+    config = EncoderGraphConfig(min_free_bytes=0)
+    graph, outs = _run(backend, _encoder, calls, config)
+    for (a, m), out in zip(calls, outs, strict=True):
+        assert torch.equal(out, _encoder(a, m))
+    assert len(cpu_graphs) == 1
+    assert outs[1].data_ptr() != outs[2].data_ptr()
+    assert graph.get_cumulative_stats()["graph_hits"] == 4
+
+
+def test_manager_receives_the_adapters_pool(cpu_graphs: list[CpuGraph]) -> None:
+    """With shared pools one pool handle reaches every manager; with separate pools each differs."""
+    for share, distinct in ((True, 1), (False, 2)):
+        CpuGraph.instances.clear()
+        backend = CpuVllmBackend(_config())
+        calls = [(torch.randn(1, n, 4), None) for n in (3, 3, 5, 5)]
+        _run(backend, _encoder, calls, EncoderGraphConfig(min_free_bytes=0, share_pools=share))
+        pools = {g.pool for g in CpuGraph.instances}
+        assert len(CpuGraph.instances) == 2
+        assert len(pools) == distinct
+        assert all(g.stream == "current-stream" for g in CpuGraph.instances)
+
+
+def test_merged_manager_stats_agree_with_the_adapter_fold(cpu_graphs: list[CpuGraph]) -> None:
+    """vLLM's counters plus the calls rejected before any manager equal the adapter's stats."""
+    backend = CpuVllmBackend(_config())
+    shapes = [3, 3, 3, 5, 7, 5, 9, 9, 3, 7, 7]
+    calls = [(torch.randn(1, n, 4), None) for n in shapes]
+    config = EncoderGraphConfig(min_free_bytes=0, max_graphs=2)
+    graph, _ = _run(backend, _encoder, calls, config)
+    with torch.enable_grad():
+        graph(torch.randn(1, 3, 4), None)  # ineligible: never reaches a manager
+    adapter = graph.get_cumulative_stats()
+    manager = backend.manager_stats()
+    assert manager.graph_hits == adapter["graph_hits"] > 0
+    assert manager.graph_misses == 0
+    assert adapter["capacity_misses"] > 0
+    assert backend.merged_stats(adapter) == adapter
+
+
+def test_multiple_outputs_round_trip_through_one_vllm_buffer(cpu_graphs: list[CpuGraph]) -> None:
+    """A forward returning a dict of tensors of different dtypes is packed and unpacked exactly."""
+
+    def forward(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": x * 2, "n": (x > 0).sum(-1)}
+
+    backend = CpuVllmBackend(_config())
+    x = torch.randn(2, 5)
+    graph, outs = _run(backend, forward, [(x,)] * 3, EncoderGraphConfig(min_free_bytes=0))
+    for out in outs:
+        assert torch.equal(out["h"], x * 2)
+        assert torch.equal(out["n"], (x > 0).sum(-1))
+    assert graph.num_graphs == 1
+
+
+def test_plugin_entry_point_is_declared_by_the_installed_package() -> None:
+    """omnitrace's metadata declares vllm.general_plugins: omnitrace -> vllm_plugin:register."""
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [p for p in points if p.name == "omnitrace"]
+    assert ours, 'pyproject.toml lacks [project.entry-points."vllm.general_plugins"] omnitrace'
+    from omnitrace.integrations.vllm_plugin import register
+
+    assert ours[0].load() is register
+
+
+def test_vllm_plugin_loader_finds_and_loads_the_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own plugin loader resolves the entry point spec to omnitrace's register()."""
+    dist = tmp_path / "omnitrace_ep_probe-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: omnitrace-ep-probe\nVersion: 0.0.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nomnitrace_probe = omnitrace.integrations.vllm_plugin:register\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    from vllm.plugins import load_plugins_by_group
+
+    from omnitrace.integrations.vllm_plugin import register
+
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    assert plugins.get("omnitrace_probe") is register
+
+
+def test_plugin_register_hooks_vllms_model_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """register() wraps BaseModelLoader.load_model once, however often vLLM calls it."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.BaseModelLoader.load_model
+    monkeypatch.setattr(base_loader.BaseModelLoader, "load_model", original)
+    from omnitrace.integrations.vllm_plugin import register
+
+    assert register({}) is True
+    wrapped = base_loader.BaseModelLoader.load_model
+    assert wrapped is not original
+    assert register({}) is True
+    assert base_loader.BaseModelLoader.load_model is wrapped
+    assert register({"OMNITRACE_PLUGIN": "0"}) is False
+
+
+def test_importing_omnitrace_does_not_import_vllm() -> None:
+    """A fresh interpreter importing omnitrace and its integrations leaves vLLM unimported."""
+    import subprocess
+
+    code = (
+        "import sys, omnitrace, omnitrace.graphs.backends.vllm, omnitrace.graphs.backends.select, "
+        "omnitrace.integrations.minicpmo, omnitrace.integrations.vllm_plugin; "
+        "print('vllm' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
