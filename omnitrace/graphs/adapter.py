@@ -76,7 +76,9 @@ class EncoderCudaGraph:
         name: adapter name used in events and stats (``"vision"``, ``"audio"``).
         config: admission and memory settings (defaults: ``EncoderGraphConfig()``).
         bus: where events go; without one they only feed this adapter's own stats.
-        backend: graph backend; ``None`` picks the pure-torch CUDA graph backend.
+        backend: graph backend; ``None`` picks vLLM's encoder graph manager when vLLM is
+            importable and ``vllm_config`` is given, else the pure-torch CUDA graph backend.
+        vllm_config: the engine's ``VllmConfig`` (only used when ``backend`` is None).
 
     Raises:
         TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
@@ -91,6 +93,7 @@ class EncoderCudaGraph:
         config: EncoderGraphConfig | None = None,
         bus: EventBus | None = None,
         backend: GraphBackend | None = None,
+        vllm_config: Any = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -103,9 +106,9 @@ class EncoderCudaGraph:
         if bus is not None and not isinstance(bus, EventBus):
             raise TypeError(f"bus must be an EventBus, got {type(bus).__name__}")
         if backend is None:
-            from omnitrace.graphs.backends.torch import TorchGraphBackend
+            from omnitrace.graphs.backends.select import select_backend
 
-            backend = TorchGraphBackend()
+            backend = select_backend(vllm_config)
         self._forward = forward
         self.name = name
         self.config = config
@@ -168,6 +171,24 @@ class EncoderCudaGraph:
             f"<EncoderCudaGraph {self.name!r} {state} graphs={len(self._graphs)}/"
             f"{self.config.max_graphs} backend={self.backend.name}>"
         )
+
+    def record_ineligible(self, detail: str, *inputs: torch.Tensor | None) -> None:
+        """Count a call the model ran eagerly before reaching the adapter.
+
+        For model-level fallbacks (training mode, extra outputs requested, stateful
+        streaming ...): emits the ``ineligible`` miss the call would have produced, so stats
+        and event logs still cover every encoder call. Runs nothing.
+        """
+        specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
+        device: torch.device | None = None
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                specs.append((x.shape, x.dtype))
+                device = device or x.device
+            else:
+                specs.append(None)
+        key_text = describe_key(tuple(specs), device, None)
+        self._emit(GraphMissed(self.name, key_text, _mono(), _epoch(), _INELIGIBLE, detail))
 
     # -- the call path --------------------------------------------------------------------
 

@@ -32,8 +32,7 @@ from torch import nn
 
 from omnitrace.bus import EventBus
 from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
-from omnitrace.events import GraphMissed, MissReason, now
-from omnitrace.graphs.adapter import EncoderCudaGraph, describe_key
+from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
 
 __all__ = [
@@ -107,26 +106,9 @@ def config_from_model(
 
 def _record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> None:
     """Record an eager run the model chose before reaching the adapter."""
-    specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
-    device: torch.device | None = None
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            specs.append((tuple(x.shape), x.dtype))
-            device = device or x.device
-        else:
-            specs.append(None)
-    mono, epoch = now()
-    event = GraphMissed(
-        graph.name,
-        describe_key(tuple(specs), device, None),
-        mono,
-        epoch,
-        MissReason.INELIGIBLE,
-        detail,
-    )
     # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
     # derive_stats() over a recorded log agree on calls that never reached the graph.
-    graph._emit(event)
+    graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
 
 
 # -- vision ------------------------------------------------------------------------------------
