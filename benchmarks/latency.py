@@ -588,9 +588,9 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     """Draw median latency per method for every configuration, p10-p90 as error bars."""
     rows = result["rows"]
-    names = ["eager", "adapter", "bare", "replay_only", "compile"]
-    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:olive", "tab:green"]
-    width = 0.16
+    names = ["eager", "adapter", "bare", "replay_only", "compile", "adapter_compiled"]
+    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:olive", "tab:green", "tab:purple"]
+    width = 0.13
     fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(rows)), 4.5))
     for i, (name, color) in enumerate(zip(names, colors, strict=True)):
         xs, ys, lo, hi = [], [], [], []
