@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -494,8 +495,11 @@ def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
     return RENDERERS[name](payload["result"])
 
 
-def markdown_sections(outputs: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Return ``{section: markdown}`` for ``environment``, ``targets`` and each benchmark."""
+def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -> dict[str, str]:
+    """Return ``{section: markdown}`` for ``environment``, ``targets`` and each benchmark.
+
+    ``image_dir`` is the folder of the plots as the document's links must name it.
+    """
     if not outputs:
         return {}
     sections = {
@@ -511,7 +515,8 @@ def markdown_sections(outputs: dict[str, dict[str, Any]]) -> dict[str, str]:
             body = f"_Partial: the run stopped before {name} finished._\n\n{body}"
         plots = payload.get("plots") or []
         if plots:
-            body += "\n\n" + "\n".join(f"![{name}]({Path(p).name})" for p in plots)
+            prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
+            body += "\n\n" + "\n".join(f"![{name}]({prefix}{Path(p).name})" for p in plots)
         sections[name] = body
     return sections
 
@@ -561,7 +566,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not outputs:
         print(f"error: no benchmark results (*.json) in {args.results}", file=sys.stderr)
         return 2
-    sections = markdown_sections(outputs)
+    image_dir = ""
+    if args.write is not None:
+        # Links in the document are relative to the document's own folder.
+        image_dir = os.path.relpath(args.results.resolve(), args.write.resolve().parent)
+    sections = markdown_sections(outputs, image_dir)
     if args.write is None:
         for name, body in sections.items():
             print(f"## {name}\n\n{body}\n")
