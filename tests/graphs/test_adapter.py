@@ -543,3 +543,49 @@ def test_events_carry_plain_data_only(bus: EventBus) -> None:
             value = getattr(event, name)
             assert isinstance(value, int | float | str), (type(event).__name__, name, type(value))
         assert event.key.startswith("float32[2,8] @cpu s=0")
+
+
+class _StuckSink:
+    """A sink that blocks in handle() until released."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def handle(self, events: object) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+class _BrokenSink:
+    """A sink that raises on every batch."""
+
+    name = "broken"
+
+    def handle(self, events: object) -> None:
+        raise OSError("disk full")
+
+
+def test_stuck_and_broken_sinks_never_reach_the_encoder_path() -> None:
+    """With a stuck sink, a raising sink and a full queue, calls return correct outputs."""
+    stuck, broken = _StuckSink(), _BrokenSink()
+    bus = EventBus(queue_size=8, drain_interval=0.01)
+    bus.add_sink(stuck)
+    bus.add_sink(broken)
+    graph, model, _ = make(bus)
+    x = torch.randn(2, 8)
+    graph(x)
+    assert stuck.entered.wait(5)  # the stuck sink now holds its worker thread
+    for _ in range(200):
+        torch.testing.assert_close(graph(x), model.lin(x), rtol=0, atol=0)
+    stats = graph.get_cumulative_stats()
+    assert stats["graph_hits"] == 200
+    assert bus.adapter_stats()["vision"].as_dict() == stats  # the fold never drops
+    stuck.release.set()
+    bus.close()
+    sinks = {s.name: s for s in bus.statistics().sinks}
+    assert sinks["stuck"].dropped > 0
+    assert sinks["broken"].disabled
+    assert sinks["stuck"].delivered + sinks["stuck"].dropped == bus.statistics().emitted
