@@ -172,11 +172,18 @@ class LogSink:
 
     def handle(self, events: Sequence[Event]) -> None:
         """Log ``events`` in order."""
-        log = structlog.get_logger(LOGGER_NAME)
+        log = structlog.get_logger(LOGGER_NAME).bind()
+        # Replays and misses are debug lines, one per encoder call: when the logger filters
+        # them out, skip them before building their fields. This sink shares the GIL with
+        # the serving thread, so work it does not need to do is throughput it gives back.
+        is_enabled_for = getattr(log, "is_enabled_for", None)
+        debug_on = True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))
         # One span lookup per batch: the sink runs on the bus's worker thread, where the
         # context is that of whoever drives the bus, not of the encoder call.
         trace = trace_context()
         for event in events:
+            if not debug_on and isinstance(event, (GraphReplayed, GraphMissed)):
+                continue
             name, fields = _describe(event)
             fields.update(trace)
             if isinstance(event, (GraphReplayed, GraphMissed)) and self.sample_every > 1:

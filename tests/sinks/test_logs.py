@@ -184,3 +184,34 @@ def test_real_adapter_run_through_the_bus_logs_capture_and_failure() -> None:
     ]
     assert logs[-1]["error_type"] == "RuntimeError"
     assert logs[-1]["message"] == "simulated CUDA graph capture failure"
+
+
+def test_filtered_debug_events_are_skipped_before_their_fields_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At info level, replays and misses cost no field building: only the capture is described."""
+    import omnitrace.sinks.logs as logs
+
+    described: list[str] = []
+    real = logs._describe
+
+    def counting(event: object) -> tuple[str, dict[str, object]]:
+        name, fields = real(event)  # type: ignore[arg-type]
+        described.append(name)
+        return name, fields
+
+    monkeypatch.setattr(logs, "_describe", counting)
+    stream = io.StringIO()
+    configure_logging(level="info", json=True, stream=stream)
+    try:
+        events = [
+            GraphCaptured("vision", "k", 1, 2, 0.1, 1, "cuda:0", 0, 9, 10, 20, 0),
+            *(GraphReplayed("vision", "k", i, i, 0.0) for i in range(50)),
+            GraphMissed("vision", "k", 3, 3, MissReason.WARMUP, "call 1 of 2"),
+        ]
+        LogSink().handle(events)
+    finally:
+        structlog.reset_defaults()
+    assert described == ["graph_captured"]
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["graph_captured"]
