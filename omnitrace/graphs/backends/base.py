@@ -7,7 +7,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CapturedGraph", "GraphBackend", "OutputSpec", "flatten_outputs", "unflatten_outputs"]
+__all__ = [
+    "CapturedGraph",
+    "GraphBackend",
+    "OutputSpec",
+    "StaticBuffers",
+    "flatten_outputs",
+    "unflatten_outputs",
+]
 
 
 @runtime_checkable
@@ -123,3 +130,39 @@ def unflatten_outputs(spec: OutputSpec, leaves: Sequence[torch.Tensor]) -> Any:
         return {k: build(c) for k, c in children}
 
     return build(spec)
+
+
+class StaticBuffers:
+    """A graph's static input and output buffers, shared by the backends' graph classes.
+
+    The buffers are ordinary allocations made outside capture (never in the graph pool);
+    ``copy_in`` fills the inputs before a replay and ``clone_out`` returns fresh tensors so
+    a caller's outputs survive the next replay.
+    """
+
+    __slots__ = ("_spec", "_static_inputs", "_static_outputs", "bytes_reserved", "static_bytes")
+
+    def __init__(
+        self,
+        static_inputs: list[torch.Tensor | None],
+        static_outputs: list[torch.Tensor],
+        spec: OutputSpec,
+        bytes_reserved: int,
+    ) -> None:
+        self._static_inputs = static_inputs
+        self._static_outputs = static_outputs
+        self._spec = spec
+        self.bytes_reserved = bytes_reserved
+        self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
+            t.nbytes for t in static_outputs
+        )
+
+    def copy_in(self, inputs: Sequence[torch.Tensor | None]) -> None:
+        """Copy ``inputs`` into the static inputs (the key guarantees matching shapes)."""
+        for static, value in zip(self._static_inputs, inputs, strict=True):
+            if static is not None:
+                static.copy_(value)  # type: ignore[arg-type]
+
+    def clone_out(self) -> Any:
+        """Return clones of the static outputs, in the forward's output structure."""
+        return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])

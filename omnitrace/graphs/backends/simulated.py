@@ -15,25 +15,17 @@ from typing import Any
 
 import torch
 
-from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
+from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
 
 __all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
 
 _stream_ids = itertools.count(1_000_001)
 
 
-class SimulatedGraph:
+class SimulatedGraph(StaticBuffers):
     """Static buffers around a forward that is re-run on every replay."""
 
-    __slots__ = (
-        "_backend",
-        "_forward",
-        "_spec",
-        "_static_inputs",
-        "_static_outputs",
-        "bytes_reserved",
-        "static_bytes",
-    )
+    __slots__ = ("_backend", "_forward")
 
     def __init__(
         self,
@@ -44,25 +36,17 @@ class SimulatedGraph:
         spec: Any,
         bytes_reserved: int,
     ) -> None:
+        super().__init__(static_inputs, static_outputs, spec, bytes_reserved)
         self._backend = backend
         self._forward = forward
-        self._static_inputs = static_inputs
-        self._static_outputs = static_outputs
-        self._spec = spec
-        self.bytes_reserved = bytes_reserved
-        self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
-            t.nbytes for t in static_outputs
-        )
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        for static, value in zip(self._static_inputs, inputs, strict=True):
-            if static is not None:
-                static.copy_(value)  # type: ignore[arg-type]
+        self.copy_in(inputs)
         leaves, _ = flatten_outputs(self._forward(*self._static_inputs))
         for dst, src in zip(self._static_outputs, leaves, strict=True):
             dst.copy_(src)
         self._backend.replays += 1
-        return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])
+        return self.clone_out()
 
 
 class SimulatedGraphBackend:

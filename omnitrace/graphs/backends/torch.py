@@ -7,29 +7,21 @@ from typing import Any
 
 import torch
 
-from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
+from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
 
 __all__ = ["TorchCudaGraph", "TorchGraphBackend"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-class TorchCudaGraph:
+class TorchCudaGraph(StaticBuffers):
     """A captured ``torch.cuda.CUDAGraph`` with static inputs and outputs.
 
     The static buffers live outside the graph pool, so the pool only holds transient
     capture allocations that later captures into a shared pool can reuse.
     """
 
-    __slots__ = (
-        "_device_index",
-        "_graph",
-        "_spec",
-        "_static_inputs",
-        "_static_outputs",
-        "bytes_reserved",
-        "static_bytes",
-    )
+    __slots__ = ("_device_index", "_graph")
 
     def __init__(
         self,
@@ -40,15 +32,9 @@ class TorchCudaGraph:
         device_index: int,
         bytes_reserved: int,
     ) -> None:
+        super().__init__(static_inputs, static_outputs, spec, bytes_reserved)
         self._graph = graph
-        self._static_inputs = static_inputs
-        self._static_outputs = static_outputs
-        self._spec = spec
         self._device_index = device_index
-        self.bytes_reserved = bytes_reserved
-        self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
-            t.nbytes for t in static_outputs
-        )
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
         if torch.cuda.current_device() != self._device_index:
@@ -57,12 +43,10 @@ class TorchCudaGraph:
         return self._replay(inputs)
 
     def _replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        for static, value in zip(self._static_inputs, inputs, strict=True):
-            if static is not None:
-                static.copy_(value)  # type: ignore[arg-type]
+        self.copy_in(inputs)
         self._graph.replay()
         # Clones keep a caller's tensors valid after the next replay overwrites the buffers.
-        return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])
+        return self.clone_out()
 
 
 class TorchGraphBackend:
