@@ -7,14 +7,19 @@ Two adapters, named as the design note names them:
   the graph key is the embedded sequence, not the variable-size image. :func:`instrument`
   routes ``model.vpm.forward`` through it.
 * audio, on ``model._audio_encoder_graph``: the stateless Whisper encoder, the audio
-  projection and the average pooling, ``(mel, attention_mask) -> embeddings``. The model's
-  batch audio path calls it through :func:`encode_audio`.
+  projection and the average pooling, ``(mel, attention_mask) -> embeddings``.
+  :func:`encode_audio` calls it, and :func:`instrument` binds a wrapper over the model's own
+  batch audio method (vLLM's ``get_audio_hidden_states``, found by
+  :func:`audio_batch_method`) that pads the features and builds the mask eagerly exactly as
+  vLLM does, runs apm + projection + pooling through :func:`encode_audio` (one graph call per
+  batch, keyed by the padded shape), then slices and concatenates per audio item eagerly.
 
 Eager fallbacks stay eager and are recorded as ineligible misses without touching the graph:
 training mode, attention or hidden-state outputs requested from the vision tower, fp16 audio
 (the Whisper layers check for fp16 overflow on the host, which a graph cannot do), and the
-stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph.
-CPU, grad and autocast are handled by the adapter itself.
+stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph,
+and batch audio calls whose arguments the wrapper does not recognise (run by the original
+method). CPU, grad and autocast are handled by the adapter itself.
 
 Configuration comes from the model's hf config (the ``--hf-overrides`` keys land there as
 attributes) and from vLLM's ``enforce_eager``, which always disables the graphs.
@@ -22,6 +27,8 @@ attributes) and from vLLM's ``enforce_eager``, which always disables the graphs.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,20 +44,28 @@ from omnitrace.graphs.backends.base import GraphBackend
 
 __all__ = [
     "AUDIO_ATTR",
+    "AUDIO_BATCH_METHODS",
     "VISION_ATTR",
     "Instrumented",
+    "audio_batch_method",
     "config_from_model",
     "encode_audio",
     "encode_audio_streaming",
     "instrument",
 ]
 
+logger = logging.getLogger("omnitrace")
+
 #: Where the vision adapter lives, on ``model.vpm``.
 VISION_ATTR = "_encoder_graph"
 #: Where the audio adapter lives, on the model.
 AUDIO_ATTR = "_audio_encoder_graph"
 
+#: Names of vLLM's batch (stateless) audio method on MiniCPM-o models, tried in order.
+AUDIO_BATCH_METHODS = ("get_audio_hidden_states",)
+
 _ORIGINAL_FORWARD = "_omnitrace_original_forward"
+_AUDIO_METHOD = "_omnitrace_audio_method"
 _VISION_EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
@@ -60,6 +75,9 @@ class Instrumented:
 
     vision: EncoderCudaGraph | None
     audio: EncoderCudaGraph | None
+    #: The model's batch audio method routed through ``audio`` (None: only
+    #: :func:`encode_audio` uses the audio adapter).
+    audio_method: str | None = None
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -223,6 +241,17 @@ def _audio_dtype(model: Any) -> torch.dtype | None:
     return None
 
 
+def _audio_ineligible(model: Any, mel: torch.Tensor | None) -> str | None:
+    """Name the model-level reason the audio encoder must run eagerly, if any."""
+    if model.training or model.apm.training:
+        return "training"
+    mel_fp16 = mel is not None and mel.dtype == torch.float16
+    if mel_fp16 or _audio_dtype(model) == torch.float16:
+        # The Whisper layers clamp fp16 overflow after a host-side check of the values.
+        return "fp16"
+    return None
+
+
 def encode_audio(
     model: Any, mel: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -235,12 +264,7 @@ def encode_audio(
     stack = _audio_stack(model)
     if graph is None:
         return stack(mel, attention_mask)
-    detail = None
-    if model.training or model.apm.training:
-        detail = "training"
-    elif mel.dtype == torch.float16 or _audio_dtype(model) == torch.float16:
-        # The Whisper layers clamp fp16 overflow after a host-side check of the values.
-        detail = "fp16"
+    detail = _audio_ineligible(model, mel)
     if detail is not None:
         _record_ineligible(graph, detail, mel, attention_mask)
         return stack(mel, attention_mask)
@@ -270,6 +294,189 @@ def encode_audio_streaming(
         mel, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=True
     )
     return _pool(model, _audio_states(model, result)), getattr(result, "past_key_values", None)
+
+
+# -- the model's own batch audio method -------------------------------------------------------
+
+# What vLLM's get_audio_hidden_states(data) reads, in the order it uses them: the recognised
+# structure. A method of that name without these (an older vLLM's two-argument version that
+# returns one padded tensor, say) is left alone.
+_BATCH_METHOD_NAMES = frozenset(
+    {
+        "audio_chunk_length",
+        "apm",
+        "subsequent_chunk_mask",
+        "hidden_states",
+        "audio_encoder_layer",
+        "audio_projection_layer",
+        "audio_avg_pooler",
+        "_get_feat_extract_output_lengths",
+    }
+)
+_BATCH_METHOD_KEYS = frozenset({"audio_features", "audio_feature_lens"})
+
+
+def _batch_method_structure(function: Any) -> bool:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(parameters) != 2 or any(p.kind not in positional for p in parameters):
+        return False
+    names = set(code.co_names)
+    constants = {c for c in code.co_consts if isinstance(c, str)}
+    return _BATCH_METHOD_NAMES.issubset(names) and _BATCH_METHOD_KEYS.issubset(constants)
+
+
+def audio_batch_method(model: Any) -> str | None:
+    """Name ``model``'s batch audio method that the audio adapter can serve, if it has one.
+
+    Looks on the class (``model`` may be the class itself) for a method named in
+    :data:`AUDIO_BATCH_METHODS` with vLLM's structure: ``method(self, data)`` reading
+    ``data["audio_features"]`` and ``data["audio_feature_lens"]`` and running ``apm``, the
+    projection and the average pooler with the chunked padding mask.
+    """
+    cls = model if isinstance(model, type) else type(model)
+    for name in AUDIO_BATCH_METHODS:
+        if _batch_method_structure(inspect.getattr_static(cls, name, None)):
+            return name
+    return None
+
+
+def _padded_features(raw: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    # vLLM: a list of (C, L_i) features is zero-padded on the right to (B, C, max L_i).
+    if not isinstance(raw, list):
+        return raw
+    batch = len(raw)
+    channels = raw[0].shape[-2]
+    length = max(item.shape[-1] for item in raw)
+    padded = torch.zeros((batch, channels, length), dtype=raw[0].dtype, device=raw[0].device)
+    for i, item in enumerate(raw):
+        padded[i, ..., : item.shape[-1]] = item
+    return padded
+
+
+def _batch_attention_mask(model: Any, wavforms: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """vLLM's additive ``(B, 1, T, T)`` mask: padded frames and later chunks are ``-inf``."""
+    batch_size, _, max_mel_seq_len = wavforms.shape
+    max_seq_len = (max_mel_seq_len - 1) // 2 + 1
+    seq_range = (
+        torch.arange(0, max_seq_len, dtype=lens.dtype, device=lens.device)
+        .unsqueeze(0)
+        .expand(batch_size, max_seq_len)
+    )
+    lengths_expand = lens.unsqueeze(1).expand(batch_size, max_seq_len)
+    padding_mask = seq_range >= lengths_expand
+    masked = padding_mask.view(batch_size, 1, 1, max_seq_len).expand(
+        batch_size, 1, max_seq_len, max_seq_len
+    )
+    weight = model.apm.conv1.weight
+    mask = masked.to(dtype=weight.dtype, device=weight.device)
+    chunk_length = model.config.audio_chunk_length
+    if chunk_length > 0:
+        chunk_mask = model.subsequent_chunk_mask(
+            size=max_seq_len,
+            chunk_size=int(chunk_length * 50),
+            num_left_chunks=-1,
+            device=masked.device,
+        )
+        masked = torch.logical_or(masked, torch.logical_not(chunk_mask))
+    mask[masked] = float("-inf")
+    return mask
+
+
+class _AudioBatchMethod:
+    """The model's batch audio method with apm + projection + pooling served by the adapter.
+
+    Everything around that stack is vLLM's ``get_audio_hidden_states`` step for step: list
+    features are zero-padded to one ``(B, C, L)`` batch, the per-slice lengths
+    (``audio_feature_lens``, one row per audio item) build the padding-and-chunk mask, the
+    whole batch goes through one adapter call, and each item's slices are cut to their pooled
+    lengths and concatenated, one tensor per audio item.
+    """
+
+    def __init__(self, model: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
+        self._model = model
+        self._graph = graph
+        self.original = original
+
+    def __call__(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        model, graph = self._model, self._graph
+        features: Any = None
+        lens_raw: Any = None
+        detail = None
+        if args or kwargs:
+            detail = "arguments"
+        else:
+            try:
+                features = data["audio_features"]
+                lens_raw = data["audio_feature_lens"]
+            except (KeyError, AttributeError, TypeError, IndexError):
+                detail = "arguments"
+            else:
+                if not _batch_arguments(features, lens_raw):
+                    detail = "arguments"
+        sample = features if detail is None and isinstance(features, list) else [features]
+        first = sample[0] if isinstance(sample[0], torch.Tensor) else None
+        if detail is None:
+            detail = _audio_ineligible(model, first)
+        if detail is not None:
+            _record_ineligible(graph, detail, first)
+            return self.original(data, *args, **kwargs)
+
+        wavforms = _padded_features(features)
+        if isinstance(lens_raw, torch.Tensor):
+            lens_raw = lens_raw.unbind(0)
+        lens = torch.hstack(lens_raw)
+        mask = _batch_attention_mask(model, wavforms, lens)
+        audio_embeds = encode_audio(model, wavforms, mask)
+        _, num_audio_tokens = model._get_feat_extract_output_lengths(lens)
+        final: list[torch.Tensor] = []
+        idx = 0
+        for item in lens_raw:
+            parts: list[torch.Tensor] = []
+            for _ in range(len(item)):
+                parts.append(audio_embeds[idx, : num_audio_tokens[idx], :])
+                idx += 1
+            final.append(torch.cat(parts))
+        return final
+
+
+def _batch_arguments(features: Any, lens_raw: Any) -> bool:
+    """Whether the features and lengths have the types vLLM's batch method handles."""
+    if isinstance(features, list):
+        if not features or not all(isinstance(x, torch.Tensor) for x in features):
+            return False
+    elif not isinstance(features, torch.Tensor) or features.dim() != 3:
+        return False
+    if isinstance(lens_raw, torch.Tensor):
+        return lens_raw.dim() == 2
+    return (
+        isinstance(lens_raw, (list, tuple))
+        and bool(lens_raw)
+        and all(isinstance(x, torch.Tensor) and x.dim() == 1 for x in lens_raw)
+    )
+
+
+def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None:
+    name = audio_batch_method(model)
+    if name is None:
+        logger.warning(
+            "omnitrace: %s has no recognised batch audio method (%s); audio graphs are used "
+            "only through omnitrace.integrations.minicpmo.encode_audio",
+            type(model).__name__,
+            ", ".join(AUDIO_BATCH_METHODS),
+        )
+        return None
+    original = getattr(model, name)
+    # An instance attribute: vLLM's self.<name>(data) finds it first; the class is untouched.
+    object.__setattr__(model, name, _AudioBatchMethod(model, graph, original))
+    object.__setattr__(model, _AUDIO_METHOD, name)
+    return name
 
 
 # -- attaching ---------------------------------------------------------------------------------
@@ -331,6 +538,7 @@ def instrument(
                 object.__setattr__(vpm, _ORIGINAL_FORWARD, vpm.forward)
                 object.__setattr__(vpm, "forward", _VisionForward(vpm, vision, vpm.forward))
         audio: EncoderCudaGraph | None = None
+        audio_method: str | None = None
         if isinstance(getattr(model, "apm", None), nn.Module):
             audio = getattr(model, AUDIO_ATTR, None)
             if audio is None:
@@ -342,4 +550,7 @@ def instrument(
                     backend=_backend(backend, vllm_config),
                 )
                 object.__setattr__(model, AUDIO_ATTR, audio)
-    return Instrumented(vision=vision, audio=audio)
+                audio_method = _route_audio_batch_method(model, audio)
+            else:
+                audio_method = getattr(model, _AUDIO_METHOD, None)
+    return Instrumented(vision=vision, audio=audio, audio_method=audio_method)

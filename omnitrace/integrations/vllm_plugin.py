@@ -4,7 +4,9 @@ Installed with ``pip install 'omnitrace[vllm]'``, the ``vllm.general_plugins`` e
 ``omnitrace = omnitrace.integrations.vllm_plugin:register`` makes vLLM call :func:`register`
 in every process it starts. ``register`` wraps vLLM's model loader so that a loaded model
 with a MiniCPM-o vision tower (``vpm``) or audio encoder (``apm``) gets its adapters from
-:func:`omnitrace.integrations.minicpmo.instrument`. vLLM itself is not edited.
+:func:`omnitrace.integrations.minicpmo.instrument`, which routes ``vpm.forward`` and the
+model's batch audio method (``get_audio_hidden_states``) through them. vLLM itself is not
+edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
 so a forked worker never shares its parent's). Sinks come from the environment:
@@ -144,9 +146,11 @@ def _after_load(model: Any, vllm_config: Any) -> None:
     result = instrument(model, vllm_config, bus=worker_bus())
     pid, rank = worker_identity()
     logger.info(
-        "omnitrace: encoder graphs attached (vision=%s, audio=%s, pid=%d, rank=%s)",
+        "omnitrace: encoder graphs attached (vision=%s, audio=%s, audio_method=%s, pid=%d, "
+        "rank=%s)",
         result.vision is not None,
         result.audio is not None,
+        result.audio_method,
         pid,
         rank,
     )

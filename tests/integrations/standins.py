@@ -3,6 +3,9 @@
 ``vpm`` has ``embeddings``, ``encoder.layers`` and ``post_layernorm`` like vLLM's SigLIP
 tower; the model has a Whisper-like ``apm`` returning every hidden state, an
 ``audio_projection_layer`` and an ``audio_avg_pooler``, and an hf ``config`` object.
+``get_audio_hidden_states(data)`` reproduces vLLM 0.33's batch audio method (same attribute
+names, same call sequence): pad list features, build the padding-and-chunk mask, run ``apm``,
+the projection and the pooler once on the batch, then cut and concatenate per audio item.
 """
 
 from __future__ import annotations
@@ -161,12 +164,98 @@ class MiniCPMOStandIn(nn.Module):
         self.audio_projection_layer = Projector()
         self.audio_avg_pooler = nn.AvgPool1d(2, stride=2)
         self.audio_encoder_layer = -1
-        self.config = SimpleNamespace(**hf_overrides)
+        config = {"audio_chunk_length": 0.1, "audio_pool_step": 2, **hf_overrides}
+        self.config = SimpleNamespace(**config)
 
     def eager_audio(self, mel: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         states = self.apm(mel, attention_mask=mask).hidden_states[self.audio_encoder_layer]
         embeds = self.audio_projection_layer(states)
         return self.audio_avg_pooler(embeds.transpose(1, 2)).transpose(1, 2)
+
+    # -- vLLM 0.33's batch audio method, structure for structure ---------------------------
+
+    def subsequent_chunk_mask(
+        self,
+        size: int,
+        chunk_size: int,
+        num_left_chunks: int = -1,
+        device: torch.device = torch.device("cpu"),  # noqa: B008
+        num_lookhead: int = 0,
+    ) -> torch.Tensor:
+        rows = torch.arange(size, device=device)
+        chunks = rows // chunk_size
+        if num_left_chunks < 0:
+            starts = torch.zeros_like(rows)
+        else:
+            starts = torch.clamp(chunks - num_left_chunks, min=0) * chunk_size
+        ends = torch.clamp((chunks + 1) * chunk_size + num_lookhead, max=size)
+        cols = torch.arange(size, device=device).unsqueeze(0)
+        return (cols >= starts.unsqueeze(1)) & (cols < ends.unsqueeze(1))
+
+    def _get_feat_extract_output_lengths(
+        self, input_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        after_cnn = (input_lengths - 1) // 2 + 1
+        step = self.config.audio_pool_step
+        after_pooling = ((after_cnn - step) // step + 1).to(dtype=torch.int32)
+        return after_cnn, after_pooling
+
+    def get_audio_hidden_states(self, data: Any) -> list[torch.Tensor]:
+        chunk_length = self.config.audio_chunk_length
+        wavforms_raw = data["audio_features"]
+        if isinstance(wavforms_raw, list):
+            length = max(item.shape[-1] for item in wavforms_raw)
+            first = wavforms_raw[0]
+            wavforms = torch.zeros(
+                (len(wavforms_raw), first.shape[-2], length), dtype=first.dtype, device=first.device
+            )
+            for i, item in enumerate(wavforms_raw):
+                wavforms[i, ..., : item.shape[-1]] = item
+        else:
+            wavforms = wavforms_raw
+        audio_feature_lens_raw = data["audio_feature_lens"]
+        if isinstance(audio_feature_lens_raw, torch.Tensor):
+            audio_feature_lens_raw = audio_feature_lens_raw.unbind(0)
+        audio_feature_lens = torch.hstack(audio_feature_lens_raw)
+        batch_size, _, max_mel_seq_len = wavforms.shape
+        max_seq_len = (max_mel_seq_len - 1) // 2 + 1
+        seq_range = (
+            torch.arange(
+                0, max_seq_len, dtype=audio_feature_lens.dtype, device=audio_feature_lens.device
+            )
+            .unsqueeze(0)
+            .expand(batch_size, max_seq_len)
+        )
+        lengths_expand = audio_feature_lens.unsqueeze(1).expand(batch_size, max_seq_len)
+        padding_mask = seq_range >= lengths_expand
+        masked = padding_mask.view(batch_size, 1, 1, max_seq_len).expand(
+            batch_size, 1, max_seq_len, max_seq_len
+        )
+        mask = masked.to(dtype=self.apm.conv1.weight.dtype, device=self.apm.conv1.weight.device)
+        if chunk_length > 0:
+            chunk_mask = self.subsequent_chunk_mask(
+                size=max_seq_len,
+                chunk_size=int(chunk_length * 50),
+                num_left_chunks=-1,
+                device=masked.device,
+            )
+            masked = torch.logical_or(masked, torch.logical_not(chunk_mask))
+        mask[masked] = float("-inf")
+        audio_states = self.apm(wavforms, attention_mask=mask).hidden_states[
+            self.audio_encoder_layer
+        ]
+        audio_embeds = self.audio_projection_layer(audio_states)
+        audio_embeds = self.audio_avg_pooler(audio_embeds.transpose(1, 2)).transpose(1, 2)
+        _, num_audio_tokens = self._get_feat_extract_output_lengths(audio_feature_lens)
+        final: list[torch.Tensor] = []
+        idx = 0
+        for item in audio_feature_lens_raw:
+            parts = []
+            for _ in range(len(item)):
+                parts.append(audio_embeds[idx, : num_audio_tokens[idx], :])
+                idx += 1
+            final.append(torch.cat(parts))
+        return final
 
 
 def build(seed: int = 0, **hf_overrides: Any) -> MiniCPMOStandIn:
@@ -186,3 +275,16 @@ def image(batch: int = 1, side: int = 16, seed: int = 1) -> tuple[torch.Tensor, 
 def mel(frames: int = 20, seed: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, MEL_BINS, frames, generator=g)
+
+
+def audio_batch(
+    slices: tuple[tuple[int, ...], ...] = ((20, 14), (6,)), seed: int = 3
+) -> dict[str, Any]:
+    """vLLM's audio_features inputs: one mel per slice (listed), slice lengths per audio item."""
+    g = torch.Generator().manual_seed(seed)
+    frames = [n for item in slices for n in item]
+    return {
+        "type": "audio_features",
+        "audio_features": [torch.randn(MEL_BINS, n, generator=g) for n in frames],
+        "audio_feature_lens": [torch.tensor(item) for item in slices],
+    }

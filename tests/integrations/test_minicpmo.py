@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from integrations.standins import MiniCPMOStandIn, build, image, mel
+from integrations.standins import MiniCPMOStandIn, audio_batch, build, image, mel
 from omnitrace import ConfigError, EventBus, GraphMissed, MissReason, derive_stats
 from omnitrace.integrations.minicpmo import (
     Instrumented,
+    audio_batch_method,
     config_from_model,
     encode_audio,
     encode_audio_streaming,
@@ -263,3 +266,178 @@ def test_miss_reason_of_model_fallbacks_is_ineligible(bus: EventBus) -> None:
     with torch.no_grad(), capture_events(bus) as events:
         encode_audio_streaming(model, mel())
     assert [e.reason for e in events if isinstance(e, GraphMissed)] == [MissReason.INELIGIBLE]
+
+
+# -- the model's own batch audio method (vLLM's get_audio_hidden_states) --------------------
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(
+        g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want, strict=True)
+    )
+
+
+def _variants() -> list[dict[str, Any]]:
+    """List features with per-item slices, stacked features, and stacked slice lengths."""
+    listed = audio_batch()
+    stacked = audio_batch(((20,), (20,)), seed=4)
+    stacked["audio_features"] = torch.stack(stacked["audio_features"])
+    stacked["audio_feature_lens"] = torch.stack(stacked["audio_feature_lens"])
+    return [listed, stacked]
+
+
+def test_instrument_routes_the_models_batch_audio_method_through_the_adapter() -> None:
+    """vLLM's self.get_audio_hidden_states(data) warms up, captures, then replays the graph."""
+    model = build(**FAST)
+    result, backend = _instrument(model)
+    assert result.audio_method == "get_audio_hidden_states"
+    data = audio_batch()
+    with torch.no_grad():
+        for _ in range(4):
+            model.get_audio_hidden_states(data)
+    assert backend.captures == 1
+    assert backend.replays >= 3
+    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    assert (stats["graph_hits"], stats["warmup_misses"], stats["ineligible_misses"]) == (3, 1, 0)
+
+
+@pytest.mark.parametrize("chunk_length", [0.1, 0])
+def test_routed_batch_audio_equals_the_uninstrumented_method(chunk_length: float) -> None:
+    """Every call returns exactly the original method's per-item list (padding, mask, cuts)."""
+    reference = build(**FAST, audio_chunk_length=chunk_length)
+    model = build(**FAST, audio_chunk_length=chunk_length)
+    result, backend = _instrument(model)
+    with torch.no_grad():
+        for data in _variants():
+            want = reference.get_audio_hidden_states(data)
+            outs = [model.get_audio_hidden_states(data) for _ in range(3)]
+            assert all(_same(out, want) for out in outs)
+    assert backend.captures == 2
+    assert result.audio.get_cumulative_stats()["graph_hits"] == 4  # type: ignore[union-attr]
+
+
+def test_routed_batch_audio_masks_padding_and_later_chunks() -> None:
+    """The graphed call sees the mask: a padded short item and chunked frames change the output."""
+    model = build(**FAST)
+    _instrument(model)
+    data = audio_batch(((20,), (6,)))
+    with torch.no_grad():
+        for _ in range(3):
+            got = model.get_audio_hidden_states(data)
+        alone = [model.eager_audio(x.unsqueeze(0))[0] for x in data["audio_features"]]
+    assert [g.shape[0] for g in got] == [5, 1]
+    # Unmasked full-attention encodings differ from vLLM's masked, chunked batch encoding.
+    assert not torch.equal(got[0], alone[0][:5])
+
+
+def test_batch_audio_wrapper_leaves_the_class_and_other_models_alone() -> None:
+    """The wrapper is an instance attribute: the class method and another instance stay original."""
+    model = build(**FAST)
+    other = build(**FAST)
+    _instrument(model)
+    assert type(model).get_audio_hidden_states is MiniCPMOStandIn.get_audio_hidden_states
+    assert "get_audio_hidden_states" in vars(model)
+    assert "get_audio_hidden_states" not in vars(other)
+    second, _ = _instrument(model)
+    assert second.audio_method == "get_audio_hidden_states"
+    wrapper = vars(model)["get_audio_hidden_states"]
+    assert wrapper.original.__func__ is MiniCPMOStandIn.get_audio_hidden_states
+
+
+def test_streaming_never_calls_the_graph_between_routed_batch_calls(bus: EventBus) -> None:
+    """Streaming chunks run eagerly with their cache while routed batch calls replay the graph."""
+    model = build(**FAST)
+    result, backend = _instrument(model, bus)
+    data = audio_batch(((20,),))
+    features = data["audio_features"][0].unsqueeze(0)
+    with torch.no_grad():
+        for _ in range(2):
+            model.get_audio_hidden_states(data)  # captures (1, MEL_BINS, 20) with its mask
+        cache = None
+        with capture_events(bus) as events:
+            for _ in range(3):
+                replays = backend.replays
+                _, cache = encode_audio_streaming(model, features, cache)
+                assert backend.replays == replays
+                model.get_audio_hidden_states(data)
+                assert backend.replays == replays + 1
+    assert backend.captures == 1
+    assert model.apm.stateful_calls == 3
+    assert _details(events) == ["streaming"] * 3
+    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    assert (stats["ineligible_misses"], stats["graph_hits"]) == (3, 4)
+
+
+def test_batch_audio_fallbacks_run_the_original_method_and_are_recorded(bus: EventBus) -> None:
+    """Unrecognised arguments (the original's own error) and training mode are ineligible misses."""
+    reference = build(**FAST)
+    model = build(**FAST)
+    result, backend = _instrument(model, bus)
+    data = audio_batch()
+    odd = {**data, "audio_feature_lens": [[20, 14], [6]]}
+    with torch.no_grad():
+        want = reference.get_audio_hidden_states(data)
+        with capture_events(bus) as events:
+            with pytest.raises(TypeError, match="positional argument"):
+                model.get_audio_hidden_states(data, 7)
+            with pytest.raises(TypeError):
+                model.get_audio_hidden_states(odd)
+            with pytest.raises(KeyError):
+                model.get_audio_hidden_states({"audio_features": data["audio_features"]})
+            model.train()
+            outs = [model.get_audio_hidden_states(data) for _ in range(3)]
+    assert all(_same(out, want) for out in outs)
+    assert backend.captures == 0
+    assert _details(events) == ["arguments"] * 3 + ["training"] * 3
+    assert derive_stats(events)["audio"] == result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+
+
+def test_fp16_batch_audio_runs_the_original_method(bus: EventBus) -> None:
+    """fp16 batch audio stays eager (an 'fp16' miss) and equals the original method's output."""
+    reference = build(**FAST).half()
+    model = build(**FAST).half()
+    _, backend = _instrument(model, bus)
+    data = audio_batch()
+    data["audio_features"] = [x.half() for x in data["audio_features"]]
+    with torch.no_grad(), capture_events(bus) as events:
+        want = reference.get_audio_hidden_states(data)
+        outs = [model.get_audio_hidden_states(data) for _ in range(3)]
+    assert all(_same(out, want) for out in outs)
+    assert backend.captures == 0
+    assert _details(events) == ["fp16"] * 3
+
+
+def test_model_without_a_batch_audio_method_logs_and_keeps_encode_audio(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without a recognised method, one 'omnitrace' line says so and encode_audio still graphs."""
+
+    class Older(MiniCPMOStandIn):
+        # An older vLLM's shape: two arguments, one padded tensor back.
+        def get_audio_hidden_states(  # type: ignore[override]
+            self, data: Any, chunk_length: int
+        ) -> torch.Tensor:
+            return self.eager_audio(data["audio_features"])
+
+    torch.manual_seed(0)
+    model = Older(**FAST).eval()
+    assert audio_batch_method(model) is None
+    with caplog.at_level(logging.INFO, logger="omnitrace"):
+        result, backend = _instrument(model)
+    lines = [r.getMessage() for r in caplog.records if r.name == "omnitrace"]
+    assert len(lines) == 1
+    assert "no recognised batch audio method" in lines[0]
+    assert result.audio is not None
+    assert result.audio_method is None
+    assert "get_audio_hidden_states" not in vars(model)
+    with torch.no_grad():
+        for _ in range(2):
+            encode_audio(model, mel())
+    assert backend.captures == 1
+
+
+def test_audio_batch_method_finds_the_standins_vllm_structure() -> None:
+    """Introspection names get_audio_hidden_states on the class and on an instance."""
+    assert audio_batch_method(MiniCPMOStandIn) == "get_audio_hidden_states"
+    assert audio_batch_method(build()) == "get_audio_hidden_states"
+    assert audio_batch_method(torch.nn.Linear) is None

@@ -383,3 +383,56 @@ def test_importing_omnitrace_does_not_import_vllm() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+# -- MiniCPM-o's batch audio method ---------------------------------------------------------
+
+
+def _vllm_minicpmo() -> Any:
+    return pytest.importorskip("vllm.model_executor.models.minicpmo")
+
+
+def test_audio_wrapper_targets_a_method_of_vllms_minicpmo_classes() -> None:
+    """The batch audio method instrument() wraps exists, in its known shape, on vLLM's classes."""
+    from omnitrace.integrations.minicpmo import AUDIO_BATCH_METHODS, audio_batch_method
+
+    minicpmo = _vllm_minicpmo()
+    for cls in (minicpmo.MiniCPMO, minicpmo.MiniCPMO2_6, minicpmo.MiniCPMO4_5):
+        name = audio_batch_method(cls)
+        assert name in AUDIO_BATCH_METHODS, f"{cls.__name__}: no recognised batch audio method"
+        assert callable(getattr(cls, name))
+
+
+def test_routed_audio_equals_vllms_own_batch_audio_method() -> None:
+    """With vLLM's real method bound on a stand-in, the routed calls equal the original exactly."""
+    from integrations.standins import MiniCPMOStandIn, audio_batch
+    from omnitrace.integrations.minicpmo import audio_batch_method, instrument
+    from omnitrace.testing import SimulatedGraphBackend
+
+    base = _vllm_minicpmo().MiniCPMOBaseModel
+    name = audio_batch_method(base)
+    assert name is not None
+    members = {
+        attr: getattr(base, attr)
+        for attr in (name, "subsequent_chunk_mask", "_get_feat_extract_output_lengths")
+    }
+    upstream = type("UpstreamAudio", (MiniCPMOStandIn,), members)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return upstream(encoder_cuda_graph_min_free_bytes=0).eval()
+
+    reference, model = build(), build()
+    backend = SimulatedGraphBackend()
+    result = instrument(model, backend=backend)
+    assert result.audio_method == name
+    with torch.no_grad():
+        for slices in (((20, 14), (6,)), ((12,), (20,), (9, 9))):
+            data = audio_batch(slices)
+            want = getattr(reference, name)(data)
+            for _ in range(3):
+                got = getattr(model, name)(data)
+                assert len(got) == len(want)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert backend.captures == 2
+    assert result.audio.get_cumulative_stats()["graph_hits"] == 4  # type: ignore[union-attr]
