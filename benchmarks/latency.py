@@ -100,36 +100,6 @@ def _time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-class BareGraph:
-    """A ``torch.cuda.CUDAGraph`` around ``forward`` with a static input.
-
-    Captured the way PyTorch documents it: warm-up on a side stream, then capture; a call
-    copies the input in, replays and clones the output out.
-    """
-
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-        self.static_in = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                forward(self.static_in)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_out = forward(self.static_in)
-        torch.cuda.synchronize()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.static_in.copy_(x)
-        self.graph.replay()
-        return self.static_out.clone()
-
-    def replay_only(self) -> None:
-        self.graph.replay()
-
-
 def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref32 = ref.float()
     scale = float(ref32.abs().max())

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import summarize, write_json
+from benchmarks.common import BareGraph, summarize, write_json
 from benchmarks.latency import (
     COMPILE_TOLERANCE,
     GRAPH_TOLERANCE,
     MAX_COMPILE_S,
-    BareGraph,
     _Compiled,
     _geometries,
     _input,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Context, summarize, target
+from benchmarks.common import BareGraph, Context, summarize, target
 from omnitrace import (
     EncoderCudaGraph,
     EncoderGraphConfig,
@@ -353,32 +353,6 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
 
 
 # -- CUDA: adapter hit against bare copy-replay-clone -----------------------------------
-
-
-class BareGraph:
-    """A ``torch.cuda.CUDAGraph`` with static input, replayed as copy_ + replay + clone."""
-
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-        self.static_in = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # lazy init and workspaces stay out of the graph
-                forward(self.static_in)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_out = forward(self.static_in)
-        torch.cuda.synchronize()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.static_in.copy_(x)
-        self.graph.replay()
-        return self.static_out.clone()
-
-    def replay_only(self) -> None:
-        self.graph.replay()
 
 
 def _host_and_latency(
