@@ -31,13 +31,6 @@ CFG = EncoderGraphConfig(min_free_bytes=0)
 SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
 
 
-@pytest.fixture
-def bus() -> Iterator[EventBus]:
-    b = EventBus()
-    yield b
-    b.close()
-
-
 @pytest.fixture(autouse=True)
 def _inference() -> Iterator[None]:
     with torch.no_grad():

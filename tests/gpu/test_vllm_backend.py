@@ -7,7 +7,6 @@ plus the pure-Python packages listed in docs/vllm.md). Skips cleanly otherwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,13 +33,6 @@ def _vllm_config() -> Any:
     from vllm.config import VllmConfig
 
     return VllmConfig()
-
-
-@pytest.fixture
-def bus() -> Iterator[EventBus]:
-    b = EventBus()
-    yield b
-    b.close()
 
 
 def test_vision_replays_match_eager_exactly(bus: EventBus) -> None:

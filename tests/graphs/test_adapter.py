@@ -46,13 +46,6 @@ class Counting(torch.nn.Module):
         return y if mask is None else y * mask
 
 
-@pytest.fixture
-def bus() -> Iterator[EventBus]:
-    b = EventBus()
-    yield b
-    b.close()
-
-
 @pytest.fixture(autouse=True)
 def _no_grad() -> Iterator[None]:
     with torch.no_grad():

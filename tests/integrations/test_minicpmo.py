@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,12 +22,6 @@ from omnitrace.integrations.minicpmo import (
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 
 FAST = {"encoder_cuda_graph_min_free_bytes": 0}
-
-
-@pytest.fixture
-def bus() -> Iterator[EventBus]:
-    with EventBus() as b:
-        yield b
 
 
 def _instrument(

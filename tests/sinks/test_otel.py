@@ -111,13 +111,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def bus() -> Iterator[EventBus]:
-    b = EventBus()
-    yield b
-    b.close()
-
-
 @pytest.fixture(params=PROTOCOLS)
 def exported(
     request: pytest.FixtureRequest, bus: EventBus, monkeypatch: pytest.MonkeyPatch
