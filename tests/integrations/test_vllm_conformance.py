@@ -99,18 +99,57 @@ class CpuGraph:
                         env[id(old)] = fresh
 
 
+class _Stream:
+    """A named stand-in for a CUDA stream; the stack below says which one is current."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+REPLAY = _Stream("replay")
+_current: list[_Stream] = [REPLAY]
+_capturing: list[bool] = [False]
+# (stream current at the call, whether a capture was recording) for every encoder forward.
+forward_log: list[tuple[_Stream, bool]] = []
+
+
+@contextlib.contextmanager
+def _stream_scope(stream: _Stream) -> Iterator[None]:
+    _current.append(stream)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
 @contextlib.contextmanager
 def _cpu_graph_capture(
     graph: CpuGraph, pool: Any = None, stream: Any = None, **_: Any
 ) -> Iterator[None]:
+    # Like torch.cuda.graph: without a stream argument, the class's default capture stream.
+    if stream is None:
+        stream = getattr(_cpu_graph_capture, "default_capture_stream", None)
     graph.pool, graph.stream = pool, stream
-    with _Tape(graph.tape):
-        yield
+    with _stream_scope(stream), _Tape(graph.tape):
+        _capturing[0] = True
+        try:
+            yield
+        finally:
+            _capturing[0] = False
 
 
-class _Stream:
-    def wait_stream(self, other: object) -> None:
-        pass
+def _logged(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        forward_log.append((_current[-1], _capturing[0]))
+        return forward(*args)
+
+    return run
 
 
 class CpuVllmBackend(VllmGraphBackend):
@@ -134,17 +173,20 @@ class CpuVllmBackend(VllmGraphBackend):
         return ("pool", next(self._ids))
 
     def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
-        stream = _Stream()
+        stream = _Stream(f"capture-{next(self._ids)}")
         return stream, id(stream)
 
     def _device_scope(self, device: torch.device) -> Any:
         return contextlib.nullcontext()
 
     def _current_stream(self, device: torch.device) -> Any:
-        return _Stream()
+        return _current[-1]
 
     def _stream_scope(self, stream: Any) -> Any:
-        return contextlib.nullcontext()
+        return _stream_scope(stream)
+
+    def _capturing(self) -> bool:
+        return _capturing[0]
 
     def _settle(self, device: torch.device) -> int:
         return 0
@@ -156,9 +198,11 @@ class CpuVllmBackend(VllmGraphBackend):
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[CpuGraph]:
     CpuGraph.instances = []
+    forward_log.clear()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", CpuGraph)
     monkeypatch.setattr(torch.cuda, "graph", _cpu_graph_capture)
-    monkeypatch.setattr(manager_module, "current_stream", lambda: "current-stream")
+    # Newer vLLM captures on vllm's current_stream(); 0.26 passes no stream at all.
+    monkeypatch.setattr(manager_module, "current_stream", lambda: _current[-1], raising=False)
     return CpuGraph.instances
 
 
@@ -285,9 +329,29 @@ def test_manager_receives_the_adapters_pool(cpu_graphs: list[CpuGraph]) -> None:
         calls = [(torch.randn(1, n, 4), None) for n in (3, 3, 5, 5)]
         _run(backend, _encoder, calls, EncoderGraphConfig(min_free_bytes=0, share_pools=share))
         pools = {g.pool for g in CpuGraph.instances}
+        streams = {g.stream.name for g in CpuGraph.instances}
         assert len(CpuGraph.instances) == 2
         assert len(pools) == distinct
-        assert all(g.stream == "current-stream" for g in CpuGraph.instances)
+        assert len(streams) == distinct
+        assert all(name.startswith("capture-") for name in streams)
+
+
+def test_vllm_captures_on_the_adapters_stream_and_warms_up_off_it(
+    cpu_graphs: list[CpuGraph],
+) -> None:
+    """Every vLLM version captures on the adapter's capture stream; no eager run happens there."""
+    backend = CpuVllmBackend(_config())
+    calls = [(torch.randn(1, n, 4), None) for n in (3, 3, 3, 5, 5)]
+    graph, _ = _run(backend, _logged(_encoder), calls, EncoderGraphConfig(min_free_bytes=0))
+    assert graph.num_graphs == 2
+    captured = [stream for stream, capturing in forward_log if capturing]
+    eager = [stream for stream, capturing in forward_log if not capturing]
+    assert len(captured) == 2
+    assert {g.stream for g in CpuGraph.instances} == set(captured)
+    # Warm-up misses, the backend's structure probe and vLLM's own warm-up: all on replay.
+    assert len(eager) == 2 + 2 + 2
+    assert all(stream is REPLAY for stream in eager)
+    assert getattr(torch.cuda.graph, "default_capture_stream", None) is None
 
 
 def test_merged_manager_stats_agree_with_the_adapter_fold(cpu_graphs: list[CpuGraph]) -> None:

@@ -1,8 +1,28 @@
-"""The contract between the adapter and a graph backend."""
+"""The contract between the adapter and a graph backend, and the capture discipline they share.
+
+A captured graph must own every device buffer it touches for as long as it lives. Three kinds
+of memory are involved in a capture:
+
+* static inputs and outputs: ordinary allocations made on the replay stream outside capture,
+  held by the graph object (:class:`StaticBuffers`);
+* transient allocations made during capture: they come from the graph's memory pool, which
+  stays reserved while any graph captured into it lives;
+* per-stream library state allocated lazily on first use: cuBLAS (and cuBLASLt) give every
+  (handle, stream) pair a workspace the first time a GEMM runs on that stream. Allocated
+  outside capture, the workspace is an ordinary allocation that the graph would keep
+  pointing at without owning it: ``torch._C._cuda_clearCublasWorkspaces()`` (which
+  torch.compile's CUDA-graph trees call around every recording) frees it, ``empty_cache``
+  hands it back to the driver, and the next replay reads unmapped or foreign memory.
+
+So no eager work ever runs on a capture stream (:func:`capture_ordering`): the warm-up runs
+on the replay stream, and the first GEMM on the capture stream happens inside a capture,
+where its workspace is allocated from the graph's own pool.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -12,7 +32,9 @@ __all__ = [
     "GraphBackend",
     "OutputSpec",
     "StaticBuffers",
+    "capture_ordering",
     "flatten_outputs",
+    "static_copies",
     "unflatten_outputs",
 ]
 
@@ -75,6 +97,40 @@ class GraphBackend(Protocol):
     ) -> CapturedGraph:
         """Warm up and capture ``forward(*inputs)``; the original exception propagates."""
         ...
+
+
+def static_copies(inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Copy ``inputs`` into fresh contiguous buffers on the current (replay) stream.
+
+    Called before capture, so the buffers are ordinary allocations outside every graph pool;
+    the graph object holds them, and replays copy new inputs into them.
+    """
+    return [
+        None if x is None else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+        for x in inputs
+    ]
+
+
+@contextlib.contextmanager
+def capture_ordering(
+    replay_stream: Any,
+    capture_stream: Any,
+    stream_scope: Callable[[Any], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """Make ``capture_stream`` current for a capture ordered between replay-stream work.
+
+    On entry the capture stream waits for the replay stream: earlier replays and output
+    clones may still read pool memory this capture will reuse, and the static inputs were
+    written there. On exit the replay stream is current again (also when the capture
+    raised) and, after a capture that succeeded, waits for the capture stream; a failed
+    capture's stream is left alone, so nothing masks the original exception. Run warm-ups
+    *before* entering: eager work on a capture stream would give it a cuBLAS workspace the
+    graph does not own (module docstring).
+    """
+    capture_stream.wait_stream(replay_stream)
+    with stream_scope(capture_stream):
+        yield
+    replay_stream.wait_stream(capture_stream)
 
 
 # Output trees: a tensor, None, or tuples / lists / dicts of them. The spec is rebuilt

@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
+from omnitrace.graphs.backends.base import (
+    StaticBuffers,
+    capture_ordering,
+    flatten_outputs,
+    static_copies,
+)
 
 __all__ = ["TorchCudaGraph", "TorchGraphBackend"]
 
@@ -53,8 +58,9 @@ class TorchGraphBackend:
     """Capture with ``torch.cuda.graph`` on a side stream into a given pool.
 
     Args:
-        warmup_iters: eager runs on the capture stream before capture, as PyTorch documents
-            (lazy initialisation, cuBLAS workspaces, autotuning stay out of the graph).
+        warmup_iters: eager runs before capture, as PyTorch documents (lazy initialisation
+            and autotuning stay out of the graph). They run on the replay stream, never on
+            the capture stream: see :mod:`omnitrace.graphs.backends.base` for why.
     """
 
     name = "torch"
@@ -109,24 +115,14 @@ class TorchGraphBackend:
         capture_stream: torch.cuda.Stream,
     ) -> TorchCudaGraph:
         replay_stream = torch.cuda.current_stream(device)
-        # Static inputs are ordinary allocations on the replay stream, outside the pool.
-        static_inputs = [
-            None
-            if x is None
-            else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-            for x in inputs
-        ]
-        # The capture stream must not start until earlier replays and output clones on the
-        # replay stream are done: they may still read pool memory this capture will reuse.
-        capture_stream.wait_stream(replay_stream)
-        with torch.cuda.stream(capture_stream):
-            warm = None
-            for _ in range(max(1, self.warmup_iters)):
-                warm = forward(*static_inputs)
-            leaves, spec = flatten_outputs(warm)
-            shapes = [(t.shape, t.dtype) for t in leaves]
-            del warm, leaves
-        replay_stream.wait_stream(capture_stream)
+        static_inputs = static_copies(inputs)
+        # Warm up on the replay stream, where eager calls of this encoder already run.
+        warm = None
+        for _ in range(max(1, self.warmup_iters)):
+            warm = forward(*static_inputs)
+        leaves, spec = flatten_outputs(warm)
+        shapes = [(t.shape, t.dtype) for t in leaves]
+        del warm, leaves
         static_outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
 
         # Measure pool growth only: settle the allocator first so the delta is the capture's.
@@ -136,7 +132,10 @@ class TorchGraphBackend:
         graph = torch.cuda.CUDAGraph()
         original: BaseException | None = None
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+            with (
+                capture_ordering(replay_stream, capture_stream, torch.cuda.stream),
+                torch.cuda.graph(graph, pool=pool, stream=capture_stream),
+            ):
                 try:
                     out = forward(*static_inputs)
                     out_leaves, _ = flatten_outputs(out)
@@ -152,15 +151,11 @@ class TorchGraphBackend:
                     original = exc
                     raise
         except BaseException:
-            # torch.cuda.graph leaves the capture stream current when ending the capture
-            # raises; restore the replay stream so other encoders are not left on it.
-            torch.cuda.set_stream(replay_stream)
             if original is not None:
                 # Leaving torch.cuda.graph may raise its own error about the invalidated
                 # capture; the caller must see the encoder's original exception.
                 raise original from None
             raise
-        replay_stream.wait_stream(capture_stream)
         bytes_reserved = max(0, torch.cuda.memory_reserved(device) - reserved_before)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return TorchCudaGraph(graph, static_inputs, static_outputs, spec, index, bytes_reserved)

@@ -11,8 +11,22 @@ match), and outputs cloned in the manager's postprocessing step.
 Every manager gets its own *copy* of the vLLM config with the budget, batch size and frame
 limit of that one key; the caller's config is never mutated. The manager is handed the pool
 the adapter chose (shared per encoder, device and replay stream, or separate for the A/B
-comparison) and captures on the current stream, so this backend makes the adapter's capture
-stream current around ``manager.capture(pool)``.
+comparison).
+
+Streams, and why the graph owns every buffer it touches (see
+:mod:`omnitrace.graphs.backends.base`). ``manager.capture(pool)`` runs one eager warm-up
+forward on the current stream and then captures. Newer vLLM captures on the current stream
+(``stream=current_stream()``); vLLM 0.26 passes no stream, so ``torch.cuda.graph`` uses its
+process-wide default capture stream, shared with every other graph captured that way: such
+graphs would share one cuBLAS workspace across encoders and replay streams, allocated in
+whichever pool captured first. This backend therefore:
+
+* makes the adapter's capture stream current around ``manager.capture(pool)`` and, for that
+  call only and under a process-wide lock, makes it ``torch.cuda.graph``'s default capture
+  stream as well, so every vLLM version captures on the adapter's own capture stream;
+* routes the manager's warm-up forward (the call made outside capture) to the replay
+  stream, so no eager GEMM ever runs on the capture stream and its cuBLAS workspace is
+  allocated inside the capture, from the adapter's pool.
 
 Statistics: the manager counts only the calls that reach it, which are the adapter's hits
 (a manager exists only for a key that was captured). Calls the adapter rejects before any
@@ -32,20 +46,26 @@ Exceptions::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
 import inspect
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from omnitrace.config import OmnitraceError
-from omnitrace.graphs.backends.base import flatten_outputs, unflatten_outputs
+from omnitrace.graphs.backends.base import (
+    capture_ordering,
+    flatten_outputs,
+    static_copies,
+    unflatten_outputs,
+)
 from omnitrace.graphs.backends.torch import TorchGraphBackend
 from omnitrace.stats import STATS_KEYS
 
@@ -57,6 +77,7 @@ __all__ = [
     "VllmCapturedGraph",
     "VllmGraphBackend",
     "copy_vllm_config",
+    "default_capture_stream",
     "detect_vllm_api",
     "load_vllm_api",
 ]
@@ -252,6 +273,11 @@ class ExactShapeEncoder:
         static_inputs: the static input buffers, allocated outside the graph pool.
         output_spec: the output structure (from ``flatten_outputs``).
         output_leaves: ``(shape, dtype)`` of every output tensor, in order.
+        warmup_scope: context for forwards run outside capture (the manager's warm-up):
+            the backend passes one that makes the replay stream current, so no eager work
+            runs on the capture stream.
+        capturing: whether the current stream is capturing (the backend passes
+            ``torch.cuda.is_current_stream_capturing``).
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
@@ -263,9 +289,14 @@ class ExactShapeEncoder:
         static_inputs: Sequence[torch.Tensor | None],
         output_spec: Any,
         output_leaves: Sequence[tuple[torch.Size, torch.dtype]],
+        *,
+        warmup_scope: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        capturing: Callable[[], bool] | None = None,
     ) -> None:
         self._api = api
         self._forward = forward
+        self._warmup_scope = warmup_scope
+        self._capturing = capturing
         self._arity = len(static_inputs)
         self._names = tuple(f"input_{i}" for i, x in enumerate(static_inputs) if x is not None)
         self._static = {f"input_{i}": x for i, x in enumerate(static_inputs) if x is not None}
@@ -352,6 +383,11 @@ class ExactShapeEncoder:
     def encoder_cudagraph_forward(
         self, inputs: dict[str, torch.Tensor], path: str = _PATH
     ) -> torch.Tensor:
+        scope = self._warmup_scope
+        if scope is not None and not (self._capturing is not None and self._capturing()):
+            # The manager's warm-up, outside capture: keep it off the capture stream.
+            with scope():
+                return self._call(inputs)
         return self._call(inputs)
 
     def encoder_eager_forward(self, mm_kwargs: dict[str, Any], path: str = _PATH) -> torch.Tensor:
@@ -428,6 +464,28 @@ class VllmCapturedGraph:
         return self.manager.execute(mm_kwargs)[0]
 
 
+_default_stream_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def default_capture_stream(stream: Any) -> Iterator[None]:
+    """Make ``stream`` the default capture stream of ``torch.cuda.graph`` for one capture.
+
+    vLLM 0.26's manager calls ``torch.cuda.graph(graph, pool=...)`` without a stream, which
+    captures on a process-wide stream shared with every graph captured that way (module
+    docstring). Newer vLLM passes the current stream and ignores the default. The swap is
+    held under a process-wide lock and always undone.
+    """
+    graph_cls = torch.cuda.graph
+    with _default_stream_lock:
+        saved = getattr(graph_cls, "default_capture_stream", None)
+        graph_cls.default_capture_stream = stream
+        try:
+            yield
+        finally:
+            graph_cls.default_capture_stream = saved
+
+
 class VllmGraphBackend:
     """Capture and replay through vLLM's ``EncoderCudaGraphManager``, one per exact key.
 
@@ -487,6 +545,9 @@ class VllmGraphBackend:
     def _stream_scope(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
 
+    def _capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     def _settle(self, device: torch.device) -> int:
         """Synchronize, release cached blocks and return reserved bytes."""
         torch.cuda.synchronize(device)
@@ -509,32 +570,32 @@ class VllmGraphBackend:
     ) -> VllmCapturedGraph:
         with self._device_scope(device):
             replay_stream = self._current_stream(device)
-            # Static inputs: ordinary allocations on the replay stream, outside the pool.
-            static_inputs = [
-                None
-                if x is None
-                else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-                for x in inputs
-            ]
-            # Earlier replays and output clones on the replay stream may still read pool
-            # memory this capture will reuse: the capture stream waits for them.
-            capture_stream.wait_stream(replay_stream)
-            with self._stream_scope(capture_stream):
-                # One eager run for the output structure; the manager warms up again itself.
-                leaves, spec = flatten_outputs(forward(*static_inputs))
-                shapes = [(t.shape, t.dtype) for t in leaves]
-                del leaves
-                model = ExactShapeEncoder(self.api, forward, static_inputs, spec, shapes)
-                dtype = _encoder_dtype(static_inputs, shapes)
-                manager = self.api.manager_cls(
-                    copy_vllm_config(self.vllm_config, model.token_budget), device, dtype, model
-                )
-                reserved_before = self._settle(device)
-                # vLLM captures on its current stream, which is the capture stream here, and
-                # into the pool the adapter chose (shared or separate).
+            static_inputs = static_copies(inputs)
+            # One eager run on the replay stream for the output structure; the manager's own
+            # warm-up is routed back to the replay stream by the model's warmup_scope.
+            leaves, spec = flatten_outputs(forward(*static_inputs))
+            shapes = [(t.shape, t.dtype) for t in leaves]
+            del leaves
+            model = ExactShapeEncoder(
+                self.api,
+                forward,
+                static_inputs,
+                spec,
+                shapes,
+                warmup_scope=lambda: self._stream_scope(replay_stream),
+                capturing=self._capturing,
+            )
+            dtype = _encoder_dtype(static_inputs, shapes)
+            manager = self.api.manager_cls(
+                copy_vllm_config(self.vllm_config, model.token_budget), device, dtype, model
+            )
+            reserved_before = self._settle(device)
+            with (
+                capture_ordering(replay_stream, capture_stream, self._stream_scope),
+                default_capture_stream(capture_stream),
+            ):
                 manager.capture(pool)
-                reserved_after = self._settle(device)
-            replay_stream.wait_stream(capture_stream)
+            reserved_after = self._settle(device)
         out_bytes = _nbytes(model._out_shape, torch.uint8 if model._packed else shapes[0][1])
         static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + out_bytes
         graph = VllmCapturedGraph(
