@@ -2,10 +2,13 @@
 
 Two adapters, named as the design note names them:
 
-* vision, on ``model.vpm._encoder_graph``: the SigLIP encoder stack plus its post-layernorm,
-  ``(hidden, attention_mask) -> hidden``. Patch embedding and mask building stay eager, so
-  the graph key is the embedded sequence, not the variable-size image. :func:`instrument`
-  routes ``model.vpm.forward`` through it.
+* vision, on ``model.vpm._encoder_graph``: the SigLIP encoder stack,
+  ``(hidden, attention_mask) -> hidden``. :func:`instrument` serves ``model.vpm.encoder``
+  through it, so vLLM's own ``vpm.forward`` runs unchanged around the graph: patch
+  embedding, the attention-mask rule (which differs between vLLM releases: 0.26 passes no
+  mask when no patch is padded, 0.33 always passes one), data-parallel sharding and the
+  post-layernorm stay exactly vLLM's. The graph key is the embedded sequence and its mask,
+  not the variable-size image.
 * audio, on ``model._audio_encoder_graph``: the stateless Whisper encoder, the audio
   projection and the average pooling, ``(mel, attention_mask) -> embeddings``.
   :func:`encode_audio` calls it, and :func:`instrument` binds a wrapper over the model's own
@@ -15,7 +18,8 @@ Two adapters, named as the design note names them:
   batch, keyed by the padded shape), then slices and concatenates per audio item eagerly.
 
 Eager fallbacks stay eager and are recorded as ineligible misses without touching the graph:
-training mode, attention or hidden-state outputs requested from the vision tower, fp16 audio
+training mode, extra arguments to the vision encoder (attention or hidden-state outputs
+requested), data-parallel vision sharding, fp16 audio
 (the Whisper layers check for fp16 overflow on the host, which a graph cannot do), and the
 stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph,
 and batch audio calls whose arguments the wrapper does not recognise (run by the original
@@ -66,7 +70,6 @@ AUDIO_BATCH_METHODS = ("get_audio_hidden_states",)
 
 _ORIGINAL_FORWARD = "_omnitrace_original_forward"
 _AUDIO_METHOD = "_omnitrace_audio_method"
-_VISION_EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,67 +148,39 @@ def _encoder_output(result: Any) -> torch.Tensor:
     return first
 
 
-def _vision_stack(vpm: Any) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    encoder, post_layernorm = vpm.encoder, vpm.post_layernorm
-
+def _vision_stack(encoder_forward: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     def stack(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        out = _encoder_output(encoder(inputs_embeds=hidden, attention_mask=attention_mask))
-        result: torch.Tensor = post_layernorm(out)
-        return result
+        return _encoder_output(encoder_forward(hidden, attention_mask=attention_mask))
 
     return stack
 
 
-def _vision_attention_mask(
-    vpm: Any, patch_attention_mask: torch.Tensor | None, hidden: torch.Tensor
-) -> torch.Tensor | None:
-    """Build the additive ``(B, 1, 1, L)`` mask the SigLIP encoder layers take, eagerly."""
-    if patch_attention_mask is None or not getattr(vpm, "apply_encoder_attention_mask", True):
-        return None
-    flat = patch_attention_mask.view(patch_attention_mask.shape[0], -1)
-    mask = (~flat).to(dtype=hidden.dtype) * torch.finfo(hidden.dtype).min
-    return mask[:, None, None, :]
-
-
-class _VisionForward:
-    """``vpm.forward`` with the encoder stack and post-layernorm served by the adapter."""
+class _VisionEncoderForward:
+    """``vpm.encoder.forward`` served by the adapter; ``vpm.forward`` runs unchanged around it."""
 
     def __init__(self, vpm: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
         self._vpm = vpm
         self._graph = graph
         self.original = original
 
-    def __call__(
-        self,
-        pixel_values: torch.Tensor,
-        patch_attention_mask: torch.Tensor | None = None,
-        tgt_sizes: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         vpm, graph = self._vpm, self._graph
+        hidden = args[0] if args else kwargs.get("inputs_embeds")
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        # vLLM calls encoder(hidden, attention_mask=mask); anything more (Hugging Face's
+        # output_attentions, output_hidden_states, return_dict ...) runs the original.
+        allowed = {"attention_mask"} if args else {"inputs_embeds", "attention_mask"}
         detail = None
-        if vpm.training:
+        if vpm.training or vpm.encoder.training:
             detail = "training"
-        elif any(kwargs.get(name) for name in _VISION_EXTRA_OUTPUTS):
-            detail = "extra_outputs"
-        elif args or set(kwargs) - {"position_ids", *_VISION_EXTRA_OUTPUTS}:
+        elif len(args) > 2 or set(kwargs) - allowed:
             detail = "arguments"
         elif getattr(vpm, "use_data_parallel", False):
-            # Data-parallel vision sharding splits the batch inside the forward.
+            # Data-parallel vision sharding splits the batch across ranks inside vpm.forward.
             detail = "data_parallel"
-        if detail is not None:
-            _record_ineligible(graph, detail, pixel_values, patch_attention_mask)
-            return self.original(pixel_values, patch_attention_mask, tgt_sizes, *args, **kwargs)
-        embed_kwargs: dict[str, Any] = {
-            "pixel_values": pixel_values,
-            "patch_attention_mask": patch_attention_mask,
-            "tgt_sizes": tgt_sizes,
-        }
-        if kwargs.get("position_ids") is not None:
-            embed_kwargs["position_ids"] = kwargs["position_ids"]
-        hidden = vpm.embeddings(**embed_kwargs)
-        mask = _vision_attention_mask(vpm, patch_attention_mask, hidden)
+        if detail is not None or not isinstance(hidden, torch.Tensor):
+            _record_ineligible(graph, detail or "arguments", hidden, mask)
+            return self.original(*args, **kwargs)
         return graph(hidden, mask)
 
 
@@ -525,18 +500,20 @@ def instrument(
         vpm = getattr(model, "vpm", None)
         if isinstance(vpm, nn.Module):
             vision = getattr(vpm, VISION_ATTR, None)
-            if vision is None:
+            encoder = getattr(vpm, "encoder", None)
+            if vision is None and isinstance(encoder, nn.Module):
+                original = encoder.forward
                 vision = EncoderCudaGraph(
-                    _vision_stack(vpm),
+                    _vision_stack(original),
                     name="vision",
                     config=config,
                     bus=bus,
                     backend=_backend(backend, vllm_config),
                 )
-                # Instance attributes: the class (shared with other models) is untouched.
+                # Instance attributes: the classes (shared with other models) are untouched.
                 object.__setattr__(vpm, VISION_ATTR, vision)
-                object.__setattr__(vpm, _ORIGINAL_FORWARD, vpm.forward)
-                object.__setattr__(vpm, "forward", _VisionForward(vpm, vision, vpm.forward))
+                object.__setattr__(encoder, _ORIGINAL_FORWARD, original)
+                object.__setattr__(encoder, "forward", _VisionEncoderForward(vpm, vision, original))
         audio: EncoderCudaGraph | None = None
         audio_method: str | None = None
         if isinstance(getattr(model, "apm", None), nn.Module):

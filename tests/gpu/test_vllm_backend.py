@@ -89,7 +89,9 @@ def test_merged_manager_stats_equal_adapter_stats_and_event_fold(bus: EventBus) 
     with capture_events(bus) as events, torch.no_grad():
         for tokens in (32, 32, 32, 64, 64, 96, 96, 96, 32, 64):
             graph(torch.randn(1, tokens, SMALL.hidden, device="cuda"), None)
-        graph(torch.randn(1, 32, SMALL.hidden), None)  # CPU: ineligible, before any manager
+        with torch.enable_grad():
+            # Grad mode: ineligible, decided before any manager (and valid for the model).
+            graph(torch.randn(1, 32, SMALL.hidden, device="cuda"), None)
     stats = graph.get_cumulative_stats()
     assert stats["capacity_misses"] == 3
     assert stats["ineligible_misses"] == 1

@@ -64,12 +64,18 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(Layer(HIDDEN) for _ in range(layers))
 
     def forward(
-        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> Any:
         x = inputs_embeds
+        states = [x]
         for layer in self.layers:
             x = layer(x, attention_mask)
-        return x
+            states.append(x)
+        # Hugging Face-style encoders can return every hidden state; vLLM's never do.
+        return (x, tuple(states)) if output_hidden_states else x
 
 
 class VisionTower(nn.Module):
@@ -81,6 +87,9 @@ class VisionTower(nn.Module):
         self.encoder = Encoder()
         self.post_layernorm = nn.LayerNorm(HIDDEN)
         self.apply_encoder_attention_mask = True
+        # vLLM 0.33 passes a mask whenever a patch mask is given; 0.26 passes none when no
+        # patch is padded.
+        self.mask_unpadded = True
 
     def forward(
         self,
@@ -96,7 +105,9 @@ class VisionTower(nn.Module):
         mask = None
         if patch_attention_mask is not None:
             flat = patch_attention_mask.view(patch_attention_mask.shape[0], -1)
-            mask = ((~flat).to(hidden.dtype) * torch.finfo(hidden.dtype).min)[:, None, None, :]
+            if self.mask_unpadded or bool(torch.any(~flat)):
+                mask = (~flat).to(hidden.dtype) * torch.finfo(hidden.dtype).min
+                mask = mask[:, None, None, :]
         out = self.post_layernorm(self.encoder(inputs_embeds=hidden, attention_mask=mask))
         if output_hidden_states:
             return out, (hidden,)

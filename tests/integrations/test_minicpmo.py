@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from integrations.standins import MiniCPMOStandIn, audio_batch, build, image, mel
+from integrations.standins import HIDDEN, MiniCPMOStandIn, audio_batch, build, image, mel
 from omnitrace import ConfigError, EventBus, GraphMissed, MissReason, derive_stats
 from omnitrace.integrations.minicpmo import (
     Instrumented,
@@ -142,18 +142,53 @@ def test_training_mode_stays_eager_for_both_encoders(bus: EventBus) -> None:
     assert _details(events) == ["training"] * 6
 
 
-def test_requested_hidden_states_run_the_original_vision_forward(bus: EventBus) -> None:
-    """output_hidden_states=True returns the original forward's result, never a graph's."""
+def test_requested_hidden_states_come_from_vpms_own_forward_around_the_graph(
+    bus: EventBus,
+) -> None:
+    """output_hidden_states=True still runs vpm's own forward; the graph serves its encoder."""
     model = build(**FAST)
     pixels, mask = image()
     with torch.no_grad():
-        expected, _ = model.vpm(pixels, mask, output_hidden_states=True)
+        expected, (embedded,) = model.vpm(pixels, mask, output_hidden_states=True)
+        _, backend = _instrument(model, bus)
+        outs = [model.vpm(pixels, mask, output_hidden_states=True) for _ in range(3)]
+    for out, (hidden,) in ((o, o[1]) for o in outs):
+        assert torch.equal(out[0], expected)
+        assert torch.equal(hidden, embedded)
+    assert backend.captures == 1
+
+
+def test_extra_encoder_arguments_run_the_original_encoder(bus: EventBus) -> None:
+    """An encoder call with arguments vLLM never passes runs the original and is recorded."""
+    model = build(**FAST)
+    hidden = torch.randn(1, 16, HIDDEN)
+    with torch.no_grad():
+        expected, states = model.vpm.encoder(hidden, attention_mask=None, output_hidden_states=True)
         _, backend = _instrument(model, bus)
         with capture_events(bus) as events:
-            outs = [model.vpm(pixels, mask, output_hidden_states=True) for _ in range(3)]
-    assert all(isinstance(out, tuple) and torch.equal(out[0], expected) for out in outs)
+            outs = [
+                model.vpm.encoder(hidden, attention_mask=None, output_hidden_states=True)
+                for _ in range(3)
+            ]
+    assert all(torch.equal(out[0], expected) and len(out[1]) == len(states) for out in outs)
     assert backend.captures == 0
-    assert _details(events) == ["extra_outputs"] * 3
+    assert _details(events) == ["arguments"] * 3
+
+
+def test_vision_follows_the_towers_own_mask_rule(bus: EventBus) -> None:
+    """A tower that passes no mask for unpadded patches (vLLM 0.26) is graphed without one."""
+    model = build(**FAST)
+    model.vpm.mask_unpadded = False
+    pixels = torch.randn(1, 3, 16, 16)
+    full = torch.ones(1, 4, 4, dtype=torch.bool)
+    with torch.no_grad():
+        expected = model.vpm(pixels, full)
+        _, backend = _instrument(model, bus)
+        with capture_events(bus) as events:
+            outs = [model.vpm(pixels, full) for _ in range(3)]
+    assert all(torch.equal(out, expected) for out in outs)
+    assert backend.captures == 1
+    assert all(e.key.endswith("None") or ", None" in e.key for e in events)
 
 
 def test_fp16_audio_stays_eager(bus: EventBus) -> None:

@@ -1,0 +1,312 @@
+"""vLLM's own MiniCPM-o 4.5 encoder modules, instrumented, against their uninstrumented forward.
+
+The encoders are vLLM's classes, not stand-ins: the vision tower is vLLM's
+``Idefics2VisionTransformer`` built as ``MiniCPMV4_5.init_vision_module`` builds the ``vpm``
+of ``MiniCPMO4_5`` (with ``apply_encoder_attention_mask=True``), the audio encoder is vLLM's
+``MiniCPMWhisperEncoder`` with the projection and average pooler of
+``MiniCPMOBaseModel.init_audio_module``, and the batch methods that call them are vLLM's own
+``MiniCPMV4_5.get_vision_hidden_states`` and ``MiniCPMOBaseModel.get_audio_hidden_states``,
+bound to a host object that holds those modules (a whole ``MiniCPMO4_5`` would also need
+the language model and the hub's remote config classes). Sizes are small and weights random.
+
+Inputs are shaped the way MiniCPM-o's processor shapes them: every image becomes an
+overview slice plus a grid of slices, each resized (aspect kept) to about 448x448 in whole
+14-pixel patches and flattened to ``(3, 14, patches * 14)``, with its ``tgt_sizes``; audio is
+80-bin log-mel at 100 frames per second, from a 1-second chunk up to the 30-second maximum.
+
+Runs wherever vLLM imports: on the CPU with the simulated backend (the vLLM CI tiers), and on a
+CUDA device with the torch and the vLLM graph backends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+
+from omnitrace import EventBus, derive_stats
+from omnitrace.integrations.minicpmo import instrument
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+pytestmark = [
+    pytest.mark.vllm,
+    # Raised inside torch when vLLM's CPU layers import torch.utils.mkldnn.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+PATCH = 14
+SCALE = 448
+MAX_SLICES = 9
+OVERRIDES = {"encoder_cuda_graph_max_graphs": 16, "encoder_cuda_graph_min_free_bytes": 0}
+
+
+# -- vLLM's modules on a host object ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> Iterator[Any]:
+    """vLLM's config context and a one-process model-parallel group, as its loader has."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield config
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+def _host_class() -> type[nn.Module]:
+    from vllm.model_executor.models.minicpmo import MiniCPMOBaseModel
+    from vllm.model_executor.models.minicpmv import MiniCPMV4_5
+
+    members = {
+        name: getattr(MiniCPMOBaseModel, name)
+        for name in ("get_audio_hidden_states", "subsequent_chunk_mask")
+    }
+    members["_get_feat_extract_output_lengths"] = MiniCPMOBaseModel._get_feat_extract_output_lengths
+    members["get_vision_hidden_states"] = MiniCPMV4_5.get_vision_hidden_states
+    return type("MiniCPMO45Encoders", (_Host,), members)
+
+
+class _Host(nn.Module):
+    """The encoder attributes of MiniCPMO4_5, built by vLLM's own classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import WhisperConfig
+        from transformers.models.idefics2.configuration_idefics2 import Idefics2VisionConfig
+        from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTransformer
+        from vllm.model_executor.models.minicpmo import (
+            MiniCPMWhisperEncoder,
+            MultiModalProjector,
+        )
+
+        vision = Idefics2VisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=980,
+            patch_size=PATCH,
+        )
+        self.vpm = Idefics2VisionTransformer(
+            vision, apply_encoder_attention_mask=True, prefix="vpm"
+        )
+        audio = WhisperConfig(
+            d_model=64,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            encoder_ffn_dim=256,
+            num_mel_bins=80,
+            max_source_positions=1500,
+        )
+        self.apm = MiniCPMWhisperEncoder(audio)
+        self.audio_avg_pooler = nn.AvgPool1d(2, stride=2)
+        self.audio_projection_layer = MultiModalProjector(
+            in_dim=audio.encoder_ffn_dim // 4, out_dim=96
+        )
+        self.audio_encoder_layer = -1
+        self.config = SimpleNamespace(audio_chunk_length=1.0, audio_pool_step=2, **OVERRIDES)
+
+    def resampler(self, embeds: torch.Tensor, tgt_sizes: Any, temporal_ids: Any) -> torch.Tensor:
+        # The resampler is not an encoder; the vision output is compared before it.
+        return embeds
+
+
+def _build(device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    torch.manual_seed(0)
+    with set_default_torch_dtype(dtype), device:
+        host = _host_class()()
+    with torch.no_grad():
+        # vLLM allocates its linear weights uninitialised; the loader would fill them.
+        for parameter in host.parameters():
+            parameter.normal_(0.0, 0.05)
+    for module in host.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return host.eval()
+
+
+# -- inputs as MiniCPM-o's processor makes them ------------------------------------------
+
+
+def _fit(width: float, height: float) -> tuple[int, int]:
+    """Resize to about SCALE x SCALE keeping the aspect ratio, in whole patches (rows, cols)."""
+    ratio = width / height
+    h = SCALE / math.sqrt(ratio)
+    w = h * ratio
+    return max(1, round(h / PATCH)), max(1, round(w / PATCH))
+
+
+def _grid(width: int, height: int) -> tuple[int, int]:
+    """Choose the slice grid (cols, rows) whose aspect ratio is closest to the image's."""
+    multiple = min(math.ceil(width * height / SCALE**2), MAX_SLICES)
+    log_ratio = math.log(width / height)
+    candidates = [
+        (cols, n // cols)
+        for n in (multiple - 1, multiple, multiple + 1)
+        if 1 < n <= MAX_SLICES
+        for cols in range(1, n + 1)
+        if n % cols == 0
+    ]
+    return min(candidates, key=lambda g: abs(log_ratio - math.log(g[0] / g[1])))
+
+
+def slice_sizes(width: int, height: int) -> list[tuple[int, int]]:
+    """Target sizes (patch rows, patch cols) of an image's overview and its slices."""
+    sizes = [_fit(width, height)]
+    if width * height > SCALE * SCALE:
+        cols, rows = _grid(width, height)
+        sizes += [_fit(width / cols, height / rows)] * (cols * rows)
+    return sizes
+
+
+def vision_batch(
+    images: list[tuple[int, int]], device: torch.device, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    """vLLM's pixel inputs for ``images`` (width, height): flattened slices and tgt_sizes."""
+    g = torch.Generator().manual_seed(seed)
+    pixels, sizes = [], []
+    for width, height in images:
+        for rows, cols in slice_sizes(width, height):
+            pixels.append(torch.randn(3, PATCH, rows * cols * PATCH, generator=g))
+            sizes.append((rows, cols))
+    return {
+        "type": "pixel_values",
+        "pixel_values": [p.to(device, dtype) for p in pixels],
+        "tgt_sizes": torch.tensor(sizes, dtype=torch.int32, device=device),
+    }
+
+
+def audio_batch(
+    seconds: list[float], device: torch.device, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    """vLLM's audio inputs: one 80-bin mel per audio at 100 frames/s, one slice each."""
+    g = torch.Generator().manual_seed(seed)
+    frames = [round(s * 100) for s in seconds]
+    return {
+        "type": "audio_features",
+        "audio_features": [torch.randn(80, n, generator=g).to(device, dtype) for n in frames],
+        "audio_feature_lens": [torch.tensor([n], device=device) for n in frames],
+    }
+
+
+# -- the runs -------------------------------------------------------------------------------
+
+SETUPS = [
+    pytest.param("cpu-simulated", id="cpu-simulated"),
+    pytest.param("cuda-torch", marks=pytest.mark.gpu, id="cuda-torch"),
+    pytest.param("cuda-vllm", marks=pytest.mark.gpu, id="cuda-vllm"),
+]
+
+IMAGE_CALLS = [
+    [(448, 448)],  # one full slice, no padding
+    [(1344, 896)],  # wide: overview + 3x2 grid, padded to the longest slice
+    [(600, 1000)],  # tall
+    [(448, 448), (900, 700)],  # two images in one call
+]
+AUDIO_CALLS = [[1.0], [5.0], [30.0], [1.0, 3.0]]
+
+
+def _setup(name: str, vllm_config: Any) -> tuple[torch.device, torch.dtype, dict[str, Any]]:
+    if name == "cpu-simulated":
+        return torch.device("cpu"), torch.float32, {"backend": SimulatedGraphBackend()}
+    if name == "cuda-torch":
+        return torch.device("cuda"), torch.bfloat16, {}
+    return torch.device("cuda"), torch.bfloat16, {"vllm_config": vllm_config}
+
+
+def _equal(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+    return len(got) == len(want) and all(_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_instrumented_vllm_encoders_equal_vllms_forward_bitwise(
+    setup: str, vllm_env: Any, tmp_path: Path
+) -> None:
+    """vLLM's vision tower and Whisper encoder give bitwise vLLM's results through the graphs."""
+    from rich.console import Console
+
+    from omnitrace.sinks.jsonl import JsonlSink, read_events
+    from omnitrace.sinks.live import BusBoard, render
+
+    device, dtype, extra = _setup(setup, vllm_env)
+    reference, model = _build(device, dtype), _build(device, dtype)
+    bus = EventBus()
+    log = tmp_path / "events.jsonl"
+    bus.add_sink(JsonlSink(log, bus=bus))
+    board = BusBoard(bus)
+    result = instrument(model, bus=bus, **extra)
+    assert result.vision is not None
+    assert result.audio is not None
+    assert result.audio_method == "get_audio_hidden_states"
+    with torch.no_grad(), capture_events(bus) as events:
+        for seed, images in enumerate(IMAGE_CALLS):
+            data = vision_batch(images, device, dtype, seed)
+            want = reference.get_vision_hidden_states(data)
+            for _ in range(3):  # warm-up miss, capture, replay
+                assert _equal(model.get_vision_hidden_states(data), want), images
+        for seed, seconds in enumerate(AUDIO_CALLS):
+            data = audio_batch(seconds, device, dtype, seed)
+            want = reference.get_audio_hidden_states(data)
+            for _ in range(3):
+                assert _equal(model.get_audio_hidden_states(data), want), seconds
+    stats = {
+        "vision": result.vision.get_cumulative_stats(),
+        "audio": result.audio.get_cumulative_stats(),
+    }
+    for name, count in (("vision", len(IMAGE_CALLS)), ("audio", len(AUDIO_CALLS))):
+        assert stats[name]["num_graphs"] == count, stats[name]
+        assert stats[name]["graph_hits"] == 2 * count
+        assert stats[name]["warmup_misses"] == count
+        assert stats[name]["graph_misses"] == count
+    assert derive_stats(events) == stats
+    console = Console(record=True, width=120, color_system=None)
+    console.print(render(board.snapshot()))
+    screen = console.export_text()
+    assert "vision" in screen
+    assert "audio" in screen
+    assert bus.flush(10)
+    bus.close()
+    logged = list(read_events(log))
+    assert derive_stats(logged) == stats
+    print("\n" + screen)
+
+
+def test_slices_follow_the_processors_grid() -> None:
+    """A square image is one slice; a 1344x896 image is an overview plus a 3x2 grid."""
+    assert slice_sizes(448, 448) == [(32, 32)]
+    sizes = slice_sizes(1344, 896)
+    assert len(sizes) == 1 + 6
+    assert all(abs(r * c - 1024) < 80 for r, c in sizes)
