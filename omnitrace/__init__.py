@@ -1,25 +1,60 @@
-"""omnitrace: fast, observable exact-shape CUDA graphs for multimodal encoders."""
+"""omnitrace: fast, observable exact-shape CUDA graphs for multimodal encoders.
 
-from omnitrace.bus import BusStatistics, EventBus, Sink, SinkStatistics
-from omnitrace.config import (
-    ConfigError,
-    EncoderGraphConfig,
-    EncoderGraphFailedError,
-    OmnitraceError,
-)
-from omnitrace.events import (
-    CaptureFailed,
-    Event,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    MissReason,
-)
-from omnitrace.graphs.adapter import EncoderCudaGraph
-from omnitrace.stats import STATS_KEYS, AdapterStats, StatsFold, derive_stats
+The public names below are loaded on first access (PEP 562), so ``import omnitrace`` and
+the modules that only need events, stats or the event log (the ``omnitrace`` command's
+``top`` and ``replay``, every sink) never import torch; only the graph adapter does.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from omnitrace._version import __version__
+
+if TYPE_CHECKING:
+    from omnitrace.bus import BusStatistics, EventBus, Sink, SinkStatistics
+    from omnitrace.config import (
+        ConfigError,
+        EncoderGraphConfig,
+        EncoderGraphFailedError,
+        OmnitraceError,
+    )
+    from omnitrace.events import (
+        CaptureFailed,
+        Event,
+        GraphCaptured,
+        GraphMissed,
+        GraphReplayed,
+        MemoryDeferred,
+        MissReason,
+    )
+    from omnitrace.graphs.adapter import EncoderCudaGraph
+    from omnitrace.stats import STATS_KEYS, AdapterStats, StatsFold, derive_stats
+
+#: Where each public name lives; a name is imported from there when first asked for.
+_MODULE_OF: dict[str, str] = {
+    "AdapterStats": "omnitrace.stats",
+    "BusStatistics": "omnitrace.bus",
+    "CaptureFailed": "omnitrace.events",
+    "ConfigError": "omnitrace.config",
+    "EncoderCudaGraph": "omnitrace.graphs.adapter",
+    "EncoderGraphConfig": "omnitrace.config",
+    "EncoderGraphFailedError": "omnitrace.config",
+    "Event": "omnitrace.events",
+    "EventBus": "omnitrace.bus",
+    "GraphCaptured": "omnitrace.events",
+    "GraphMissed": "omnitrace.events",
+    "GraphReplayed": "omnitrace.events",
+    "MemoryDeferred": "omnitrace.events",
+    "MissReason": "omnitrace.events",
+    "OmnitraceError": "omnitrace.config",
+    "STATS_KEYS": "omnitrace.stats",
+    "Sink": "omnitrace.bus",
+    "SinkStatistics": "omnitrace.bus",
+    "StatsFold": "omnitrace.stats",
+    "derive_stats": "omnitrace.stats",
+}
 
 __all__ = [
     "AdapterStats",
@@ -44,3 +79,18 @@ __all__ = [
     "__version__",
     "derive_stats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omnitrace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    # Cached in the module's namespace, so the next access is a plain attribute lookup.
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    dunders = (name for name in globals() if name.startswith("__") and name.endswith("__"))
+    return sorted({*__all__, *dunders})

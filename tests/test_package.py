@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 import omnitrace
 
@@ -60,16 +64,152 @@ def test_readme_python_examples_run_as_pasted() -> None:
         assert proc.returncode == 0, proc.stderr
 
 
-def test_readme_has_exactly_the_two_setup_commands() -> None:
-    """The README's bash blocks are the demo command and the test command CI runs."""
-    text = (ROOT / "README.md").read_text()
-    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```bash\n(.*?)\n```", quick, re.S)
-    assert len(commands) == 2
-    demo, test = commands
-    assert "omnitrace demo" in demo
+def _readme_commands() -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "readme_commands.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return proc.stdout.splitlines()
+
+
+def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_them() -> None:
+    """The Quick start holds the demo and the test command, both pinning the CPU torch."""
+    demo, test = _readme_commands()
+    assert demo == "python3 -m pip install torch==2.13.0 -e . && omnitrace demo"
+    assert test == "python3 -m pip install torch==2.13.0 -e '.[dev]' && python3 -m pytest"
     ci = (ROOT / ".ci" / "run").read_text()
-    assert test in ci.splitlines()
+    # CI reads the commands from the README and runs them in a fresh virtual environment.
+    assert "mapfile -t readme < <(python3 .ci/readme_commands.py)" in ci
+    assert ci.index('fresh_venv "$work/readme"') < ci.index('bash -c "$command"')
+    assert ci.index('bash -c "$command"') < ci.index("for tier in .ci/tiers/*.sh")
+
+
+def test_every_ci_tier_makes_its_own_fresh_environment_and_runs_its_tests() -> None:
+    """Each tier script creates a virtual environment of its own and runs pytest in it."""
+    tiers = sorted((ROOT / ".ci" / "tiers").glob("*.sh"))
+    assert [t.name for t in tiers] == ["ops.sh", "vllm.sh"]
+    for tier in tiers:
+        text = tier.read_text()
+        assert 'fresh_venv "$work/' in text, tier.name
+        assert "OMNITRACE_FORBID_SKIPS=1 python3 -m pytest" in text, tier.name
+    assert 'VLLM_VERSION="${VLLM_VERSION:-0.33.0}"' in (ROOT / ".ci/tiers/vllm.sh").read_text()
+
+
+def test_installed_distribution_declares_numpy_and_a_torch_range() -> None:
+    """The installed metadata needs NumPy (torch warns without it) and a torch range."""
+    requires = importlib.metadata.requires("omnitrace-graphs") or []
+    names = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower(): r for r in requires}
+    assert "numpy" in names
+    assert re.fullmatch(r"torch>=[0-9.]+", names["torch"])
+    assert importlib.metadata.version("omnitrace-graphs") == omnitrace.__version__
+
+
+def test_importing_torch_here_raises_no_warning() -> None:
+    """Under -W error, torch imports cleanly: the environment has everything it wants."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import torch"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_facade_loads_names_lazily_and_lists_them() -> None:
+    """import omnitrace loads no torch; dir() lists __all__; a name loads on first access."""
+    code = (
+        "import sys, omnitrace\n"
+        "assert 'torch' not in sys.modules, 'torch at import'\n"
+        "assert set(omnitrace.__all__) <= set(dir(omnitrace))\n"
+        "assert omnitrace.EventBus.__module__ == 'omnitrace.bus'\n"
+        "assert 'torch' not in sys.modules, 'torch via EventBus'\n"
+        "from omnitrace import EncoderCudaGraph\n"
+        "assert 'torch' in sys.modules\n"
+        "try:\n"
+        "    omnitrace.Nope\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "module 'omnitrace' has no attribute 'Nope'"
+
+
+_LIGHT_MODULES = (
+    "omnitrace",
+    "omnitrace.events",
+    "omnitrace.bus",
+    "omnitrace.stats",
+    "omnitrace.config",
+    "omnitrace.sinks.jsonl",
+    "omnitrace.sinks.live",
+    "omnitrace.sinks.logs",
+    "omnitrace.sinks.names",
+    "omnitrace.sinks.otel",
+    "omnitrace.cli",
+)
+
+
+@pytest.mark.parametrize("module", _LIGHT_MODULES)
+def test_events_stats_and_sinks_import_without_torch(module: str) -> None:
+    """The modules top and replay need (events, stats, bus, every sink) never import torch."""
+    code = f"import sys, {module}\nprint('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def _modules_after_cli(args: list[str], cwd: Path) -> set[str]:
+    code = (
+        "import sys\n"
+        "from omnitrace.cli import main\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
+    return set(proc.stderr.strip().splitlines()[-1].split())
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["demo", "--help"], ["demo", "-x"]])
+def test_help_version_and_usage_errors_import_no_torch_sinks_or_events(
+    args: list[str], tmp_path: Path
+) -> None:
+    """--help, --version and a mistyped flag load neither torch, a sink nor omnitrace.events."""
+    loaded = _modules_after_cli(args, tmp_path)
+    assert "omnitrace.cli" in loaded
+    heavy = {"torch", "omnitrace.events", "rich", "opentelemetry", "structlog"}
+    assert {m for m in loaded if m.split(".")[0] in heavy or m in heavy} == set()
+    assert not any(m.startswith("omnitrace.sinks") for m in loaded)
+
+
+def test_top_and_replay_import_no_torch(tmp_path: Path) -> None:
+    """`top LOG` and `replay LOG` read, fold and print a recorded log without importing torch."""
+    log = tmp_path / "e.jsonl"
+    log.write_text(
+        '{"v":1,"type":"GraphReplayed","pid":1,"rank":0,"adapter":"vision","key":"k",'
+        '"monotonic_ns":1,"epoch_ns":1,"duration_s":0.001}\n'
+    )
+    for args in (["top", str(log)], ["replay", str(log)], ["top", "--json", str(log)]):
+        loaded = _modules_after_cli(args, tmp_path)
+        assert "omnitrace.sinks.jsonl" in loaded, args
+        assert "torch" not in loaded, args
+
+
+def test_help_answers_in_under_half_a_second() -> None:
+    """`python -m omnitrace --help` returns in under 0.5 s (best of three runs)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "omnitrace", "--help"], capture_output=True, check=True
+        )
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.5
 
 
 def test_readme_documents_every_exported_name() -> None:
