@@ -1,12 +1,12 @@
 """vLLM general plugin: encoder graphs and telemetry for MiniCPM-o in ``vllm serve``.
 
-Installed with ``pip install 'omnitrace[vllm]'``, the ``vllm.general_plugins`` entry point
-``omnitrace = omnitrace.integrations.vllm_plugin:register`` makes vLLM call :func:`register`
-in every process it starts. ``register`` wraps vLLM's model loader so that a loaded model
-with a MiniCPM-o vision tower (``vpm``) or audio encoder (``apm``) gets its adapters from
-:func:`omnitrace.integrations.minicpmo.instrument`, which routes ``vpm.forward`` and the
-model's batch audio method (``get_audio_hidden_states``) through them. vLLM itself is not
-edited.
+Installed with omnitrace's ``vllm`` extra (``pip install '.[vllm]'`` from a checkout), the
+``vllm.general_plugins`` entry point ``omnitrace = omnitrace.integrations.vllm_plugin:register``
+makes vLLM call :func:`register` in every process it starts. ``register`` wraps vLLM's model
+loader so that a loaded model with a MiniCPM-o vision tower (``vpm``) or audio encoder
+(``apm``) gets its adapters from :func:`omnitrace.integrations.minicpmo.instrument`, which
+routes ``vpm.forward`` and the model's batch audio method (``get_audio_hidden_states``)
+through them. vLLM itself is not edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
 so a forked worker never shares its parent's). Sinks come from the environment:
@@ -18,9 +18,9 @@ so a forked worker never shares its parent's). Sinks come from the environment:
     the path are filled in per worker, and every line carries the pid and rank.
 ``OMNITRACE_OTLP=1``
     OpenTelemetry spans and metrics (``omnitrace.sinks.otel``), with the worker's pid and
-    rank as resource attributes; endpoint and protocol from the usual ``OTEL_*`` variables.
-``OMNITRACE_SERVICE_NAME``
-    the OTel ``service.name`` (default ``omnitrace``).
+    rank as resource attributes. Everything else comes from OpenTelemetry's own variables:
+    ``OTEL_SERVICE_NAME`` (default ``omnitrace``), ``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``_PROTOCOL``, ``OTEL_METRIC_EXPORT_INTERVAL``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ logger = logging.getLogger("omnitrace")
 ENV_PLUGIN = "OMNITRACE_PLUGIN"
 ENV_EVENTS_LOG = "OMNITRACE_EVENTS_LOG"
 ENV_OTLP = "OMNITRACE_OTLP"
-ENV_SERVICE_NAME = "OMNITRACE_SERVICE_NAME"
 
 _LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 _PATCHED = "_omnitrace_patched"
@@ -99,8 +98,11 @@ def _build_sinks(bus: EventBus, environ: Mapping[str, str]) -> list[Any]:
         attributes: dict[str, str | int | float | bool] = {"process.pid": pid}
         if rank is not None:
             attributes["omnitrace.worker.rank"] = rank
+        # OTEL_SERVICE_NAME is read from ``environ`` (the mapping this worker was given);
+        # the other OTEL_* variables are read by configure_sdk and the SDK.
         setup = otel.configure_sdk(
-            service_name=environ.get(ENV_SERVICE_NAME, "omnitrace"),
+            service_name=environ.get("OTEL_SERVICE_NAME", "").strip() or None,
+            default_service_name="omnitrace",
             resource_attributes=attributes,
         )
         sinks.append(

@@ -16,11 +16,13 @@ stats fold exactly, including events a full sink queue dropped.
 
 Export problems never reach the host: a failing exporter is counted and reported once on the
 ``omnitrace.otel`` logger (and again only after it has recovered and failed anew), exporter
-timeouts are short, and shutdown skips further attempts against an endpoint already known dead.
+timeouts are short, and shutdown is bounded (0.8 s by default): it skips attempts against an
+endpoint already known dead, cancels retry back-offs and abandons an export still waiting.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -91,7 +93,7 @@ _KEY_PART = re.compile(r"(?P<dtype>\w+)\[(?P<shape>[0-9,]*)\]")
 
 
 def _scope_version() -> str:
-    from omnitrace import __version__
+    from omnitrace._version import __version__
 
     return __version__
 
@@ -424,20 +426,50 @@ class _ExportMonitor(logging.Filter):
         self.failures: dict[str, int] = {"traces": 0, "metrics": 0}
         self.successes: dict[str, int] = {"traces": 0, "metrics": 0}
         self.in_outage: dict[str, bool] = {"traces": False, "metrics": False}
+        self.causes: dict[str, str] = {}
         self.reported = False
         self.closing = False
+        self.unfinished: float | None = None
+        """The shutdown deadline (s) an export was still running at, if one was."""
+        #: The exporters by signal, shut down to cancel a retry once the host is closing.
+        self.exporters: dict[str, Any] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.reported:
-            return True
-        signal = _LOGGER_SIGNALS.get(record.name)
-        if signal is None:  # a logger shared by both signals (gRPC)
-            return not any(self.in_outage.values())
-        return not self.in_outage[signal]
+        # Every failure reaches the host as this monitor's own report, so the exporters'
+        # per-attempt lines ("Transient error ... retrying") are kept only as the cause.
+        signal = _LOGGER_SIGNALS.get(record.name, "any")
+        if record.levelno >= logging.WARNING:
+            with self._lock:
+                self.causes.setdefault(signal, _cause(record.getMessage()))
+        if self.closing and "retrying" in str(record.msg):
+            # Waiting out a back-off at exit only delays it: the exporter's shutdown ends
+            # the wait, and the batch is reported as failed.
+            for name, exporter in self.exporters.items():
+                if signal in (name, "any"):
+                    exporter.shutdown()
+        return False
 
     def skip(self, signal: str) -> bool:
         """Whether to drop a batch without trying: shutting down, and the endpoint is dead."""
         return self.closing and self.in_outage[signal]
+
+    def error(self) -> str | None:
+        """One line saying what failed and where, or None when every export succeeded."""
+        with self._lock:
+            failed = [signal for signal, count in self.failures.items() if count]
+            if not failed and self.unfinished is None:
+                return None
+            signals = failed or [s for s in ("traces", "metrics") if s in self.causes]
+            parts = []
+            for signal in signals:
+                cause = self.causes.get(signal) or self.causes.get("any")
+                parts.append(f"{signal}: {cause}" if cause else signal)
+            if not parts:
+                parts.append(
+                    self.causes.get("any")
+                    or f"no answer within {self.unfinished:g} s, the shutdown deadline"
+                )
+        return f"OTLP export to {self.endpoint} ({self.protocol}) failed: {', '.join(parts)}"
 
     def outcome(self, signal: str, ok: bool, error: str | None = None) -> None:
         with self._lock:
@@ -446,12 +478,16 @@ class _ExportMonitor(logging.Filter):
                 self.successes[signal] += 1
             else:
                 self.failures[signal] += 1
+                if error:
+                    self.causes.setdefault(signal, _cause(error))
             report = not ok and not self.reported
             recovered = ok and self.reported and not any(self.in_outage.values())
             if report:
                 self.reported = True
             elif recovered:
                 self.reported = False
+                self.causes.clear()
+            cause = self.causes.get(signal) or self.causes.get("any")
         if report:
             logger.warning(
                 "OpenTelemetry %s export to %s (%s) failed%s; telemetry is dropped until the "
@@ -459,10 +495,28 @@ class _ExportMonitor(logging.Filter):
                 signal,
                 self.endpoint,
                 self.protocol,
-                f": {error}" if error else "",
+                f": {cause}" if cause else "",
             )
         elif recovered:
             logger.info("OpenTelemetry export to %s recovered", self.endpoint)
+
+
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+_HTTP_STATUS = re.compile(r"code: (\d{3}), reason: ([^,]+)")
+_GRPC_STATUS = re.compile(r"StatusCode\.([A-Z_]+)")
+
+
+def _cause(message: str) -> str:
+    """Return the gist of an exporter's error text ("Connection refused", "HTTP 404 ...")."""
+    if match := _ERRNO.search(message):
+        return match[1].strip()
+    if match := _HTTP_STATUS.search(message):
+        return f"HTTP {match[1]} {match[2].strip()}"
+    if match := _GRPC_STATUS.search(message):
+        return f"gRPC {match[1]}"
+    if "timed out" in message.lower() or "timeout" in message.lower():
+        return "timed out"
+    return message if len(message) <= 120 else message[:119] + "…"
 
 
 _LOGGER_SIGNALS: Mapping[str, str] = {
@@ -499,6 +553,7 @@ class OTelSetup:
         prometheus_reader: Any = None,
         prometheus_server: Any = None,
         prometheus_thread: threading.Thread | None = None,
+        exporters: Sequence[Any] = (),
     ) -> None:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
@@ -508,8 +563,11 @@ class OTelSetup:
         self._monitor = monitor
         self._server = prometheus_server
         self._server_thread = prometheus_thread
+        self._exporters = tuple(exporters)
         self._shutdown = False
         self._lock = threading.Lock()
+        # What the SDK providers' own exit hooks did, but bounded like shutdown() is.
+        atexit.register(self.shutdown)
 
     @property
     def prometheus_port(self) -> int | None:
@@ -539,31 +597,62 @@ class OTelSetup:
         metrics = self.meter_provider.force_flush(millis)
         return bool(traces and metrics) and sum(self.export_failures.values()) == before
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    @property
+    def export_error(self) -> str | None:
+        """One line saying which OTLP export failed, where and why; None when none did."""
+        return None if self._monitor is None else self._monitor.error()
+
+    def shutdown(self, timeout_s: float = 0.8) -> bool:
         """Flush what can still be exported, then stop exporters and the scrape endpoint.
 
-        Idempotent; bounded by the exporters' timeouts, and attempts against an endpoint
-        already known to be dead are skipped.
+        Idempotent. Takes at most about ``timeout_s``: attempts against an endpoint already
+        known to be dead are skipped, and an export still waiting for an answer at the
+        deadline is abandoned (its retries are cancelled; it is reported by
+        :attr:`export_error`), so a dead collector never holds up the host's exit.
+
+        Returns:
+            True when everything handed to the exporters was exported.
         """
         with self._lock:
             if self._shutdown:
-                return
+                return self.export_error is None
             self._shutdown = True
+        atexit.unregister(self.shutdown)
         monitor = self._monitor
         if monitor is not None:
             monitor.closing = True
+        done = threading.Event()
+
+        def close_providers() -> None:
+            try:
+                self.tracer_provider.shutdown()
+                self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            except Exception:
+                logger.debug("OpenTelemetry provider shutdown raised", exc_info=True)
+            finally:
+                done.set()
+                # Only now: an abandoned export may still log its retries until it ends.
+                if monitor is not None:
+                    for name in _EXPORTER_LOGGERS:
+                        logging.getLogger(name).removeFilter(monitor)
+
+        # A daemon thread, so an export stuck on a silent endpoint cannot delay the exit.
+        closer = threading.Thread(target=close_providers, name="omnitrace-otel-shutdown")
+        closer.daemon = True
+        closer.start()
         try:
-            self.tracer_provider.shutdown()
-            self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            if not done.wait(timeout_s):
+                if monitor is not None:
+                    monitor.unfinished = timeout_s
+                for exporter in self._exporters:
+                    exporter.shutdown()  # cancels retry back-offs of the abandoned export
         finally:
             if self._server is not None:
                 self._server.shutdown()
                 self._server.server_close()
                 if self._server_thread is not None:
                     self._server_thread.join(timeout_s)
-            if monitor is not None:
-                for name in _EXPORTER_LOGGERS:
-                    logging.getLogger(name).removeFilter(monitor)
+        return self.export_error is None
 
     def __enter__(self) -> OTelSetup:
         return self
@@ -576,21 +665,50 @@ class OTelSetup:
         return f"<OTelSetup {target} prometheus={self.prometheus_reader is not None}>"
 
 
-def _resource_attributes(
-    service_name: str, extra: Mapping[str, str | int | float | bool] | None
-) -> dict[str, str | int | float | bool]:
-    attributes: dict[str, str | int | float | bool] = {
-        ATTR.SERVICE_NAME: service_name,
+def _resource(
+    service_name: str | None,
+    default_service_name: str,
+    extra: Mapping[str, str | int | float | bool] | None,
+) -> Any:
+    """Build the SDK resource: explicit arguments, else OTel's variables, else defaults.
+
+    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (read by the SDK's own detector)
+    override omnitrace's defaults (service name, pid, worker ranks) and are overridden by
+    ``service_name`` and ``resource_attributes`` when those are given.
+    """
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    defaults: dict[str, str | int | float | bool] = {
+        ATTR.SERVICE_NAME: default_service_name,
         ATTR.PROCESS_PID: os.getpid(),
     }
     # torchrun and most launchers export these; they tell the workers of one job apart.
     for variable, key in (("RANK", ATTR.RANK), ("LOCAL_RANK", ATTR.LOCAL_RANK)):
         value = os.environ.get(variable, "").strip()
         if value:
-            attributes[key] = int(value) if value.isdigit() else value
+            defaults[key] = int(value) if value.isdigit() else value
+    from_env = OTELResourceDetector().detect().attributes
+    attributes = {key: value for key, value in defaults.items() if key not in from_env}
+    if service_name is not None:
+        attributes[ATTR.SERVICE_NAME] = service_name
     if extra:
         attributes.update(extra)
-    return attributes
+    # Resource.create merges the same variables again, under these attributes.
+    return Resource.create(attributes)
+
+
+def _env_millis(name: str) -> float | None:
+    """Return the seconds in the millisecond variable ``name``; None when it is unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        millis = float(raw)
+    except ValueError:
+        millis = -1.0
+    if not millis > 0:
+        raise ValueError(f"{name}: expected a positive number of milliseconds, got {raw!r}")
+    return millis / 1000
 
 
 def _check_positive(name: str, value: object) -> float:
@@ -601,7 +719,8 @@ def _check_positive(name: str, value: object) -> float:
 
 def configure_sdk(
     *,
-    service_name: str = "omnitrace",
+    service_name: str | None = None,
+    default_service_name: str = "omnitrace",
     endpoint: str | None = None,
     protocol: OTLPProtocol | None = None,
     otlp: bool = True,
@@ -610,15 +729,24 @@ def configure_sdk(
     prometheus_port: int | None = None,
     prometheus_host: str = "127.0.0.1",
     prometheus_registry: CollectorRegistry | None = None,
-    export_interval_s: float = 10.0,
+    export_interval_s: float | None = None,
     export_timeout_s: float = 3.0,
     resource_attributes: Mapping[str, str | int | float | bool] | None = None,
     install_global: bool = False,
 ) -> OTelSetup:
     """Wire the OpenTelemetry SDK for omnitrace at the application edge.
 
+    Settings follow OpenTelemetry's precedence: an argument given here wins, else the
+    standard variable (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_PROTOCOL``,
+    ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_BSP_SCHEDULE_DELAY``), else omnitrace's default.
+
     Args:
-        service_name: the ``service.name`` resource attribute.
+        service_name: the ``service.name`` resource attribute. None: ``OTEL_SERVICE_NAME``,
+            else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else
+            ``default_service_name``.
+        default_service_name: the service name when neither argument nor variable gives one
+            (the CLI passes ``omnitrace-demo`` and ``omnitrace-replay``).
         endpoint: OTLP base endpoint (``http://host:4318`` for http/protobuf,
             ``http://host:4317`` for gRPC). None: the exporters read
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` (and the per-signal variables), then the
@@ -633,17 +761,20 @@ def configure_sdk(
         prometheus_host: address the scrape endpoint binds.
         prometheus_registry: the prometheus_client registry to register with (the global
             one by default).
-        export_interval_s: seconds between OTLP metric exports.
+        export_interval_s: seconds between OTLP metric exports. None:
+            ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds), else 10 s.
         export_timeout_s: deadline of one OTLP export, retries included; short, so a dead
             collector cannot stall shutdown.
-        resource_attributes: more resource attributes (override the defaults).
+        resource_attributes: more resource attributes (override the defaults and
+            ``OTEL_RESOURCE_ATTRIBUTES``).
         install_global: also install the providers as the global ones (once per process).
 
     Returns:
         The providers and their ``force_flush()`` / ``shutdown()``.
 
     Raises:
-        ValueError: an argument is out of range (the message names it).
+        ValueError: an argument or a standard variable is out of range (the message names
+            it).
         ImportError: the gRPC exporter is asked for but not installed (the message says
             which extra to install).
     """
@@ -655,7 +786,11 @@ def configure_sdk(
         raise ValueError(
             f"protocol: expected one of {', '.join(_PROTOCOLS)}, got {protocol_text!r}"
         )
-    interval = _check_positive("export_interval_s", export_interval_s)
+    if export_interval_s is None:
+        interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
+    else:
+        interval = _check_positive("export_interval_s", export_interval_s)
+    span_delay = _env_millis("OTEL_BSP_SCHEDULE_DELAY")
     timeout = _check_positive("export_timeout_s", export_timeout_s)
     if prometheus_port is not None and (
         isinstance(prometheus_port, bool)
@@ -665,16 +800,19 @@ def configure_sdk(
         raise ValueError(f"prometheus_port: expected a port in [0, 65535], got {prometheus_port!r}")
     if prometheus_port is not None and not prometheus:
         raise ValueError("prometheus_port: set prometheus=True to serve a scrape endpoint")
-    if not isinstance(service_name, str) or not service_name:
-        raise ValueError(f"service_name: expected a non-empty string, got {service_name!r}")
+    for label, name in (
+        ("service_name", service_name),
+        ("default_service_name", default_service_name),
+    ):
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"{label}: expected a non-empty string, got {name!r}")
 
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create(_resource_attributes(service_name, resource_attributes))
+    resource = _resource(service_name, default_service_name, resource_attributes)
     # Exporters first (a missing gRPC extra fails here, before anything runs), then the
     # scrape endpoint (a port in use fails there), and only then the threads of the batch
     # processor and the periodic reader, so a failed call leaves nothing running behind.
@@ -691,6 +829,9 @@ def configure_sdk(
         span_exporter, metric_exporter = _guarded_exporters(
             protocol_text, endpoint, timeout, monitor, metrics=otlp_metrics
         )
+        monitor.exporters = {"traces": span_exporter}
+        if metric_exporter is not None:
+            monitor.exporters["metrics"] = metric_exporter
 
     readers: list[MetricReader] = []
     prometheus_reader = server = thread = None
@@ -713,12 +854,14 @@ def configure_sdk(
                         exporter.shutdown()
                 raise
 
-    tracer_provider = TracerProvider(resource=resource)
+    # OTelSetup.shutdown (bounded) replaces the providers' own exit hooks (unbounded).
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     if span_exporter is not None:
+        delay = span_delay if span_delay is not None else min(5.0, interval)
         tracer_provider.add_span_processor(
             BatchSpanProcessor(
                 span_exporter,
-                schedule_delay_millis=min(5000.0, interval * 1000),
+                schedule_delay_millis=delay * 1000,
                 export_timeout_millis=timeout * 1000,
             )
         )
@@ -734,7 +877,9 @@ def configure_sdk(
         for name in _EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(monitor)
 
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    meter_provider = MeterProvider(
+        resource=resource, metric_readers=readers, shutdown_on_exit=False
+    )
     if install_global:
         otel_trace.set_tracer_provider(tracer_provider)
         otel_metrics.set_meter_provider(meter_provider)
@@ -747,6 +892,7 @@ def configure_sdk(
         prometheus_reader=prometheus_reader,
         prometheus_server=server,
         prometheus_thread=thread,
+        exporters=[e for e in (span_exporter, metric_exporter) if e is not None],
     )
 
 
@@ -770,7 +916,8 @@ def _guarded_exporters(
             )
         except ImportError as exc:
             raise ImportError(
-                "protocol 'grpc' needs the OTLP gRPC exporter: pip install 'omnitrace[grpc]'"
+                "protocol 'grpc' needs the OTLP gRPC exporter: pip install "
+                "'opentelemetry-exporter-otlp-proto-grpc>=1.25' (omnitrace's grpc extra)"
             ) from exc
         inner_spans = GrpcSpanExporter(endpoint=endpoint, timeout=timeout)
         if metrics:
@@ -791,6 +938,8 @@ def _guarded_exporters(
             inner_metrics = HttpMetricExporter(endpoint=url("v1/metrics"), timeout=timeout)
 
     class GuardedSpanExporter(SpanExporter):
+        closed = False
+
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
             if monitor.skip("traces"):
                 monitor.outcome("traces", False)
@@ -804,6 +953,11 @@ def _guarded_exporters(
             return result
 
         def shutdown(self) -> None:
+            # Called by the provider and, when an export outlives the shutdown deadline,
+            # by OTelSetup.shutdown too.
+            if self.closed:
+                return
+            self.closed = True
             try:
                 inner_spans.shutdown()
             except Exception:
@@ -817,6 +971,8 @@ def _guarded_exporters(
     metric_exporter: MetricExporter = inner_metrics
 
     class GuardedMetricExporter(MetricExporter):
+        closed = False
+
         def __init__(self) -> None:
             super().__init__(
                 preferred_temporality=metric_exporter._preferred_temporality,
@@ -841,6 +997,9 @@ def _guarded_exporters(
             return metric_exporter.force_flush(timeout_millis=timeout_millis)
 
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            if self.closed:
+                return
+            self.closed = True
             try:
                 metric_exporter.shutdown(timeout_millis=timeout_millis)
             except Exception:
