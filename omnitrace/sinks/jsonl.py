@@ -321,12 +321,18 @@ def _dumps(record: Mapping[str, Any]) -> bytes:
 
 
 def _parse_lines(
-    data: bytes, path: Path, first_line: int, *, final: bool
+    data: bytes,
+    path: Path,
+    first_line: int,
+    *,
+    final: bool,
+    torn: list[int] | None = None,
 ) -> tuple[list[EventRecord], int]:
     """Decode the complete lines of ``data``; return the records and bytes consumed.
 
     A trailing piece without a newline is a batch still being written: it is left
     unconsumed, unless ``final`` (a finished file), where it is a torn line and skipped.
+    Skipped lines are logged, or, with ``torn``, their numbers are appended to it instead.
     """
     records: list[EventRecord] = []
     consumed = 0
@@ -335,7 +341,10 @@ def _parse_lines(
         end = data.find(b"\n", consumed)
         if end < 0:
             if final:
-                logger.warning("%s:%d: skipping a torn last line", path, line_no)
+                if torn is None:
+                    logger.warning("%s:%d: skipping a torn last line", path, line_no + 1)
+                else:
+                    torn.append(line_no + 1)
                 consumed = len(data)
             break
         raw = data[consumed:end]
@@ -348,7 +357,10 @@ def _parse_lines(
         except (json.JSONDecodeError, UnicodeDecodeError):
             # A writer that crashed mid-write leaves one torn line; the next writer starts
             # on a fresh line, so this loses that one record only.
-            logger.warning("%s:%d: skipping a torn line", path, line_no)
+            if torn is None:
+                logger.warning("%s:%d: skipping a torn line", path, line_no)
+            else:
+                torn.append(line_no)
             continue
         if not isinstance(parsed, dict):
             raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
@@ -376,15 +388,26 @@ def read_records(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        EventLogError: a line of a newer schema version or an unknown type.
+        EventLogError: ``path`` is a directory, a file with no event record at all (not an
+            event log), or has a line of a newer schema version or an unknown type.
     """
     base = Path(os.fspath(path))
+    if base.is_dir():
+        raise EventLogError(f"{base}: is a directory, not an event log")
     if not base.exists():
         raise FileNotFoundError(f"no event log at {base}")
     files = _rotated_files(base) if include_rotated else [base]
     for file in files:
         data = file.read_bytes()
-        records, _ = _parse_lines(data, file, 0, final=True)
+        torn: list[int] = []
+        records, _ = _parse_lines(data, file, 0, final=True, torn=torn)
+        if torn and not records:
+            raise EventLogError(
+                f"{file}: not an omnitrace event log (no line is an event record; "
+                f"line {torn[0]} is not JSON)"
+            )
+        for line_no in torn:
+            logger.warning("%s:%d: skipping a torn line", file, line_no)
         yield from records
 
 

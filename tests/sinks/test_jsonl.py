@@ -106,6 +106,40 @@ def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
     assert list(read_events(path)) == EVENTS[:3]
 
 
+def test_a_directory_is_refused_naming_it(tmp_path: Path) -> None:
+    """Reading a directory raises EventLogError naming the path, not IsADirectoryError."""
+    with pytest.raises(EventLogError, match=rf"^{tmp_path}: is a directory, not an event log$"):
+        list(read_records(tmp_path))
+
+
+def test_a_file_without_any_event_record_is_not_an_event_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain text file is an error naming its first bad line, not zero events, nor N warnings."""
+    path = tmp_path / "notes.txt"
+    path.write_text("first\nsecond\nthird")
+    expected = (
+        rf"^{path}: not an omnitrace event log \(no line is an event record; "
+        r"line 1 is not JSON\)$"
+    )
+    with pytest.raises(EventLogError, match=expected):
+        list(read_records(path))
+    assert caplog.records == []
+
+
+def test_torn_line_among_records_is_logged_with_its_line_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torn line between good records is skipped with one warning naming file and line."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[:2])
+    with open(path, "ab") as f:
+        f.write(b'{"v": 1, "type": "Gra\n')
+    _write(path, EVENTS[2:])
+    assert list(read_events(path)) == EVENTS
+    assert [r.getMessage() for r in caplog.records] == [f"{path}:3: skipping a torn line"]
+
+
 def test_writer_after_a_crash_starts_on_a_fresh_line(tmp_path: Path) -> None:
     """A new writer terminates a torn line, so the reader loses only the torn record."""
     path = tmp_path / "events.jsonl"
