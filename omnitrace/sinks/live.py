@@ -12,6 +12,10 @@ Two boards feed the same view: :class:`BusBoard` (in-process, from an EventBus) 
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
+import sys
 import threading
 import time
 from collections import deque
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
@@ -55,6 +59,8 @@ class Notice:
     epoch_ns: int
     failed: bool
     text: str
+    key: str = ""
+    """The graph key quoted in ``text`` (shortened there when the panel is narrow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,9 @@ class EncoderSnapshot:
     min_free_bytes: int | None = None
     backend: str | None = None
     notices: tuple[Notice, ...] = ()
+    rank: int | None = None
+    """The writing worker's rank and pid (from an event log); None in-process."""
+    pid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +90,10 @@ class LiveSnapshot:
     dropped: int | None = None
     """Events the bus's sinks lost; None where unknown (a log read from another process)."""
     footer: tuple[str, ...] = ()
+    progress: tuple[str, ...] = ()
+    """Lines under the title (the demo's requests done of total and elapsed time)."""
+    log: tuple[str, ...] = ()
+    """The last log lines written while the view is up (the view adds them)."""
 
 
 class Board(Protocol):
@@ -113,12 +126,14 @@ def _notice(event: Event) -> Notice | None:
                 False,
                 f"{_clock(event.epoch_ns)} deferred {event.key}: free "
                 f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}",
+                event.key,
             )
         case CaptureFailed():
             return Notice(
                 event.epoch_ns,
                 True,
                 f"{_clock(event.epoch_ns)} FAILED {event.key}: {event.error_type}: {event.message}",
+                event.key,
             )
     return None
 
@@ -140,6 +155,7 @@ class BusBoard:
         bus: the bus the adapters emit on (a notice collector sink is attached to it).
         title: the header line.
         footer: called at each frame for extra lines (e.g. the demo's streaming calls).
+        progress: called at each frame for the lines under the title (e.g. requests done).
     """
 
     def __init__(
@@ -148,10 +164,12 @@ class BusBoard:
         *,
         title: str = "omnitrace",
         footer: Callable[[], Sequence[str]] | None = None,
+        progress: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self._bus = bus
         self._title = title
         self._footer = footer
+        self._progress = progress
         self._lock = threading.Lock()
         self._notices: dict[str, deque[Notice]] = {}
         bus.add_sink(self)
@@ -191,6 +209,7 @@ class BusBoard:
             emitted=bus_stats.emitted,
             dropped=bus_stats.dropped,
             footer=tuple(self._footer()) if self._footer is not None else (),
+            progress=tuple(self._progress()) if self._progress is not None else (),
         )
 
 
@@ -205,6 +224,7 @@ class RecordBoard:
         self._notices: dict[tuple[tuple[int, int], str], deque[Notice]] = {}
         self._count = 0
         self.footer: tuple[str, ...] = ()
+        self.progress: tuple[str, ...] = ()
 
     def add(self, records: Iterable[EventRecord]) -> None:
         """Fold ``records`` (thread-safe against ``snapshot``)."""
@@ -247,6 +267,8 @@ class RecordBoard:
                             min_free_bytes=_int_or_none(info, "min_free_bytes"),
                             backend=_backend(info),
                             notices=tuple(self._notices.get((source, name), ())),
+                            rank=source[0],
+                            pid=source[1],
                         )
                     )
             return LiveSnapshot(
@@ -256,70 +278,173 @@ class RecordBoard:
                 emitted=self._count,
                 dropped=None,
                 footer=self.footer,
+                progress=self.progress,
             )
 
 
-def _misses(stats: AdapterStats) -> Text:
+#: Panel interior width under which rows switch to their compact wording.
+_COMPACT_BELOW = 56
+#: (notices, captured keys, log lines) per encoder, tried in order until a frame fits.
+_BUDGETS: tuple[tuple[int, int | None, int], ...] = (
+    (_RECENT, None, 3),
+    (2, None, 3),
+    (1, None, 2),
+    (0, None, 2),
+    (0, None, 1),
+    (0, 3, 1),
+    (0, 2, 1),
+    (0, 1, 1),
+    (0, 0, 0),
+)
+_DTYPES = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "int64": "i64",
+    "int32": "i32",
+}
+
+
+def _line(text: str | Text, style: str = "") -> Text:
+    """Return one row that never wraps: past the width it ends in an ellipsis."""
+    line = Text(text, style=style) if isinstance(text, str) else text
+    line.no_wrap = True
+    line.overflow = "ellipsis"
+    return line
+
+
+def _elide(text: str, width: int) -> str:
+    """Shorten ``text`` to ``width`` columns by cutting its middle (shapes end in news)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = (width - 1) // 2 + (width - 1) % 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """Split a graph key into its inputs and its ``@device s=stream`` placement."""
+    inputs, sep, where = key.partition(" @")
+    return inputs, (f"@{where}" if sep else "")
+
+
+def _short_inputs(inputs: str) -> str:
+    """Abbreviate dtypes and drop absent inputs: ``f32[1,256,64]`` for the key's inputs."""
+    parts = [part for part in inputs.split(", ") if part != "None"]
+    short = []
+    for part in parts:
+        dtype, bracket, rest = part.partition("[")
+        short.append(_DTYPES.get(dtype, dtype) + bracket + rest)
+    return ", ".join(short) or inputs
+
+
+def _misses(stats: AdapterStats, compact: bool) -> list[Text]:
     parts = [
         ("warmup", stats.warmup_misses),
         ("capacity", stats.capacity_misses),
         ("memory", stats.memory_misses),
         ("ineligible", stats.ineligible_misses),
     ]
-    text = Text()
-    for index, (label, count) in enumerate(parts):
-        if index:
-            text.append(" · ")
-        text.append(f"{label} {count}", style="yellow" if count and label != "warmup" else "")
-    return text
+    rows = [parts[:2], parts[2:]] if compact else [parts]
+    out = []
+    for row in rows:
+        text = Text()
+        for index, (label, count) in enumerate(row):
+            if index:
+                text.append(" · ")
+            style = "yellow" if count and label != "warmup" else ""
+            text.append(f"{label} {count}", style=style)
+        out.append(_line(text))
+    return out
 
 
-def _encoder_panel(encoder: EncoderSnapshot) -> Panel:
+def _keys_table(
+    encoder: EncoderSnapshot, width: int, compact: bool, limit: int | None
+) -> RenderableType:
+    graphs = encoder.stats.graphs
+    shown = graphs if limit is None else graphs[:limit]
+    places = {_split_key(graph.key)[1] for graph in graphs}
+    # One placement for every graph (the usual case) goes in the header, once.
+    common = places.pop() if len(places) == 1 else None
+    keys = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
+    key_header = "captured key" if not common else f"captured key {common}"
+    keys.add_column(key_header, no_wrap=True, overflow="ellipsis")
+    if not compact:
+        keys.add_column("at", no_wrap=True)
+    keys.add_column("capture", justify="right", no_wrap=True, min_width=8)
+    # What is left beside the capture time (and the clock): the key is elided to fit it.
+    key_width = width - (11 if compact else 22)
+    for graph in shown:
+        inputs, place = _split_key(graph.key)
+        label = _short_inputs(inputs) if compact else inputs
+        if common is None and place:
+            label = f"{label} {place}"
+        cells = [_elide(label, max(8, key_width))]
+        if not compact:
+            cells.append(_clock(graph.epoch_ns))
+        cells.append(f"{graph.duration_s * 1e3:.1f} ms")
+        keys.add_row(*cells)
+    if len(shown) < len(graphs):
+        keys.add_row(Text(f"… {len(graphs) - len(shown)} more", style="dim"))
+    return keys
+
+
+def _encoder_panel(
+    encoder: EncoderSnapshot, width: int, notices: int, key_limit: int | None
+) -> Panel:
+    """Return one encoder's panel for an interior of ``width`` columns."""
     stats = encoder.stats
+    compact = width < _COMPACT_BELOW
     grid = Table.grid(padding=(0, 1))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    labels = 8 if not compact or stats.failure is not None else 6  # "hit rate", "TERMINAL"
+    grid.add_column(style="bold", no_wrap=True, min_width=labels)
+    grid.add_column(no_wrap=True, overflow="ellipsis")
     rate_style = (
         "green" if stats.hit_rate >= 0.8 else ("yellow" if stats.hit_rate >= 0.5 else "red")
     )
     rate = Text(f"{stats.hit_rate * 100:5.1f} %", style=rate_style)
-    rate.append(f"   hits {stats.graph_hits} / calls {stats.calls}", style="")
-    grid.add_row("hit rate", rate)
-    grid.add_row("misses", _misses(stats))
+    if compact:
+        rate.append(f"  {stats.graph_hits} of {stats.calls} calls", style="")
+    else:
+        rate.append(f"   hits {stats.graph_hits} / calls {stats.calls}", style="")
+    grid.add_row("hits" if compact else "hit rate", _line(rate))
+    for index, row in enumerate(_misses(stats, compact)):
+        grid.add_row("misses" if index == 0 else "", row)
     cap = "?" if encoder.max_graphs is None else str(encoder.max_graphs)
     held = Text(f"{stats.num_graphs} / {cap}")
     if encoder.max_graphs is not None and stats.num_graphs >= encoder.max_graphs:
         held.append(" full", style="yellow")
     if encoder.backend:
-        held.append(f"  backend {encoder.backend}", style="dim")
-    grid.add_row("graphs", held)
+        held.append(f"  {'' if compact else 'backend '}{encoder.backend}", style="dim")
+    grid.add_row("graphs", _line(held))
     floor = encoder.min_free_bytes if encoder.min_free_bytes is not None else stats.floor_bytes
     # Free memory is only measured when admission checks it, i.e. at a deferral.
-    memory = Text(f"floor {format_bytes(floor)} · last free {format_bytes(stats.last_free_bytes)}")
-    memory.append(
-        f" · deferrals {stats.memory_deferrals}",
-        style="yellow" if stats.memory_deferrals else "",
-    )
-    grid.add_row("memory", memory)
+    deferred = stats.memory_deferrals
+    deferral_style = "yellow" if deferred else ""
+    if compact:
+        memory = Text(f"floor {format_bytes(floor)} · ")
+        memory.append(f"deferred {deferred}", style=deferral_style)
+        grid.add_row("memory", _line(memory))
+        grid.add_row("", _line(f"last free {format_bytes(stats.last_free_bytes)}"))
+    else:
+        memory = Text(
+            f"floor {format_bytes(floor)} · last free {format_bytes(stats.last_free_bytes)} · "
+        )
+        memory.append(f"deferrals {deferred}", style=deferral_style)
+        grid.add_row("memory", _line(memory))
     if stats.failure is not None:
-        grid.add_row("TERMINAL", Text(stats.failure, style="bold red"))
+        grid.add_row("TERMINAL", _line(stats.failure, style="bold red"))
 
     body: list[RenderableType] = [grid]
     if stats.graphs:
-        keys = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-        keys.add_column("captured key", overflow="fold")
-        keys.add_column("at", no_wrap=True)
-        keys.add_column("capture", justify="right", no_wrap=True)
-        for graph in stats.graphs:
-            keys.add_row(graph.key, _clock(graph.epoch_ns), f"{graph.duration_s * 1e3:.1f} ms")
-        body.append(keys)
-    if encoder.notices:
-        recent = Text()
-        for index, notice in enumerate(encoder.notices):
-            if index:
-                recent.append("\n")
-            recent.append(notice.text, style="bold red" if notice.failed else "yellow")
-        body.append(recent)
+        body.append(_keys_table(encoder, width, compact, key_limit))
+    for notice in encoder.notices[len(encoder.notices) - notices :] if notices else ():
+        text = notice.text
+        if compact and notice.key:
+            text = text.replace(notice.key, _short_inputs(_split_key(notice.key)[0]), 1)
+        body.append(_line(text, style="bold red" if notice.failed else "yellow"))
     title = stats.adapter if not encoder.source else f"{stats.adapter} · {encoder.source}"
     return Panel(
         Group(*body),
@@ -330,27 +455,64 @@ def _encoder_panel(encoder: EncoderSnapshot) -> Panel:
     )
 
 
-def _layout(encoders: Sequence[EncoderSnapshot]) -> Table:
-    """Lay panels side by side: one column per worker, or per encoder for a single worker."""
+def _columns(encoders: Sequence[EncoderSnapshot]) -> list[list[EncoderSnapshot]]:
+    """Group panels into columns: one per worker, or per encoder for a single worker."""
     columns: dict[str, list[EncoderSnapshot]] = {}
     for encoder in encoders:
         columns.setdefault(encoder.source, []).append(encoder)
     if len(columns) == 1:
-        columns = {e.stats.adapter: [e] for e in encoders}
+        return [[e] for e in encoders]
+    return list(columns.values())
+
+
+def _layout(
+    encoders: Sequence[EncoderSnapshot], width: int, notices: int, key_limit: int | None
+) -> Table:
+    """Lay panels side by side in columns of equal width."""
+    columns = _columns(encoders)
     grid = Table.grid(expand=True, padding=(0, 1))
     for _ in columns:
         grid.add_column(ratio=1)
-    grid.add_row(*(Group(*(_encoder_panel(e) for e in group)) for group in columns.values()))
+    # Each column loses one separating space, then two borders and two padding columns.
+    inner = (width - (len(columns) - 1)) // len(columns) - 4
+    grid.add_row(
+        *(
+            Group(*(_encoder_panel(e, inner, notices, key_limit) for e in group))
+            for group in columns
+        )
+    )
     return grid
 
 
-def render(snapshot: LiveSnapshot) -> RenderableType:
-    """Return the renderable of one frame (a pure function of ``snapshot``)."""
+def _log_line(raw: str) -> Text:
+    """Return a log line as one short row: level, event and encoder of a JSON line."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return _line(raw, style="dim")
+    level = str(record.get("level", ""))
+    text = Text(f"{level:<7} ", style=_LEVEL_STYLES.get(level, "dim"))
+    text.append(str(record.get("event", "")))
+    for key in ("encoder", "key", "error_type", "message"):
+        if key in record:
+            text.append(f" {record[key]}", style="dim")
+    return _line(text)
+
+
+_LEVEL_STYLES = {"error": "bold red", "critical": "bold red", "warning": "yellow"}
+
+
+def _frame(
+    snapshot: LiveSnapshot, width: int, notices: int, key_limit: int | None, logs: int
+) -> Group:
     header = Text(f"{snapshot.title}", style="bold")
     header.append(f"   {_clock(snapshot.taken_epoch_ns)}", style="dim")
-    parts: list[RenderableType] = [header]
+    parts: list[RenderableType] = [_line(header)]
+    parts.extend(_line(line) for line in snapshot.progress)
     if snapshot.encoders:
-        parts.append(_layout(snapshot.encoders))
+        parts.append(_layout(snapshot.encoders, width, notices, key_limit))
     else:
         parts.append(Text("no encoder events yet", style="dim"))
     bus = Text("bus  ")
@@ -360,16 +522,99 @@ def render(snapshot: LiveSnapshot) -> RenderableType:
         bus.append("— (not in the event log)", style="dim")
     else:
         bus.append(str(snapshot.dropped), style="bold red" if snapshot.dropped else "green")
-    parts.append(bus)
-    parts.extend(Text(line) for line in snapshot.footer)
+    parts.append(_line(bus))
+    parts.extend(_line(line) for line in snapshot.footer)
+    if logs and snapshot.log:
+        parts.extend(_log_line(line) for line in snapshot.log[-logs:])
     return Group(*parts)
+
+
+class _Frame:
+    """A frame that fits its console: fewer notices, keys and log lines when space is short."""
+
+    def __init__(self, snapshot: LiveSnapshot, height: int | None) -> None:
+        self.snapshot = snapshot
+        self.height = height
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        if self.height is None:
+            yield _frame(self.snapshot, width, *_BUDGETS[0])
+            return
+        measure = options.update(height=None)
+        for budget in _BUDGETS:
+            frame = _frame(self.snapshot, width, *budget)
+            if len(console.render_lines(frame, measure, pad=False)) <= self.height:
+                break
+        yield frame
+
+
+def render(snapshot: LiveSnapshot, *, height: int | None = None) -> RenderableType:
+    """Return the renderable of one frame (a pure function of ``snapshot``).
+
+    Args:
+        snapshot: what to show.
+        height: rows available (the live view passes the terminal's); when the full frame
+            is taller, older notices, then captured keys and log lines are left out, so
+            the frame is never cut. None: show everything.
+    """
+    return _Frame(snapshot, height)
+
+
+class LogTail(io.TextIOBase):
+    """A text stream that keeps what is written to it while the live view is up.
+
+    The view shows its last lines in place, and :meth:`lines` hands everything back
+    afterwards, so log lines never print across the view and none is lost (beyond
+    ``keep`` lines, the oldest are dropped and counted in :attr:`dropped`).
+    """
+
+    def __init__(self, keep: int = 10_000) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._lines: deque[str] = deque(maxlen=keep)
+        self._partial = ""
+        self.dropped = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            pieces = (self._partial + text).split("\n")
+            self._partial = pieces.pop()
+            for piece in pieces:
+                if len(self._lines) == self._lines.maxlen:
+                    self.dropped += 1
+                self._lines.append(piece)
+        return len(text)
+
+    def recent(self, count: int) -> tuple[str, ...]:
+        """Return the last ``count`` complete lines."""
+        with self._lock:
+            return tuple(self._lines)[-count:] if count else ()
+
+    def lines(self) -> list[str]:
+        """Return every line kept, the unfinished last one included."""
+        with self._lock:
+            return [*self._lines, *([self._partial] if self._partial else [])]
 
 
 class LiveView:
     """Show ``render(board.snapshot())`` in the terminal, refreshed at a fixed rate.
 
     Use as a context manager around the work; leaving the block draws a final frame and
-    restores the terminal (also on Ctrl-C).
+    restores the terminal (also on Ctrl-C). While the view is up, whatever is written to
+    ``sys.stderr`` (log lines, warnings) goes into a :class:`LogTail`: the frame shows its
+    last lines. When the view closes, they are written to stderr if it is redirected (a file,
+    a pipe); on the view's own terminal one line says how many there were instead, so the
+    final frame is not scrolled away.
+
+    Args:
+        board: what to show.
+        console: where to draw (a terminal).
+        refresh_per_second: frames per second, whatever the event rate.
+        log_hint: appended to that line (e.g. which option keeps the lines in a file).
     """
 
     def __init__(
@@ -378,24 +623,62 @@ class LiveView:
         *,
         console: Console | None = None,
         refresh_per_second: float = REFRESH_PER_SECOND,
+        log_hint: str = "",
     ) -> None:
         self._board = board
+        self._log_hint = log_hint
+        self._console = console if console is not None else Console()
+        self.log = LogTail()
+        self._stderr: Any = None
         self._live = Live(
-            console=console,
+            console=self._console,
             refresh_per_second=refresh_per_second,
             get_renderable=self._frame,
-            # Logs written to stderr while the view is up print above it, not through it.
-            redirect_stderr=True,
+            # Stray prints to stdout go above the view; stderr is taken over in __enter__.
+            redirect_stderr=False,
             redirect_stdout=True,
         )
 
     def _frame(self) -> RenderableType:
-        return render(self._board.snapshot())
+        snapshot = dataclasses.replace(self._board.snapshot(), log=self.log.recent(3))
+        return render(snapshot, height=self._console.height)
 
     def __enter__(self) -> LiveView:
-        self._live.start(refresh=True)
+        self._stderr = sys.stderr
+        sys.stderr = self.log
+        try:
+            self._live.start(refresh=True)
+        except BaseException:
+            sys.stderr = self._stderr
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._live.refresh()
-        self._live.stop()
+        try:
+            self._live.refresh()
+            self._live.stop()
+        finally:
+            sys.stderr = self._stderr
+            self._hand_back_logs()
+
+    def _hand_back_logs(self) -> None:
+        lines = self.log.lines()
+        if not lines:
+            return
+        stream = self._stderr
+        if _isatty(stream):
+            count = len(lines) + self.log.dropped
+            hint = self._log_hint
+            stream.write(f"omnitrace: {count} log lines were shown in the live view{hint}\n")
+        else:
+            if self.log.dropped:
+                lines.insert(0, f"({self.log.dropped} earlier log lines were dropped)")
+            stream.write("\n".join(lines) + "\n")
+        stream.flush()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import time
 from pathlib import Path
 
@@ -96,8 +97,8 @@ def test_render_shows_rates_misses_caps_keys_memory_and_bus() -> None:
     assert "│ misses   warmup 4 · capacity 3 · memory 2 · ineligible 1" in body
     assert "│ graphs   2 / 2 full  backend simulated" in body
     assert "│ memory   floor 1.0 GiB · last free 900.0 MiB · deferrals 2" in body
-    assert "float32[1,1024,64]  22:13:20Z  12.3 ms" in body
-    assert "float32[1,256,64]   22:13:25Z   4.0 ms" in body
+    assert "float32[1,1024,64]  22:13:20Z   12.3 ms" in body
+    assert "float32[1,256,64]   22:13:25Z    4.0 ms" in body
     assert "│ graphs   0 / 4 " in body
     assert "│ TERMINAL RuntimeError: boom" in body
     assert lines[-2:] == [
@@ -288,3 +289,138 @@ def test_live_view_refreshes_at_a_fixed_rate_not_per_event() -> None:
     assert calls > 200
     assert 2 <= board.calls <= 8
     assert "hit rate" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+# -- an 80x24 terminal ---------------------------------------------------------------------
+
+KEYS = (
+    "float32[1,256,64], None @cpu s=0",
+    "float32[1,1008,64], None @cpu s=0",
+    "float32[1,1024,64], None @cpu s=0",
+    "float32[2,1024,64], bool[2,1,1024,1024] @cpu s=0",
+)
+
+
+def _busy_snapshot() -> LiveSnapshot:
+    """A demo-like frame with every row filled: four keys, five notices, log lines."""
+    graphs = tuple(CapturedGraphInfo(k, T0, 0.1102, 1, "cpu", 0, 64 * MiB, 1024) for k in KEYS)
+    vision = AdapterStats(
+        "vision",
+        graph_hits=173,
+        warmup_misses=6,
+        capacity_misses=51,
+        graphs=graphs,
+        memory_deferrals=5,
+        last_free_bytes=952 * MiB,
+        floor_bytes=1 << 30,
+    )
+    audio = AdapterStats(
+        "audio", graph_hits=3, capture_failures=1, failure="RuntimeError: boom", graphs=graphs[:2]
+    )
+    deferral = f"22:13:20Z deferred {KEYS[3]}: free 952.0 MiB < floor 1.0 GiB"
+    log_line = '{"event": "graph_captured", "level": "info", "encoder": "vision", "key": "k"}'
+    return LiveSnapshot(
+        title="omnitrace demo · simulated backend on cpu",
+        taken_epoch_ns=T0,
+        encoders=(
+            EncoderSnapshot(
+                vision,
+                max_graphs=4,
+                min_free_bytes=1 << 30,
+                backend="simulated",
+                notices=tuple(Notice(T0, False, deferral, KEYS[3]) for _ in range(5)),
+            ),
+            EncoderSnapshot(
+                audio,
+                max_graphs=4,
+                backend="simulated",
+                notices=(Notice(T0, True, "22:13:20Z FAILED k: RuntimeError: boom", "k"),),
+            ),
+        ),
+        emitted=300,
+        dropped=0,
+        footer=("streaming audio  11 eager calls (stateful, never graphed)",),
+        progress=("requests 362 / 400 · elapsed 7.7 s",),
+        log=(log_line,) * 3,
+    )
+
+
+def test_frame_fits_an_80x24_terminal_without_wrapping() -> None:
+    """At 80x24 the frame has at most 24 rows of at most 80 columns and panels stay aligned."""
+    console = Console(record=True, width=80, height=24, file=io.StringIO())
+    console.print(render(_busy_snapshot(), height=24))
+    lines = _lines(console.export_text())
+    assert len(lines) <= 24
+    assert max(len(line) for line in lines) <= 80
+    assert lines[:2] == [
+        "omnitrace demo · simulated backend on cpu   22:13:20Z",
+        "requests 362 / 400 · elapsed 7.7 s",
+    ]
+    # Both panels open on one row and their right borders line up on every shared row.
+    assert lines[2].startswith("╭─ vision ")
+    assert "╭─ audio " in lines[2]
+    panel_rows = [line for line in lines if line.startswith("│")]
+    assert {line.index("│", 1) for line in panel_rows} == {38}
+    body = "\n".join(lines)
+    # Keys are shortened (dtype, placement in the header) and elided in the middle, whole rows.
+    assert "captured key @cpu s=0" in body
+    assert "│  f32[1,1008,64]            110.2 ms │" in body
+    assert "f32[2,1024,6…,1024,1024]  110.2 ms" in body
+    assert "│ 22:13:20Z deferred f32[2,1024,64],… │" in body
+    assert "│ TERMINAL RuntimeError: boom" in body
+    assert lines[-1] == "info    graph_captured vision k"
+
+
+def test_frame_leaves_out_old_notices_before_it_would_be_cut() -> None:
+    """Short of rows, the frame drops older notices, then keys, never its bottom lines."""
+    full = _lines(_text(render(_busy_snapshot()), width=80))
+    assert sum("deferred f32[" in line for line in full) == 5
+    for height in (24, 20, 16):
+        console = Console(record=True, width=80, height=height, file=io.StringIO())
+        console.print(render(_busy_snapshot(), height=height))
+        lines = _lines(console.export_text())
+        assert len(lines) <= height, height
+        assert "bus  events 300 · dropped 0" in lines, height
+    assert sum("deferred f32[" in line for line in lines) == 0
+    assert "… 2 more" in "\n".join(lines)
+
+
+def test_bus_board_shows_progress_lines_under_the_title(bus: EventBus) -> None:
+    """BusBoard(progress=...) puts the demo's requests done and elapsed time in the frame."""
+    board = BusBoard(bus, title="demo", progress=lambda: ["requests 3 / 10 · elapsed 0.5 s"])
+    lines = _lines(_text(render(board.snapshot())))
+    assert lines[1] == "requests 3 / 10 · elapsed 0.5 s"
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_stderr_lines_go_into_the_view_never_across_it(
+    monkeypatch: pytest.MonkeyPatch, bus: EventBus, tty: bool
+) -> None:
+    """While the view runs, stderr lines land in its log rows; after, a redirected stderr
+    gets them all and a terminal gets one line saying how many there were."""
+    real = _Stream(tty)
+    monkeypatch.setattr("sys.stderr", real)
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, height=24)
+    with LiveView(BusBoard(bus), console=console, log_hint="; --log-file keeps them") as view:
+        for index in range(5):
+            print(f"line {index}", file=sys.stderr)
+        assert sys.stderr is view.log
+        assert view.log.recent(3) == ("line 2", "line 3", "line 4")
+        time.sleep(0.6)  # a few frames
+    assert sys.stderr is real
+    assert "line 4" in console.file.getvalue()  # type: ignore[attr-defined]
+    if tty:
+        assert real.getvalue() == (
+            "omnitrace: 5 log lines were shown in the live view; --log-file keeps them\n"
+        )
+    else:
+        assert real.getvalue() == "".join(f"line {i}\n" for i in range(5))
