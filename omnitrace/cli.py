@@ -10,22 +10,47 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import heapq
 import json
+import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
-from rich.console import Console
-from rich.table import Table
-
+from omnitrace._version import __version__
 from omnitrace.config import ConfigError, EncoderGraphConfig, OmnitraceError
+
+# Only what --help, --version and argument errors need is imported up front: rich, the
+# sinks and torch load inside the commands that use them, so the CLI answers at once.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from omnitrace.sinks.jsonl import EventRecord
 
 __all__ = ["main", "stats_table"]
 
 PROG = "omnitrace"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Append each option's default to its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "(default" in text
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class _UsageError(Exception):
@@ -55,13 +80,16 @@ def _bounded(
 _positive_int = _bounded(int, "a positive integer", lambda v: v >= 1)
 _nonnegative_int = _bounded(int, "a nonnegative integer", lambda v: v >= 0)
 _positive_float = _bounded(float, "a positive number", lambda v: v > 0)
+_nonnegative_float = _bounded(float, "a nonnegative number", lambda v: v >= 0)
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Observable exact-shape CUDA graphs for multimodal encoders.",
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
@@ -72,13 +100,14 @@ def _build_parser() -> argparse.ArgumentParser:
             "a seeded MiniCPM-o-like traffic mix, with the live view, the JSONL event log, "
             "JSON logs and (when OTEL_EXPORTER_OTLP_ENDPOINT is set) OTLP export."
         ),
+        formatter_class=_HelpFormatter,
     )
     traffic = demo.add_argument_group("traffic")
     traffic.add_argument(
         "--requests",
         type=_nonnegative_int,
         default=400,
-        help="encoder requests to send (0: no limit, stop with --duration); default 400",
+        help="encoder requests to send (0: no limit, stop with --duration)",
     )
     traffic.add_argument(
         "--duration",
@@ -109,10 +138,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="disable encoder graphs (as vLLM's flag)"
     )
     sizes = demo.add_argument_group("model sizes (defaults are tiny, for a CPU)")
-    sizes.add_argument("--hidden", type=_positive_int, default=64, help="hidden size (64)")
-    sizes.add_argument("--heads", type=_positive_int, default=4, help="attention heads (4)")
-    sizes.add_argument("--vision-layers", type=_positive_int, default=2, help="vision layers (2)")
-    sizes.add_argument("--audio-layers", type=_positive_int, default=2, help="audio layers (2)")
+    sizes.add_argument("--hidden", type=_positive_int, default=64, help="hidden size")
+    sizes.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
+    sizes.add_argument("--vision-layers", type=_positive_int, default=2, help="vision layers")
+    sizes.add_argument("--audio-layers", type=_positive_int, default=2, help="audio layers")
     sizes.add_argument(
         "--cpu", action="store_true", help="run on the CPU (simulated graphs) even with CUDA"
     )
@@ -121,19 +150,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "--sim-free-mib",
         type=_nonnegative_int,
         default=1624,
-        help="simulated free device memory at start, MiB (1624: the floor bites late)",
+        help="simulated free device memory at start, MiB (so the 1 GiB floor bites late)",
     )
     sim.add_argument(
         "--sim-graph-mib",
         type=_nonnegative_int,
         default=96,
-        help="simulated memory each capture takes, MiB (96)",
+        help="simulated memory each capture takes, MiB",
     )
     sim.add_argument(
         "--fail-capture",
         choices=("vision", "audio"),
         default=None,
-        help="make this encoder's first capture fail, to see the failure path",
+        help="make this encoder's first capture fail, to see the failure path (exit status 1)",
     )
     out = demo.add_argument_group("outputs")
     out.add_argument("--no-tui", action="store_true", help="no live view (also off without a TTY)")
@@ -142,14 +171,17 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("omnitrace-events.jsonl"),
         metavar="PATH",
-        help="JSONL event log to write (default: ./omnitrace-events.jsonl)",
+        help="JSONL event log to write, replaced at each run",
     )
     out.add_argument(
         "--log-file",
         type=Path,
         default=None,
         metavar="PATH",
-        help="write the JSON log lines here instead of stderr",
+        help=(
+            "append the JSON log lines here (default: stderr; with the live view, its last "
+            "lines show in the view and all of them go to stderr when it closes)"
+        ),
     )
     out.add_argument(
         "--log-level",
@@ -174,11 +206,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     top = commands.add_parser(
         "top",
-        help="show the stats of an event log, or follow one a serving process writes",
+        help="show the stats of event logs, or follow logs a serving process writes",
         description=(
             "Show per-encoder graph stats from JSONL event logs (several worker processes "
-            "side by side). With --follow, keep reading as the writers append."
+            "side by side). With --follow, keep reading as the writers append; q or Ctrl-C "
+            "quits."
         ),
+        formatter_class=_HelpFormatter,
     )
     top.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
     top.add_argument("--follow", "-f", action="store_true", help="follow the logs as they grow")
@@ -187,27 +221,41 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         metavar="SECONDS",
-        help="with --follow: stop after this many seconds (default: until Ctrl-C)",
+        help="with --follow: stop after this many seconds (default: until q or Ctrl-C)",
     )
     top.add_argument("--no-tui", action="store_true", help="print one final frame only")
+    top.add_argument(
+        "--json", action="store_true", help="print the stats as JSON instead (not with --follow)"
+    )
 
     replay = commands.add_parser(
         "replay",
-        help="replay a recorded event log into the live view or into OTLP",
+        help="replay recorded event logs into the live view or into OTLP",
         description=(
-            "Feed the events of a recorded JSONL log through a fresh bus, into the live view "
-            "(--tui) and/or OTLP (--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT)."
+            "Feed the events of recorded JSONL logs (several workers' logs are merged in "
+            "time order) through a fresh bus, into the live view (--tui) and/or OTLP "
+            "(--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT). When exporting, a failed "
+            "export makes the exit status 1."
         ),
+        formatter_class=_HelpFormatter,
     )
-    replay.add_argument("path", type=Path, metavar="EVENTS.jsonl")
-    replay.add_argument("--otlp-endpoint", default=None, metavar="URL", help="OTLP base endpoint")
+    replay.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
+    replay.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP base endpoint (default: OTEL_EXPORTER_OTLP_ENDPOINT; unset: no export)",
+    )
     replay.add_argument("--tui", action="store_true", help="show the live view while replaying")
     replay.add_argument(
         "--speed",
-        type=float,
+        type=_nonnegative_float,
         default=None,
         metavar="X",
-        help="replay at X times the recorded pace (0: at once; default 1 with --tui, else 0)",
+        help="replay at X times the recorded pace (0: at once; default: 1 with --tui, else 0)",
+    )
+    replay.add_argument(
+        "--json", action="store_true", help="print the replayed stats as JSON instead of a table"
     )
     return parser
 
@@ -215,19 +263,48 @@ def _build_parser() -> argparse.ArgumentParser:
 # -- output helpers -------------------------------------------------------------------------
 
 
+_COLUMNS = (
+    ("encoder", "encoder"),
+    ("calls", "calls"),
+    ("hits", "hits"),
+    ("hit rate", "rate"),
+    ("warmup", "warm"),
+    ("capacity", "cap"),
+    ("memory", "mem"),
+    ("ineligible", "inel"),
+    ("graphs", "graphs"),
+    ("capture failures", "fail"),
+    ("state", "state"),
+)
+
+
 def stats_table(
     encoders: Mapping[str, Mapping[str, int | float]],
     *,
     max_graphs: Mapping[str, int] | None = None,
     title: str = "encoder graph stats",
+    compact: bool = False,
 ) -> Table:
-    """Return the final stats table: one row per encoder (calls, hits, misses by reason...)."""
-    table = Table(title=title, title_justify="left")
-    for column in ("encoder", "calls", "hits", "hit rate", "warmup", "capacity", "memory"):
-        table.add_column(column, justify="left" if column == "encoder" else "right")
-    table.add_column("ineligible", justify="right")
-    table.add_column("graphs", justify="right")
-    table.add_column("capture failures", justify="right")
+    """Return the final stats table: one row per encoder (calls, hits, misses by reason...).
+
+    ``compact`` uses short headers and no vertical rules, to fit an 80-column terminal.
+    """
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD,
+        show_edge=not compact,
+        pad_edge=not compact,
+        # Compact: one space of padding plus the rule's blank column between cells.
+        padding=(0, 1, 0, 0) if compact else (0, 1),
+    )
+    for index, (wide, short) in enumerate(_COLUMNS):
+        table.add_column(
+            short if compact else wide, justify="left" if index in (0, 10) else "right"
+        )
     for name, stats in encoders.items():
         calls = int(stats["graph_hits"] + stats["graph_misses"])
         cap = (max_graphs or {}).get(name)
@@ -243,11 +320,15 @@ def stats_table(
             str(stats["ineligible_misses"]),
             f"{stats['num_graphs']}/{cap}" if cap is not None else str(stats["num_graphs"]),
             f"[bold red]{failures}[/]" if failures else "0",
+            # A capture failure is fatal for the adapter: it never captures again.
+            "[bold red]terminal[/]" if failures else "ok",
         )
     return table
 
 
 def _stdout_console() -> Console:
+    from rich.console import Console
+
     console = Console(file=sys.stdout, highlight=False)
     if not console.is_terminal:
         # Piped or captured output has no width; 80 columns would squash the stats table.
@@ -260,9 +341,13 @@ def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def _error(command: str, message: str) -> int:
+def _error(command: str, message: str, status: int = 2) -> int:
     print(f"{PROG} {command}: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return status
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
 
 
 @contextlib.contextmanager
@@ -286,6 +371,53 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
             stream.close()
 
 
+@contextlib.contextmanager
+def _export_reported_by_the_cli() -> Iterator[None]:
+    """Keep the OTel sink's own outage warning quiet: the command reports the export itself."""
+    otel_logger = logging.getLogger("omnitrace.otel")
+    saved = otel_logger.propagate
+    quiet = logging.NullHandler()
+    otel_logger.addHandler(quiet)
+    otel_logger.propagate = False
+    try:
+        yield
+    finally:
+        otel_logger.removeHandler(quiet)
+        otel_logger.propagate = saved
+
+
+def _read_logs(command: str, paths: Sequence[Path]) -> list[list[EventRecord]] | int:
+    """Read each log whole; on a bad path return the exit status after a one-line error."""
+    from omnitrace.sinks.jsonl import EventLogError, read_records
+
+    logs: list[list[EventRecord]] = []
+    for path in paths:
+        try:
+            logs.append(list(read_records(path)))
+        except (FileNotFoundError, EventLogError) as exc:
+            return _error(command, str(exc))
+        except OSError as exc:
+            return _error(command, f"{path}: {exc.strerror or exc}")
+    if not any(logs):
+        names = ", ".join(str(p) for p in paths)
+        return _error(command, f"{names}: no events in the event log", status=1)
+    return logs
+
+
+def _merged(logs: Sequence[Sequence[EventRecord]]) -> Iterable[EventRecord]:
+    """Merge several logs in time order (adapter facts first), each log's order kept."""
+    from omnitrace.sinks.jsonl import AdapterInfo
+
+    infos = [r for log in logs for r in log if isinstance(r.item, AdapterInfo)]
+    events = [[r for r in log if not isinstance(r.item, AdapterInfo)] for log in logs]
+    return [*infos, *heapq.merge(*events, key=lambda r: r.item.epoch_ns)]  # type: ignore[union-attr]
+
+
+def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str, Any]:
+    calls = int(stats["graph_hits"] + stats["graph_misses"])
+    return {**stats, "calls": calls, "max_graphs": max_graphs}
+
+
 # -- demo -----------------------------------------------------------------------------------
 
 
@@ -300,6 +432,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _error("demo", f"--hf-overrides: {exc}")
     if args.requests == 0 and args.duration is None:
         return _error("demo", "--requests 0 (no limit) needs --duration")
+    if args.hidden % args.heads:
+        return _error(
+            "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
+        )
+    if args.events_log.is_dir():
+        return _error("demo", f"--events-log: {args.events_log}: is a directory")
+    if args.log_file is not None and args.log_file.is_dir():
+        return _error("demo", f"--log-file: {args.log_file}: is a directory")
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
     rate = args.rate if args.rate is not None else (60.0 if tui else None)
@@ -321,66 +461,137 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         fail_capture=args.fail_capture,
         force_cpu=args.cpu,
     )
-    if args.hidden % args.heads:
-        return _error(
-            "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
-        )
-    with _logging(args):
+    with _logging(args), _export_reported_by_the_cli():
         result = run_demo(options, console=console, say=_say)
     if result.interrupted:
         _say(f"interrupted after {result.requests} requests")
-    console.print(stats_table(result.encoders, max_graphs=result.max_graphs))
+    console.print(
+        stats_table(result.encoders, max_graphs=result.max_graphs, compact=console.width < 120)
+    )
     console.print(
         f"requests {result.requests} in {result.elapsed_s:.1f} s · "
         f"streaming audio {result.streaming_eager_calls} eager calls (never graphed) · "
         f"bus events {result.emitted}, dropped {result.dropped}"
     )
-    if result.calls_after_failure:
+    terminal = [name for name, s in result.encoders.items() if s["capture_failures"]]
+    if terminal:
         console.print(
-            f"[bold red]capture failed[/]: {result.calls_after_failure} calls served eagerly "
-            "afterwards (a real worker must restart)"
+            f"[bold red]capture failed[/]: {', '.join(terminal)} is terminal; "
+            f"{result.calls_after_failure} calls were served eagerly afterwards "
+            "(a real worker must restart)"
         )
     _say(f"event log: {Path(result.events_log).resolve()}")
+    if result.otlp_error is not None:
+        # Exporting is a side output of the demo: said in one line, not a failed run.
+        _say(result.otlp_error)
     if args.json_summary is not None:
         args.json_summary.parent.mkdir(parents=True, exist_ok=True)
         args.json_summary.write_text(json.dumps(result.to_json(), indent=2) + "\n")
         _say(f"summary: {args.json_summary.resolve()}")
-    return 130 if result.interrupted else 0
+    if result.interrupted:
+        return 130
+    return 1 if terminal else 0
 
 
 # -- top ------------------------------------------------------------------------------------
 
 
+def _keys_off(seconds: float) -> str:
+    time.sleep(seconds)
+    return ""
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[float], str]]:
+    """Yield ``wait(seconds)``, which returns the keys typed meanwhile ("" without a TTY)."""
+    try:
+        import select
+        import termios
+        import tty
+    except ImportError:  # not a POSIX terminal: Ctrl-C only
+        posix = False
+    else:
+        posix = True
+    if not posix or not sys.stdin.isatty():
+        yield _keys_off
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    # Keys arrive one at a time and unechoed; Ctrl-C still raises KeyboardInterrupt.
+    tty.setcbreak(fd)
+
+    def wait(seconds: float) -> str:
+        ready, _, _ = select.select([fd], [], [], seconds)
+        return os.read(fd, 64).decode(errors="replace") if ready else ""
+
+    try:
+        yield wait
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
+    snapshot = board.snapshot()
+    return {
+        "logs": [str(p) for p in paths],
+        "events": snapshot.emitted,
+        "encoders": [
+            {
+                "encoder": e.stats.adapter,
+                "rank": e.rank,
+                "pid": e.pid,
+                **_encoder_json(e.stats.as_dict(), e.max_graphs),
+            }
+            for e in snapshot.encoders
+        ],
+    }
+
+
 def _cmd_top(args: argparse.Namespace) -> int:
-    from omnitrace.sinks.jsonl import EventLogError, EventLogFollower, read_records
+    from omnitrace.sinks.jsonl import EventLogError, EventLogFollower
     from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     names = ", ".join(str(p) for p in args.paths)
-    console = _stdout_console()
     if not args.follow:
+        logs = _read_logs("top", args.paths)
+        if isinstance(logs, int):
+            return logs
         board = RecordBoard(title=f"omnitrace top · {names}")
-        try:
-            for path in args.paths:
-                board.add(read_records(path))
-        except (FileNotFoundError, EventLogError) as exc:
-            return _error("top", str(exc))
-        console.print(render(board.snapshot()))
+        for log in logs:
+            board.add(log)
+        if args.json:
+            _print_json(_top_json(board, args.paths))
+        else:
+            _stdout_console().print(render(board.snapshot()))
         return 0
+    if args.json:
+        return _error("top", "--json prints one snapshot; it cannot be combined with --follow")
+    for path in args.paths:
+        if path.is_dir():
+            return _error("top", f"{path}: is a directory, not an event log")
+        if not path.exists():
+            _say(f"waiting for {path} to appear")
 
+    console = _stdout_console()
+    tui = not args.no_tui and console.is_terminal
     board = RecordBoard(title=f"omnitrace top · following {names}")
+    board.footer = ("q or Ctrl-C quits",) if tui else ()
     followers = [EventLogFollower(path) for path in args.paths]
     deadline = None if args.duration is None else time.monotonic() + args.duration
-    tui = not args.no_tui and console.is_terminal
     try:
-        with LiveView(board, console=console) if tui else contextlib.nullcontext():
+        with (
+            LiveView(board, console=console) if tui else contextlib.nullcontext(),
+            _keys() if tui else contextlib.nullcontext(_keys_off) as wait,
+        ):
             while deadline is None or time.monotonic() < deadline:
                 for follower in followers:
                     board.add(follower.poll())
-                time.sleep(0.1)
+                if "q" in wait(0.1).lower():
+                    break
             for follower in followers:
                 board.add(follower.poll())
     except KeyboardInterrupt:
-        pass  # Ctrl-C is how a follow ends.
+        pass  # Ctrl-C is one way a follow ends.
     except EventLogError as exc:
         return _error("top", str(exc))
     finally:
@@ -395,15 +606,15 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    logs = _read_logs("replay", args.paths)
+    if isinstance(logs, int):
+        return logs
     from omnitrace.bus import EventBus
-    from omnitrace.sinks.jsonl import AdapterInfo, EventLogError, read_records
+    from omnitrace.sinks.jsonl import AdapterInfo
     from omnitrace.sinks.live import BusBoard, LiveView
 
-    try:
-        records = list(read_records(args.path))
-    except (FileNotFoundError, EventLogError) as exc:
-        return _error("replay", str(exc))
-    sources = {record.source for record in records}
+    records = _merged(logs)
+    sources = {record.source for log in logs for record in log}
 
     def adapter_name(adapter: str, source: tuple[int, int]) -> str:
         # Several workers' logs merged: keep their adapters apart in one bus.
@@ -412,58 +623,81 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     console = _stdout_console()
     speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
-    if speed < 0:
-        return _error("replay", f"--speed: expected a nonnegative number, got {speed}")
+    names = ", ".join(str(p) for p in args.paths)
     bus = EventBus()
     setup: Any = None
     replayed = 0
-    try:
-        if endpoint is not None:
-            from omnitrace.sinks.otel import OTelSink, configure_sdk
+    exported = True
+    with _export_reported_by_the_cli():
+        try:
+            if endpoint is not None:
+                from omnitrace.sinks.otel import OTelSink, configure_sdk
 
-            setup = configure_sdk(service_name="omnitrace-replay", endpoint=endpoint)
-            bus.add_sink(
-                OTelSink(
-                    bus,
-                    tracer_provider=setup.tracer_provider,
-                    meter_provider=setup.meter_provider,
-                )
-            )
-            _say(f"replaying into OTLP at {endpoint}")
-        board = BusBoard(bus, title=f"omnitrace replay · {args.path}")
-        view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
-        previous_ns: int | None = None
-        with view:
-            for record in records:
-                item = record.item
-                if isinstance(item, AdapterInfo):
-                    bus.register_adapter(adapter_name(item.adapter, record.source), item.info)
-                    continue
-                if speed and previous_ns is not None:
-                    # Recorded gaps, sped up, and capped so an idle hour does not stall.
-                    time.sleep(min(max(item.epoch_ns - previous_ns, 0) / 1e9 / speed, 2.0))
-                previous_ns = item.epoch_ns
-                if len(sources) > 1:
-                    item = dataclasses.replace(
-                        item, adapter=adapter_name(item.adapter, record.source)
+                setup = configure_sdk(default_service_name="omnitrace-replay", endpoint=endpoint)
+                bus.add_sink(
+                    OTelSink(
+                        bus,
+                        tracer_provider=setup.tracer_provider,
+                        meter_provider=setup.meter_provider,
                     )
-                bus.emit(item)
-                replayed += 1
-            bus.flush()
-        encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
-        caps = {
-            name: info["max_graphs"]
-            for name, info in bus.adapters().items()
-            if isinstance(info.get("max_graphs"), int)
-        }
-    except KeyboardInterrupt:
-        _say("interrupted")
-        return 130
-    finally:
-        bus.close()
-        if setup is not None:
-            setup.shutdown()
-    console.print(stats_table(encoders, max_graphs=caps, title=f"replayed {replayed} events"))
+                )
+                _say(f"replaying into OTLP at {endpoint}")
+            board = BusBoard(bus, title=f"omnitrace replay · {names}")
+            view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
+            previous_ns: int | None = None
+            with view:
+                for record in records:
+                    item = record.item
+                    if isinstance(item, AdapterInfo):
+                        bus.register_adapter(adapter_name(item.adapter, record.source), item.info)
+                        continue
+                    if speed and previous_ns is not None:
+                        # Recorded gaps, sped up, and capped so an idle hour does not stall.
+                        time.sleep(min(max(item.epoch_ns - previous_ns, 0) / 1e9 / speed, 2.0))
+                    previous_ns = item.epoch_ns
+                    if len(sources) > 1:
+                        item = dataclasses.replace(
+                            item, adapter=adapter_name(item.adapter, record.source)
+                        )
+                    bus.emit(item)
+                    replayed += 1
+                bus.flush()
+            encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
+            caps = {
+                name: info["max_graphs"]
+                for name, info in bus.adapters().items()
+                if isinstance(info.get("max_graphs"), int)
+            }
+        except KeyboardInterrupt:
+            _say("interrupted")
+            return 130
+        finally:
+            bus.close()
+            if setup is not None:
+                exported = setup.shutdown()
+    if not exported:
+        # Exporting was what this run was for: a failed export fails the command.
+        return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
+    if args.json:
+        _print_json(
+            {
+                "logs": [str(p) for p in args.paths],
+                "events": replayed,
+                "otlp_endpoint": endpoint,
+                "encoders": {
+                    name: _encoder_json(stats, caps.get(name)) for name, stats in encoders.items()
+                },
+            }
+        )
+    else:
+        console.print(
+            stats_table(
+                encoders,
+                max_graphs=caps,
+                title=f"replayed {replayed} events",
+                compact=console.width < 120,
+            )
+        )
     return 0
 
 
@@ -473,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"demo": _cmd_demo, "top": _cmd_top, "replay": _cmd_replay}
     try:
-        return handlers[args.command](args)
+        return int(handlers[args.command](args))
     except OmnitraceError as exc:
         return _error(args.command, str(exc))
 

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import http.server
 import importlib.util
 import json
+import os
+import pty
+import select
+import socket
+import struct
+import subprocess
+import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -14,11 +23,13 @@ from typing import Any
 import pytest
 import structlog
 
+import omnitrace
 from omnitrace import derive_stats
 from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
 from omnitrace.sinks.jsonl import JsonlSink, read_events
+from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 HAS_OTEL_SINK = importlib.util.find_spec("omnitrace.sinks.otel") is not None
 REQUESTS = 100
@@ -26,7 +37,8 @@ REQUESTS = 100
 
 @pytest.fixture(autouse=True)
 def _clean_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     yield
@@ -143,11 +155,19 @@ def test_enforce_eager_makes_every_call_ineligible(tmp_path: Path) -> None:
         assert stats["ineligible_misses"] == stats["calls"] > 0
 
 
-def test_injected_capture_failure_is_logged_at_error_and_counted(tmp_path: Path) -> None:
-    """--fail-capture makes vision terminal: one capture failure, an error log line."""
+def test_injected_capture_failure_is_logged_counted_and_fails_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fail-capture: exit 1, one capture failure, an error log line, 'terminal' in the table."""
     log_file = tmp_path / "logs" / "omnitrace.log"
     code, summary, log = _demo(tmp_path, "--fail-capture", "vision", "--log-file", str(log_file))
-    assert code == 0
+    out = capsys.readouterr().out
+    assert code == 1
+    vision = next(line for line in out.splitlines() if line.startswith("│ vision "))
+    audio = next(line for line in out.splitlines() if line.startswith("│ audio "))
+    assert [cell.strip() for cell in vision.strip("│").split("│")][-2:] == ["1", "terminal"]
+    assert [cell.strip() for cell in audio.strip("│").split("│")][-2:] == ["0", "ok"]
+    assert "capture failed: vision is terminal;" in out
     assert summary["encoders"]["vision"]["capture_failures"] == 1
     assert summary["calls_after_failure"] > 0
     lines = [json.loads(line) for line in log_file.read_text().splitlines()]
@@ -316,3 +336,294 @@ def test_replay_into_otlp_posts_the_recorded_captures(
     _, log = recorded
     assert main(["replay", str(log), "--otlp-endpoint", collector.endpoint]) == 0
     assert {"/v1/traces", "/v1/metrics"} <= set(collector.paths)
+
+
+# -- first-run conveniences ------------------------------------------------------------------
+
+
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`omnitrace --version` prints the program name and omnitrace.__version__, exit 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"omnitrace {omnitrace.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        ("demo", ["(default: 400)", "(default: omnitrace-events.jsonl)", "(default: info)"]),
+        ("demo", ["(default: 1624)", "(default: 96)", "(default: 64)", "(default: 0)"]),
+        ("top", ["(default: until q or Ctrl-C)"]),
+        ("replay", ["(default: OTEL_EXPORTER_OTLP_ENDPOINT; unset: no export)"]),
+    ],
+)
+def test_help_shows_each_options_default(
+    capsys: pytest.CaptureFixture[str], command: str, expected: list[str]
+) -> None:
+    """Every option with a default says it in --help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in expected:
+        assert default in text
+
+
+def test_top_json_prints_the_stats_of_each_worker(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top --json LOG` prints per-encoder stats equal to derive_stats, with cap and worker."""
+    _, log = recorded
+    assert main(["top", "--json", str(log)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    derived = derive_stats(read_events(log))
+    assert data["events"] == len(list(read_events(log)))
+    assert {e["encoder"] for e in data["encoders"]} == set(derived)
+    for entry in data["encoders"]:
+        stats = {k: entry[k] for k in derived[entry["encoder"]]}
+        assert stats == derived[entry["encoder"]]
+        assert entry["calls"] == stats["graph_hits"] + stats["graph_misses"]
+        assert (entry["max_graphs"], entry["rank"]) == (4, 0)
+
+
+def test_top_json_with_follow_is_a_usage_error(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json prints one snapshot, so it is refused with --follow in one line, exit 2."""
+    _, log = recorded
+    assert main(["top", "--follow", "--json", str(log)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "omnitrace top: error: --json prints one snapshot; it cannot be combined with --follow"
+    )
+
+
+def test_replay_json_prints_the_replayed_stats(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay --json LOG` prints the event count and each encoder's stats as JSON."""
+    summary, log = recorded
+    assert main(["replay", "--json", str(log)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["events"] == len(list(read_events(log)))
+    assert data["otlp_endpoint"] is None
+    assert data["encoders"] == summary["encoders"] | {
+        name: {**summary["encoders"][name], "max_graphs": 4} for name in summary["encoders"]
+    }
+
+
+def test_replay_merges_several_workers_logs(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two logs written by two ranks replay side by side: one adapter per worker and encoder."""
+    _, log = recorded
+    events = list(read_events(log))
+    paths = []
+    for rank in ("0", "1"):
+        path = tmp_path / f"rank{rank}.jsonl"
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RANK", rank)
+            sink = JsonlSink(path)
+        sink.handle(events if rank == "0" else events[: len(events) // 2])
+        sink.close()
+        paths.append(str(path))
+    assert main(["replay", "--json", *paths]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["events"] == len(events) + len(events) // 2
+    ranks = {name.split("@")[1].split(".")[0] for name in data["encoders"]}
+    assert ranks == {"rank0", "rank1"}
+    full = derive_stats(events)["vision"]
+    (rank0_vision,) = [v for n, v in data["encoders"].items() if n.startswith("vision@rank0.")]
+    assert {k: rank0_vision[k] for k in full} == full
+
+
+# -- bad paths ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["top", "replay"])
+def test_a_directory_is_a_one_line_error(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top DIR` / `replay DIR`: one line naming the path, exit 2, no traceback."""
+    assert main([command, str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"omnitrace {command}: error: {tmp_path}: is a directory, not an event log\n"
+    assert out == ""
+
+
+@pytest.mark.parametrize("command", ["top", "replay"])
+def test_a_plain_text_file_is_not_an_event_log(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text file is refused in one line naming it and its first line, exit 2."""
+    path = tmp_path / "notes.txt"
+    path.write_text("hello\nworld\n")
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"omnitrace {command}: error: {path}: not an omnitrace event log "
+        "(no line is an event record; line 1 is not JSON)\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["top", "replay"])
+def test_an_empty_log_did_nothing_useful_and_says_so(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file replays nothing: one line, exit 1."""
+    path = tmp_path / "empty.jsonl"
+    path.touch()
+    assert main([command, str(path)]) == 1
+    assert capsys.readouterr().err == (
+        f"omnitrace {command}: error: {path}: no events in the event log\n"
+    )
+
+
+def test_top_follow_of_a_missing_log_says_it_is_waiting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top --follow missing.jsonl` says it waits for the file, then follows it (exit 0)."""
+    path = tmp_path / "later.jsonl"
+    assert main(["top", "--follow", "--no-tui", "--duration", "0.3", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == f"omnitrace: waiting for {path} to appear\n"
+    assert "no encoder events yet" in out
+
+
+def test_top_follow_of_a_directory_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top --follow DIR` fails at once with one line instead of waiting."""
+    assert main(["top", "--follow", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"omnitrace top: error: {tmp_path}: is a directory, not an event log\n"
+    )
+
+
+# -- OpenTelemetry's variables and a dead endpoint ---------------------------------------------
+
+
+def _service_names(receiver: OTLPReceiver) -> set[str]:
+    return {attributes(rs.resource.attributes)["service.name"] for rs in receiver.resource_spans()}
+
+
+def test_demo_and_replay_export_under_otel_service_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: tuple[dict[str, Any], Path]
+) -> None:
+    """OTEL_SERVICE_NAME replaces the demo's and replay's default service names."""
+    _, log = recorded
+    with OTLPReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        assert main(["replay", str(log)]) == 0
+        assert _service_names(receiver) == {"omnitrace-replay"}
+        receiver.clear()
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "myservice")
+        assert _demo(tmp_path)[0] == 0
+        assert main(["replay", str(log)]) == 0
+        assert _service_names(receiver) == {"myservice"}
+
+
+def _silent_port() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    return server
+
+
+def test_replay_into_a_dead_endpoint_fails_in_one_line_within_a_second(
+    recorded: tuple[dict[str, Any], Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A refused or silent endpoint: exit 1, one stderr line naming it, at most 1 s extra."""
+    _, log = recorded
+    with OTLPReceiver() as receiver:
+        start = time.monotonic()
+        assert main(["replay", str(log), "--otlp-endpoint", receiver.endpoint]) == 0
+        healthy = time.monotonic() - start
+    capfd.readouterr()
+    events = len(list(read_events(log)))
+    with _silent_port() as silent:
+        refused = socket.socket()
+        refused.bind(("127.0.0.1", 0))
+        refused_endpoint = f"http://127.0.0.1:{refused.getsockname()[1]}"
+        refused.close()
+        silent_endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for endpoint, cause in (
+            (refused_endpoint, "Connection refused"),
+            (silent_endpoint, "no answer within 0.8 s"),
+        ):
+            start = time.monotonic()
+            assert main(["replay", str(log), "--otlp-endpoint", endpoint]) == 1
+            elapsed = time.monotonic() - start
+            out, err = capfd.readouterr()
+            assert out == ""
+            said, failed = err.splitlines()
+            assert said == f"omnitrace: replaying into OTLP at {endpoint}"
+            assert failed.startswith(
+                f"omnitrace replay: error: OTLP export to {endpoint} (http/protobuf) failed: "
+            )
+            assert cause in failed
+            assert failed.endswith(f"; {events} events read")
+            assert elapsed - healthy <= 1.0, (endpoint, elapsed, healthy)
+
+
+def test_demo_with_a_dead_endpoint_says_so_once_and_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's purpose is not the export: exit 0, one line about the failed export."""
+    with _silent_port() as silent:
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        code, summary, _ = _demo(tmp_path)
+    err = capfd.readouterr().err
+    assert code == 0
+    lines = [line for line in err.splitlines() if endpoint in line]
+    assert lines[0] == f"omnitrace: exporting spans and metrics over OTLP to {endpoint}"
+    assert len(lines) == 2
+    assert lines[1].startswith(f"omnitrace: OTLP export to {endpoint} (http/protobuf) failed:")
+    assert summary["otlp_error"] == lines[1].removeprefix("omnitrace: ")
+    assert "Transient error" not in err
+
+
+# -- the live view on a real terminal ----------------------------------------------------------
+
+
+def test_q_quits_top_follow_on_a_terminal(recorded: tuple[dict[str, Any], Path]) -> None:
+    """On an 80x24 terminal `top --follow` draws the view and ends at once on q, exit 0."""
+    _, log = recorded
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnitrace", "top", "--follow", str(log)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "TERM": "xterm-256color"},
+        close_fds=True,
+    )
+    os.close(slave)
+    screen = bytearray()
+
+    def read_until(marker: bytes, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while marker not in screen and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    screen.extend(os.read(master, 65536))
+                except OSError:  # the child closed the terminal
+                    break
+        return marker in screen
+
+    try:
+        assert read_until(b"q or Ctrl-C quits", 15.0), screen.decode(errors="replace")
+        # The 80-column view labels the hit rate row "hits" (compact panels).
+        assert read_until(b"hits ", 5.0), screen.decode(errors="replace")
+        os.write(master, b"q")
+        start = time.monotonic()
+        assert proc.wait(timeout=5) == 0
+        assert time.monotonic() - start < 2.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)

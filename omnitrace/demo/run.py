@@ -80,6 +80,8 @@ class DemoResult:
     events_log: str
     otlp_endpoint: str | None
     interrupted: bool = False
+    otlp_error: str | None = None
+    """What failed in the OTLP export (one line), or None when it all went through."""
 
     def to_json(self) -> dict[str, Any]:
         """Return the summary as plain JSON data."""
@@ -99,6 +101,7 @@ class DemoResult:
             "dtype": self.dtype,
             "events_log": self.events_log,
             "otlp_endpoint": self.otlp_endpoint,
+            "otlp_error": self.otlp_error,
             "interrupted": self.interrupted,
         }
 
@@ -107,28 +110,66 @@ def _geometry(hidden: int, heads: int, layers: int) -> EncoderGeometry:
     return EncoderGeometry(hidden=hidden, layers=layers, heads=heads, mlp=4 * hidden)
 
 
+class _Export:
+    """The OTLP export of a run, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` asks for one."""
+
+    def __init__(self) -> None:
+        self.endpoint: str | None = None
+        self.setup: Any = None
+        self.error: str | None = None
+
+    def status(self) -> list[str]:
+        """The live view's line about the export (none without an endpoint)."""
+        if self.setup is None:
+            return []
+        error = self.setup.export_error
+        return [f"otlp  {self.endpoint} · " + ("exporting" if error is None else error)]
+
+
 @contextlib.contextmanager
-def _otlp_export(bus: EventBus, say: Callable[[str], None]) -> Iterator[str | None]:
+def _otlp_export(bus: EventBus, say: Callable[[str], None]) -> Iterator[_Export]:
     """Attach the OTel sink when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; shut it down after."""
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None
-    if endpoint is None:
-        yield None
+    export = _Export()
+    export.endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None
+    if export.endpoint is None:
+        yield export
         return
     # Imported here: the OTel SDK and exporters are only needed when exporting.
     from omnitrace.sinks.otel import OTelSink, configure_sdk
 
-    setup = configure_sdk(service_name="omnitrace-demo")
-    say(f"exporting spans and metrics over OTLP to {endpoint}")
+    setup = configure_sdk(default_service_name="omnitrace-demo")
+    export.setup = setup
+    say(f"exporting spans and metrics over OTLP to {export.endpoint}")
     try:
         bus.add_sink(
             OTelSink(
                 bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
             )
         )
-        yield endpoint
+        yield export
     finally:
         # The bus is closed first (inside the block), so every span has been handed over.
-        setup.shutdown()
+        if not setup.shutdown():
+            export.error = setup.export_error
+
+
+class _Progress:
+    """Requests done of the total and the time elapsed, for the live view."""
+
+    def __init__(self, total: int, duration_s: float | None) -> None:
+        self.total = total
+        self.duration_s = duration_s
+        self.done = 0
+        self.start = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def lines(self) -> list[str]:
+        elapsed = time.monotonic() - self.start
+        of = f" / {self.total}" if self.total else ""
+        limit = f" of {self.duration_s:g} s" if self.duration_s is not None else ""
+        return [f"requests {self.done}{of} · elapsed {elapsed:.1f} s{limit}"]
 
 
 class _Encoders:
@@ -326,14 +367,16 @@ def _run(
         bus.add_sink(jsonl)
         # Adapters emit only when called, so the sinks below still see every event.
         encoders = _Encoders(options, bus, device, dtype, backends)
-        board = BusBoard(
-            bus,
-            title=f"omnitrace demo · {backend_name} backend on {device.type}",
-            footer=encoders.footer,
-        )
-        with _otlp_export(bus, say) as endpoint:
-            start = time.monotonic()
-            with _progress(options, console, board) as advance, torch.no_grad():
+        progress = _Progress(options.requests, options.duration_s)
+        with _otlp_export(bus, say) as export:
+            board = BusBoard(
+                bus,
+                title=f"omnitrace demo · {backend_name} backend on {device.type}",
+                footer=lambda: [*encoders.footer(), *export.status()],
+                progress=progress.lines,
+            )
+            start = progress.start = time.monotonic()
+            with _progress(options, console, board, progress) as advance, torch.no_grad():
                 served, interrupted = _drive(options, encoders, advance, start)
             elapsed = time.monotonic() - start
             bus.close()
@@ -357,24 +400,25 @@ def _run(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         events_log=str(jsonl.path),
-        otlp_endpoint=endpoint,
+        otlp_endpoint=export.endpoint,
         interrupted=interrupted,
+        otlp_error=export.error,
     )
 
 
 @contextlib.contextmanager
 def _progress(
-    options: DemoOptions, console: Console, board: BusBoard
+    options: DemoOptions, console: Console, board: BusBoard, progress: _Progress
 ) -> Iterator[Callable[[], None]]:
     """Show the live view, or a progress bar on a terminal, and yield a per-request tick."""
     if options.tui:
-        with LiveView(board, console=console):
-            yield lambda: None
+        with LiveView(board, console=console, log_hint="; --log-file PATH keeps them"):
+            yield progress.advance
         return
     if not console.is_terminal:
-        yield lambda: None
+        yield progress.advance
         return
-    progress = Progress(
+    bar = Progress(
         TextColumn("demo traffic"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -382,6 +426,11 @@ def _progress(
         console=console,
         transient=True,
     )
-    with progress:
-        task = progress.add_task("requests", total=options.requests or None)
-        yield lambda: progress.advance(task)
+    with bar:
+        task = bar.add_task("requests", total=options.requests or None)
+
+        def advance() -> None:
+            progress.advance()
+            bar.advance(task)
+
+        yield advance
