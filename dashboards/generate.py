@@ -336,7 +336,7 @@ def dashboard() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Alert rules
 
-#: Thresholds of the warning rules, in one place so docs/ops.md can quote them.
+#: Thresholds of the warning rules, in one place so docs/observability-stack.md can quote them.
 HIT_RATE_FLOOR = 0.5
 HIT_RATE_MIN_CALLS_PER_S = 0.05
 CAPACITY_MISS_SHARE = 0.05

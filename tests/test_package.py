@@ -212,6 +212,36 @@ def test_help_answers_in_under_half_a_second() -> None:
     assert best < 0.5
 
 
+def test_readme_alert_queries_are_the_shipped_rules() -> None:
+    """The README's PromQL and LogQL alert expressions are those of the shipped rule files."""
+    import yaml
+
+    text = (ROOT / "README.md").read_text()
+    (promql,) = re.findall(r"```promql\n(.*?)\n```", text, re.S)
+    (logql,) = re.findall(r"```logql\n(.*?)\n```", text, re.S)
+    rules = ROOT / "deploy" / "otel"
+    prometheus = yaml.safe_load((rules / "prometheus/rules/omnitrace.rules.yml").read_text())
+    loki = yaml.safe_load((rules / "loki/rules/fake/omnitrace-logs.rules.yml").read_text())
+
+    def exprs(document: dict[str, object]) -> dict[str, str]:
+        groups = document["groups"]
+        assert isinstance(groups, list)
+        return {r["alert"]: r["expr"].strip() for g in groups for r in g["rules"]}
+
+    assert promql == exprs(prometheus)["OmnitraceCaptureFailed"]
+    assert logql == exprs(loki)["OmnitraceCaptureFailedLogged"]
+
+
+def test_docs_install_lines_name_a_real_source() -> None:
+    """No doc tells users to pip install the unrelated PyPI project named omnitrace."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for arguments in re.findall(r"pip install ([^&\n`]*)", text):
+            targets = [t.strip("'\"") for t in arguments.split()]
+            assert not [t for t in targets if re.fullmatch(r"omnitrace(\[.*\])?", t)], path.name
+    assert "`omnitrace-graphs`" in (ROOT / "README.md").read_text()
+
+
 def test_readme_documents_every_exported_name() -> None:
     """Every metric (OTel and Prometheus), span and log event name of names.py is in the README."""
     from omnitrace.sinks import names
