@@ -81,6 +81,7 @@ _positive_int = _bounded(int, "a positive integer", lambda v: v >= 1)
 _nonnegative_int = _bounded(int, "a nonnegative integer", lambda v: v >= 0)
 _positive_float = _bounded(float, "a positive number", lambda v: v > 0)
 _nonnegative_float = _bounded(float, "a nonnegative number", lambda v: v >= 0)
+_port = _bounded(int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -195,6 +196,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="log one in N replays and misses per encoder (debug level)",
+    )
+    out.add_argument(
+        "--prometheus-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the metrics for a Prometheus scrape on 127.0.0.1:PORT (0: a free port)",
     )
     out.add_argument(
         "--json-summary",
@@ -460,9 +468,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sim_graph_mib=args.sim_graph_mib,
         fail_capture=args.fail_capture,
         force_cpu=args.cpu,
+        prometheus_port=args.prometheus_port,
     )
-    with _logging(args), _export_reported_by_the_cli():
-        result = run_demo(options, console=console, say=_say)
+    try:
+        with _logging(args), _export_reported_by_the_cli():
+            result = run_demo(options, console=console, say=_say)
+    except OSError as exc:
+        # A port in use, an unwritable log: one line naming it, not a traceback.
+        return _error("demo", str(exc), status=1)
     if result.interrupted:
         _say(f"interrupted after {result.requests} requests")
     console.print(

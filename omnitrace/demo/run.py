@@ -60,6 +60,8 @@ class DemoOptions:
     fail_capture: str | None = None
     """Simulated only: make this encoder's captures fail, to see the failure path."""
     force_cpu: bool = False
+    prometheus_port: int | None = None
+    """Serve ``/metrics`` for a Prometheus scrape on 127.0.0.1 at this port (0: a free one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ class _Export:
         self.endpoint: str | None = None
         self.setup: Any = None
         self.error: str | None = None
+        self.prometheus_port: int | None = None
 
     def status(self) -> list[str]:
         """The live view's line about the export (none without an endpoint)."""
@@ -127,19 +130,35 @@ class _Export:
 
 
 @contextlib.contextmanager
-def _otlp_export(bus: EventBus, say: Callable[[str], None]) -> Iterator[_Export]:
-    """Attach the OTel sink when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; shut it down after."""
+def _otlp_export(
+    bus: EventBus, say: Callable[[str], None], prometheus_port: int | None = None
+) -> Iterator[_Export]:
+    """Attach the OTel sink when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set or a Prometheus port
+    is asked for; shut the SDK down after."""
     export = _Export()
     export.endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None
-    if export.endpoint is None:
+    if export.endpoint is None and prometheus_port is None:
         yield export
         return
     # Imported here: the OTel SDK and exporters are only needed when exporting.
+    from prometheus_client import CollectorRegistry
+
     from omnitrace.sinks.otel import OTelSink, configure_sdk
 
-    setup = configure_sdk(default_service_name="omnitrace-demo")
-    export.setup = setup
-    say(f"exporting spans and metrics over OTLP to {export.endpoint}")
+    setup = configure_sdk(
+        default_service_name="omnitrace-demo",
+        otlp=export.endpoint is not None,
+        prometheus=prometheus_port is not None,
+        prometheus_port=prometheus_port,
+        # A registry of its own: a second demo in one process must not collide in the global one.
+        prometheus_registry=CollectorRegistry(),
+    )
+    if export.endpoint is not None:
+        export.setup = setup
+        say(f"exporting spans and metrics over OTLP to {export.endpoint}")
+    if setup.prometheus_port is not None:
+        export.prometheus_port = setup.prometheus_port
+        say(f"serving Prometheus metrics on http://127.0.0.1:{setup.prometheus_port}/metrics")
     try:
         bus.add_sink(
             OTelSink(
@@ -368,7 +387,7 @@ def _run(
         # Adapters emit only when called, so the sinks below still see every event.
         encoders = _Encoders(options, bus, device, dtype, backends)
         progress = _Progress(options.requests, options.duration_s)
-        with _otlp_export(bus, say) as export:
+        with _otlp_export(bus, say, options.prometheus_port) as export:
             board = BusBoard(
                 bus,
                 title=f"omnitrace demo · {backend_name} backend on {device.type}",
