@@ -333,10 +333,8 @@ def run_demo(
     device, dtype, simulated = _pick_device(options)
     backends: dict[str, GraphBackend | None]
     if simulated:
-        say(
-            "no CUDA device: running on the CPU with the simulated graph backend "
-            "(admission, events and sinks are real; replays are not faster)"
-        )
+        # Short enough for one line of an 80-column terminal; docs/operations.md says more.
+        say("no CUDA device: simulated graph backend on the CPU (no speed-up)")
         shared = SimulatedGraphBackend(
             free_bytes=options.sim_free_mib * MiB, graph_bytes=options.sim_graph_mib * MiB
         )
