@@ -76,7 +76,7 @@ def run_case(case: str) -> dict[str, Any]:
         default_after = _live_blocks(lambda p: p == (0, 0))
         graph_pool_live = _live_blocks(lambda p: p != (0, 0))
         new_default = list(default_after)
-        for size in default_before + [static_x.nbytes, static_y.nbytes]:
+        for size in [*default_before, static_x.nbytes, static_y.nbytes]:
             if size in new_default:
                 new_default.remove(size)
         rounded = [s for s in new_default if s >= 1 << 20]
