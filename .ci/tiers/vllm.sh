@@ -8,8 +8,9 @@
 # packages `import vllm.v1.worker.encoder_cudagraph` and a VllmConfig need on CPU
 # (VLLM_TARGET_DEVICE=cpu), also with --no-deps, pinned per vLLM version below.
 #
-# VLLM_VERSION picks the release (default 0.33.0); a tier for another release is a script
-# that sets it and runs this one, plus that release's pins in vllm_pins().
+# VLLM_VERSION picks the release (default 0.33.0, the newest); vllm-0.26.sh runs this script
+# for 0.26.0, the newest release pinned to the torch 2.11 of the GPU machine where the CUDA
+# tests run. docs/vllm.md lists which versions are tested where.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/lib.sh
@@ -32,6 +33,11 @@ vllm_pins() {
                 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0 safetensors==0.8.0 \
                 starlette==1.10.0 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.20.2 \
                 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
+            ;;
+        0.26.0)
+            # 0.26's import chain and a CPU VllmConfig need the same packages as 0.33's,
+            # and these versions sit inside both releases' ranges.
+            vllm_pins 0.33.0
             ;;
         *)
             echo "vllm tier: no dependency pins for vLLM $1 in .ci/tiers/vllm.sh" >&2
@@ -69,8 +75,28 @@ pip_install "numpy>=1.26" "pydantic>=2.12" "pydantic-core>=2.27" "annotated-type
     "protobuf>=5.29.6" "six>=1.16" "attrs>=23"
 # shellcheck disable=SC2086
 pip_install $pins
-# The wheel itself (about 340 MB): never with its dependencies.
+# The wheel itself (about 300 MB): never with its dependencies.
 pip_install "vllm==$VLLM_VERSION"
+
+# vLLM 0.26 detects its CPU platform only from a '+cpu' build tag, which PyPI's CUDA wheel
+# lacks; a one-line platform plugin (vLLM's own extension point) names the CPU platform.
+# Newer releases detect it from VLLM_TARGET_DEVICE and get no plugin.
+if [ "${VLLM_VERSION%.*}" = "0.26" ]; then
+site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cat > "$site/vllm_ci_cpu_platform.py" <<'PY'
+"""vLLM platform plugin for CI machines without an accelerator: vLLM's CPU platform."""
+
+
+def cpu_platform() -> str:
+    return "vllm.platforms.cpu.CpuPlatform"
+PY
+dist="$site/vllm_ci_cpu_platform-0.0.0.dist-info"
+mkdir -p "$dist"
+printf 'Metadata-Version: 2.1\nName: vllm-ci-cpu-platform\nVersion: 0.0.0\n' > "$dist/METADATA"
+printf '[vllm.platform_plugins]\ncpu_ci = vllm_ci_cpu_platform:cpu_platform\n' \
+    > "$dist/entry_points.txt"
+: > "$dist/RECORD"
+fi
 
 if ! probe >/dev/null 2>&1; then
     echo "vllm tier: vLLM $VLLM_VERSION installed but does not import on CPU:" >&2
@@ -80,4 +106,5 @@ fi
 echo "vllm tier: vLLM $VLLM_VERSION ready in $(elapsed "$start")"
 
 OMNITRACE_FORBID_SKIPS=1 python3 -m pytest -q -p no:cacheprovider \
-    tests/integrations/test_vllm_conformance.py tests/integrations/test_vllm_plugin.py
+    tests/integrations/test_vllm_conformance.py tests/integrations/test_vllm_plugin.py \
+    tests/integrations/test_minicpmo_vllm_modules.py
