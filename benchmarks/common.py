@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "SCALES",
     "BareGraph",
+    "BenchmarkFailedError",
     "Context",
     "CudaUnavailableError",
     "cuda_status",
@@ -55,6 +56,18 @@ class CudaUnavailableError(RuntimeError):
     """A benchmark that measures CUDA was asked to run on a machine without a usable GPU."""
 
 
+class BenchmarkFailedError(RuntimeError):
+    """A benchmark ran to its end but part of it failed; ``result`` holds what it measured.
+
+    The runner records the benchmark as failed (and the run's exit status as non-zero)
+    while keeping every number that was measured.
+    """
+
+    def __init__(self, message: str, result: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 @dataclass
 class Context:
     """What a benchmark needs to know about this run.
@@ -77,6 +90,9 @@ class Context:
     """``time.monotonic()`` by which the whole run should be done (the runner sets it)."""
     environment: dict[str, Any] | None = None
     """The run's environment (the runner sets it), for results written before the end."""
+    partials: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The last result each benchmark wrote with :func:`write_partial`, by name: what the
+    runner keeps when that benchmark raises."""
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
@@ -325,8 +341,10 @@ def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
     """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial.
 
     The runner overwrites the file with the final result; a run killed before that keeps
-    this one (``benchmarks.report`` renders it, marked partial).
+    this one (``benchmarks.report`` renders it, marked partial). A benchmark that raises
+    keeps it too: the runner writes it back with status ``error``.
     """
+    ctx.partials[name] = result
     payload = {
         "benchmark": name,
         "environment": ctx.environment or {},

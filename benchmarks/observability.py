@@ -77,6 +77,9 @@ METRIC_INTERVAL_S = 1.0
 #: The arm every loss is measured against.
 BASELINE = "bus_no_sinks"
 
+#: The sinks a server runs (the live view runs out of process there, on the JSONL log).
+PRODUCTION_SINKS = ("otel", "logs", "jsonl")
+
 #: arm -> (label, sinks on its bus; None: no bus at all).
 ARMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "no_bus": ("adapters without a bus", None),
@@ -85,7 +88,7 @@ ARMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "logs": ("bus + structlog logs", ("logs",)),
     "jsonl": ("bus + JSONL event log", ("jsonl",)),
     "live": ("bus + live view in process", ("live",)),
-    "production": ("bus + OTel, logs, JSONL (production set)", ("otel", "logs", "jsonl")),
+    "production": ("bus + OTel, logs, JSONL (production set)", PRODUCTION_SINKS),
     "all_sinks": ("bus + every sink, live view in process", ("otel", "logs", "jsonl", "live")),
 }
 
@@ -166,7 +169,7 @@ class _GcClock:
             self.seconds += time.perf_counter() - self._start
 
 
-class _SinkSet:
+class SinkSet:
     """The sinks ``names`` attached to one bus.
 
     ``report`` says, per sink, whether it is on or why it was skipped. ``active()`` wraps a
@@ -196,6 +199,7 @@ class _SinkSet:
                 self.report[name] = {
                     "status": "skipped",
                     "reason": f"{type(exc).__name__}: {exc}"[:300],
+                    "not_importable": isinstance(exc, ImportError),
                 }
             else:
                 self.report[name] = {"status": "on", "reason": "", "detail": detail}
@@ -345,13 +349,13 @@ def run(ctx: Context) -> dict[str, Any]:
 
     workdir = Path(tempfile.mkdtemp(prefix="omnitrace-bench-"))
     buses: dict[str, EventBus | None] = {}
-    sinks: dict[str, _SinkSet] = {}
+    sinks: dict[str, SinkSet] = {}
     adapters: dict[str, dict[str, EncoderCudaGraph]] = {}
     for arm, (_, names) in ARMS.items():
         bus = None if names is None else EventBus(queue_size=100_000)
         buses[arm] = bus
         if bus is not None and names:
-            sinks[arm] = _SinkSet(bus, names, workdir, arm)
+            sinks[arm] = SinkSet(bus, names, workdir, arm)
             for name, s in sinks[arm].report.items():
                 if s["status"] != "on":
                     ctx.log(f"  {arm}: sink {name} skipped ({s['reason']})")

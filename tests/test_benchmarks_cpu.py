@@ -7,12 +7,15 @@ scripts run, the JSON has its structure, numbers are positive and finite, and co
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,18 +164,18 @@ def test_report_renders_and_updates_marked_sections(
     assert "summary" in report.text_summary(report.load(out))
 
 
-def _cli(
-    *args: str, tmp: Path, extra_env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {
+def _env() -> dict[str, str]:
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        **(extra_env or {}),
     }
+
+
+def _cli(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-W", "error", "-m", "benchmarks.run", *args, "--out", str(tmp)],
         cwd=ROOT,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=240,
@@ -192,32 +195,37 @@ def test_gpu_suites_refuse_to_start_without_cuda(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
-def test_every_suite_runs_simulated_on_cpu(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """Run every suite once, simulated on CPU, in a process of its own."""
+    out = tmp_path_factory.mktemp("bench-simulated")
+    return out, _cli("--suite", "all", "--simulate", "--tiny", "--no-plots", tmp=out)
+
+
+def _result(out: Path, name: str) -> dict[str, Any]:
+    payload = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
+    result: dict[str, Any] = payload["result"]
+    return result
+
+
+def test_every_suite_runs_simulated_on_cpu(simulated: tuple[Path, Any]) -> None:
     """Every benchmark runs end to end on the simulated backend, so the GPU scripts cannot rot."""
-    done = _cli("--suite", "all", "--simulate", "--tiny", "--no-plots", tmp=tmp_path)
+    out, done = simulated
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for name in ("overhead", "memory", "traffic", "observability", "latency"):
-        payload = json.loads((tmp_path / f"{name}.json").read_text(encoding="utf-8"))
+        payload = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
         assert payload["status"] == "ok", payload.get("traceback")
         assert payload["environment"]["simulated"] is True
-    latency = json.loads((tmp_path / "latency.json").read_text(encoding="utf-8"))["result"]
-    for row in latency["rows"]:
-        assert row["adapter_hits"] == row["adapter_timed_calls"]
-        assert _positive(row["methods"]["adapter"]["latency_us"]["median"])
-    traffic = json.loads((tmp_path / "traffic.json").read_text(encoding="utf-8"))["result"]
+    traffic = _result(out, "traffic")
     for row in traffic["rows"]:
         assert row["calls"] == traffic["stream"]["requests"]
         assert row["stats_agree_with_bus"] is True
         assert row["captures"] <= 2 * row["max_graphs"]
-    memory = json.loads((tmp_path / "memory.json").read_text(encoding="utf-8"))["result"]
+    memory = _result(out, "memory")
     high, low = memory["floor"]["rows"]
     assert (high["num_graphs"], low["num_graphs"]) == (0, 1)
     assert high["memory_misses"] == high["calls"] - 1
-    for row in latency["rows"]:
-        assert row["child"]["status"] == "ok"
-        assert row["failure"] is None
-    assert len(list((tmp_path / "latency-points").glob("point-*.json"))) == len(latency["rows"])
-    obs = json.loads((tmp_path / "observability.json").read_text(encoding="utf-8"))["result"]
+    obs = _result(out, "observability")
     assert list(obs["arms"]) == [
         "no_bus",
         "bus_no_sinks",
@@ -235,6 +243,243 @@ def test_every_suite_runs_simulated_on_cpu(tmp_path: Path) -> None:
         assert arm["vs_baseline"]["rounds"] == obs["rounds"]
         assert arm["dropped"] in (None, 0)
     assert obs["arms"]["bus_no_sinks"]["vs_baseline"]["loss"] == 0.0
+
+
+#: Every latency arm, in the order the benchmark builds and reports them.
+LATENCY_ARMS = [
+    "eager",
+    "bare",
+    "replay_only",
+    "adapter",
+    "adapter_vllm",
+    "adapter_sinks",
+    "compile",
+    "adapter_compiled",
+]
+#: Arms that wrap an adapter, whose timed calls must all be hits.
+ADAPTER_ARMS = ["adapter", "adapter_sinks", "adapter_compiled"]
+
+
+def test_latency_rows_hold_every_arm_measured_in_one_process(
+    simulated: tuple[Path, Any],
+) -> None:
+    """Each latency row has every arm, timed with hits checked, or skipped with its reason."""
+    out, _ = simulated
+    latency = _result(out, "latency")
+    assert latency["process"].startswith("every shape and arm in the runner's process")
+    assert [a["name"] for a in latency["arms"]] == LATENCY_ARMS
+    assert not (out / "latency-points").exists()
+    # Batch 1 audio runs first (a goal shape), but rows are stored in display order.
+    assert latency["shape_order"] == ["audio 1 s chunk batch 1", "vision 1024 tokens batch 1"]
+    assert [r["label"] for r in latency["rows"]] == ["vision 1024 tokens", "audio 1 s chunk"]
+    vllm_reason = "needs CUDA" if importlib.util.find_spec("vllm") else "vLLM not importable"
+    for row in latency["rows"]:
+        methods = row["methods"]
+        assert list(methods) == LATENCY_ARMS
+        assert row["errors"] == []
+        assert methods["adapter_vllm"]["skipped"] == vllm_reason
+        for name in LATENCY_ARMS:
+            if name == "adapter_vllm":
+                continue
+            entry = methods[name]
+            assert _positive(entry["latency_us"]["median"]), name
+            assert _positive(entry["host_us"]["median"]), name
+            assert entry["host_us"]["n"] == entry["latency_us"]["n"] == row["rounds"] * 3
+        for name in ADAPTER_ARMS:
+            assert methods[name]["hits"] == methods[name]["timed_calls"] > 0
+            assert methods[name]["misses"] == 0
+        assert _positive(methods["compile"]["compile_s"])
+        assert row["outputs_match"] is True
+        for key in (
+            "adapter_over_bare",
+            "adapter_sinks_over_adapter",
+            "adapter_compiled_over_compile",
+        ):
+            assert math.isfinite(row["ratios"][key])
+            assert math.isfinite(row["host_over_us"][key])
+        assert row["ratios"]["adapter_vllm_over_bare"] is None
+    sinks = latency["sinks"]
+    assert sinks["status"] == "on"
+    assert sinks["flushed"] is True
+    assert sinks["dropped"] == 0
+    assert [s["delivered"] for s in sinks["per_sink"]] == [sinks["emitted"]] * 3
+
+
+def test_latency_targets_include_the_hit_path_goals(simulated: tuple[Path, Any]) -> None:
+    """Latency targets check adapter vs bare (1 %, 3 us host) for both backends, and hits."""
+    out, _ = simulated
+    by_name = {t["name"]: t for t in _result(out, "latency")["targets"]}
+    torch_ratio = by_name["adapter (torch) vs bare copy-replay-clone, worst shape"]
+    assert (torch_ratio["op"], torch_ratio["limit"], torch_ratio["unit"]) == ("<=", 1.0, "%")
+    assert torch_ratio["met"] in (True, False)
+    host = by_name["adapter (torch) host time over bare, worst shape"]
+    assert (host["op"], host["limit"], host["unit"]) == ("<=", 3.0, "us")
+    vllm = by_name["adapter (vLLM) vs bare copy-replay-clone, worst shape"]
+    assert (vllm["value"], vllm["met"]) == (None, None)
+    assert "not measured: " in vllm["note"]
+    assert by_name["timed adapter calls that were not hits"]["value"] == 0.0
+    assert by_name["events the production sinks dropped or failed on"]["value"] == 0.0
+
+
+def test_latency_report_shows_every_arm_with_skip_reasons(
+    bench: Any, simulated: tuple[Path, Any]
+) -> None:
+    """The latency table has a column per arm; a skipped arm's cell says why."""
+    _, report = bench
+    out, done = simulated
+    section = report.markdown_sections(report.load(out))["latency"]
+    header = section.splitlines()[2]
+    for title in (
+        "eager",
+        "bare graph",
+        "adapter, torch (vs bare / compile)",
+        "adapter, vLLM (vs bare / adapter)",
+        "adapter + sinks (vs adapter)",
+        "reduce-overhead (vs bare)",
+        "adapter over torch.compile (vs bare / compile)",
+    ):
+        assert f"| {title} |" in header
+    assert "skipped (vLLM not importable)" in section or "skipped (needs CUDA)" in section
+    assert "Host time per call" in section
+    # The runner prints the same table in its summary.
+    assert "adapter over torch.compile (vs bare / compile)" in done.stdout
+
+
+@pytest.fixture
+def in_process(
+    bench: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., tuple[int, Path]]]:
+    """Run ``benchmarks.run.main`` here, with the latency arms replaced by ``arms``."""
+    from benchmarks import latency
+
+    run, _ = bench
+    threads = torch.get_num_threads()
+
+    def go(out: Path, arms: list[Any], *extra: str) -> tuple[int, Path]:
+        monkeypatch.setattr(latency, "ARMS", arms)
+        argv = ["--suite", "latency", "--simulate", "--tiny", "--no-plots", *extra]
+        return run.main([*argv, "--out", str(out)]), out
+
+    yield go
+    torch.set_num_threads(threads)
+
+
+def _arms(*names: str) -> list[Any]:
+    from benchmarks import latency
+
+    return [a for a in latency.ARMS if a.name in names]
+
+
+def _explode(point: Any) -> Any:
+    raise RuntimeError("arm exploded on purpose")
+
+
+def test_an_arm_that_raises_fails_the_run_with_its_traceback(
+    in_process: Callable[..., tuple[int, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An exception building an arm exits 1, printed and recorded; the other arms still run."""
+    from benchmarks.latency import Arm
+
+    arms = [*_arms("eager", "adapter"), Arm("exploding", "exploding", _explode, (), None, False)]
+    code, out = in_process(tmp_path, arms)
+    assert code == 1
+    payload = json.loads((out / "latency.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "error"
+    assert payload["error"].startswith("BenchmarkFailedError: 2 arm build(s) failed: ")
+    assert "exploding: RuntimeError: arm exploded on purpose" in payload["error"]
+    for row in payload["result"]["rows"]:
+        entry = row["methods"]["exploding"]
+        assert entry["error"] == "RuntimeError: arm exploded on purpose"
+        assert "in _explode" in entry["traceback"]
+        assert _positive(row["methods"]["adapter"]["latency_us"]["median"])
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["benchmarks"]["latency"]["status"] == "error"
+    printed = capsys.readouterr().out
+    assert "exploding: FAILED: RuntimeError: arm exploded on purpose" in printed
+    assert "Traceback (most recent call last)" in printed
+    assert "latency: error in " in printed
+
+
+def test_a_timed_call_that_raises_fails_at_once_keeping_earlier_shapes(
+    in_process: Callable[..., tuple[int, Path]], tmp_path: Path
+) -> None:
+    """An exception while timing stops the benchmark, status error, with the shapes measured."""
+    from benchmarks.latency import Arm, Timed
+
+    def flaky(point: Any) -> Any:
+        calls = []
+
+        def call() -> Any:
+            calls.append(1)
+            if point.shape.encoder == "vision" and len(calls) > 1:
+                raise RuntimeError("timed call failed on purpose")
+            return point.model(point.x)
+
+        return Timed(call)
+
+    code, out = in_process(
+        tmp_path, [*_arms("eager"), Arm("flaky", "flaky", flaky, (), None, False)]
+    )
+    assert code == 1
+    payload = json.loads((out / "latency.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "error"
+    assert payload["error"] == "RuntimeError: timed call failed on purpose"
+    assert "in call" in payload["traceback"]
+    # The audio shape ran first and was measured; the failing vision shape left no row.
+    assert [r["label"] for r in payload["result"]["rows"]] == ["audio 1 s chunk"]
+
+
+def test_compiles_are_skipped_past_the_time_budget(
+    in_process: Callable[..., tuple[int, Path]], tmp_path: Path
+) -> None:
+    """With no time left, the compiling arms are skipped with the reason; the rest run."""
+    code, out = in_process(
+        tmp_path, _arms("eager", "adapter", "compile", "adapter_compiled"), "--time-budget", "0"
+    )
+    assert code == 0
+    result = _result(out, "latency")
+    for row in result["rows"]:
+        for name in ("compile", "adapter_compiled"):
+            assert row["methods"][name]["skipped"] == "time budget"
+            assert "s left for compiling, a compile takes about" in row["methods"][name]["detail"]
+        assert row["methods"]["adapter"]["hits"] == row["methods"]["adapter"]["timed_calls"]
+
+
+def test_a_fatal_signal_ends_the_run_and_keeps_the_shapes_measured(tmp_path: Path) -> None:
+    """A segfault is not contained: the run dies with the signal and faulthandler's traceback."""
+    script = textwrap.dedent(
+        """
+        import faulthandler, sys
+        from benchmarks import latency, run
+
+        def crash(point):
+            if point.shape.encoder == "vision":
+                faulthandler._sigsegv()
+            return latency.Timed(lambda: point.model(point.x))
+
+        latency.ARMS[:] = [a for a in latency.ARMS if a.name in ("eager", "adapter")]
+        latency.arm("crash", "crash")(crash)
+        sys.exit(run.main(sys.argv[1:]))
+        """
+    )
+    argv = ["--suite", "latency", "--simulate", "--tiny", "--no-plots", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGSEGV, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Fatal Python error: Segmentation fault" in done.stderr
+    # faulthandler's dump names the crashing arm and the benchmark frames around it.
+    assert ' in crash\n  File "' in done.stderr
+    assert 'benchmarks/latency.py", line ' in done.stderr
+    payload = json.loads((tmp_path / "latency.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "partial"
+    assert [r["label"] for r in payload["result"]["rows"]] == ["audio 1 s chunk"]
 
 
 def test_rotated_puts_every_method_in_every_position() -> None:
@@ -266,65 +511,6 @@ def test_paired_loss_cancels_slow_rounds_shared_by_both_arms() -> None:
     assert paired_loss(base, base)["loss"] == 0.0
     with pytest.raises(ValueError, match="same, non-zero number of rounds"):
         paired_loss(base, arm[:-1])
-
-
-def test_latency_records_a_crashed_configuration_and_runs_the_rest(tmp_path: Path) -> None:
-    """A configuration whose process segfaults is recorded with its signal; the next still runs."""
-    done = _cli(
-        "--suite",
-        "latency",
-        "--simulate",
-        "--tiny",
-        "--no-plots",
-        tmp=tmp_path,
-        extra_env={"OMNITRACE_BENCH_LATENCY_FAULT": "0:segv"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    payload = json.loads((tmp_path / "latency.json").read_text(encoding="utf-8"))
-    assert payload["status"] == "ok"
-    crashed, fine = payload["result"]["rows"]
-    assert crashed["child"]["status"] == "crashed"
-    assert crashed["child"]["signal"] == "SIGSEGV"
-    assert crashed["child"]["stage"] == "timing"
-    assert any("Segmentation fault" in line for line in crashed["child"]["stderr_tail"])
-    assert "SIGSEGV" in crashed["failure"]
-    assert fine["child"]["status"] == "ok"
-    assert fine["adapter_hits"] == fine["adapter_timed_calls"] > 0
-    by_name = {t["name"]: t for t in payload["result"]["targets"]}
-    failed = by_name["configurations whose process crashed, hung or failed"]
-    assert (failed["value"], failed["met"]) == (1.0, False)
-
-
-def test_latency_child_past_its_timeout_is_stopped_with_a_traceback(
-    bench: Any, tmp_path: Path
-) -> None:
-    """A hung configuration is killed at its timeout, with faulthandler's traceback kept."""
-    from benchmarks import latency
-
-    spec = {
-        "index": 0,
-        "encoder": "audio",
-        "what": "1 s chunk",
-        "size": 100,
-        "batch": 1,
-        "simulate": True,
-        "scale": "tiny",
-        "warmup": 1,
-        "per_round": 2,
-        "cycles": 1,
-        "compile": False,
-        "compile_skip": "skipped: needs CUDA",
-        "compile_limit_s": None,
-        "fault": {"kind": "hang", "stage": "timing"},
-    }
-    lines: list[str] = []
-    outcome = latency.run_child(spec, tmp_path, timeout_s=20.0, log=lines.append)
-    child = outcome["child"]
-    assert child["status"] == "timeout"
-    assert child["stage"] == "timing"
-    assert any("latency_point.py" in line for line in child["stderr_tail"])
-    assert outcome["record"]["row"]["methods"]["adapter"]["max_rel_err"] == 0.0
-    assert any("[timing]" in line for line in lines)
 
 
 def test_report_renders_a_partial_result(bench: Any) -> None:
