@@ -773,6 +773,7 @@ def run(ctx: Context) -> dict[str, Any]:
     state = Run(ctx)
 
     def result() -> dict[str, Any]:
+        sinks = state.sink_statistics()
         return {
             "dtype": str(state.dtype).removeprefix("torch."),
             "grad_mode": "no_grad",
@@ -795,9 +796,9 @@ def run(ctx: Context) -> dict[str, Any]:
             "shape_order": [f"{s.label} batch {s.batch}" for s in order],
             "geometries": {k: vars_of(g) for k, g in _geometries(ctx.simulate).items()},
             "vllm": state.vllm,
-            "sinks": state.sink_statistics(),
+            "sinks": sinks,
             "rows": sorted(rows, key=lambda r: r["order"]),
-            "targets": _targets(rows, state.sink_statistics()),
+            "targets": _targets(rows, sinks),
             "simulated": ctx.simulate,
         }
 
@@ -814,12 +815,12 @@ def run(ctx: Context) -> dict[str, Any]:
                 )
                 row = measure_shape(state, shape, budget, settings)
                 rows.append(row)
-                compile_s = sum(
-                    float(row["methods"][a.name].get("build_s", 0.0)) for a in ARMS if a.compiles
-                )
+                compiling = [row["methods"][a.name] for a in ARMS if a.compiles]
+                compile_s = sum(float(e.get("build_s", 0.0)) for e in compiling)
                 budget.shape_done(row["timings"]["total_s"] - compile_s)
                 ctx.log(_describe_row(row))
-                _release(compiled=compile_s > 0)
+                # A compile that failed may have left dynamo state behind as well.
+                _release(compiled=any("skipped" not in e for e in compiling))
                 write_partial(ctx, NAME, result())
         final = result()
     finally:
