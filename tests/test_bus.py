@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -279,3 +287,478 @@ def test_add_sink_to_closed_bus_raises() -> None:
     bus.close()
     with pytest.raises(RuntimeError, match="closed EventBus"):
         bus.add_sink(ListSink())
+
+
+# -- bounded waits and accounting -----------------------------------------------------------
+
+
+def _run_script(
+    tmp_path: Path, source: str, *, deadline: float, args: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` in a fresh interpreter; a run past ``deadline`` seconds fails the test."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    try:
+        return subprocess.run(
+            [sys.executable, str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=deadline,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the script hung past its {deadline} s deadline; stderr: {exc.stderr!r}")
+
+
+def _assert_accounted(bus: EventBus) -> None:
+    stats = bus.statistics()
+    for sink in stats.sinks:
+        assert sink.delivered + sink.dropped == sink.offered, sink
+        assert sink.dropped == sum(sink.dropped_by.values()), sink
+        assert sink.queued == 0, sink
+
+
+STUCK_SINK_SCRIPT = """
+    import json, sys, threading, time
+    from omnitrace import EventBus, GraphReplayed
+
+    class Stuck:
+        name = "stuck"
+        def handle(self, events):
+            threading.Event().wait()  # never returns
+
+    bus = EventBus(sinks=[Stuck()])
+    for i in range(1000):
+        bus.emit(GraphReplayed("v", f"k{i}", i, i, 0.0))
+    time.sleep(0.2)
+    if sys.argv[1] == "close":
+        start = time.monotonic()
+        bus.close(timeout=1.0)
+        (sink,) = bus.statistics().sinks
+        print(json.dumps({
+            "close_s": time.monotonic() - start,
+            "emitted": bus.statistics().emitted,
+            "delivered": sink.delivered,
+            "dropped": sink.dropped,
+            "queued": sink.queued,
+            "dropped_by": sink.dropped_by,
+        }))
+    print(json.dumps({"end": time.monotonic()}), flush=True)
+"""
+
+
+def test_stuck_sink_close_is_bounded_counted_and_the_process_exits(tmp_path: Path) -> None:
+    """close(1) with a sink stuck in handle returns in about 1 s, counts every event, and the
+    interpreter then exits at once (the sink's thread is a daemon)."""
+    result = _run_script(tmp_path, STUCK_SINK_SCRIPT, deadline=30, args=["close"])
+    exited = time.monotonic()
+    assert result.returncode == 0, result.stderr
+    report, end = (json.loads(line) for line in result.stdout.splitlines())
+    assert report["close_s"] < 1.0 + 0.25 + 0.5
+    assert report["emitted"] == report["delivered"] + report["dropped"] == 1000
+    assert report["queued"] == 0
+    assert report["dropped_by"] == {"abandoned": 1000}
+    assert exited - end["end"] < 5.0
+    assert "omnitrace-sink-stuck did not return from handle()" in result.stderr
+    assert "Task was destroyed" not in result.stderr
+
+
+def test_stuck_sink_never_keeps_the_interpreter_alive_at_exit(tmp_path: Path) -> None:
+    """Without a close, the exit handler's bounded close lets the process end within seconds."""
+    result = _run_script(tmp_path, STUCK_SINK_SCRIPT, deadline=30, args=["exit"])
+    exited = time.monotonic()
+    assert result.returncode == 0, result.stderr
+    end = json.loads(result.stdout.splitlines()[-1])["end"]
+    assert exited - end < 2.0 + 0.25 + 3.0  # the exit close's bound, plus interpreter teardown
+    assert "EventBus closed with undelivered events, counted as dropped: stuck 1000" in (
+        result.stderr
+    )
+
+
+def test_close_counts_the_batch_it_abandons_and_leaves_nothing_queued() -> None:
+    """A batch still inside handle() at close's deadline is dropped as 'abandoned', the
+    events queued behind it as 'not_flushed'; should the sink finish the batch later, it
+    moves to delivered. delivered + dropped == offered throughout."""
+    sink = BlockingSink()
+    bus = EventBus(sinks=[sink], drain_interval=0.01)
+    try:
+        bus.emit(replayed(-1))
+        assert sink.entered.wait(5)
+        for i in range(50):
+            bus.emit(replayed(i))
+        start = time.monotonic()
+        bus.close(timeout=0.2)
+        assert time.monotonic() - start < 0.2 + 0.25 + 0.5
+        (stats,) = bus.statistics().sinks
+        assert stats.dropped_by == {"abandoned": 1, "not_flushed": 50}
+        assert (stats.delivered, stats.queued, stats.offered) == (0, 0, 51)
+        _assert_accounted(bus)
+    finally:
+        sink.release.set()
+    deadline = time.monotonic() + 5
+    while not sink.events and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    (stats,) = bus.statistics().sinks
+    assert (stats.delivered, stats.dropped_by) == (1, {"not_flushed": 50})
+    _assert_accounted(bus)
+
+
+def test_every_event_is_accounted_for_with_a_slow_sink_under_load() -> None:
+    """A slow sink, a small queue and a short close: delivered + dropped == emitted, by reason."""
+
+    class Slow(ListSink):
+        def handle(self, events: Sequence[Event]) -> None:
+            time.sleep(0.002)
+            super().handle(events)
+
+    slow, fast = Slow("slow"), ListSink("fast")
+    bus = EventBus(sinks=[slow, fast], queue_size=500, drain_interval=0.001)
+
+    def worker(t: int) -> None:
+        for i in range(20_000):
+            bus.emit(replayed(i, adapter=f"a{t}"))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bus.close(timeout=0.05)
+    _assert_accounted(bus)
+    stats = {s.name: s for s in bus.statistics().sinks}
+    assert all(s.offered == 80_000 for s in stats.values())
+    assert stats["slow"].delivered == len(slow.events)
+    assert stats["fast"].delivered == len(fast.events)
+    assert set(stats["slow"].dropped_by) <= {"queue_full", "not_flushed", "abandoned"}
+
+
+def test_events_emitted_after_close_count_as_dropped_for_each_sink() -> None:
+    """After close, each sink counts the events it will never see as 'after_close'."""
+    sink = ListSink()
+    bus = EventBus(sinks=[sink])
+    bus.emit(replayed(0))
+    bus.close()
+    bus.emit(replayed(1))
+    bus.emit(replayed(2))
+    (stats,) = bus.statistics().sinks
+    assert (stats.delivered, stats.dropped_by, stats.offered) == (1, {"after_close": 2}, 3)
+    _assert_accounted(bus)
+
+
+def test_flush_waits_only_for_events_emitted_before_it() -> None:
+    """A busy emitter on another thread cannot keep flush() from returning True."""
+    sink = ListSink()
+    bus = EventBus(sinks=[sink], drain_interval=0.01)
+    stop = threading.Event()
+
+    def emitter() -> None:
+        i = 0
+        while not stop.is_set():
+            bus.emit(replayed(i))
+            i += 1
+
+    thread = threading.Thread(target=emitter)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        assert bus.flush(timeout=5)
+    finally:
+        stop.set()
+        thread.join()
+        bus.close()
+    _assert_accounted(bus)
+
+
+@pytest.mark.parametrize("kind", ["plain", "async"])
+def test_bus_on_a_host_loop_keeps_delivering_after_the_loop_ends(kind: str) -> None:
+    """When asyncio.run() ends the host loop the bus started on, it moves to a thread of its
+    own: nothing queued is lost and no pending task is destroyed."""
+    received: list[Event] = []
+
+    class Plain:
+        name = "plain"
+
+        def handle(self, events: Sequence[Event]) -> None:
+            received.extend(events)
+
+    class Async:
+        name = "async"
+
+        async def handle(self, events: Sequence[Event]) -> None:
+            await asyncio.sleep(0)
+            received.extend(events)
+
+    async def serve() -> EventBus:
+        bus = EventBus(drain_interval=1)
+        bus.add_sink(Plain() if kind == "plain" else Async())
+        for i in range(1010):
+            bus.emit(replayed(i))
+        return bus
+
+    bus = asyncio.run(serve())
+    try:
+        assert bus.flush(timeout=5)
+        assert len(received) == 1010
+    finally:
+        bus.close()
+    (stats,) = bus.statistics().sinks
+    assert (stats.delivered, stats.dropped, stats.queued) == (1010, 0, 0)
+
+
+# -- fork -----------------------------------------------------------------------------------
+
+FORK_LOCK_HELD_SCRIPT = """
+    import os, sys, threading, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.sinks.jsonl import JsonlSink, read_events
+
+    log = sys.argv[1]
+    class ListSink:
+        name = "list"
+        def __init__(self):
+            self.events = []
+        def handle(self, events):
+            self.events.extend(events)
+
+    inherited = ListSink()
+    bus = EventBus(sinks=[inherited])
+    jsonl = JsonlSink(log)
+    bus.add_sink(jsonl)
+    for i in range(100):
+        bus.emit(GraphReplayed("parent", "k", i, i, 0.0))
+    bus.flush(5)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        # Another thread holds the bus lock and the sink's lock at the fork.
+        with bus._lock, jsonl._lock:
+            held.set()
+            release.wait()
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        start = time.monotonic()
+        bus.emit(GraphReplayed("child", "k", 0, 0, 0.0))   # deadlocked before
+        assert bus.flush(2), "inherited bus did not deliver"
+        assert inherited.events[-1].adapter == "child"
+        own_sink = ListSink()
+        own = EventBus(sinks=[own_sink])
+        own.emit(GraphReplayed("own", "k", 0, 0, 0.0))
+        own.close(2)
+        assert [e.adapter for e in own_sink.events] == ["own"]
+        bus.close(2)
+        for s in bus.statistics().sinks:
+            assert s.delivered + s.dropped == s.offered and s.queued == 0, s
+        assert time.monotonic() - start < 3.0, time.monotonic() - start
+        sys.exit(0)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            release.set()
+            code = os.waitstatus_to_exitcode(status)
+            print("child exit code", code)
+            sys.exit(code)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    print("child hung")
+    sys.exit(5)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_emits_flushes_and_closes_with_the_lock_held_at_fork(
+    tmp_path: Path,
+) -> None:
+    """fork() while another thread holds the bus and sink locks: the child's emit, flush
+    and close work, every event is accounted for, and it writes the log with its own pid."""
+    log = tmp_path / "events.jsonl"
+    result = _run_script(tmp_path, FORK_LOCK_HELD_SCRIPT, deadline=40, args=[str(log)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    from omnitrace.sinks.jsonl import read_records
+
+    records = list(read_records(log))
+    child = [r for r in records if r.item.adapter == "child"]  # type: ignore[union-attr]
+    assert len(child) == 1
+    assert child[0].pid != records[0].pid
+
+
+FORK_MANY_SCRIPT = """
+    import atexit, os, sys, threading, time
+    from omnitrace import EventBus, GraphReplayed
+
+    N = int(sys.argv[1])
+    class Counting:
+        name = "count"
+        def __init__(self):
+            self.n = 0
+        def handle(self, events):
+            self.n += len(events)
+
+    bus = EventBus(sinks=[Counting()], queue_size=1000)
+    stop = threading.Event()
+
+    def hammer():
+        i = 0
+        while not stop.is_set():
+            bus.emit(GraphReplayed("v", "k", i, i, 0.0))
+            i += 1
+
+    threading.Thread(target=hammer, daemon=True).start()
+    time.sleep(0.05)
+    children = {}
+    for n in range(N):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                bus.emit(GraphReplayed("child", "k", 0, 0, 0.0))
+                own = EventBus(sinks=[Counting()])
+                own.emit(GraphReplayed("own", "k", 0, 0, 0.0))
+                assert own.flush(2)
+                own.close(2)
+                start = time.monotonic()
+                atexit._run_exitfuncs()  # what sys.exit runs: the parent's bus handler too
+                took = time.monotonic() - start
+                (s,) = bus.statistics().sinks
+                ok = took < 1.0 and s.delivered + s.dropped == s.offered and s.queued == 0
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+        children[pid] = time.monotonic()
+    hung = failed = 0
+    deadline = time.monotonic() + 30
+    while children and time.monotonic() < deadline:
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del children[pid]
+                failed += os.waitstatus_to_exitcode(status) != 0
+        time.sleep(0.01)
+    for pid in children:
+        os.kill(pid, 9)
+        hung += 1
+    stop.set()
+    print(f"hung {hung} failed {failed} of {N}")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_children_forked_from_a_busy_bus_never_hang(tmp_path: Path) -> None:
+    """Of 20 children forked while a thread emits nonstop, none hangs, each accounts for
+    every event, and the parent's exit handler adds under a second to a child's exit."""
+    result = _run_script(tmp_path, FORK_MANY_SCRIPT, deadline=60, args=["20"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "hung 0 failed 0 of 20"
+
+
+# -- signals --------------------------------------------------------------------------------
+
+SIGTERM_SCRIPT = """
+    import logging, os, signal, sys, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.sinks.jsonl import JsonlSink
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if sys.argv[2] == "chain":
+        def host_handler(signum, frame):
+            print("host handler ran", flush=True)
+            os._exit(3)
+        signal.signal(signal.SIGTERM, host_handler)
+    bus = EventBus(queue_size=100_000)
+    bus.add_sink(JsonlSink(sys.argv[1], fresh=True))
+    bus.close_on_signal(signal.SIGTERM, timeout=2.0)
+    print("ready", flush=True)
+    i = 0
+    while True:
+        bus.emit(GraphReplayed("v", "k", i, i, 0.0))
+        i += 1
+"""
+
+
+def _terminate_busy_writer(tmp_path: Path, mode: str) -> tuple[int, str, str, Path]:
+    log = tmp_path / "events.jsonl"
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(SIGTERM_SCRIPT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(log), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 20
+        while (not log.exists() or log.stat().st_size < 100_000) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the writer did not end within 15 s of SIGTERM")
+    assert took < 2.0 + 0.25 + 3.0
+    return proc.returncode, out, err, log
+
+
+def _loss_report(err: str, log: Path) -> tuple[int, int, int]:
+    """Check the SIGTERM report line against the log; return emitted, delivered, lost."""
+    match = re.search(
+        r"EventBus closed on SIGTERM in [\d.]+ s; (\d+) events emitted; "
+        r"jsonl: delivered (\d+), lost (\d+)(?: \((.*)\))?",
+        err,
+    )
+    assert match is not None, err
+    emitted, delivered, lost = map(int, match.groups()[:3])
+    reasons = dict(item.rsplit(" ", 1) for item in (match.group(4) or "").split(", ") if item)
+    assert delivered + lost == emitted
+    assert sum(map(int, reasons.values())) == lost
+    assert set(reasons) <= {"queue_full", "not_flushed", "abandoned", "after_close"}
+    # A batch abandoned at the deadline may still have been written before the process died.
+    lines = len(log.read_bytes().splitlines())
+    assert delivered <= lines <= delivered + int(reasons.get("abandoned", 0))
+    return emitted, delivered, lost
+
+
+def test_sigterm_flushes_within_a_bound_and_reports_what_was_lost(tmp_path: Path) -> None:
+    """SIGTERM to a busy writer: the bus closes within its bound, one line reports emitted,
+    delivered and lost events, the log holds exactly the delivered ones, and the process
+    then dies of SIGTERM as it would have."""
+    code, _, err, log = _terminate_busy_writer(tmp_path, "default")
+    assert code == -signal.SIGTERM
+    _, delivered, _ = _loss_report(err, log)
+    assert delivered > 0
+
+
+def test_sigterm_handler_chains_the_hosts_own_handler(tmp_path: Path) -> None:
+    """A handler the host installed first still runs, after the bus has been closed."""
+    code, out, err, log = _terminate_busy_writer(tmp_path, "chain")
+    assert (code, out) == (3, "host handler ran\n")
+    _loss_report(err, log)
+
+
+def test_close_on_signal_leaves_an_ignored_signal_alone() -> None:
+    """A signal the host ignores stays ignored, and the restore function is a no-op."""
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with EventBus() as bus:
+            restore = bus.close_on_signal(signal.SIGUSR1)
+            assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+            restore()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_close_on_signal_restore_puts_the_previous_handler_back() -> None:
+    """restore() reinstalls what was there before."""
+    with EventBus() as bus:
+        before = signal.getsignal(signal.SIGUSR2)
+        restore = bus.close_on_signal(signal.SIGUSR2)
+        assert signal.getsignal(signal.SIGUSR2) is not before
+        restore()
+        assert signal.getsignal(signal.SIGUSR2) is before
