@@ -6,14 +6,21 @@ One event per line, with a versioned schema::
 
 Every line names the writing process (``pid``) and its worker rank (``RANK`` or
 ``LOCAL_RANK``, else 0), so the logs of several workers can be merged and still told
-apart. Each batch the bus delivers is written with one ``write()`` and flushed, so another
-process (``omnitrace top --follow``) sees whole batches as they happen. The file is rotated
-when it would grow past ``max_bytes``: ``events.jsonl`` becomes ``events.jsonl.1`` and so on,
-up to ``backups`` old files.
+apart. Each batch the bus delivers is written with one unbuffered ``write()`` (per file), so
+another process (``omnitrace top --follow``) sees whole lines as they happen. The file is
+rotated before a line would grow it past ``max_bytes`` (a batch is split across files, so a
+file exceeds ``max_bytes`` only when a single line is longer than that): ``events.jsonl``
+becomes ``events.jsonl.1`` and so on, up to ``backups`` old files; the oldest is deleted.
 
 Besides events, the writer records what the bus knows about each adapter (its graph cap
 and memory floor) as ``"type": "AdapterInfo"`` lines; :func:`read_events` skips those,
-:func:`read_records` yields them.
+:func:`read_records` yields them. A file started by rotation begins with a
+``"type": "LogSegment"`` line counting the events of the log before it and how many of
+those rotation deleted; :func:`log_gap` reads it, so a reader can say that the start of a
+log is missing and how much of it.
+
+Only regular files are written, rotated or deleted: a path that is a device, a named pipe,
+a directory or a symbolic link is refused with a :class:`~omnitrace.config.ConfigError`.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from omnitrace._files import check_regular, open_regular, unlink_regular, write_all
 from omnitrace.config import ConfigError, OmnitraceError
 from omnitrace.events import EVENT_TYPES, Event, MissReason
 
@@ -39,9 +48,11 @@ __all__ = [
     "EventLogFollower",
     "EventRecord",
     "JsonlSink",
+    "LogSegment",
     "decode_record",
     "encode_event",
     "follow",
+    "log_gap",
     "read_events",
     "read_records",
     "worker_rank",
@@ -57,6 +68,9 @@ _EVENT_FIELDS: dict[str, tuple[dataclasses.Field[Any], ...]] = {
     cls.__name__: dataclasses.fields(cls) for cls in EVENT_TYPES
 }
 _INFO_TYPE = "AdapterInfo"
+_SEGMENT_TYPE = "LogSegment"
+#: Longest first line :func:`log_gap` reads (a segment header is about 120 bytes).
+_HEADER_MAX = 4096
 
 
 class EventLogError(OmnitraceError, ValueError):
@@ -75,6 +89,17 @@ class AdapterInfo:
 
     adapter: str
     info: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LogSegment:
+    """The first line of a file started by rotation: what the log held before this file."""
+
+    events_before: int
+    """Events in the earlier files of the log, as far as the writer knew."""
+    events_deleted: int
+    """Events rotation had deleted from the log when this file began (older files past
+    ``backups``, or truncation with ``backups=0``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,15 +218,18 @@ class JsonlSink:
     Args:
         path: the log file; ``{pid}`` and ``{rank}`` in it are replaced, so each worker of a
             multi-process server can write a file of its own.
-        max_bytes: rotate before a batch would grow the file past this size (0: never).
+        max_bytes: rotate before a line would grow the file past this size (0: never).
         backups: rotated files to keep (``path.1`` is the newest); 0 truncates instead.
+            Events in files rotation deletes are counted (``deleted_events``, a warning,
+            and the ``LogSegment`` line that starts the next file).
         bus: when given, the adapters it registered (graph cap, memory floor) are written
             as ``AdapterInfo`` lines, so a reader of the log can show them too.
         fresh: delete an existing log and its rotated files first (default: append, so a
             restarted worker continues its log).
 
     Raises:
-        ConfigError: ``max_bytes`` or ``backups`` is negative, or the rank variable is bad.
+        ConfigError: ``max_bytes`` or ``backups`` is negative, the rank variable is bad, or
+            the path or one of its rotated files exists and is not a regular file.
     """
 
     name = "jsonl"
@@ -225,27 +253,46 @@ class JsonlSink:
         self.backups = backups
         self.rotations = 0
         self.written = 0
+        self.deleted_events = 0
+        """Events this sink deleted by rotation."""
         self._bus = bus
         self._described: set[str] = set()
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Refuse before anything is touched: a later rotation would replace these.
+        for existing in _rotated_files(self.path):
+            check_regular(existing, "event log")
         if fresh:
             for old in _rotated_files(self.path):
-                old.unlink(missing_ok=True)
-        self._file: IO[bytes] | None = self._open()
+                unlink_regular(old, "event log")
+        # Known event counts of the rotated files, by suffix (unknown ones are counted
+        # when rotation deletes them).
+        self._backup_events: dict[int, int] = {}
+        self._fd: int | None = self._open()
+        _SINKS.add(self)
 
-    def _open(self) -> IO[bytes]:
-        file = open(self.path, "ab")  # noqa: SIM115 -- held open across batches, closed in close()
-        size = file.tell()
+    def _open(self) -> int:
+        fd = open_regular(self.path, "event log")
+        size = os.fstat(fd).st_size
+        self._events_before, self._events_deleted = 0, 0
+        # Events already in the file are unknown until a rotation needs their number.
+        self._events_here: int | None = 0 if size == 0 else None
         if size:
-            # A writer that died mid-line left a torn line: end it, so our first record does
-            # not get glued onto it (the reader skips the torn line on its own).
             with open(self.path, "rb") as probe:
+                header = _segment_of(probe.readline(_HEADER_MAX))
                 probe.seek(size - 1)
-                if probe.read(1) != b"\n":
-                    file.write(b"\n")
-        self._size = file.tell()
-        return file
+                torn = probe.read(1) != b"\n"
+            if header is not None:
+                self._events_before = header.events_before
+                self._events_deleted = header.events_deleted
+            if torn:
+                # A writer that died mid-line left a torn line: end it, so our first record
+                # does not get glued onto it (the reader skips the torn line on its own).
+                write_all(fd, b"\n")
+                size += 1
+        self._size = size
+        self._holds_events = size > 0
+        return fd
 
     def _info_lines(self) -> list[bytes]:
         if self._bus is None:
@@ -267,53 +314,178 @@ class JsonlSink:
         return lines
 
     def handle(self, events: Sequence[Event]) -> None:
-        """Write ``events`` as one flushed append (rotating first if it would not fit)."""
+        """Write ``events``: one unbuffered write per file, rotating between lines."""
         pid, rank = self.pid, self.rank
-        lines = self._info_lines()
-        lines.extend(_dumps(encode_event(event, pid=pid, rank=rank)) for event in events)
-        data = b"".join(lines)
+        lines = [_dumps(encode_event(event, pid=pid, rank=rank)) for event in events]
         with self._lock:
-            if self._file is None:
+            if self._fd is None:
                 raise RuntimeError(f"JsonlSink({str(self.path)!r}) is closed")
-            if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
-                self._rotate()
-            self._file.write(data)
-            # One flush per batch: a follower sees whole batches, and the hot path never
-            # waits for this (the bus calls us on a worker thread).
-            self._file.flush()
-            self._size += len(data)
-            self.written += len(events)
+            chunk = self._info_lines()
+            size = self._size + sum(len(line) for line in chunk)
+            count = 0
+            for line in lines:
+                # A line that does not fit starts a new file, unless the file holds no
+                # event yet (a line longer than max_bytes gets a file of its own).
+                full = self.max_bytes and size + len(line) > self.max_bytes
+                if full and (count or self._holds_events):
+                    self._write(chunk, count)
+                    self._rotate()
+                    chunk, size, count = [], self._size, 0
+                chunk.append(line)
+                size += len(line)
+                count += 1
+            self._write(chunk, count)
+
+    def _write(self, lines: list[bytes], events: int) -> None:
+        if not lines:
+            return
+        assert self._fd is not None
+        data = b"".join(lines)
+        write_all(self._fd, data)
+        self._size += len(data)
+        self.written += events
+        if events:
+            self._holds_events = True
+            if self._events_here is not None:
+                self._events_here += events
 
     def _rotate(self) -> None:
-        assert self._file is not None
-        self._file.close()
+        assert self._fd is not None
+        here = self._events_here
+        if here is None:
+            here = _count_events(self.path)
+        deleted = 0
+        os.close(self._fd)
+        self._fd = None
         if self.backups:
+            oldest = self._backup(self.backups)
+            if check_regular(oldest, "event log"):
+                known = self._backup_events.get(self.backups)
+                deleted = _count_events(oldest) if known is None else known
             for index in range(self.backups - 1, 0, -1):
-                older = self.path.with_name(f"{self.path.name}.{index}")
-                if older.exists():
-                    os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+                older = self._backup(index)
+                if check_regular(older, "event log"):
+                    check_regular(self._backup(index + 1), "event log")
+                    os.replace(older, self._backup(index + 1))
+                    known = self._backup_events.pop(index, None)
+                    if known is not None:
+                        self._backup_events[index + 1] = known
+            check_regular(self._backup(1), "event log")
+            if check_regular(self.path, "event log"):
+                os.replace(self.path, self._backup(1))
+            self._backup_events[1] = here
         else:
-            self.path.unlink(missing_ok=True)
+            unlink_regular(self.path, "event log")
+            deleted = here
         self.rotations += 1
+        self._events_before += here
+        self._events_deleted += deleted
+        if deleted:
+            self.deleted_events += deleted
+            logger.warning(
+                "%s: rotation deleted %d events (backups=%d); %d deleted from this log in all",
+                self.path,
+                deleted,
+                self.backups,
+                self._events_deleted,
+            )
+        self._fd = open_regular(self.path, "event log")
+        self._size = 0
+        self._holds_events = False
+        self._events_here = 0
+        header = {
+            "v": SCHEMA_VERSION,
+            "type": _SEGMENT_TYPE,
+            "pid": self.pid,
+            "rank": self.rank,
+            "events_before": self._events_before,
+            "events_deleted": self._events_deleted,
+        }
         # Adapter facts go into every file, so a reader of the newest file alone has them.
         self._described.clear()
-        self._file = open(self.path, "ab")  # noqa: SIM115
-        self._size = 0
-        info = b"".join(self._info_lines())
-        if info:
-            self._file.write(info)
-            self._size += len(info)
+        self._write([_dumps(header), *self._info_lines()], 0)
+
+    def _backup(self, index: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{index}")
 
     def close(self) -> None:
-        """Flush and close the file (idempotent)."""
+        """Close the file (idempotent); every line is already written."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _after_fork_in_child(self) -> None:
+        # A parent thread may have held the lock at fork(); lines written here are the
+        # child's own.
+        self._lock = threading.Lock()
+        self.pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"<JsonlSink {str(self.path)!r} written={self.written}>"
+
+
+_SINKS: weakref.WeakSet[JsonlSink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_SINKS):
+        sink._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _count_events(path: Path) -> int:
+    """Count the complete event lines of a log file written by this module."""
+    data = path.read_bytes()
+    lines = data.count(b"\n")
+    # The writer's compact JSON puts the type right after the version; a quote inside a
+    # string value is escaped, so these markers only match record types.
+    return (
+        lines
+        - data.count(b'"type":"' + _INFO_TYPE.encode() + b'"')
+        - data.count(b'"type":"' + _SEGMENT_TYPE.encode() + b'"')
+    )
+
+
+def _segment_of(line: bytes) -> LogSegment | None:
+    """Decode ``line`` as a segment header; None when it is anything else."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or record.get("type") != _SEGMENT_TYPE:
+        return None
+    before, deleted = record.get("events_before"), record.get("events_deleted")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (before, deleted)):
+        return None
+    return LogSegment(int(before), int(deleted))  # type: ignore[arg-type]
+
+
+def _first_header(file: Path) -> LogSegment | None:
+    try:
+        with open(file, "rb") as probe:
+            return _segment_of(probe.readline(_HEADER_MAX))
+    except FileNotFoundError:
+        return None
+
+
+def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
+    """Return what is missing from the start of a log, or None when it starts at its start.
+
+    The oldest surviving file's header says how many events came before it (all missing);
+    the newest file's header says how many events rotation deleted in all. Stats derived
+    from such a log do not cover the missing events.
+    """
+    files = [f for f in _rotated_files(Path(os.fspath(path))) if f.exists()]
+    oldest = _first_header(files[0]) if files else None
+    if oldest is None or oldest.events_before <= 0:
+        return None
+    newest = _first_header(files[-1])
+    deleted = newest.events_deleted if newest is not None else oldest.events_deleted
+    return LogSegment(oldest.events_before, deleted)
 
 
 def _dumps(record: Mapping[str, Any]) -> bytes:
@@ -354,7 +526,7 @@ def _parse_lines(
             continue
         try:
             parsed = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             # A writer that crashed mid-write leaves one torn line; the next writer starts
             # on a fresh line, so this loses that one record only.
             if torn is None:
@@ -364,6 +536,8 @@ def _parse_lines(
             continue
         if not isinstance(parsed, dict):
             raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
+        if parsed.get("type") == _SEGMENT_TYPE:
+            continue  # describes the file, not an event: see log_gap()
         records.append(decode_record(parsed, where=f"{path}:{line_no}"))
     return records, consumed
 

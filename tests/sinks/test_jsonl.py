@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from omnitrace.sinks.jsonl import (
     EventLogFollower,
     JsonlSink,
     follow,
+    log_gap,
     read_events,
     read_records,
     worker_rank,
@@ -334,3 +338,198 @@ def test_follow_yields_events_until_stop(tmp_path: Path) -> None:
     finally:
         sink.close()
     assert seen == EVENTS
+
+
+# -- only regular files ---------------------------------------------------------------------
+
+
+def _refusal(path: Path, kind: str) -> str:
+    return re.escape(
+        f"event log: {path} is {kind}, not a regular file; omnitrace only writes, rotates "
+        "and deletes regular files"
+    )
+
+
+def _make(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """Put a thing of ``kind`` at a log path; return the path and how it is described."""
+    path = tmp_path / "events.jsonl"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    if kind == "link to a regular file":
+        path.symlink_to(target)
+        return path, "a symbolic link"
+    if kind == "link to /dev/null":
+        path.symlink_to("/dev/null")
+        return path, "a symbolic link"
+    if kind == "named pipe":
+        os.mkfifo(path)
+        return path, "a named pipe"
+    if kind == "directory":
+        path.mkdir()
+        return path, "a directory"
+    return Path("/dev/null"), "a character device"
+
+
+def _construct(path: Path, **kwargs: Any) -> BaseException | None:
+    """Build a JsonlSink on a thread with a deadline (opening a pipe could block forever)."""
+    outcome: list[BaseException | None] = []
+
+    def build() -> None:
+        try:
+            JsonlSink(path, **kwargs).close()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert outcome, f"JsonlSink({path}) blocked"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "append"])
+@pytest.mark.parametrize(
+    "kind",
+    ["link to a regular file", "link to /dev/null", "named pipe", "directory", "/dev/null"],
+)
+def test_sink_refuses_and_keeps_anything_but_a_regular_file(
+    tmp_path: Path, kind: str, fresh: bool
+) -> None:
+    """A log path that is a link, a pipe, a directory or a device is refused in one line,
+    and left exactly as it was (nothing is deleted, replaced or written through)."""
+    path, described = _make(tmp_path, kind)
+    before = os.lstat(path)
+    error = _construct(path, fresh=fresh)
+    assert isinstance(error, ConfigError)
+    assert re.fullmatch(_refusal(path, described), str(error))
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (
+        before.st_mode,
+        before.st_ino,
+        before.st_rdev,
+    )
+    assert (tmp_path / "precious.txt").read_text() == "keep me\n"
+
+
+def test_a_rotated_file_that_is_a_link_is_refused_up_front(tmp_path: Path) -> None:
+    """A planted events.jsonl.2 link is refused before anything is written or rotated."""
+    path = tmp_path / "events.jsonl"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    link = tmp_path / "events.jsonl.2"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match=_refusal(link, "a symbolic link")):
+        JsonlSink(path, fresh=True)
+    assert link.is_symlink()
+    assert target.read_text() == "keep me\n"
+
+
+def test_rotation_refuses_to_replace_a_link_planted_later(tmp_path: Path) -> None:
+    """A link planted at a rotation target makes handle() raise (the bus then disables the
+    sink and counts its events); the link and its target stay untouched."""
+    path = tmp_path / "events.jsonl"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    sink = JsonlSink(path, max_bytes=300, backups=2)
+    try:
+        sink.handle(EVENTS[:1])
+        link = tmp_path / "events.jsonl.1"
+        link.symlink_to(target)
+        with pytest.raises(ConfigError, match=_refusal(link, "a symbolic link")):
+            sink.handle(EVENTS[1:])  # too big for one file: rotates
+    finally:
+        sink.close()
+    assert link.is_symlink()
+    assert target.read_text() == "keep me\n"
+
+
+# -- rotation: split batches, count what is deleted -----------------------------------------
+
+
+def _many(n: int, key: str = "float32[1,80,100]") -> list[Event]:
+    return [GraphReplayed("audio", key, i, i, 0.001) for i in range(n)]
+
+
+def test_one_big_batch_is_split_so_no_file_exceeds_max_bytes(tmp_path: Path) -> None:
+    """A batch far larger than max_bytes is spread over files, none past max_bytes, and the
+    reader gets every event back in order."""
+    path = tmp_path / "events.jsonl"
+    events = _many(2000)
+    sink = JsonlSink(path, max_bytes=4096, backups=1000)
+    try:
+        sink.handle(events)
+    finally:
+        sink.close()
+    sizes = [p.stat().st_size for p in tmp_path.iterdir()]
+    assert len(sizes) == sink.rotations + 1 > 50
+    assert max(sizes) <= 4096
+    assert list(read_events(path)) == events
+
+
+def test_a_line_longer_than_max_bytes_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    """A single line over max_bytes is the only event of its file: the overshoot is one line."""
+    path = tmp_path / "events.jsonl"
+    long_key = "x" * 5000
+    events = [*_many(3), *_many(1, long_key), *_many(3)]
+    sink = JsonlSink(path, max_bytes=1024, backups=10)
+    try:
+        sink.handle(events)
+    finally:
+        sink.close()
+    oversized = [p for p in tmp_path.iterdir() if p.stat().st_size > 1024]
+    assert len(oversized) == 1
+    lines = oversized[0].read_bytes().splitlines()
+    assert [json.loads(line)["type"] for line in lines] == ["LogSegment", "GraphReplayed"]
+    assert list(read_events(path)) == events
+
+
+@pytest.mark.parametrize("backups", [0, 1, 3])
+def test_rotation_counts_the_events_it_deletes(
+    tmp_path: Path, backups: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deleted events are counted by the sink, logged, and recorded at the start of the
+    next file: what survives plus what was deleted is everything written."""
+    path = tmp_path / "events.jsonl"
+    events = _many(3000)
+    sink = JsonlSink(path, max_bytes=8192, backups=backups)
+    with caplog.at_level(logging.WARNING, logger="omnitrace.jsonl"):
+        try:
+            for start in range(0, len(events), 100):
+                sink.handle(events[start : start + 100])
+        finally:
+            sink.close()
+    survivors = list(read_events(path))
+    assert sink.deleted_events > 0
+    assert survivors == events[sink.deleted_events :]
+    gap = log_gap(path)
+    assert gap is not None
+    assert gap.events_before == gap.events_deleted == sink.deleted_events
+    assert any("rotation deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_deleted_events_are_counted_across_writer_restarts(tmp_path: Path) -> None:
+    """A restarted writer appending to the log counts events of files it did not write."""
+    path = tmp_path / "events.jsonl"
+    events = _many(2000)
+    for part in (events[:700], events[700:1400], events[1400:]):
+        sink = JsonlSink(path, max_bytes=8192, backups=2)
+        try:
+            for start in range(0, len(part), 50):
+                sink.handle(part[start : start + 50])
+        finally:
+            sink.close()
+    survivors = list(read_events(path))
+    gap = log_gap(path)
+    assert gap is not None
+    assert survivors == events[gap.events_before :]
+    assert gap.events_deleted == gap.events_before
+
+
+def test_a_complete_log_has_no_gap(tmp_path: Path) -> None:
+    """A log whose rotation kept every file, or that never rotated, reports no gap."""
+    path = tmp_path / "events.jsonl"
+    assert log_gap(path) is None
+    _write(path, _many(100), max_bytes=2048, backups=100)
+    assert log_gap(path) is None
+    assert len(list(read_events(path))) == 100
