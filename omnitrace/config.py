@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,6 +25,11 @@ __all__ = [
 ]
 
 GiB = 1 << 30
+#: Largest value of a signed 64-bit integer: every count and byte size omnitrace exports.
+INT64_MAX = (1 << 63) - 1
+#: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
+#: admission history keeps four keys per graph; no deployment needs more.
+MAX_GRAPHS_CAP = 1024
 
 _PREFIX = "encoder_cuda_graph"
 
@@ -50,16 +56,44 @@ class EncoderGraphFailedError(OmnitraceError, RuntimeError):
     """The adapter is terminal: an earlier CUDA graph capture failed."""
 
 
+class _OversizedInt:
+    """A JSON integer too long to convert (or to mean anything here), kept as its digits."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+#: JSON integers longer than this are not converted: no valid value comes close, and
+#: Python refuses to convert past about 4,300 digits.
+_MAX_JSON_DIGITS = 40
+
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+
+
+def _parse_json_int(text: str) -> int | _OversizedInt:
+    return _OversizedInt(text) if len(text) > _MAX_JSON_DIGITS else int(text)
+
+
 def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    """Show ``value`` and its type in one short line, whatever its size or depth."""
+    if isinstance(value, _OversizedInt):
+        return f"a {value.digits}-digit integer"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        # repr() of a huge int is slow, and refused past about 4,300 digits.
+        return f"an integer of {value.bit_length()} bits (int)"
+    return f"{_short.repr(value)} ({type(value).__name__})"
 
 
-def _check_int(key: str, value: object, minimum: int, meaning: str) -> int:
+def _check_int(key: str, value: object, minimum: int, maximum: int, meaning: str) -> int:
     # bool is a subclass of int, and a float such as 4.0 or a string such as "4" is a typo
     # waiting to happen in a JSON override, so only a real int is accepted.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
-    if value < minimum:
+    if not minimum <= value <= maximum:
         raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
     return value
 
@@ -75,8 +109,10 @@ class EncoderGraphConfig:
     """Admission and memory settings shared by the encoder graph adapters.
 
     Args:
-        enabled: capture and replay graphs at all (``--enforce-eager`` forces false).
-        max_graphs: graphs retained per encoder; 0 disables capture.
+        enabled: capture and replay graphs at all (``--enforce-eager`` forces false; every
+            call is then an ``ineligible`` miss, detail ``disabled``).
+        max_graphs: graphs retained per encoder, at most 1024; 0 captures nothing (a cache
+            of zero graphs is full: every eligible call is a ``capacity`` miss).
         min_capture_calls: calls with the same key before it is captured (at least 2).
         min_free_bytes: device-free memory floor checked before each capture; 0 disables it.
         share_pools: share one memory pool and capture stream per encoder, device and
@@ -95,19 +131,22 @@ class EncoderGraphConfig:
             _FIELD_TO_KEY["max_graphs"],
             self.max_graphs,
             0,
-            "a nonnegative integer (0 disables capture)",
+            MAX_GRAPHS_CAP,
+            f"an integer from 0 to {MAX_GRAPHS_CAP} (0 keeps no graph)",
         )
         _check_int(
             _FIELD_TO_KEY["min_capture_calls"],
             self.min_capture_calls,
             2,
-            "an integer of at least 2",
+            INT64_MAX,
+            "an integer from 2 to 2**63-1",
         )
         _check_int(
             _FIELD_TO_KEY["min_free_bytes"],
             self.min_free_bytes,
             0,
-            "a nonnegative integer number of bytes (0 disables the check)",
+            INT64_MAX,
+            "a number of bytes from 0 to 2**63-1 (0 disables the check)",
         )
         _check_bool(_FIELD_TO_KEY["share_pools"], self.share_pools)
 
@@ -134,8 +173,9 @@ class EncoderGraphConfig:
         ignored; an unknown ``encoder_cuda_graph_*`` key is an error.
 
         Raises:
-            ConfigError: a value has the wrong type or range, the JSON does not parse, or a
-                key is unknown (the message suggests the closest valid key).
+            ConfigError: a value has the wrong type or range, the JSON does not parse (too
+                deep or too long a number included), or a key is unknown (the message
+                suggests the closest valid key). Always one line.
         """
         if not isinstance(enforce_eager, bool):
             raise ConfigError(
@@ -144,12 +184,7 @@ class EncoderGraphConfig:
         if overrides is None:
             overrides = {}
         elif isinstance(overrides, str):
-            try:
-                overrides = json.loads(overrides) if overrides.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"hf_overrides: expected a JSON object, got invalid JSON ({exc})"
-                ) from None
+            overrides = _parse_json(overrides)
         if not isinstance(overrides, Mapping):
             raise ConfigError(
                 f"hf_overrides: expected a JSON object (mapping), got {_describe(overrides)}"
@@ -161,16 +196,7 @@ class EncoderGraphConfig:
                 continue
             field_name = HF_OVERRIDE_KEYS.get(key)
             if field_name is None:
-                # Compare what follows the shared prefix, or every key looks alike.
-                suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
-                close = difflib.get_close_matches(
-                    key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6
-                )
-                hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
-                raise ConfigError(
-                    f"{key}: unknown encoder graph option (valid: "
-                    f"{', '.join(sorted(HF_OVERRIDE_KEYS))}){hint}"
-                )
+                raise ConfigError(_unknown_key(key))
             kwargs[field_name] = value
         config = cls(**kwargs)
         if enforce_eager and config.enabled:
@@ -192,3 +218,36 @@ class EncoderGraphConfig:
     def to_hf_overrides(self) -> dict[str, Any]:
         """Return the ``--hf-overrides`` mapping that rebuilds this config."""
         return {key: getattr(self, name) for key, name in HF_OVERRIDE_KEYS.items()}
+
+
+def _unknown_key(key: str) -> str:
+    """Say that ``key`` is no encoder graph option, suggesting the closest one."""
+    valid = ", ".join(sorted(HF_OVERRIDE_KEYS))
+    if len(key) > 80:
+        return f"{_short.repr(key)}: unknown encoder graph option (valid: {valid})"
+    # Compare what follows the shared prefix, or every key looks alike.
+    suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
+    close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
+    hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
+    return f"{key}: unknown encoder graph option (valid: {valid}){hint}"
+
+
+def _parse_json(text: str) -> Any:
+    """Parse ``--hf-overrides`` text; every failure is a one-line ConfigError."""
+    if not text.strip():
+        return {}
+    try:
+        # Long integers stay unconverted: a key omnitrace ignores may hold one, and one of
+        # ours is then refused by its range check.
+        return json.loads(text, parse_int=_parse_json_int)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"hf_overrides: expected a JSON object, got invalid JSON ({exc})"
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            "hf_overrides: expected a JSON object, got JSON nested too deeply to parse"
+        ) from None
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"hf_overrides: expected a JSON object, got {reason}") from None

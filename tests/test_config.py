@@ -52,45 +52,47 @@ def test_enforce_eager_always_disables() -> None:
 
 
 def test_zero_max_graphs_disables_capture() -> None:
-    """max_graphs=0 is valid and means no capture."""
+    """max_graphs=0 is valid and means no capture (the adapter counts capacity misses)."""
     cfg = EncoderGraphConfig.from_hf_overrides({MAX: 0})
     assert cfg.captures_enabled is False
+
+
+MAX_RANGE = "an integer from 0 to 1024 (0 keeps no graph)"
+CALLS_RANGE = "an integer from 2 to 2**63-1"
+FREE_RANGE = "a number of bytes from 0 to 2**63-1 (0 disables the check)"
 
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        (MAX, -1, f"{MAX}: expected a nonnegative integer (0 disables capture), got -1 (int)"),
-        (MAX, True, f"{MAX}: expected a nonnegative integer (0 disables capture), got True (bool)"),
-        (MAX, 4.0, f"{MAX}: expected a nonnegative integer (0 disables capture), got 4.0 (float)"),
-        (MAX, "4", f"{MAX}: expected a nonnegative integer (0 disables capture), got '4' (str)"),
+        (MAX, -1, f"{MAX}: expected {MAX_RANGE}, got -1 (int)"),
+        (MAX, True, f"{MAX}: expected {MAX_RANGE}, got True (bool)"),
+        (MAX, 4.0, f"{MAX}: expected {MAX_RANGE}, got 4.0 (float)"),
+        (MAX, "4", f"{MAX}: expected {MAX_RANGE}, got '4' (str)"),
+        (MAX, None, f"{MAX}: expected {MAX_RANGE}, got None (NoneType)"),
+        (MAX, 1025, f"{MAX}: expected {MAX_RANGE}, got 1025 (int)"),
+        (MAX, 2**63, f"{MAX}: expected {MAX_RANGE}, got 9223372036854775808 (int)"),
+        pytest.param(
+            MAX,
+            10**5000,
+            f"{MAX}: expected {MAX_RANGE}, got an integer of 16610 bits (int)",
+            id="5000-digit-int",
+        ),
+        (MAX, [[[[[[[[1]]]]]]]], f"{MAX}: expected {MAX_RANGE}, got [[[[[[[...]]]]]]] (list)"),
         (
             MAX,
-            None,
-            f"{MAX}: expected a nonnegative integer (0 disables capture), got None (NoneType)",
+            "x" * 5000,
+            f"{MAX}: expected {MAX_RANGE}, got '{'x' * 27}...{'x' * 28}' (str)",
         ),
-        (CALLS, 1, f"{CALLS}: expected an integer of at least 2, got 1 (int)"),
-        (CALLS, 0, f"{CALLS}: expected an integer of at least 2, got 0 (int)"),
-        (CALLS, 2.5, f"{CALLS}: expected an integer of at least 2, got 2.5 (float)"),
-        (CALLS, False, f"{CALLS}: expected an integer of at least 2, got False (bool)"),
-        (
-            FREE,
-            -5,
-            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
-            "got -5 (int)",
-        ),
-        (
-            FREE,
-            "1GiB",
-            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
-            "got '1GiB' (str)",
-        ),
-        (
-            FREE,
-            1e9,
-            f"{FREE}: expected a nonnegative integer number of bytes (0 disables the check), "
-            "got 1000000000.0 (float)",
-        ),
+        (CALLS, 1, f"{CALLS}: expected {CALLS_RANGE}, got 1 (int)"),
+        (CALLS, 0, f"{CALLS}: expected {CALLS_RANGE}, got 0 (int)"),
+        (CALLS, 2.5, f"{CALLS}: expected {CALLS_RANGE}, got 2.5 (float)"),
+        (CALLS, False, f"{CALLS}: expected {CALLS_RANGE}, got False (bool)"),
+        (CALLS, 2**63, f"{CALLS}: expected {CALLS_RANGE}, got 9223372036854775808 (int)"),
+        (FREE, -5, f"{FREE}: expected {FREE_RANGE}, got -5 (int)"),
+        (FREE, "1GiB", f"{FREE}: expected {FREE_RANGE}, got '1GiB' (str)"),
+        (FREE, 1e9, f"{FREE}: expected {FREE_RANGE}, got 1000000000.0 (float)"),
+        (FREE, 2**63, f"{FREE}: expected {FREE_RANGE}, got 9223372036854775808 (int)"),
         (SHARE, 1, f"{SHARE}: expected true or false, got 1 (int)"),
         (SHARE, "false", f"{SHARE}: expected true or false, got 'false' (str)"),
         (ON, 0, f"{ON}: expected true or false, got 0 (int)"),
@@ -155,3 +157,61 @@ def test_to_hf_overrides_round_trips() -> None:
     """to_hf_overrides() produces overrides that rebuild the same config."""
     cfg = EncoderGraphConfig(max_graphs=3, min_capture_calls=5, min_free_bytes=7, share_pools=False)
     assert EncoderGraphConfig.from_hf_overrides(cfg.to_hf_overrides()) == cfg
+
+
+def test_largest_values_that_fit_are_accepted() -> None:
+    """The bounds themselves are valid: 1024 graphs, int64 calls and bytes."""
+    cfg = EncoderGraphConfig(max_graphs=1024, min_capture_calls=2**63 - 1, min_free_bytes=2**63 - 1)
+    assert cfg.history_size == 4096
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"architectures": ["MiniCPMO"], "seed": ' + "7" * 5000 + "}",
+            None,
+        ),
+        (
+            '{"' + MAX + '": ' + "7" * 5000 + "}",
+            f"{MAX}: expected {MAX_RANGE}, got a 5000-digit integer",
+        ),
+        (
+            '{"' + FREE + '": -' + "7" * 5000 + "}",
+            f"{FREE}: expected {FREE_RANGE}, got a 5000-digit integer",
+        ),
+        (
+            "[" * 100_000,
+            "hf_overrides: expected a JSON object, got JSON nested too deeply to parse",
+        ),
+        (
+            '{"vision_config": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "hf_overrides: expected a JSON object, got JSON nested too deeply to parse",
+        ),
+    ],
+    ids=["long-int-ignored-key", "long-int-max-graphs", "long-negative-int", "deep", "deep-value"],
+)
+def test_json_that_python_cannot_convert_is_a_one_line_config_error(
+    text: str, message: str | None
+) -> None:
+    """A 5,000-digit integer or 100,000 nested arrays never escape as ValueError or
+    RecursionError: an ignored key is ignored, a key of ours names itself, nesting names
+    hf_overrides."""
+    if message is None:
+        assert EncoderGraphConfig.from_hf_overrides(text) == EncoderGraphConfig()
+        return
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig.from_hf_overrides(text)
+    assert str(info.value) == message
+
+
+def test_a_huge_unknown_key_is_shortened_in_the_error() -> None:
+    """An unknown key of 100,000 characters gives a short one-line error."""
+    key = "encoder_cuda_graph_" + "z" * 100_000
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig.from_hf_overrides({key: 1})
+    text = str(info.value)
+    assert "\n" not in text
+    assert len(text) < 400
+    assert text.startswith("'encoder_cuda_graph_zzz")
+    assert "unknown encoder graph option" in text
