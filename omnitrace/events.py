@@ -34,9 +34,11 @@ class MissReason(str, enum.Enum):
     """Why a call ran eagerly."""
 
     INELIGIBLE = "ineligible"
-    """The call can never be graphed (CPU, grad, autocast, capturing, disabled, ...)."""
+    """The call can never be graphed (CPU, grad, autocast, capturing, ...), or graphs are
+    switched off (detail ``disabled``: ``encoder_cuda_graph: false`` or enforce-eager)."""
     CAPACITY = "capacity"
-    """The encoder already holds ``max_graphs`` graphs; graphs are never evicted."""
+    """The encoder already holds ``max_graphs`` graphs (with ``max_graphs: 0``, every
+    eligible call); graphs are never evicted."""
     WARMUP = "warmup"
     """The key has been seen fewer than ``min_capture_calls`` times."""
     MEMORY = "memory"
@@ -122,6 +124,9 @@ class CaptureFailed:
     epoch_ns: int
     error_type: str
     message: str
+    """First line of the exception's message, at most 300 characters (the cut counted as
+    ``... [+N chars]``), tensor and array contents replaced with ``...``: it goes to logs,
+    spans and event logs, and the exception may carry model values."""
     device: str
     stream: int
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -25,9 +26,16 @@ from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
 from omnitrace.graphs.pools import PoolRegistry
 from omnitrace.stats import AdapterStats, StatsFold
 
-__all__ = ["EncoderCudaGraph", "describe_key"]
+__all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "describe_key", "failure_message"]
 
 _INELIGIBLE = MissReason.INELIGIBLE
+#: Longest capture-failure message put in events, logs and spans.
+MESSAGE_MAX_CHARS = 300
+# The start of a tensor or array repr, and long bracketed runs of numbers: model values
+# that an exception message may carry and that must not reach telemetry.
+_TENSOR_START = re.compile(r"\b(?:tensor|array|Parameter containing:\s*tensor)\(")
+_PAREN = re.compile(r"[()]")
+_NUMBERS = re.compile(r"\[[-+0-9.eE,\s\[\]]{24,}\]")
 _mono = time.monotonic_ns
 _epoch = time.time_ns
 _perf = time.perf_counter
@@ -52,6 +60,41 @@ def describe_key(
     if stream is not None:
         text += f" s={stream}"
     return text
+
+
+def _strip_values(text: str) -> str:
+    """Replace the contents of tensor reprs and long number lists in ``text`` with ``...``."""
+    out: list[str] = []
+    pos = 0
+    while (start := _TENSOR_START.search(text, pos)) is not None:
+        out.append(text[pos : start.end()])
+        depth, end = 1, len(text)
+        for paren in _PAREN.finditer(text, start.end()):
+            depth += 1 if paren.group() == "(" else -1
+            if depth == 0:
+                end = paren.end()
+                break
+        out.append("...)")
+        pos = end
+    out.append(text[pos:])
+    return _NUMBERS.sub("[...]", "".join(out))
+
+
+def failure_message(exc: BaseException) -> str:
+    """Return the first line of ``exc``'s message, bounded and without tensor values.
+
+    At most :data:`MESSAGE_MAX_CHARS` characters are kept; what is cut (the rest of the
+    line and any further lines) is counted as ``... [+N chars]``.
+    """
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not hide the capture failure
+        return f"<unprintable {type(exc).__name__}>"
+    text = _strip_values(text).strip()
+    first = text.split("\n", 1)[0].rstrip()
+    kept = first[:MESSAGE_MAX_CHARS]
+    cut = len(text) - len(kept)
+    return f"{kept} ... [+{cut} chars]" if cut else kept
 
 
 class _Entry:
@@ -114,7 +157,9 @@ class EncoderCudaGraph:
         self.config = config
         self.backend = backend
         self._bus = bus
-        self._enabled = config.captures_enabled
+        # max_graphs=0 keeps graphs "on": a cache of zero graphs is full, so every eligible
+        # call is a capacity miss and the lost coverage shows, as for any full cache.
+        self._enabled = config.enabled
         self._admission = Admission(config)
         self._pools = PoolRegistry(backend, share=config.share_pools)
         self._graphs: dict[Hashable, _Entry] = {}
@@ -199,6 +244,13 @@ class EncoderCudaGraph:
         if bus is not None:
             bus.emit(event)
 
+    def _terminal_error(self) -> EncoderGraphFailedError:
+        return EncoderGraphFailedError(
+            f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
+            f"({self._failure}). Restart the worker, optionally with encoder graphs "
+            "disabled (--hf-overrides '{\"encoder_cuda_graph\": false}')."
+        )
+
     def _eager(
         self,
         inputs: tuple[Any, ...],
@@ -206,16 +258,15 @@ class EncoderCudaGraph:
         detail: str,
         key_text: str,
     ) -> Any:
+        if self._failure is not None:
+            # Another thread's capture failed since this call was admitted: terminal at once.
+            raise self._terminal_error()
         self._emit(GraphMissed(self.name, key_text, _mono(), _epoch(), reason, detail))
         return self._forward(*inputs)
 
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
         if self._failure is not None:
-            raise EncoderGraphFailedError(
-                f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
-                f"({self._failure}). Restart the worker, optionally with encoder graphs "
-                "disabled (--hf-overrides '{\"encoder_cuda_graph\": false}')."
-            )
+            raise self._terminal_error()
         device: torch.device | None = None
         mixed = False
         strided = True
@@ -272,6 +323,10 @@ class EncoderCudaGraph:
         key = (device, stream, key_specs)
         miss: tuple[MissReason, str, str] | None = None
         with self._lock:
+            # Checked again under the lock: a capture holds it, so a call that waited for a
+            # capture that failed never starts another one, nor eager work.
+            if self._failure is not None:
+                raise self._terminal_error()
             entry = self._graphs.get(key)
             if entry is None:
                 out, miss = self._admit(key, inputs, device, stream, key_specs)
@@ -344,8 +399,11 @@ class EncoderCudaGraph:
                 capture_stream=slot.capture_stream,
             )
         except BaseException as exc:
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            self._failure = f"{type(exc).__name__}: {first_line}"
+            # The message goes to logs, spans and event logs: bounded, and without the
+            # tensor values a forward's exception may carry. The exception itself propagates
+            # untouched.
+            message = failure_message(exc)
+            self._failure = f"{type(exc).__name__}: {message}"
             self._emit(
                 CaptureFailed(
                     self.name,
@@ -353,7 +411,7 @@ class EncoderCudaGraph:
                     _mono(),
                     _epoch(),
                     type(exc).__name__,
-                    str(exc),
+                    message,
                     str(device),
                     stream,
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -273,17 +274,38 @@ def test_cpu_tensors_are_ineligible_on_the_torch_backend(bus: EventBus) -> None:
 
 
 def test_disabled_adapter_is_ineligible(bus: EventBus) -> None:
-    """enabled=False and max_graphs=0 both run every call eagerly as 'disabled'."""
-    for config in (CFG.replace(enabled=False), CFG.replace(max_graphs=0)):
-        graph, model, backend = make(bus, config)
-        x = torch.randn(2, 8)
-        with capture_events(bus) as events:
+    """enabled=False runs every call eagerly as an ineligible 'disabled' miss."""
+    graph, model, backend = make(bus, CFG.replace(enabled=False))
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+        graph(x)
+    assert [(e.reason, e.detail) for e in events] == [  # type: ignore[union-attr]
+        (MissReason.INELIGIBLE, "disabled")
+    ] * 3
+    assert backend.captures == 0
+    assert model.calls == 3
+
+
+def test_zero_max_graphs_counts_every_eligible_call_as_a_capacity_miss(bus: EventBus) -> None:
+    """max_graphs=0 is a full cache of zero graphs: eligible calls are capacity misses (the
+    lost coverage shows), calls that could never be graphed stay ineligible."""
+    graph, model, backend = make(bus, CFG.replace(max_graphs=0))
+    x = torch.randn(2, 8)
+    with capture_events(bus) as events:
+        for _ in range(3):
             graph(x)
+        graph(torch.randn(5, 8))
+        with torch.enable_grad():
             graph(x)
-            graph(x)
-        assert [e.detail for e in events] == ["disabled"] * 3  # type: ignore[union-attr]
-        assert backend.captures == 0
-        assert model.calls == 3
+    assert [(e.reason, e.detail) for e in events] == [  # type: ignore[union-attr]
+        *[(MissReason.CAPACITY, "cap")] * 4,
+        (MissReason.INELIGIBLE, "grad"),
+    ]
+    stats = graph.get_cumulative_stats()
+    assert (stats["capacity_misses"], stats["ineligible_misses"], stats["num_graphs"]) == (4, 1, 0)
+    assert (backend.captures, model.calls) == (0, 5)
 
 
 def test_enforce_eager_config_never_captures(bus: EventBus) -> None:
@@ -345,6 +367,96 @@ def test_capture_failure_is_fatal_and_keeps_the_original_exception(bus: EventBus
     assert model.calls == runs_before
     assert graph.terminal
     assert graph.get_cumulative_stats()["capture_failures"] == 1
+
+
+class _LateFailingBackend(SimulatedGraphBackend):
+    """A simulated device whose captures fail only after ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(fail_on_capture=RuntimeError("capture failed late"))
+        self.delay = delay
+        self.attempts: list[int] = []
+
+    def capture(self, *args: Any, **kwargs: Any) -> Any:
+        self.attempts.append(threading.get_ident())
+        time.sleep(self.delay)
+        return super().capture(*args, **kwargs)
+
+
+def _race_a_late_capture_failure(bus: EventBus, name: str) -> None:
+    """Three threads call one shape while its capture fails late; check what each saw."""
+    backend = _LateFailingBackend(delay=0.1)
+    model = Counting()
+    graph = EncoderCudaGraph(model, name=name, config=CFG, bus=bus, backend=backend)
+    x = torch.randn(2, 8)
+    graph(x)  # warm-up: the next call of this shape captures
+    runs_before = model.calls
+    barrier = threading.Barrier(3)
+    outcomes: list[str] = []
+
+    def call() -> None:
+        with torch.no_grad():  # grad mode is per thread
+            barrier.wait()
+            try:
+                graph(x)
+                outcomes.append("served")
+            except EncoderGraphFailedError:
+                outcomes.append("terminal")
+            except RuntimeError as exc:
+                outcomes.append("capture" if str(exc) == "capture failed late" else repr(exc))
+
+    with capture_events(bus) as events:
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert sorted(outcomes) == ["capture", "terminal", "terminal"], name
+    assert len(backend.attempts) == 1, name
+    assert kinds(events) == ["CaptureFailed"], name
+    assert graph.get_cumulative_stats()["capture_failures"] == 1
+    assert model.calls == runs_before + 1  # the capture's own warm-up, nothing eager
+
+
+def test_concurrent_calls_during_a_failing_capture_see_one_failure(bus: EventBus) -> None:
+    """Three threads call one shape while its capture fails late, 20 times over: one capture
+    is attempted, one CaptureFailed is emitted, the two other calls raise the terminal
+    error, and no call runs eager work once the adapter is terminal."""
+    for trial in range(20):
+        _race_a_late_capture_failure(bus, f"vision{trial}")
+
+
+def test_capture_failure_message_is_one_bounded_line_without_tensor_values(
+    bus: EventBus,
+) -> None:
+    """A forward that raises with a tensor in a long message: the event keeps the first line,
+    tensor values replaced, the cut counted; the original exception propagates untouched."""
+    values = torch.arange(40_000.0).reshape(200, 200) + 0.123
+    boom = RuntimeError(f"bad input {values} at layer 3\n" + "trace line\n" * 1000)
+    graph, _, _ = make(bus, backend=SimulatedGraphBackend(fail_on_capture=boom))
+    x = torch.randn(2, 8)
+    graph(x)
+    with capture_events(bus) as events, pytest.raises(RuntimeError) as info:
+        graph(x)
+    assert info.value is boom
+    (failed,) = events
+    assert isinstance(failed, CaptureFailed)
+    assert failed.message == "bad input tensor(...) at layer 3 ... [+11000 chars]"
+    with pytest.raises(EncoderGraphFailedError) as later:
+        graph(x)
+    assert "(RuntimeError: bad input tensor(...) at layer 3 ... [+11000 chars])" in str(later.value)
+
+
+def test_a_long_single_line_failure_message_is_cut_at_300_characters(bus: EventBus) -> None:
+    """A 100,000-character message keeps 300 characters and says how many were cut."""
+    boom = ValueError("x" * 100_000)
+    graph, _, _ = make(bus, backend=SimulatedGraphBackend(fail_on_capture=boom))
+    x = torch.randn(2, 8)
+    graph(x)
+    with capture_events(bus) as events, pytest.raises(ValueError, match=r"^x{100000}$"):
+        graph(x)
+    (failed,) = events
+    assert failed.message == "x" * 300 + " ... [+99700 chars]"  # type: ignore[union-attr]
 
 
 def test_unsupported_output_type_fails_capture(bus: EventBus) -> None:
