@@ -66,22 +66,33 @@ def _bounded(
     """Return an argparse type that converts with ``convert`` and checks ``accept``."""
 
     def parse(text: str) -> _N:
+        shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
         try:
             value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {label}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {label}, got {shown}") from None
         if not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {label}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {label}, got {shown}")
         return value
 
     return parse
 
 
+def _int_range(low: int, high: int, label: str) -> Callable[[str], int]:
+    return _bounded(int, f"{label} from {low} to {high}", lambda v: low <= v <= high)
+
+
 _positive_int = _bounded(int, "a positive integer", lambda v: v >= 1)
-_nonnegative_int = _bounded(int, "a nonnegative integer", lambda v: v >= 0)
 _positive_float = _bounded(float, "a positive number", lambda v: v > 0)
 _nonnegative_float = _bounded(float, "a nonnegative number", lambda v: v >= 0)
 _port = _bounded(int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535)
+# Bounds say what the numbers mean: counts within what a run can reach, model sizes a CPU
+# can hold, simulated MiB whose byte count fits the int64 of exported metrics.
+_count = _int_range(0, 10**12, "an integer")
+_model_size = _int_range(1, 16384, "an integer")
+_layers = _int_range(1, 256, "an integer")
+_mib = _int_range(0, (1 << 43) - 1, "a number of MiB")
+_seed = _int_range(0, (1 << 63) - 1, "an integer")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -106,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     traffic = demo.add_argument_group("traffic")
     traffic.add_argument(
         "--requests",
-        type=_nonnegative_int,
+        type=_count,
         default=400,
         help="encoder requests to send (0: no limit, stop with --duration)",
     )
@@ -117,7 +128,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="stop after this many seconds even if requests remain",
     )
-    traffic.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
+    traffic.add_argument("--seed", type=_seed, default=0, help="traffic and weight seed")
     traffic.add_argument(
         "--rate",
         type=_positive_float,
@@ -139,23 +150,23 @@ def _build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="disable encoder graphs (as vLLM's flag)"
     )
     sizes = demo.add_argument_group("model sizes (defaults are tiny, for a CPU)")
-    sizes.add_argument("--hidden", type=_positive_int, default=64, help="hidden size")
-    sizes.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
-    sizes.add_argument("--vision-layers", type=_positive_int, default=2, help="vision layers")
-    sizes.add_argument("--audio-layers", type=_positive_int, default=2, help="audio layers")
+    sizes.add_argument("--hidden", type=_model_size, default=64, help="hidden size")
+    sizes.add_argument("--heads", type=_layers, default=4, help="attention heads")
+    sizes.add_argument("--vision-layers", type=_layers, default=2, help="vision layers")
+    sizes.add_argument("--audio-layers", type=_layers, default=2, help="audio layers")
     sizes.add_argument(
         "--cpu", action="store_true", help="run on the CPU (simulated graphs) even with CUDA"
     )
     sim = demo.add_argument_group("simulated device (CPU only)")
     sim.add_argument(
         "--sim-free-mib",
-        type=_nonnegative_int,
+        type=_mib,
         default=1624,
         help="simulated free device memory at start, MiB (so the 1 GiB floor bites late)",
     )
     sim.add_argument(
         "--sim-graph-mib",
-        type=_nonnegative_int,
+        type=_mib,
         default=96,
         help="simulated memory each capture takes, MiB",
     )
@@ -363,12 +374,14 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
     """Configure structlog for the run; close the log file and restore defaults after."""
     import structlog
 
+    from omnitrace._files import open_regular
     from omnitrace.sinks.logs import configure_logging
 
     stream: IO[str] | None = None
     if args.log_file is not None:
         args.log_file.parent.mkdir(parents=True, exist_ok=True)
-        stream = open(args.log_file, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
+        # Never through a link, never a device or a pipe: a ConfigError names what it is.
+        stream = os.fdopen(open_regular(args.log_file, "--log-file"), "a", encoding="utf-8")
     try:
         configure_logging(level=args.log_level, json=True, stream=stream)
         yield
@@ -430,6 +443,7 @@ def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str,
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from omnitrace._files import check_regular
     from omnitrace.demo.run import DemoOptions, run_demo
 
     try:
@@ -444,10 +458,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _error(
             "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
         )
-    if args.events_log.is_dir():
-        return _error("demo", f"--events-log: {args.events_log}: is a directory")
-    if args.log_file is not None and args.log_file.is_dir():
-        return _error("demo", f"--log-file: {args.log_file}: is a directory")
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
     rate = args.rate if args.rate is not None else (60.0 if tui else None)
@@ -470,6 +480,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         force_cpu=args.cpu,
         prometheus_port=args.prometheus_port,
     )
+    # Checked before the run, so a bad path does not cost the run's results.
+    if args.json_summary is not None:
+        check_regular(args.json_summary, "--json-summary")
     try:
         with _logging(args), _export_reported_by_the_cli():
             result = run_demo(options, console=console, say=_say)
@@ -498,8 +511,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # Exporting is a side output of the demo: said in one line, not a failed run.
         _say(result.otlp_error)
     if args.json_summary is not None:
+        from omnitrace._files import write_regular
+
         args.json_summary.parent.mkdir(parents=True, exist_ok=True)
-        args.json_summary.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        text = json.dumps(result.to_json(), indent=2) + "\n"
+        write_regular(args.json_summary, text.encode(), "--json-summary")
         _say(f"summary: {args.json_summary.resolve()}")
     if result.interrupted:
         return 130
@@ -623,11 +639,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if isinstance(logs, int):
         return logs
     from omnitrace.bus import EventBus
-    from omnitrace.sinks.jsonl import AdapterInfo
+    from omnitrace.sinks.jsonl import AdapterInfo, log_gap
     from omnitrace.sinks.live import BusBoard, LiveView
 
     records = _merged(logs)
     sources = {record.source for log in logs for record in log}
+    for path in args.paths:
+        gap = log_gap(path)
+        if gap is not None:
+            _say(
+                f"warning: the start of {path} is missing: {gap.events_before} earlier events "
+                f"are not in the log ({gap.events_deleted} deleted by rotation); the replayed "
+                "stats do not include them"
+            )
 
     def adapter_name(adapter: str, source: tuple[int, int]) -> str:
         # Several workers' logs merged: keep their adapters apart in one bus.
@@ -637,6 +661,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     console = _stdout_console()
     speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
     names = ", ".join(str(p) for p in args.paths)
+    if not 0 <= speed < float("inf"):
+        return _error("replay", f"--speed: expected a nonnegative number, got {speed}")
     bus = EventBus()
     setup: Any = None
     replayed = 0
@@ -721,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"demo": _cmd_demo, "top": _cmd_top, "replay": _cmd_replay}
     try:
         return int(handlers[args.command](args))
-    except OmnitraceError as exc:
+    except (OmnitraceError, OSError) as exc:
+        # A bad value or path, or a file that cannot be opened: one line, not a traceback.
         return _error(args.command, str(exc))
 
 

@@ -8,7 +8,9 @@ import importlib.util
 import json
 import os
 import pty
+import re
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -627,3 +629,175 @@ def test_q_quits_top_follow_on_a_terminal(recorded: tuple[dict[str, Any], Path])
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+# -- bad input: one line, no traceback, nothing harmed --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            '{"encoder_cuda_graph_max_graphs": ' + "9" * 5000 + "}",
+            "encoder_cuda_graph_max_graphs: expected an integer from 0 to 1024 (0 keeps no "
+            "graph), got a 5000-digit integer",
+        ),
+        (
+            '{"encoder_cuda_graph_max_graphs": 9223372036854775808}',
+            "encoder_cuda_graph_max_graphs: expected an integer from 0 to 1024 (0 keeps no "
+            "graph), got 9223372036854775808 (int)",
+        ),
+        (
+            "[" * 100_000,
+            "hf_overrides: expected a JSON object, got JSON nested too deeply to parse",
+        ),
+    ],
+    ids=["5000-digits", "2**63", "deep"],
+)
+def test_hf_overrides_python_cannot_convert_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: str, message: str
+) -> None:
+    """Values that overflowed or crashed the parser exit 2 with one line and run nothing."""
+    code, _, log = _demo(tmp_path, "--hf-overrides", overrides)
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.strip().splitlines() == [f"omnitrace demo: error: --hf-overrides: {message}"]
+    assert not log.exists()
+
+
+def _main_with_deadline(argv: list[str], deadline: float = 10) -> int:
+    """Run main() on a thread; fail if it blocks (opening a named pipe could)."""
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    thread.start()
+    thread.join(deadline)
+    assert codes, f"omnitrace {argv[0]} blocked"
+    return codes[0]
+
+
+@pytest.mark.parametrize("option", ["--events-log", "--log-file", "--json-summary"])
+@pytest.mark.parametrize("kind", ["symbolic link", "named pipe", "directory"])
+def test_demo_refuses_output_paths_that_are_not_regular_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, kind: str
+) -> None:
+    """An output path that is a link, a pipe or a directory is a one-line error (exit 2)
+    before anything runs, and the thing at the path is left as it was."""
+    path = tmp_path / "out"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    described = {"symbolic link": "a symbolic link", "named pipe": "a named pipe"}.get(
+        kind, "a directory"
+    )
+    if kind == "symbolic link":
+        path.symlink_to(target)
+    elif kind == "named pipe":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    before = os.lstat(path)
+    argv = ["demo", "--no-tui", "--cpu", "--requests", "5"]
+    argv += ["--events-log", str(tmp_path / "events.jsonl")] if option != "--events-log" else []
+    code = _main_with_deadline([*argv, option, str(path)])
+    _, err = capsys.readouterr()
+    label = "event log" if option == "--events-log" else option
+    expected = (
+        f"omnitrace demo: error: {label}: {path} is {described}, not a regular file; "
+        "omnitrace only writes, rotates and deletes regular files"
+    )
+    assert code == 2
+    assert err.strip().splitlines()[-1] == expected
+    assert "Traceback" not in err
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sim-free-mib", str(1 << 43)], "expected a number of MiB from 0 to 8796093022207"),
+        (["--seed", str(1 << 64)], "expected an integer from 0 to 9223372036854775807"),
+        (["--hidden", "1000000"], "expected an integer from 1 to 16384"),
+        (["--requests", "9" * 5000], "expected an integer from 0 to 1000000000000, got '9999"),
+    ],
+    ids=["sim-free-mib", "seed", "hidden", "requests"],
+)
+def test_demo_numbers_are_bounded_to_what_they_mean(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """Numbers past what they can mean are a short usage error, not a crash or an overflow."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--no-tui", "--cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert message in err
+    assert len(err.strip().splitlines()[-1]) < 200
+
+
+def test_replay_warns_when_the_start_of_the_log_was_rotated_away(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replaying a log whose oldest files rotation deleted says how many events are missing."""
+    from omnitrace import GraphReplayed
+
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=4096, backups=1)
+    try:
+        for i in range(0, 1000, 50):
+            sink.handle([GraphReplayed("audio", "k", j, j, 0.0) for j in range(i, i + 50)])
+    finally:
+        sink.close()
+    assert main(["replay", str(path)]) == 0
+    out, err = capsys.readouterr()
+    survivors = len(list(read_events(path)))
+    missing = 1000 - survivors
+    assert f"replayed {survivors} events" in out
+    assert (
+        f"omnitrace: warning: the start of {path} is missing: {missing} earlier events are "
+        f"not in the log ({missing} deleted by rotation); the replayed stats do not include "
+        "them"
+    ) in err.splitlines()
+
+
+def test_replay_of_a_complete_log_gives_no_warning(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log that kept its start replays without a warning."""
+    _, log = recorded
+    assert main(["replay", str(log)]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_demo_on_sigterm_closes_its_bus_and_reports_the_loss(tmp_path: Path) -> None:
+    """SIGTERM to a running demo: its bus closes within a bound, one line reports delivered
+    and lost events per sink, the event log holds what was delivered, and the process ends
+    by SIGTERM."""
+    log = tmp_path / "events.jsonl"
+    argv = ["demo", "--no-tui", "--cpu", "--requests", "0", "--duration", "120"]
+    argv += ["--events-log", str(log), "--log-file", str(tmp_path / "demo.log")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnitrace", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (not log.exists() or log.stat().st_size < 50_000) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the demo did not end within 20 s of SIGTERM")
+    assert proc.returncode == -signal.SIGTERM
+    match = re.search(
+        r"EventBus closed on SIGTERM in [\d.]+ s; (\d+) events emitted; .*"
+        r"jsonl: delivered (\d+), lost (\d+)",
+        err,
+    )
+    assert match is not None, err
+    emitted, delivered, lost = map(int, match.groups())
+    assert delivered + lost == emitted
+    assert len(list(read_events(log))) >= delivered > 0

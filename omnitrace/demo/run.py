@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -379,6 +381,13 @@ def _run(
     # A fresh log per run, so the log holds exactly this run's events.
     jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
     say(f"writing the event log to {jsonl.path.resolve()}")
+    # SIGTERM (a supervisor stopping the demo) would otherwise lose the queued events
+    # unrecorded: close the bus within a bound, log the loss, then terminate as asked.
+    restore_sigterm = (
+        bus.close_on_signal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     try:
         bus.add_sink(LogSink(sample_every=options.log_sample_every))
         bus.add_sink(jsonl)
@@ -399,6 +408,8 @@ def _run(
             bus.close()
         statistics = bus.statistics()
     finally:
+        if restore_sigterm is not None:
+            restore_sigterm()
         bus.close()
         jsonl.close()
     return DemoResult(
