@@ -181,3 +181,26 @@ def test_grafana_provisions_the_datasources_the_dashboards_use(compose: dict[str
     assert _mount_target(compose, "grafana", "./deploy/otel/grafana/provisioning") == (
         "/etc/grafana/provisioning"
     )
+
+
+def test_grafana_admin_password_has_no_default(compose: dict[str, Any]) -> None:
+    """Grafana's admin password comes only from GRAFANA_ADMIN_PASSWORD, which compose
+    requires (${VAR:?message} stops `up` with the message while it is unset)."""
+    environment = compose["services"]["grafana"]["environment"]
+    required = re.fullmatch(
+        r"\$\{GRAFANA_ADMIN_PASSWORD:\?([^}$]+)\}", environment["GF_SECURITY_ADMIN_PASSWORD"]
+    )
+    assert required is not None
+    assert "GRAFANA_ADMIN_PASSWORD" in required.group(1)
+    assert "docs/ops.md" in required.group(1)
+    assert not any(k.startswith("GF_SECURITY_ADMIN_PASSWORD__") for k in environment)
+    ops = (ROOT / "docs" / "ops.md").read_text(encoding="utf-8")
+    assert "export GRAFANA_ADMIN_PASSWORD=" in ops
+    assert "`admin`/`admin`" not in ops
+
+
+def test_prometheus_exposes_no_lifecycle_or_admin_endpoints(compose: dict[str, Any]) -> None:
+    """Prometheus runs without --web.enable-lifecycle or --web.enable-admin-api, so nothing
+    can reload, stop or wipe it over unauthenticated HTTP."""
+    command = compose["services"]["prometheus"]["command"]
+    assert not [flag for flag in command if flag.startswith("--web.enable-")]
