@@ -122,7 +122,7 @@ class SinkStatistics:
     error: str | None
     offered: int = 0
     """Events emitted while the sink was attached (all of them for a sink attached first)."""
-    dropped_by: Mapping[str, int] = field(default_factory=dict)
+    dropped_by: Mapping[str, int] = field(default_factory=dict, hash=False)
     """``dropped`` by reason, one of :data:`DROP_REASONS` (reasons with no loss are absent)."""
 
 

@@ -408,9 +408,10 @@ def _run(
             bus.close()
         statistics = bus.statistics()
     finally:
+        bus.close()
+        # Restored only once the bus is closed: a SIGTERM during the close still counts.
         if restore_sigterm is not None:
             restore_sigterm()
-        bus.close()
         jsonl.close()
     return DemoResult(
         encoders={
