@@ -192,9 +192,9 @@ def test_grafana_admin_password_has_no_default(compose: dict[str, Any]) -> None:
     )
     assert required is not None
     assert "GRAFANA_ADMIN_PASSWORD" in required.group(1)
-    assert "docs/ops.md" in required.group(1)
+    assert "docs/observability-stack.md" in required.group(1)
     assert not any(k.startswith("GF_SECURITY_ADMIN_PASSWORD__") for k in environment)
-    ops = (ROOT / "docs" / "ops.md").read_text(encoding="utf-8")
+    ops = (ROOT / "docs" / "observability-stack.md").read_text(encoding="utf-8")
     assert "export GRAFANA_ADMIN_PASSWORD=" in ops
     assert "`admin`/`admin`" not in ops
 
