@@ -1,23 +1,25 @@
 """Encoder graph configuration and ``--hf-overrides`` parsing.
 
-Exceptions raised by omnitrace::
-
-    OmnitraceError
-     ├── ConfigError          (also a ValueError)   bad configuration value
-     └── EncoderGraphFailedError (also a RuntimeError) adapter is terminal after a failed capture
+The errors omnitrace raises are drawn as a tree in :mod:`omnitrace.errors`; this module
+re-exports the three every user meets (``OmnitraceError``, ``ConfigError``,
+``EncoderGraphFailedError``).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from omnitrace._validate import INT64_MAX, OversizedInt, check_bool, check_int, describe
+from omnitrace.errors import ConfigError, EncoderGraphFailedError, OmnitraceError
+
 __all__ = [
     "HF_OVERRIDE_KEYS",
+    "INT64_MAX",
+    "MAX_GRAPHS_CAP",
     "ConfigError",
     "EncoderGraphConfig",
     "EncoderGraphFailedError",
@@ -25,8 +27,6 @@ __all__ = [
 ]
 
 GiB = 1 << 30
-#: Largest value of a signed 64-bit integer: every count and byte size omnitrace exports.
-INT64_MAX = (1 << 63) - 1
 #: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
 #: admission history keeps four keys per graph; no deployment needs more.
 MAX_GRAPHS_CAP = 1024
@@ -44,64 +44,13 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
 _FIELD_TO_KEY = {v: k for k, v in HF_OVERRIDE_KEYS.items()}
 
 
-class OmnitraceError(Exception):
-    """Base class of every error omnitrace raises on purpose."""
-
-
-class ConfigError(OmnitraceError, ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
-
-
-class EncoderGraphFailedError(OmnitraceError, RuntimeError):
-    """The adapter is terminal: an earlier CUDA graph capture failed."""
-
-
-class _OversizedInt:
-    """A JSON integer too long to convert (or to mean anything here), kept as its digits."""
-
-    __slots__ = ("digits",)
-
-    def __init__(self, text: str) -> None:
-        self.digits = len(text.lstrip("-"))
-
-
 #: JSON integers longer than this are not converted: no valid value comes close, and
 #: Python refuses to convert past about 4,300 digits.
 _MAX_JSON_DIGITS = 40
 
-_short = reprlib.Repr()
-_short.maxstring = 60
-_short.maxother = 60
 
-
-def _parse_json_int(text: str) -> int | _OversizedInt:
-    return _OversizedInt(text) if len(text) > _MAX_JSON_DIGITS else int(text)
-
-
-def _describe(value: object) -> str:
-    """Show ``value`` and its type in one short line, whatever its size or depth."""
-    if isinstance(value, _OversizedInt):
-        return f"a {value.digits}-digit integer"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        # repr() of a huge int is slow, and refused past about 4,300 digits.
-        return f"an integer of {value.bit_length()} bits (int)"
-    return f"{_short.repr(value)} ({type(value).__name__})"
-
-
-def _check_int(key: str, value: object, minimum: int, maximum: int, meaning: str) -> int:
-    # bool is a subclass of int, and a float such as 4.0 or a string such as "4" is a typo
-    # waiting to happen in a JSON override, so only a real int is accepted.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{key}: expected {meaning}, got {_describe(value)}")
-    return value
-
-
-def _check_bool(key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
-    return value
+def _parse_json_int(text: str) -> int | OversizedInt:
+    return OversizedInt(text) if len(text) > _MAX_JSON_DIGITS else int(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,29 +75,25 @@ class EncoderGraphConfig:
     share_pools: bool = True
 
     def __post_init__(self) -> None:
-        _check_bool(_FIELD_TO_KEY["enabled"], self.enabled)
-        _check_int(
+        check_bool(_FIELD_TO_KEY["enabled"], self.enabled)
+        check_int(
             _FIELD_TO_KEY["max_graphs"],
             self.max_graphs,
-            0,
-            MAX_GRAPHS_CAP,
-            f"an integer from 0 to {MAX_GRAPHS_CAP} (0 keeps no graph)",
+            maximum=MAX_GRAPHS_CAP,
+            meaning=f"an integer from 0 to {MAX_GRAPHS_CAP} (0 keeps no graph)",
         )
-        _check_int(
+        check_int(
             _FIELD_TO_KEY["min_capture_calls"],
             self.min_capture_calls,
-            2,
-            INT64_MAX,
-            "an integer from 2 to 2**63-1",
+            minimum=2,
+            meaning="an integer from 2 to 2**63-1",
         )
-        _check_int(
+        check_int(
             _FIELD_TO_KEY["min_free_bytes"],
             self.min_free_bytes,
-            0,
-            INT64_MAX,
-            "a number of bytes from 0 to 2**63-1 (0 disables the check)",
+            meaning="a number of bytes from 0 to 2**63-1 (0 disables the check)",
         )
-        _check_bool(_FIELD_TO_KEY["share_pools"], self.share_pools)
+        check_bool(_FIELD_TO_KEY["share_pools"], self.share_pools)
 
     @property
     def history_size(self) -> int:
@@ -179,7 +124,7 @@ class EncoderGraphConfig:
         """
         if not isinstance(enforce_eager, bool):
             raise ConfigError(
-                f"enforce_eager: expected true or false, got {_describe(enforce_eager)}"
+                f"enforce_eager: expected true or false, got {describe(enforce_eager)}"
             )
         if overrides is None:
             overrides = {}
@@ -187,7 +132,7 @@ class EncoderGraphConfig:
             overrides = _parse_json(overrides)
         if not isinstance(overrides, Mapping):
             raise ConfigError(
-                f"hf_overrides: expected a JSON object (mapping), got {_describe(overrides)}"
+                f"hf_overrides: expected a JSON object (mapping), got {describe(overrides)}"
             )
 
         kwargs: dict[str, Any] = {}
@@ -224,7 +169,7 @@ def _unknown_key(key: str) -> str:
     """Say that ``key`` is no encoder graph option, suggesting the closest one."""
     valid = ", ".join(sorted(HF_OVERRIDE_KEYS))
     if len(key) > 80:
-        return f"{_short.repr(key)}: unknown encoder graph option (valid: {valid})"
+        return f"{describe(key).rsplit(' (', 1)[0]}: unknown encoder graph option (valid: {valid})"
     # Compare what follows the shared prefix, or every key looks alike.
     suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
     close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnitrace._validate import check_int
+
 __all__ = [
     "AUDIO_FULL",
     "AUDIO_TINY",
@@ -35,8 +37,7 @@ class EncoderGeometry:
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "mlp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+            check_int(name, value, minimum=1)
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
 

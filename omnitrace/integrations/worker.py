@@ -6,15 +6,9 @@ import os
 import sys
 from collections.abc import Mapping
 
+from omnitrace._worker import launcher_rank
+
 __all__ = ["worker_identity"]
-
-
-def _env_rank(environ: Mapping[str, str]) -> int | None:
-    for name in ("RANK", "LOCAL_RANK"):
-        raw = environ.get(name, "").strip()
-        if raw.isdigit():
-            return int(raw)
-    return None
 
 
 def _vllm_rank() -> int | None:
@@ -36,9 +30,11 @@ def worker_identity(environ: Mapping[str, str] | None = None) -> tuple[int, int 
 
     The rank comes from ``RANK``, then ``LOCAL_RANK``, then vLLM's distributed world group
     when this process has initialised it.
+
+    Raises:
+        ConfigError: a rank variable is set to something other than a nonnegative integer.
     """
-    env = os.environ if environ is None else environ
-    rank = _env_rank(env)
+    rank = launcher_rank(environ)
     if rank is None:
         rank = _vllm_rank()
     return os.getpid(), rank

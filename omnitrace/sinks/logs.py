@@ -24,6 +24,7 @@ from typing import IO, Any, TextIO
 
 import structlog
 
+from omnitrace._validate import check_int
 from omnitrace.config import ConfigError
 from omnitrace.events import (
     CaptureFailed,
@@ -145,9 +146,7 @@ class LogSink:
     name = "logs"
 
     def __init__(self, *, sample_every: int = 1) -> None:
-        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
-            raise ConfigError(f"sample_every: expected a positive integer, got {sample_every!r}")
-        self.sample_every = sample_every
+        self.sample_every = check_int("sample_every", sample_every, minimum=1)
         self._seen: dict[tuple[str, str], int] = {}
         self._skipped_since: dict[tuple[str, str], int] = {}
         self._skipped = 0

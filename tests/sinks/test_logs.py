@@ -26,14 +26,14 @@ from omnitrace import (
 )
 from omnitrace.sinks.logs import LogSink, configure_logging
 from omnitrace.sinks.names import LOG_EVENTS
-from omnitrace.testing import SimulatedGraphBackend
+from omnitrace.testing import SimulatedGraphBackend, sig
 
-CAPTURED = GraphCaptured("vision", "float32[1,4]", 10, 20, 0.5, 7, "cuda:0", 0, 9, 1024, 64, 0)
-REPLAYED = GraphReplayed("vision", "float32[1,4]", 11, 21, 0.001)
-MISSED = GraphMissed("audio", "float32[1,80,100]", 12, 22, MissReason.WARMUP, "call 1 of 2")
-DEFERRED = MemoryDeferred("audio", "float32[1,80,300]", 13, 23, 512, 1024, "cuda:0")
+CAPTURED = GraphCaptured("vision", sig("float32[1,4]"), 10, 20, 0.5, 7, "cuda:0", 0, 9, 1024, 64, 0)
+REPLAYED = GraphReplayed("vision", sig("float32[1,4]"), 11, 21, 0.001)
+MISSED = GraphMissed("audio", sig("float32[1,80,100]"), 12, 22, MissReason.WARMUP, "call 1 of 2")
+DEFERRED = MemoryDeferred("audio", sig("float32[1,80,300]"), 13, 23, 512, 1024, "cuda:0")
 FAILED = CaptureFailed(
-    "vision", "float32[1,8]", 14, 24, "RuntimeError", "capture broke", "cuda:0", 0
+    "vision", sig("float32[1,8]"), 14, 24, "RuntimeError", "capture broke", "cuda:0", 0
 )
 
 
@@ -101,7 +101,7 @@ def test_miss_line_has_reason_and_detail_as_text() -> None:
 def test_sampling_keeps_one_in_n_per_encoder_and_counts_the_rest() -> None:
     """With sample_every=3, replays are logged 1st, 4th, 7th and the skipped ones counted."""
     sink = LogSink(sample_every=3)
-    replays = [GraphReplayed("vision", "k", i, i, 0.0) for i in range(7)]
+    replays = [GraphReplayed("vision", sig("float32[1]"), i, i, 0.0) for i in range(7)]
     with capture_logs() as logs:
         sink.handle([*replays, CAPTURED, FAILED])
     logged = [line for line in logs if line["event"] == "graph_replayed"]
@@ -113,7 +113,9 @@ def test_sampling_keeps_one_in_n_per_encoder_and_counts_the_rest() -> None:
 
 def test_sample_every_must_be_positive() -> None:
     """A zero sampling rate is rejected with the option named."""
-    with pytest.raises(ConfigError, match=r"^sample_every: expected a positive integer, got 0$"):
+    with pytest.raises(
+        ConfigError, match=r"^sample_every: expected a positive integer, got 0 \(int\)$"
+    ):
         LogSink(sample_every=0)
 
 
@@ -205,9 +207,9 @@ def test_filtered_debug_events_are_skipped_before_their_fields_are_built(
     configure_logging(level="info", json=True, stream=stream)
     try:
         events = [
-            GraphCaptured("vision", "k", 1, 2, 0.1, 1, "cuda:0", 0, 9, 10, 20, 0),
-            *(GraphReplayed("vision", "k", i, i, 0.0) for i in range(50)),
-            GraphMissed("vision", "k", 3, 3, MissReason.WARMUP, "call 1 of 2"),
+            GraphCaptured("vision", sig("float32[1]"), 1, 2, 0.1, 1, "cuda:0", 0, 9, 10, 20, 0),
+            *(GraphReplayed("vision", sig("float32[1]"), i, i, 0.0) for i in range(50)),
+            GraphMissed("vision", sig("float32[1]"), 3, 3, MissReason.WARMUP, "call 1 of 2"),
         ]
         LogSink().handle(events)
     finally:

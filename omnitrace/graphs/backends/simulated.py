@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from omnitrace._validate import check_int
 from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
 
 __all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
@@ -70,11 +71,8 @@ class SimulatedGraphBackend:
         graph_bytes: int = 64 << 20,
         fail_on_capture: bool | BaseException | type[BaseException] = False,
     ) -> None:
-        for label, value in (("free_bytes", free_bytes), ("graph_bytes", graph_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{label}: expected a nonnegative integer, got {value!r}")
-        self.free_bytes = free_bytes
-        self.graph_bytes = graph_bytes
+        self.free_bytes = check_int("free_bytes", free_bytes)
+        self.graph_bytes = check_int("graph_bytes", graph_bytes)
         self.fail_on_capture = fail_on_capture
         self.captures = 0
         self.replays = 0

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from omnitrace._validate import check_int
 from omnitrace.graphs.backends.base import (
     StaticBuffers,
     capture_ordering,
@@ -67,9 +68,7 @@ class TorchGraphBackend:
     simulated = False
 
     def __init__(self, *, warmup_iters: int = 1) -> None:
-        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
-            raise ValueError(f"warmup_iters: expected a nonnegative integer, got {warmup_iters!r}")
-        self.warmup_iters = warmup_iters
+        self.warmup_iters = check_int("warmup_iters", warmup_iters)
 
     def is_graph_device(self, device: torch.device) -> bool:
         return device.type == "cuda"
