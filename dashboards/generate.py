@@ -172,7 +172,8 @@ def dashboard() -> dict[str, Any]:
         _panel(
             2,
             "Misses by reason",
-            "Eager calls per second, by encoder and reason (ineligible, capacity, warmup, memory).",
+            "Eager calls per second, by encoder and reason "
+            f"({', '.join(reason.value for reason in MissReason)}).",
             "timeseries",
             (12, 0, 12, 8),
             [

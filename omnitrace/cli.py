@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from omnitrace.sinks.jsonl import EventRecord
+    from omnitrace.eventlog import EventRecord
 
 __all__ = ["main", "stats_table"]
 
@@ -282,19 +282,20 @@ def _build_parser() -> argparse.ArgumentParser:
 # -- output helpers -------------------------------------------------------------------------
 
 
-_COLUMNS = (
-    ("encoder", "encoder"),
-    ("calls", "calls"),
-    ("hits", "hits"),
-    ("hit rate", "rate"),
-    ("warmup", "warm"),
-    ("capacity", "cap"),
-    ("memory", "mem"),
-    ("ineligible", "inel"),
-    ("graphs", "graphs"),
-    ("capture failures", "fail"),
-    ("state", "state"),
-)
+def _columns() -> tuple[tuple[str, str], ...]:
+    """(wide, compact) headings of the stats table: one miss column per MissReason."""
+    from omnitrace.events import MissReason
+
+    return (
+        ("encoder", "encoder"),
+        ("calls", "calls"),
+        ("hits", "hits"),
+        ("hit rate", "rate"),
+        *((reason.value, reason.short) for reason in MissReason.display_order()),
+        ("graphs", "graphs"),
+        ("capture failures", "fail"),
+        ("state", "state"),
+    )
 
 
 def stats_table(
@@ -320,9 +321,13 @@ def stats_table(
         # Compact: one space of padding plus the rule's blank column between cells.
         padding=(0, 1, 0, 0) if compact else (0, 1),
     )
-    for index, (wide, short) in enumerate(_COLUMNS):
+    from omnitrace.events import MissReason
+
+    columns = _columns()
+    for index, (wide, short) in enumerate(columns):
         table.add_column(
-            short if compact else wide, justify="left" if index in (0, 10) else "right"
+            short if compact else wide,
+            justify="left" if index in (0, len(columns) - 1) else "right",
         )
     for name, stats in encoders.items():
         calls = int(stats["graph_hits"] + stats["graph_misses"])
@@ -333,10 +338,7 @@ def stats_table(
             str(calls),
             str(stats["graph_hits"]),
             f"{stats['hit_rate'] * 100:.1f} %",
-            str(stats["warmup_misses"]),
-            str(stats["capacity_misses"]),
-            str(stats["memory_misses"]),
-            str(stats["ineligible_misses"]),
+            *(str(stats[reason.stats_key]) for reason in MissReason.display_order()),
             f"{stats['num_graphs']}/{cap}" if cap is not None else str(stats["num_graphs"]),
             f"[bold red]{failures}[/]" if failures else "0",
             # A capture failure is fatal for the adapter: it never captures again.
@@ -409,7 +411,7 @@ def _export_reported_by_the_cli() -> Iterator[None]:
 
 def _read_logs(command: str, paths: Sequence[Path]) -> list[list[EventRecord]] | int:
     """Read each log whole; on a bad path return the exit status after a one-line error."""
-    from omnitrace.sinks.jsonl import EventLogError, read_records
+    from omnitrace.eventlog import EventLogError, read_records
 
     logs: list[list[EventRecord]] = []
     for path in paths:
@@ -427,7 +429,7 @@ def _read_logs(command: str, paths: Sequence[Path]) -> list[list[EventRecord]] |
 
 def _merged(logs: Sequence[Sequence[EventRecord]]) -> Iterable[EventRecord]:
     """Merge several logs in time order (adapter facts first), each log's order kept."""
-    from omnitrace.sinks.jsonl import AdapterInfo
+    from omnitrace.eventlog import AdapterInfo
 
     infos = [r for log in logs for r in log if isinstance(r.item, AdapterInfo)]
     events = [[r for r in log if not isinstance(r.item, AdapterInfo)] for log in logs]
@@ -577,7 +579,7 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from omnitrace.sinks.jsonl import EventLogError, EventLogFollower
+    from omnitrace.eventlog import EventLogError, EventLogFollower
     from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     names = ", ".join(str(p) for p in args.paths)
@@ -639,7 +641,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if isinstance(logs, int):
         return logs
     from omnitrace.bus import EventBus
-    from omnitrace.sinks.jsonl import AdapterInfo, log_gap
+    from omnitrace.eventlog import AdapterInfo, log_gap
     from omnitrace.sinks.live import BusBoard, LiveView
 
     records = _merged(logs)

@@ -1,8 +1,10 @@
 """The typed events every adapter decision produces.
 
-Events are past-tense facts: frozen, slotted, plain data (numbers, strings and tuples of
-them), never tensors or CUDA objects, so a consumer on another thread or in another process
-can hold them without keeping device memory alive.
+Events are past-tense facts: frozen, slotted, plain data (numbers, strings, tuples and the
+:class:`~omnitrace.signature.Signature` of the call), never tensors or CUDA objects, so a
+consumer on another thread or in another process can hold them without keeping device memory
+alive. Every event names its adapter and the call's signature; ``event.key`` is the
+signature's text form.
 
 Every encoder call produces exactly one :class:`GraphReplayed` (a hit) or one
 :class:`GraphMissed` (an eager run). A capture adds :class:`GraphCaptured` before the
@@ -17,6 +19,8 @@ import enum
 import time
 from dataclasses import dataclass
 from typing import TypeAlias
+
+from omnitrace.signature import Signature
 
 __all__ = [
     "CaptureFailed",
@@ -47,18 +51,60 @@ class MissReason(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def stats_key(self) -> str:
+        """The ``get_cumulative_stats()`` key counting these misses (``capacity_misses``)."""
+        return f"{self.value}_misses"
+
+    @property
+    def short(self) -> str:
+        """A column heading of at most five letters (``cap``)."""
+        return _MISS_DISPLAY[self][1]
+
+    @property
+    def loses_coverage(self) -> bool:
+        """Whether a count above zero is worth an operator's attention (all but warm-up)."""
+        return self is not MissReason.WARMUP
+
+    @classmethod
+    def display_order(cls) -> tuple[MissReason, ...]:
+        """The reasons as tables and panels list them: warm-up (expected) first."""
+        return tuple(sorted(cls, key=lambda reason: _MISS_DISPLAY[reason][0]))
+
+
+# Per reason: its place in tables and panels, and its short heading. Stats keys and the
+# enum keep the design note's order (ineligible, capacity, warmup, memory).
+_MISS_DISPLAY: dict[MissReason, tuple[int, str]] = {
+    MissReason.WARMUP: (0, "warm"),
+    MissReason.CAPACITY: (1, "cap"),
+    MissReason.MEMORY: (2, "mem"),
+    MissReason.INELIGIBLE: (3, "inel"),
+}
+
 
 def now() -> tuple[int, int]:
     """Return ``(monotonic_ns, epoch_ns)`` for an event stamped now."""
     return time.monotonic_ns(), time.time_ns()
 
 
+class _Keyed:
+    """What every event has beside its fields: the signature's text form as ``key``."""
+
+    __slots__ = ()
+    signature: Signature
+
+    @property
+    def key(self) -> str:
+        """The call's signature as text: ``bfloat16[1,1024,1152], None @cuda:0 s=94``."""
+        return self.signature.text
+
+
 @dataclass(frozen=True, slots=True)
-class GraphCaptured:
-    """A CUDA graph was captured for ``key`` (the capturing call then counts as a hit)."""
+class GraphCaptured(_Keyed):
+    """A CUDA graph was captured for its signature (the capturing call then counts as a hit)."""
 
     adapter: str
-    key: str
+    signature: Signature
     monotonic_ns: int
     epoch_ns: int
     duration_s: float
@@ -77,11 +123,11 @@ class GraphCaptured:
 
 
 @dataclass(frozen=True, slots=True)
-class GraphReplayed:
-    """A call was served by replaying the graph for ``key``."""
+class GraphReplayed(_Keyed):
+    """A call was served by replaying the graph for its signature."""
 
     adapter: str
-    key: str
+    signature: Signature
     monotonic_ns: int
     epoch_ns: int
     duration_s: float
@@ -89,11 +135,11 @@ class GraphReplayed:
 
 
 @dataclass(frozen=True, slots=True)
-class GraphMissed:
+class GraphMissed(_Keyed):
     """A call ran the encoder eagerly."""
 
     adapter: str
-    key: str
+    signature: Signature
     monotonic_ns: int
     epoch_ns: int
     reason: MissReason
@@ -102,11 +148,11 @@ class GraphMissed:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryDeferred:
-    """Admission wanted to capture ``key`` but device-free memory was under the floor."""
+class MemoryDeferred(_Keyed):
+    """Admission wanted to capture its signature but device-free memory was under the floor."""
 
     adapter: str
-    key: str
+    signature: Signature
     monotonic_ns: int
     epoch_ns: int
     free_bytes: int
@@ -115,11 +161,11 @@ class MemoryDeferred:
 
 
 @dataclass(frozen=True, slots=True)
-class CaptureFailed:
-    """Capturing ``key`` raised; the adapter is terminal from now on."""
+class CaptureFailed(_Keyed):
+    """Capturing its signature raised; the adapter is terminal from now on."""
 
     adapter: str
-    key: str
+    signature: Signature
     monotonic_ns: int
     epoch_ns: int
     error_type: str

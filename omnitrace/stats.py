@@ -7,8 +7,10 @@ exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from omnitrace.events import (
     CaptureFailed,
@@ -19,6 +21,7 @@ from omnitrace.events import (
     MemoryDeferred,
     MissReason,
 )
+from omnitrace.signature import Signature
 
 __all__ = [
     "STATS_KEYS",
@@ -28,18 +31,17 @@ __all__ = [
     "derive_stats",
 ]
 
-#: The keys of ``get_cumulative_stats()``, in their documented order.
+#: The keys of ``get_cumulative_stats()``, in their documented order: one ``<reason>_misses``
+#: key per :class:`MissReason`, in the enum's order.
 STATS_KEYS: tuple[str, ...] = (
     "graph_hits",
     "graph_misses",
     "hit_rate",
     "num_graphs",
-    "ineligible_misses",
-    "capacity_misses",
-    "warmup_misses",
-    "memory_misses",
+    *(reason.stats_key for reason in MissReason),
     "capture_failures",
 )
+_MISS_KEYS = {reason.stats_key: reason for reason in MissReason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,33 +56,138 @@ class CapturedGraphInfo:
     stream: int
     bytes_reserved: int
     static_bytes: int
+    signature: Signature | None = None
+    """The captured signature (None only for infos built by hand)."""
 
 
-@dataclass(frozen=True, slots=True)
 class AdapterStats:
-    """A frozen snapshot of one adapter's cumulative statistics."""
+    """A frozen snapshot of one adapter's cumulative statistics.
 
+    Misses are counted per :class:`MissReason`: ``stats.misses[MissReason.CAPACITY]``, or by
+    the stats key as an attribute or keyword (``stats.capacity_misses``,
+    ``AdapterStats("vision", capacity_misses=3)``), for every reason the enum has.
+    """
+
+    __slots__ = (
+        "adapter",
+        "capture_failures",
+        "failure",
+        "floor_bytes",
+        "graph_hits",
+        "graphs",
+        "last_epoch_ns",
+        "last_free_bytes",
+        "memory_deferrals",
+        "misses",
+    )
     adapter: str
-    graph_hits: int = 0
-    ineligible_misses: int = 0
-    capacity_misses: int = 0
-    warmup_misses: int = 0
-    memory_misses: int = 0
-    capture_failures: int = 0
-    graphs: tuple[CapturedGraphInfo, ...] = ()
-    memory_deferrals: int = 0
-    last_free_bytes: int | None = None
+    graph_hits: int
+    misses: Mapping[MissReason, int]
+    capture_failures: int
+    graphs: tuple[CapturedGraphInfo, ...]
+    memory_deferrals: int
+    last_free_bytes: int | None
     """Device-free bytes seen at the latest memory deferral, if any."""
-    floor_bytes: int | None = None
-    failure: str | None = None
+    floor_bytes: int | None
+    failure: str | None
     """``"Type: message"`` of the capture failure that made the adapter terminal."""
-    last_epoch_ns: int = 0
+    last_epoch_ns: int
+
+    def __init__(
+        self,
+        adapter: str,
+        graph_hits: int = 0,
+        *,
+        misses: Mapping[MissReason, int] | None = None,
+        capture_failures: int = 0,
+        graphs: tuple[CapturedGraphInfo, ...] = (),
+        memory_deferrals: int = 0,
+        last_free_bytes: int | None = None,
+        floor_bytes: int | None = None,
+        failure: str | None = None,
+        last_epoch_ns: int = 0,
+        **miss_counts: int,
+    ) -> None:
+        counts = dict.fromkeys(MissReason, 0)
+        if misses is not None:
+            counts.update(misses)
+        for key, value in miss_counts.items():
+            reason = _MISS_KEYS.get(key)
+            if reason is None:
+                raise TypeError(f"AdapterStats() got an unexpected keyword argument {key!r}")
+            counts[reason] = value
+        values: dict[str, object] = {
+            "adapter": adapter,
+            "graph_hits": graph_hits,
+            "misses": MappingProxyType(counts),
+            "capture_failures": capture_failures,
+            "graphs": tuple(graphs),
+            "memory_deferrals": memory_deferrals,
+            "last_free_bytes": last_free_bytes,
+            "floor_bytes": floor_bytes,
+            "failure": failure,
+            "last_epoch_ns": last_epoch_ns,
+        }
+        for slot, slot_value in values.items():
+            object.__setattr__(self, slot, slot_value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"AdapterStats is frozen: cannot set {name!r}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_stats, (self.adapter, self.graph_hits, self._keywords()))
+
+    def _keywords(self) -> dict[str, object]:
+        return {
+            "misses": dict(self.misses),
+            "capture_failures": self.capture_failures,
+            "graphs": self.graphs,
+            "memory_deferrals": self.memory_deferrals,
+            "last_free_bytes": self.last_free_bytes,
+            "floor_bytes": self.floor_bytes,
+            "failure": self.failure,
+            "last_epoch_ns": self.last_epoch_ns,
+        }
+
+    def __getattr__(self, name: str) -> int:
+        # Only reached for names that are not slots: <reason>_misses of any MissReason.
+        reason = _MISS_KEYS.get(name)
+        if reason is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.misses[reason]
+
+    def _fields(self) -> tuple[object, ...]:
+        return (
+            self.adapter,
+            self.graph_hits,
+            tuple(self.misses.items()),
+            self.capture_failures,
+            self.graphs,
+            self.memory_deferrals,
+            self.last_free_bytes,
+            self.floor_bytes,
+            self.failure,
+            self.last_epoch_ns,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AdapterStats):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        misses = ", ".join(f"{r.stats_key}={n}" for r, n in self.misses.items())
+        return (
+            f"AdapterStats(adapter={self.adapter!r}, graph_hits={self.graph_hits}, {misses}, "
+            f"capture_failures={self.capture_failures}, num_graphs={self.num_graphs})"
+        )
 
     @property
     def graph_misses(self) -> int:
-        return (
-            self.ineligible_misses + self.capacity_misses + self.warmup_misses + self.memory_misses
-        )
+        return sum(self.misses.values())
 
     @property
     def calls(self) -> int:
@@ -102,12 +209,13 @@ class AdapterStats:
             "graph_misses": self.graph_misses,
             "hit_rate": self.hit_rate,
             "num_graphs": self.num_graphs,
-            "ineligible_misses": self.ineligible_misses,
-            "capacity_misses": self.capacity_misses,
-            "warmup_misses": self.warmup_misses,
-            "memory_misses": self.memory_misses,
+            **{reason.stats_key: count for reason, count in self.misses.items()},
             "capture_failures": self.capture_failures,
         }
+
+
+def _rebuild_stats(adapter: str, graph_hits: int, keywords: dict[str, Any]) -> AdapterStats:
+    return AdapterStats(adapter, graph_hits, **keywords)
 
 
 @dataclass(slots=True)
@@ -126,12 +234,9 @@ class _Tally:
 
     def snapshot(self, adapter: str) -> AdapterStats:
         return AdapterStats(
-            adapter=adapter,
-            graph_hits=self.hits,
-            ineligible_misses=self.misses[MissReason.INELIGIBLE],
-            capacity_misses=self.misses[MissReason.CAPACITY],
-            warmup_misses=self.misses[MissReason.WARMUP],
-            memory_misses=self.misses[MissReason.MEMORY],
+            adapter,
+            self.hits,
+            misses=self.misses,
             capture_failures=self.failures,
             graphs=tuple(self.graphs),
             memory_deferrals=self.deferrals,
@@ -170,7 +275,7 @@ class StatsFold:
             case GraphCaptured():
                 tally.graphs.append(
                     CapturedGraphInfo(
-                        key=event.key,
+                        key=event.signature.text,
                         epoch_ns=event.epoch_ns,
                         duration_s=event.duration_s,
                         pool_id=event.pool_id,
@@ -178,6 +283,7 @@ class StatsFold:
                         stream=event.stream,
                         bytes_reserved=event.bytes_reserved,
                         static_bytes=event.static_bytes,
+                        signature=event.signature,
                     )
                 )
             case MemoryDeferred():

@@ -1,7 +1,8 @@
 """Helpers for testing code that uses omnitrace, without a GPU.
 
 ``SimulatedGraphBackend`` simulates a CUDA device on CPU tensors: it is for tests and the
-CPU demo, never for serving. ``capture_events`` records what a bus emits.
+CPU demo, never for serving. ``capture_events`` records what a bus emits. ``sig`` builds the
+signature of a hand-made event from its text form.
 """
 
 from __future__ import annotations
@@ -12,8 +13,20 @@ from collections.abc import Iterator
 from omnitrace.bus import EventBus
 from omnitrace.events import Event
 from omnitrace.graphs.backends.simulated import SimulatedGraph, SimulatedGraphBackend
+from omnitrace.signature import Signature
 
-__all__ = ["SimulatedGraph", "SimulatedGraphBackend", "capture_events"]
+__all__ = ["SimulatedGraph", "SimulatedGraphBackend", "capture_events", "sig"]
+
+
+def sig(text: str) -> Signature:
+    """Return the signature written ``text`` (``"float32[1,80,100] @cuda:0 s=0"``).
+
+    For events built by hand in tests: ``GraphReplayed("audio", sig("float32[1,4]"), ...)``.
+
+    Raises:
+        SignatureParseError: ``text`` is not a signature's text form.
+    """
+    return Signature.parse(text)
 
 
 @contextlib.contextmanager

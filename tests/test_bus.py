@@ -20,11 +20,16 @@ import pytest
 
 from omnitrace import ConfigError, EventBus, GraphMissed, GraphReplayed, MissReason
 from omnitrace.events import Event
-from omnitrace.testing import capture_events
+from omnitrace.testing import capture_events, sig
+
+
+def key(i: int) -> str:
+    """A distinct signature text per index (negative indices too)."""
+    return f"float32[{i}]" if i >= 0 else f"int64[{-i}]"
 
 
 def replayed(i: int, adapter: str = "vision") -> GraphReplayed:
-    return GraphReplayed(adapter, f"k{i}", i, i, 0.0)
+    return GraphReplayed(adapter, sig(key(i)), i, i, 0.0)
 
 
 class ListSink:
@@ -68,15 +73,15 @@ def test_folds_see_every_event_in_order() -> None:
     with EventBus() as bus, capture_events(bus) as seen:
         for i in range(5):
             bus.emit(replayed(i))
-            assert seen[-1].key == f"k{i}"
-    assert [e.key for e in seen] == [f"k{i}" for i in range(5)]
+            assert seen[-1].key == key(i)
+    assert [e.key for e in seen] == [key(i) for i in range(5)]
 
 
 def test_bus_keeps_the_stats_fold() -> None:
     """The bus folds events into per-adapter stats."""
     with EventBus() as bus:
         bus.emit(replayed(0))
-        bus.emit(GraphMissed("audio", "k", 0, 0, MissReason.CAPACITY, "cap"))
+        bus.emit(GraphMissed("audio", sig("float32[1]"), 0, 0, MissReason.CAPACITY, "cap"))
         stats = bus.adapter_stats()
     assert stats["vision"].graph_hits == 1
     assert stats["audio"].capacity_misses == 1
@@ -90,7 +95,7 @@ def test_sink_receives_all_events_in_order_after_flush() -> None:
     for i in range(1000):
         bus.emit(replayed(i))
     assert bus.flush(timeout=5)
-    assert [e.key for e in sink.events] == [f"k{i}" for i in range(1000)]
+    assert [e.key for e in sink.events] == [key(i) for i in range(1000)]
     stats = bus.statistics().sinks[0]
     assert (stats.delivered, stats.dropped, stats.queued) == (1000, 0, 0)
     bus.close()
@@ -321,6 +326,7 @@ def _assert_accounted(bus: EventBus) -> None:
 STUCK_SINK_SCRIPT = """
     import json, sys, threading, time
     from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
 
     class Stuck:
         name = "stuck"
@@ -329,7 +335,7 @@ STUCK_SINK_SCRIPT = """
 
     bus = EventBus(sinks=[Stuck()])
     for i in range(1000):
-        bus.emit(GraphReplayed("v", f"k{i}", i, i, 0.0))
+        bus.emit(GraphReplayed("v", Signature.parse(f"float32[{i}]"), i, i, 0.0))
     time.sleep(0.2)
     if sys.argv[1] == "close":
         start = time.monotonic()
@@ -511,6 +517,7 @@ def test_bus_on_a_host_loop_keeps_delivering_after_the_loop_ends(kind: str) -> N
 FORK_LOCK_HELD_SCRIPT = """
     import os, sys, threading, time
     from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
     from omnitrace.sinks.jsonl import JsonlSink, read_events
 
     log = sys.argv[1]
@@ -526,7 +533,7 @@ FORK_LOCK_HELD_SCRIPT = """
     jsonl = JsonlSink(log)
     bus.add_sink(jsonl)
     for i in range(100):
-        bus.emit(GraphReplayed("parent", "k", i, i, 0.0))
+        bus.emit(GraphReplayed("parent", Signature.parse("float32[1]"), i, i, 0.0))
     bus.flush(5)
     held, release = threading.Event(), threading.Event()
 
@@ -541,12 +548,13 @@ FORK_LOCK_HELD_SCRIPT = """
     pid = os.fork()
     if pid == 0:
         start = time.monotonic()
-        bus.emit(GraphReplayed("child", "k", 0, 0, 0.0))   # deadlocked before
+        # deadlocked before:
+        bus.emit(GraphReplayed("child", Signature.parse("float32[1]"), 0, 0, 0.0))
         assert bus.flush(2), "inherited bus did not deliver"
         assert inherited.events[-1].adapter == "child"
         own_sink = ListSink()
         own = EventBus(sinks=[own_sink])
-        own.emit(GraphReplayed("own", "k", 0, 0, 0.0))
+        own.emit(GraphReplayed("own", Signature.parse("float32[1]"), 0, 0, 0.0))
         own.close(2)
         assert [e.adapter for e in own_sink.events] == ["own"]
         bus.close(2)
@@ -589,6 +597,7 @@ def test_forked_child_emits_flushes_and_closes_with_the_lock_held_at_fork(
 FORK_MANY_SCRIPT = """
     import atexit, os, sys, threading, time
     from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
 
     N = int(sys.argv[1])
     class Counting:
@@ -604,7 +613,7 @@ FORK_MANY_SCRIPT = """
     def hammer():
         i = 0
         while not stop.is_set():
-            bus.emit(GraphReplayed("v", "k", i, i, 0.0))
+            bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
             i += 1
 
     threading.Thread(target=hammer, daemon=True).start()
@@ -614,9 +623,9 @@ FORK_MANY_SCRIPT = """
         pid = os.fork()
         if pid == 0:
             try:
-                bus.emit(GraphReplayed("child", "k", 0, 0, 0.0))
+                bus.emit(GraphReplayed("child", Signature.parse("float32[1]"), 0, 0, 0.0))
                 own = EventBus(sinks=[Counting()])
-                own.emit(GraphReplayed("own", "k", 0, 0, 0.0))
+                own.emit(GraphReplayed("own", Signature.parse("float32[1]"), 0, 0, 0.0))
                 assert own.flush(2)
                 own.close(2)
                 start = time.monotonic()
@@ -659,6 +668,7 @@ def test_children_forked_from_a_busy_bus_never_hang(tmp_path: Path) -> None:
 SIGTERM_SCRIPT = """
     import logging, os, signal, sys, time
     from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
     from omnitrace.sinks.jsonl import JsonlSink
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -673,7 +683,7 @@ SIGTERM_SCRIPT = """
     print("ready", flush=True)
     i = 0
     while True:
-        bus.emit(GraphReplayed("v", "k", i, i, 0.0))
+        bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
         i += 1
 """
 

@@ -31,6 +31,7 @@ from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
 from omnitrace.sinks.jsonl import JsonlSink, read_events
+from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 HAS_OTEL_SINK = importlib.util.find_spec("omnitrace.sinks.otel") is not None
@@ -744,7 +745,9 @@ def test_replay_warns_when_the_start_of_the_log_was_rotated_away(
     sink = JsonlSink(path, max_bytes=4096, backups=1)
     try:
         for i in range(0, 1000, 50):
-            sink.handle([GraphReplayed("audio", "k", j, j, 0.0) for j in range(i, i + 50)])
+            sink.handle(
+                [GraphReplayed("audio", sig("float32[1]"), j, j, 0.0) for j in range(i, i + 50)]
+            )
     finally:
         sink.close()
     assert main(["replay", str(path)]) == 0

@@ -20,16 +20,23 @@ from omnitrace import (
     derive_stats,
 )
 from omnitrace.events import Event
+from omnitrace.testing import sig
 
 adapters = st.sampled_from(["vision", "audio"])
+signatures = st.integers(0, 99).map(lambda n: sig(f"float32[{n}]"))
 events = st.one_of(
     st.builds(
-        GraphReplayed, adapters, st.just("k"), st.integers(0), st.integers(0), st.floats(0, 1)
+        GraphReplayed,
+        adapters,
+        signatures,
+        st.integers(0),
+        st.integers(0),
+        st.floats(0, 1),
     ),
     st.builds(
         GraphMissed,
         adapters,
-        st.just("k"),
+        signatures,
         st.integers(0),
         st.integers(0),
         st.sampled_from(list(MissReason)),
@@ -38,7 +45,7 @@ events = st.one_of(
     st.builds(
         GraphCaptured,
         adapters,
-        st.text(max_size=5),
+        signatures,
         st.integers(0),
         st.integers(0),
         st.floats(0, 1),
@@ -53,7 +60,7 @@ events = st.one_of(
     st.builds(
         MemoryDeferred,
         adapters,
-        st.just("k"),
+        signatures,
         st.integers(0),
         st.integers(0),
         st.integers(0),
@@ -63,11 +70,11 @@ events = st.one_of(
     st.builds(
         CaptureFailed,
         adapters,
-        st.just("k"),
+        signatures,
         st.integers(0),
         st.integers(0),
         st.just("RuntimeError"),
-        st.text(max_size=5),
+        signatures,
         st.just("cuda:0"),
         st.integers(0),
     ),
@@ -106,12 +113,12 @@ def test_fold_is_incremental(first: list[Event], second: list[Event]) -> None:
 def test_snapshot_keeps_capture_details_and_first_failure() -> None:
     """The frozen snapshot lists held graphs, the latest deferral and the first failure."""
     fold = StatsFold()
-    fold.fold(GraphCaptured("v", "k1", 1, 10, 0.5, 3, "cuda:0", 0, 9, 100, 20, 0))
-    fold.fold(MemoryDeferred("v", "k2", 2, 20, 5, 50, "cuda:0"))
-    fold.fold(CaptureFailed("v", "k3", 3, 30, "RuntimeError", "first", "cuda:0", 0))
-    fold.fold(CaptureFailed("v", "k4", 4, 40, "ValueError", "second", "cuda:0", 0))
+    fold.fold(GraphCaptured("v", sig("float32[1]"), 1, 10, 0.5, 3, "cuda:0", 0, 9, 100, 20, 0))
+    fold.fold(MemoryDeferred("v", sig("float32[2]"), 2, 20, 5, 50, "cuda:0"))
+    fold.fold(CaptureFailed("v", sig("float32[3]"), 3, 30, "RuntimeError", "first", "cuda:0", 0))
+    fold.fold(CaptureFailed("v", sig("float32[4]"), 4, 40, "ValueError", "second", "cuda:0", 0))
     snap = fold.snapshot("v")
-    assert [g.key for g in snap.graphs] == ["k1"]
+    assert [g.key for g in snap.graphs] == ["float32[1]"]
     assert (snap.graphs[0].pool_id, snap.graphs[0].bytes_reserved) == (3, 100)
     assert (snap.last_free_bytes, snap.floor_bytes, snap.memory_deferrals) == (5, 50, 1)
     assert snap.failure == "RuntimeError: first"

@@ -23,10 +23,12 @@ from omnitrace.events import (
 )
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
+from omnitrace.graphs.eligibility import examine, ineligible_detail, signature_of
 from omnitrace.graphs.pools import PoolRegistry
+from omnitrace.signature import Signature
 from omnitrace.stats import AdapterStats, StatsFold
 
-__all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "describe_key", "failure_message"]
+__all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "failure_message"]
 
 _INELIGIBLE = MissReason.INELIGIBLE
 #: Longest capture-failure message put in events, logs and spans.
@@ -39,27 +41,6 @@ _NUMBERS = re.compile(r"\[[-+0-9.eE,\s\[\]]{24,}\]")
 _mono = time.monotonic_ns
 _epoch = time.time_ns
 _perf = time.perf_counter
-
-
-def describe_key(
-    specs: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...],
-    device: torch.device | None,
-    stream: int | None,
-) -> str:
-    """Render a shape key as text for events: ``bfloat16[1,1024,1152], None @cuda:0 s=0``."""
-    parts = []
-    for spec in specs:
-        if spec is None:
-            parts.append("None")
-        else:
-            shape, dtype = spec
-            parts.append(f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]")
-    text = ", ".join(parts)
-    if device is not None:
-        text += f" @{device}"
-    if stream is not None:
-        text += f" s={stream}"
-    return text
 
 
 def _strip_values(text: str) -> str:
@@ -98,13 +79,13 @@ def failure_message(exc: BaseException) -> str:
 
 
 class _Entry:
-    """A captured graph and the text of its key."""
+    """A captured graph and the signature it was captured for."""
 
-    __slots__ = ("graph", "key_text")
+    __slots__ = ("graph", "signature")
 
-    def __init__(self, graph: CapturedGraph, key_text: str) -> None:
+    def __init__(self, graph: CapturedGraph, signature: Signature) -> None:
         self.graph = graph
-        self.key_text = key_text
+        self.signature = signature
 
 
 class EncoderCudaGraph:
@@ -198,7 +179,12 @@ class EncoderCudaGraph:
     def captured_keys(self) -> tuple[str, ...]:
         """Return the text keys of the held graphs, in capture order."""
         with self._lock:
-            return tuple(entry.key_text for entry in self._graphs.values())
+            return tuple(entry.signature.text for entry in self._graphs.values())
+
+    def captured_signatures(self) -> tuple[Signature, ...]:
+        """Return the signatures of the held graphs, in capture order."""
+        with self._lock:
+            return tuple(entry.signature for entry in self._graphs.values())
 
     def get_cumulative_stats(self) -> dict[str, int | float]:
         """Return hits, misses by reason, hit rate, graph count and capture failures."""
@@ -224,16 +210,9 @@ class EncoderCudaGraph:
         streaming ...): emits the ``ineligible`` miss the call would have produced, so stats
         and event logs still cover every encoder call. Runs nothing.
         """
-        specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
-        device: torch.device | None = None
-        for x in inputs:
-            if isinstance(x, torch.Tensor):
-                specs.append((x.shape, x.dtype))
-                device = device or x.device
-            else:
-                specs.append(None)
-        key_text = describe_key(tuple(specs), device, None)
-        self._emit(GraphMissed(self.name, key_text, _mono(), _epoch(), _INELIGIBLE, detail))
+        self._emit(
+            GraphMissed(self.name, signature_of(inputs), _mono(), _epoch(), _INELIGIBLE, detail)
+        )
 
     # -- the call path --------------------------------------------------------------------
 
@@ -256,72 +235,26 @@ class EncoderCudaGraph:
         inputs: tuple[Any, ...],
         reason: MissReason,
         detail: str,
-        key_text: str,
+        signature: Signature,
     ) -> Any:
         if self._failure is not None:
             # Another thread's capture failed since this call was admitted: terminal at once.
             raise self._terminal_error()
-        self._emit(GraphMissed(self.name, key_text, _mono(), _epoch(), reason, detail))
+        self._emit(GraphMissed(self.name, signature, _mono(), _epoch(), reason, detail))
         return self._forward(*inputs)
 
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
         if self._failure is not None:
             raise self._terminal_error()
-        device: torch.device | None = None
-        mixed = False
-        strided = True
-        specs: list[tuple[tuple[int, ...], torch.dtype] | None] = []
-        for index, x in enumerate(inputs):
-            if x is None:
-                specs.append(None)
-                continue
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(
-                    f"encoder graph {self.name!r} takes tensors or None as positional inputs; "
-                    f"input {index} is a {type(x).__name__}"
-                )
-            specs.append((x.shape, x.dtype))  # torch.Size is a hashable tuple
-            if device is None:
-                device = x.device
-            elif x.device != device:
-                mixed = True
-            if x.layout is not torch.strided:
-                strided = False
-        key_specs = tuple(specs)
-
-        if not self._enabled:
-            return self._eager(
-                inputs, _INELIGIBLE, "disabled", describe_key(key_specs, device, None)
-            )
-        if device is None:
-            return self._eager(
-                inputs, _INELIGIBLE, "no_tensors", describe_key(key_specs, None, None)
-            )
-        if mixed:
-            return self._eager(
-                inputs, _INELIGIBLE, "mixed_devices", describe_key(key_specs, None, None)
-            )
-        backend = self.backend
-        if not backend.is_graph_device(device):
-            return self._eager(
-                inputs, _INELIGIBLE, device.type, describe_key(key_specs, device, None)
-            )
-        if not strided:
-            return self._eager(inputs, _INELIGIBLE, "layout", describe_key(key_specs, device, None))
-        if torch.is_grad_enabled():
-            return self._eager(inputs, _INELIGIBLE, "grad", describe_key(key_specs, device, None))
-        if torch.is_autocast_enabled(device.type):
-            return self._eager(
-                inputs, _INELIGIBLE, "autocast", describe_key(key_specs, device, None)
-            )
-        if backend.is_capturing(device):
-            return self._eager(
-                inputs, _INELIGIBLE, "capturing", describe_key(key_specs, device, None)
-            )
-
-        stream = backend.stream_id(device)
-        key = (device, stream, key_specs)
-        miss: tuple[MissReason, str, str] | None = None
+        call = examine(self.name, inputs)
+        detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
+        if detail is not None:
+            return self._eager(inputs, _INELIGIBLE, detail, signature_of(inputs))
+        device = call.device
+        assert device is not None  # an eligible call has a tensor input
+        stream = self.backend.stream_id(device)
+        key = (device, stream, call.specs)
+        miss: tuple[MissReason, str, Signature] | None = None
         with self._lock:
             # Checked again under the lock: a capture holds it, so a call that waited for a
             # capture that failed never starts another one, nor eager work.
@@ -329,14 +262,14 @@ class EncoderCudaGraph:
                 raise self._terminal_error()
             entry = self._graphs.get(key)
             if entry is None:
-                out, miss = self._admit(key, inputs, device, stream, key_specs)
+                out, miss = self._admit(key, inputs, device, stream)
                 if miss is None:
                     return out
             else:
                 start = _perf()
                 out = entry.graph.replay(inputs)
                 event: Event = GraphReplayed(
-                    self.name, entry.key_text, _mono(), _epoch(), _perf() - start
+                    self.name, entry.signature, _mono(), _epoch(), _perf() - start
                 )
                 self._fold.fold(event)
         if miss is not None:
@@ -353,23 +286,22 @@ class EncoderCudaGraph:
         inputs: tuple[Any, ...],
         device: torch.device,
         stream: int,
-        key_specs: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...],
-    ) -> tuple[Any, tuple[MissReason, str, str] | None]:
+    ) -> tuple[Any, tuple[MissReason, str, Signature] | None]:
         """Decide for an uncaptured key with the lock held: capture now, or name the miss."""
-        key_text = describe_key(key_specs, device, stream)
+        signature = signature_of(inputs, stream)
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
-            return None, (MissReason.CAPACITY, "cap", key_text)
+            return None, (MissReason.CAPACITY, "cap", signature)
         if verdict is Verdict.WARMUP:
             detail = f"call {decision.calls} of {self.config.min_capture_calls}"
-            return None, (MissReason.WARMUP, detail, key_text)
+            return None, (MissReason.WARMUP, detail, signature)
         if verdict is Verdict.MEMORY:
             free = decision.free_bytes if decision.free_bytes is not None else 0
             self._emit(
                 MemoryDeferred(
                     self.name,
-                    key_text,
+                    signature,
                     _mono(),
                     _epoch(),
                     free,
@@ -377,8 +309,8 @@ class EncoderCudaGraph:
                     str(device),
                 )
             )
-            return None, (MissReason.MEMORY, "floor", key_text)
-        return self._capture(key, inputs, device, stream, key_text), None
+            return None, (MissReason.MEMORY, "floor", signature)
+        return self._capture(key, inputs, device, stream, signature), None
 
     def _capture(
         self,
@@ -386,7 +318,7 @@ class EncoderCudaGraph:
         inputs: tuple[Any, ...],
         device: torch.device,
         stream: int,
-        key_text: str,
+        signature: Signature,
     ) -> Any:
         slot = self._pools.slot_for(device, stream)
         start_mono, start_epoch, start = _mono(), _epoch(), _perf()
@@ -407,7 +339,7 @@ class EncoderCudaGraph:
             self._emit(
                 CaptureFailed(
                     self.name,
-                    key_text,
+                    signature,
                     _mono(),
                     _epoch(),
                     type(exc).__name__,
@@ -419,12 +351,12 @@ class EncoderCudaGraph:
             raise
         duration = _perf() - start
         index = len(self._graphs)
-        self._graphs[key] = _Entry(graph, key_text)
+        self._graphs[key] = _Entry(graph, signature)
         self._admission.captured(key)
         self._emit(
             GraphCaptured(
                 self.name,
-                key_text,
+                signature,
                 start_mono,
                 start_epoch,
                 duration,
@@ -440,5 +372,5 @@ class EncoderCudaGraph:
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
         out = graph.replay(inputs)
-        self._emit(GraphReplayed(self.name, key_text, _mono(), _epoch(), _perf() - replay_start))
+        self._emit(GraphReplayed(self.name, signature, _mono(), _epoch(), _perf() - replay_start))
         return out

@@ -31,8 +31,8 @@ from rich.table import Table
 from rich.text import Text
 
 from omnitrace.bus import EventBus
-from omnitrace.events import CaptureFailed, Event, MemoryDeferred
-from omnitrace.sinks.jsonl import AdapterInfo, EventRecord
+from omnitrace.eventlog import AdapterInfo, EventRecord
+from omnitrace.events import CaptureFailed, Event, MemoryDeferred, MissReason
 from omnitrace.stats import AdapterStats, StatsFold
 
 __all__ = [
@@ -341,21 +341,17 @@ def _short_inputs(inputs: str) -> str:
 
 
 def _misses(stats: AdapterStats, compact: bool) -> list[Text]:
-    parts = [
-        ("warmup", stats.warmup_misses),
-        ("capacity", stats.capacity_misses),
-        ("memory", stats.memory_misses),
-        ("ineligible", stats.ineligible_misses),
-    ]
-    rows = [parts[:2], parts[2:]] if compact else [parts]
+    parts = [(reason, stats.misses[reason]) for reason in MissReason.display_order()]
+    half = (len(parts) + 1) // 2
+    rows = [parts[:half], parts[half:]] if compact else [parts]
     out = []
     for row in rows:
         text = Text()
-        for index, (label, count) in enumerate(row):
+        for index, (reason, count) in enumerate(row):
             if index:
                 text.append(" · ")
-            style = "yellow" if count and label != "warmup" else ""
-            text.append(f"{label} {count}", style=style)
+            style = "yellow" if count and reason.loses_coverage else ""
+            text.append(f"{reason.value} {count}", style=style)
         out.append(_line(text))
     return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omnitrace.events import MissReason
+
 __all__ = [
     "ATTR",
     "LOG_EVENTS",
@@ -92,7 +94,8 @@ METRICS: dict[str, MetricName] = {
         kind="counter",
         unit="{call}",
         description=(
-            "Encoder calls that ran eagerly, by reason (ineligible, capacity, warmup, memory)."
+            "Encoder calls that ran eagerly, by reason "
+            f"({', '.join(reason.value for reason in MissReason)})."
         ),
         attributes=(ATTR.ENCODER, ATTR.MISS_REASON),
         prometheus="omnitrace_encoder_graph_misses_total",

@@ -23,7 +23,6 @@ endpoint already known dead, cancels retry back-offs and abandons an export stil
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import re
@@ -37,6 +36,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from omnitrace._validate import check_number
+from omnitrace._worker import env_rank
 from omnitrace.events import (
     CaptureFailed,
     Event,
@@ -44,6 +45,7 @@ from omnitrace.events import (
     MemoryDeferred,
     MissReason,
 )
+from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 
 if TYPE_CHECKING:
@@ -89,7 +91,6 @@ _SCOPE = "omnitrace"
 # An empty context: spans made after the fact must be roots, never children of whatever span
 # happens to be current on the worker thread.
 _ROOT_CONTEXT = otel_context.Context()
-_KEY_PART = re.compile(r"(?P<dtype>\w+)\[(?P<shape>[0-9,]*)\]")
 
 
 def _scope_version() -> str:
@@ -98,35 +99,17 @@ def _scope_version() -> str:
     return __version__
 
 
-@functools.lru_cache(maxsize=1024)
-def _key_inputs(key: str) -> tuple[str, tuple[str, ...]] | None:
-    """Parse ``describe_key`` text into ``(dtypes, shapes)``; None when it is not that format."""
-    specs = key.split(" @", 1)[0]
-    if not specs:
-        return None
-    dtypes: list[str] = []
-    shapes: list[str] = []
-    for part in specs.split(", "):
-        if part == "None":
-            shapes.append("None")
-            continue
-        match = _KEY_PART.fullmatch(part)
-        if match is None:
-            return None
-        if match["dtype"] not in dtypes:
-            dtypes.append(match["dtype"])
-        shapes.append(f"[{match['shape']}]")
-    return ",".join(dtypes), tuple(shapes)
-
-
-def _key_attributes(key: str) -> dict[str, str | tuple[str, ...]]:
-    attributes: dict[str, str | tuple[str, ...]] = {ATTR.KEY: key}
-    parsed = _key_inputs(key)
-    if parsed is not None:
-        dtype, shapes = parsed
-        if dtype:
-            attributes[ATTR.DTYPE] = dtype
-        attributes[ATTR.SHAPES] = shapes
+def _key_attributes(signature: Signature) -> dict[str, str | tuple[str, ...]]:
+    """Span attributes of a signature: its text, its dtypes and the shape of each input."""
+    attributes: dict[str, str | tuple[str, ...]] = {ATTR.KEY: signature.text}
+    dtypes = signature.dtypes
+    if dtypes:
+        attributes[ATTR.DTYPE] = ",".join(dtypes)
+    if signature.inputs:
+        attributes[ATTR.SHAPES] = tuple(
+            "None" if spec is None else f"[{','.join(map(str, spec.shape))}]"
+            for spec in signature.inputs
+        )
     return attributes
 
 
@@ -257,7 +240,7 @@ class OTelSink:
             case GraphCaptured():
                 attributes: dict[str, Any] = {
                     ATTR.ENCODER: event.adapter,
-                    **_key_attributes(event.key),
+                    **_key_attributes(event.signature),
                     ATTR.DEVICE: event.device,
                     ATTR.STREAM: event.stream,
                     ATTR.CAPTURE_STREAM: event.capture_stream,
@@ -272,7 +255,7 @@ class OTelSink:
             case MemoryDeferred():
                 attributes = {
                     ATTR.ENCODER: event.adapter,
-                    **_key_attributes(event.key),
+                    **_key_attributes(event.signature),
                     ATTR.DEVICE: event.device,
                     ATTR.FREE_BYTES: event.free_bytes,
                     ATTR.FLOOR_BYTES: event.floor_bytes,
@@ -283,7 +266,7 @@ class OTelSink:
                 # so the failure is an instant on the timeline.
                 attributes = {
                     ATTR.ENCODER: event.adapter,
-                    **_key_attributes(event.key),
+                    **_key_attributes(event.signature),
                     ATTR.DEVICE: event.device,
                     ATTR.STREAM: event.stream,
                     ATTR.ERROR_TYPE: event.error_type,
@@ -364,7 +347,7 @@ class OTelSink:
     def _observe_misses(self) -> Iterator[Observation]:
         for name, stats in self._adapters():
             for reason in MissReason:
-                value = getattr(stats, f"{reason.value}_misses") if stats else 0
+                value = stats.misses[reason] if stats else 0
                 yield Observation(value, {ATTR.ENCODER: name, ATTR.MISS_REASON: reason.value})
 
     def _observe_captures(self) -> Iterator[Observation]:
@@ -684,9 +667,9 @@ def _resource(
     }
     # torchrun and most launchers export these; they tell the workers of one job apart.
     for variable, key in (("RANK", ATTR.RANK), ("LOCAL_RANK", ATTR.LOCAL_RANK)):
-        value = os.environ.get(variable, "").strip()
-        if value:
-            defaults[key] = int(value) if value.isdigit() else value
+        rank = env_rank(variable)
+        if rank is not None:
+            defaults[key] = rank
     from_env = OTELResourceDetector().detect().attributes
     attributes = {key: value for key, value in defaults.items() if key not in from_env}
     if service_name is not None:
@@ -709,12 +692,6 @@ def _env_millis(name: str) -> float | None:
     if not millis > 0:
         raise ValueError(f"{name}: expected a positive number of milliseconds, got {raw!r}")
     return millis / 1000
-
-
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def configure_sdk(
@@ -789,9 +766,9 @@ def configure_sdk(
     if export_interval_s is None:
         interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
     else:
-        interval = _check_positive("export_interval_s", export_interval_s)
+        interval = check_number("export_interval_s", export_interval_s, unit="seconds")
     span_delay = _env_millis("OTEL_BSP_SCHEDULE_DELAY")
-    timeout = _check_positive("export_timeout_s", export_timeout_s)
+    timeout = check_number("export_timeout_s", export_timeout_s, unit="seconds")
     if prometheus_port is not None and (
         isinstance(prometheus_port, bool)
         or not isinstance(prometheus_port, int)

@@ -24,6 +24,7 @@ from omnitrace import (
     derive_stats,
 )
 from omnitrace.graphs.backends.torch import TorchGraphBackend
+from omnitrace.signature import InputSpec, Signature
 from omnitrace.stats import STATS_KEYS
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 
@@ -633,7 +634,7 @@ def test_registers_its_config_on_the_bus(bus: EventBus) -> None:
 
 
 def test_events_carry_plain_data_only(bus: EventBus) -> None:
-    """Event fields are numbers, strings or enums, never tensors or device objects."""
+    """Event fields are numbers, strings, enums or signatures of them, never tensors or devices."""
     backend = SimulatedGraphBackend(free_bytes=0)
     graph, _, _ = make(bus, CFG.replace(min_free_bytes=1), backend)
     x = torch.randn(2, 8)
@@ -646,6 +647,12 @@ def test_events_carry_plain_data_only(bus: EventBus) -> None:
     for event in events:
         for name in event.__slots__:
             value = getattr(event, name)
+            if isinstance(value, Signature):
+                # The structured signature is plain data too: strings, ints and tuples.
+                (spec,) = value.inputs
+                assert spec == InputSpec("float32", (2, 8), "cpu")
+                assert isinstance(value.stream, int)
+                continue
             assert isinstance(value, int | float | str), (type(event).__name__, name, type(value))
         assert event.key.startswith("float32[2,8] @cpu s=0")
 

@@ -13,6 +13,7 @@ import structlog
 from omnitrace.events import CaptureFailed
 from omnitrace.sinks.logs import LogSink, configure_logging
 from omnitrace.sinks.names import LOG_EVENTS
+from omnitrace.testing import sig
 
 from ._support import committed_queries, load_generator, logql_facts
 
@@ -26,7 +27,7 @@ def captured_failure_line() -> Iterator[dict[str, Any]]:
     try:
         event = CaptureFailed(
             adapter="vision",
-            key="float32[1,256,1152] @cuda:0 s=0",
+            signature=sig("float32[1,256,1152] @cuda:0 s=0"),
             monotonic_ns=1,
             epoch_ns=2,
             error_type="RuntimeError",

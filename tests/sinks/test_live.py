@@ -34,7 +34,7 @@ from omnitrace.sinks.live import (
     render,
 )
 from omnitrace.stats import AdapterStats, CapturedGraphInfo
-from omnitrace.testing import SimulatedGraphBackend
+from omnitrace.testing import SimulatedGraphBackend, sig
 
 T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
 MiB = 1 << 20
@@ -212,15 +212,23 @@ def test_record_board_puts_workers_side_by_side() -> None:
     """Records of two worker pids fold separately and render as two labelled columns."""
     board = RecordBoard(title="top")
     events = [
-        GraphMissed("vision", "k", 1, T0, MissReason.WARMUP, "call 1 of 2"),
-        GraphCaptured("vision", "k", 2, T0, 0.01, 1, "cuda:0", 0, 5, MiB, 64, 0),
-        GraphReplayed("vision", "k", 3, T0, 0.001),
+        GraphMissed("vision", sig("float32[1]"), 1, T0, MissReason.WARMUP, "call 1 of 2"),
+        GraphCaptured("vision", sig("float32[1]"), 2, T0, 0.01, 1, "cuda:0", 0, 5, MiB, 64, 0),
+        GraphReplayed("vision", sig("float32[1]"), 3, T0, 0.001),
     ]
     board.add([EventRecord(AdapterInfo("vision", {"max_graphs": 4}), 100, 0)])
     board.add(EventRecord(e, 100, 0) for e in events)
     board.add(EventRecord(e, 200, 1) for e in events[:1])
-    board.add([EventRecord(MemoryDeferred("vision", "k", 4, T0, 5, 10, "cuda:1"), 200, 1)])
-    board.add([EventRecord(CaptureFailed("vision", "q", 5, T0, "E", "m", "cuda:1", 0), 200, 1)])
+    board.add(
+        [EventRecord(MemoryDeferred("vision", sig("float32[1]"), 4, T0, 5, 10, "cuda:1"), 200, 1)]
+    )
+    board.add(
+        [
+            EventRecord(
+                CaptureFailed("vision", sig("float32[2]"), 5, T0, "E", "m", "cuda:1", 0), 200, 1
+            )
+        ]
+    )
     snapshot = board.snapshot()
     assert [(e.source, e.stats.graph_hits, e.max_graphs) for e in snapshot.encoders] == [
         ("rank 0 · pid 100", 1, 4),

@@ -39,6 +39,7 @@ from omnitrace import (
     MissReason,
     derive_stats,
 )
+from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 from omnitrace.sinks.otel import CAPTURE_DURATION_BUCKETS, OTelSetup, OTelSink, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend, capture_events
@@ -508,21 +509,22 @@ def test_registered_adapters_report_zero_series_before_their_first_call() -> Non
         provider.shutdown()
 
 
-def test_unparseable_key_keeps_the_key_and_skips_dtype_and_shapes(
+def test_a_signature_without_tensors_keeps_its_key_and_has_no_dtype(
     in_memory: tuple[InMemorySpanExporter, InMemoryMetricReader, TracerProvider],
 ) -> None:
-    """A key text in another format is exported as the key, without guessed dtype or shapes."""
+    """Attributes come from the signature's fields: no tensor input, no dtype attribute."""
     spans, _, tracer_provider = in_memory
     bus = EventBus()
     try:
         sink = OTelSink(bus, tracer_provider=tracer_provider, meter_provider=MeterProvider())
-        event = MemoryDeferred("custom", "budget=1024 tokens", 1, 2_000, 10, 20, "cuda:1")
+        event = MemoryDeferred("custom", Signature((None,), 3), 1, 2_000, 10, 20, "cuda:1")
         sink.handle([event])
         (span,) = spans.get_finished_spans()
         assert span.attributes is not None
         assert dict(span.attributes) == {
             ATTR.ENCODER: "custom",
-            ATTR.KEY: "budget=1024 tokens",
+            ATTR.KEY: "None s=3",
+            ATTR.SHAPES: ("None",),
             ATTR.DEVICE: "cuda:1",
             ATTR.FREE_BYTES: 10,
             ATTR.FLOOR_BYTES: 20,

@@ -60,6 +60,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from omnitrace.config import OmnitraceError
+from omnitrace.events import MissReason
 from omnitrace.graphs.backends.base import (
     capture_ordering,
     flatten_outputs,
@@ -634,8 +635,7 @@ class VllmGraphBackend:
         """
         manager = self.manager_stats()
         pre_manager = {
-            key: int(adapter_stats[key])
-            for key in ("ineligible_misses", "capacity_misses", "warmup_misses", "memory_misses")
+            key: int(adapter_stats[key]) for key in (reason.stats_key for reason in MissReason)
         }
         misses = sum(pre_manager.values()) + manager.graph_misses
         calls = manager.graph_hits + misses

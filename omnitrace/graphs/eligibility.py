@@ -1,0 +1,129 @@
+"""Eligibility: can this call be graphed at all, and what is its key?
+
+Beside admission (``admission.py``, which decides *when* an eligible key is captured), this
+module decides *whether* a call can use a graph. :func:`examine` reads the inputs once into a
+:class:`Call` (the key's parts); :func:`ineligible_detail` names the reason a call must run
+eagerly, or returns None. The checks, in order:
+
+``disabled``       graphs switched off (``encoder_cuda_graph: false``, enforce-eager)
+``no_tensors``     no tensor input to key on
+``mixed_devices``  inputs on several devices
+``<device type>``  inputs on a device the backend cannot graph (``cpu``)
+``layout``         a sparse or other non-strided input
+``grad``           autograd is recording
+``autocast``       autocast is on for the device (it would bake casts into the graph)
+``capturing``      the current stream is already capturing a graph
+
+No events and no locks here: the adapter reports what these functions decide.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from omnitrace.graphs.backends.base import GraphBackend
+from omnitrace.signature import InputSpec, Signature
+
+__all__ = ["Call", "KeySpecs", "examine", "ineligible_detail", "signature_of"]
+
+#: Per input: ``(shape, dtype)`` or None. ``torch.Size`` is a hashable tuple, so building
+#: this costs no conversion on the hot path.
+KeySpecs = tuple[tuple[torch.Size, torch.dtype] | None, ...]
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+class Call(NamedTuple):
+    """What one call's inputs say: the key's specs, the device, and two layout facts.
+
+    A named tuple, not a dataclass: it is built on every call, hits included.
+    """
+
+    specs: KeySpecs
+    device: torch.device | None
+    """The first tensor's device (None: no tensor input)."""
+    mixed: bool
+    """Inputs on more than one device."""
+    strided: bool
+    """Every tensor input has the strided layout."""
+
+
+def examine(name: str, inputs: tuple[Any, ...]) -> Call:
+    """Read the inputs of one call of adapter ``name``.
+
+    Raises:
+        TypeError: an input is neither a tensor nor None.
+    """
+    device: torch.device | None = None
+    mixed = False
+    strided = True
+    specs: list[tuple[torch.Size, torch.dtype] | None] = []
+    for index, x in enumerate(inputs):
+        if x is None:
+            specs.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"encoder graph {name!r} takes tensors or None as positional inputs; "
+                f"input {index} is a {type(x).__name__}"
+            )
+        specs.append((x.shape, x.dtype))
+        x_device = x.device
+        if device is None:
+            device = x_device
+        elif x_device != device:
+            mixed = True
+        if x.layout is not torch.strided:
+            strided = False
+    return Call(tuple(specs), device, mixed, strided)
+
+
+def ineligible_detail(call: Call, *, enabled: bool, backend: GraphBackend) -> str | None:
+    """Name why ``call`` must run eagerly, or return None when it may use a graph.
+
+    Reads the process state a graph depends on (grad mode, autocast, stream capture) but
+    changes nothing.
+    """
+    if not enabled:
+        return "disabled"
+    device = call.device
+    if device is None:
+        return "no_tensors"
+    if call.mixed:
+        return "mixed_devices"
+    if not backend.is_graph_device(device):
+        return device.type
+    if not call.strided:
+        return "layout"
+    if torch.is_grad_enabled():
+        return "grad"
+    if torch.is_autocast_enabled(device.type):
+        return "autocast"
+    if backend.is_capturing(device):
+        return "capturing"
+    return None
+
+
+def signature_of(inputs: tuple[Any, ...], stream: int | None = None) -> Signature:
+    """Return the :class:`~omnitrace.signature.Signature` of a call's inputs (events' data).
+
+    Anything that is not a tensor is recorded as an absent input.
+    """
+    return Signature(
+        tuple(
+            InputSpec(_dtype_name(x.dtype), tuple(x.shape), str(x.device))
+            if isinstance(x, torch.Tensor)
+            else None
+            for x in inputs
+        ),
+        stream,
+    )

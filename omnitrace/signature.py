@@ -1,0 +1,113 @@
+"""Input signatures: what a graph is keyed by, as data.
+
+An encoder call's signature is, per positional input, its dtype, shape and device (or
+``None`` for an absent input), plus the replay stream when the call reached admission. The
+adapter keys its graphs by it, every event carries it, and consumers read its fields instead
+of parsing text. :attr:`Signature.text` is the human form used in log lines and tables:
+``bfloat16[1,1024,1152], None @cuda:0 s=94`` (the device once at the end when every input is
+on the same device, the stream last).
+
+Plain data, no torch: sinks and readers of event logs use it without importing torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["InputSpec", "Signature", "SignatureParseError"]
+
+
+class SignatureParseError(ValueError):
+    """A text is not a signature's text form."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One tensor input: its dtype (``"bfloat16"``), shape and device (``"cuda:0"``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """The inputs of one call (``None`` for an absent one) and its replay stream, if known."""
+
+    inputs: tuple[InputSpec | None, ...]
+    stream: int | None = None
+
+    @property
+    def device(self) -> str | None:
+        """The device of the inputs when they share one, else None (no tensor, or mixed)."""
+        devices = {spec.device for spec in self.inputs if spec is not None}
+        return devices.pop() if len(devices) == 1 else None
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The distinct dtypes of the tensor inputs, in input order."""
+        seen: dict[str, None] = {}
+        for spec in self.inputs:
+            if spec is not None:
+                seen.setdefault(spec.dtype)
+        return tuple(seen)
+
+    @property
+    def text(self) -> str:
+        """The human form: ``bfloat16[1,1024,1152], None @cuda:0 s=94``."""
+        text = ", ".join("None" if spec is None else spec.text for spec in self.inputs)
+        device = self.device
+        if device:  # an empty device: parsed from a text that named none
+            text += f" @{device}"
+        if self.stream is not None:
+            text += f" s={self.stream}"
+        return text
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def parse(cls, text: str) -> Signature:
+        """Read a signature back from its text form (event logs of schema version 1).
+
+        The text form names one device for all inputs and none when they were mixed, so
+        inputs of a mixed-device signature come back with the device ``""``.
+
+        Raises:
+            SignatureParseError: ``text`` is not in the text form.
+        """
+        match = _TEXT.fullmatch(text)
+        if match is None:
+            raise SignatureParseError(f"not a signature: {text[:200]!r}")
+        device = match["device"] or ""
+        inputs: list[InputSpec | None] = []
+        for part in match["inputs"].split(", ") if match["inputs"] else ():
+            if part == "None":
+                inputs.append(None)
+                continue
+            spec = _INPUT.fullmatch(part)
+            if spec is None:
+                raise SignatureParseError(f"not a signature input: {part[:200]!r}")
+            shape = tuple(int(n) for n in spec["shape"].split(",")) if spec["shape"] else ()
+            inputs.append(InputSpec(spec["dtype"], shape, device))
+        stream = int(match["stream"]) if match["stream"] is not None else None
+        return cls(tuple(inputs), stream)
+
+
+_INPUT = re.compile(r"(?P<dtype>\w+)\[(?P<shape>[0-9]+(?:,[0-9]+)*)?\]")
+_TEXT = re.compile(
+    r"(?P<inputs>(?:None|\w+\[[0-9,]*\])(?:, (?:None|\w+\[[0-9,]*\]))*)?"
+    r"(?: @(?P<device>[\w:.\-]+))?(?: s=(?P<stream>-?[0-9]+))?"
+)
