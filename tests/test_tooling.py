@@ -1,10 +1,15 @@
-"""The repository's own checks: lint, format and strict typing stay clean."""
+"""The repository's own checks: lint, format, strict typing and import contracts stay clean."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,3 +34,78 @@ def test_mypy_strict_on_the_package() -> None:
     """mypy --strict (configured in pyproject.toml) finds no error in the package."""
     proc = _run(sys.executable, "-m", "mypy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run lint-imports (this environment's) on the package found first from ``cwd``."""
+    script = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert script is not None, "lint-imports is missing: pip install -e '.[dev]'"
+    return subprocess.run(
+        [script, "--no-cache", "--no-logo"],
+        cwd=cwd,
+        # Wide enough that no contract name wraps in the report.
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+def _broken_contracts(output: str) -> set[str]:
+    return set(re.findall(r"^(.+?) BROKEN\b", output, flags=re.MULTILINE))
+
+
+def test_import_contracts_hold() -> None:
+    """lint-imports keeps every layer and import contract declared in pyproject.toml."""
+    proc = _lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^Contracts: 5 kept, 0 broken\.$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+LAYERS = "Layers from the command line down to the core"
+NO_TORCH = "The core and the sinks never import torch"
+VLLM = "Only the vLLM graph backend and the integrations import vllm"
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("stats.py", "import omnitrace.bus", {LAYERS}),
+        ("events.py", "import omnitrace.sinks.names", {LAYERS}),
+        ("graphs/pools.py", "import omnitrace.sinks.names", {LAYERS}),
+        ("sinks/jsonl.py", "import omnitrace.graphs.admission", {LAYERS}),
+        ("sinks/names.py", "import torch", {NO_TORCH}),
+        ("config.py", "import torch", {NO_TORCH}),
+        ("demo/traffic.py", "import vllm", {VLLM}),
+        ("graphs/adapter.py", "import vllm", {VLLM}),
+        ("graphs/backends/vllm.py", "import vllm", set()),
+        ("integrations/minicpmo.py", "import vllm", set()),
+        (
+            "sinks/live.py",
+            "import omnitrace.cli",
+            # cli reaches torch through the demo, so the torch contract breaks too.
+            {LAYERS, NO_TORCH, "Only omnitrace.__main__ imports the command line"},
+        ),
+        (
+            "integrations/worker.py",
+            "import omnitrace.demo.traffic",
+            {LAYERS, "Nothing imports the demo"},
+        ),
+        ("added.py", "import omnitrace.config", {LAYERS}),
+    ],
+)
+def test_import_contracts_catch_a_violation(
+    module: str, line: str, broken: set[str], tmp_path: Path
+) -> None:
+    """A cross-layer or forbidden import breaks exactly its contracts; an allowed one none."""
+    shutil.copytree(
+        ROOT / "omnitrace", tmp_path / "omnitrace", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / "omnitrace" / module
+    existing = target.read_text() if target.exists() else ""
+    target.write_text(f"{existing}\n{line}\n")
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode == (1 if broken else 0), proc.stdout + proc.stderr
+    assert _broken_contracts(proc.stdout) == broken, proc.stdout
