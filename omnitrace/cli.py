@@ -397,7 +397,7 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
 @contextlib.contextmanager
 def _export_reported_by_the_cli() -> Iterator[None]:
     """Keep the OTel sink's own outage warning quiet: the command reports the export itself."""
-    otel_logger = logging.getLogger("omnitrace.otel")
+    otel_logger = logging.getLogger("omnitrace.sinks.otel")
     saved = otel_logger.propagate
     quiet = logging.NullHandler()
     otel_logger.addHandler(quiet)

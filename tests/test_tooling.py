@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -109,3 +110,28 @@ def test_import_contracts_catch_a_violation(
     proc = _lint_imports(tmp_path)
     assert proc.returncode == (1 if broken else 0), proc.stdout + proc.stderr
     assert _broken_contracts(proc.stdout) == broken, proc.stdout
+
+
+def _module_loggers(path: Path) -> list[tuple[int, str]]:
+    """Return (line, argument) of each module-level ``logging.getLogger(...)`` assignment."""
+    found = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(
+            node.value, ast.Call
+        ):
+            continue
+        func = node.value.func
+        if isinstance(func, ast.Attribute) and func.attr == "getLogger":
+            found.append((node.lineno, ast.unparse(node.value.args[0])))
+    return found
+
+
+def test_every_module_logger_is_named_after_its_module() -> None:
+    """Each module's logger is logging.getLogger(__name__), so it sits under "omnitrace"."""
+    loggers = {
+        f"{path.relative_to(ROOT)}:{line}": argument
+        for path in sorted((ROOT / "omnitrace").rglob("*.py"))
+        for line, argument in _module_loggers(path)
+    }
+    assert len(loggers) >= 5, loggers
+    assert {where: arg for where, arg in loggers.items() if arg != "__name__"} == {}

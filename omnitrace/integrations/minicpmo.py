@@ -58,7 +58,7 @@ __all__ = [
     "instrument",
 ]
 
-logger = logging.getLogger("omnitrace")
+logger = logging.getLogger(__name__)
 
 #: Where the vision adapter lives, on ``model.vpm``.
 VISION_ATTR = "_encoder_graph"

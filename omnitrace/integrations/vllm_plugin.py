@@ -40,7 +40,7 @@ from omnitrace.integrations.worker import worker_identity
 
 __all__ = ["ENV_EVENTS_LOG", "ENV_OTLP", "ENV_PLUGIN", "PluginError", "register", "worker_bus"]
 
-logger = logging.getLogger("omnitrace")
+logger = logging.getLogger(__name__)
 
 ENV_PLUGIN = "OMNITRACE_PLUGIN"
 ENV_EVENTS_LOG = "OMNITRACE_EVENTS_LOG"

@@ -14,10 +14,10 @@ times the events carry: nothing here runs on the encoder's hot path. Counters an
 observable instruments that read ``bus.adapter_stats()``, so every exported number equals the
 stats fold exactly, including events a full sink queue dropped.
 
-Export problems never reach the host: a failing exporter is counted and reported once on the
-``omnitrace.otel`` logger (and again only after it has recovered and failed anew), exporter
-timeouts are short, and shutdown is bounded (0.8 s by default): it skips attempts against an
-endpoint already known dead, cancels retry back-offs and abandons an export still waiting.
+Export problems never reach the host: a failing exporter is counted and reported once on this
+module's logger (and again only after it has recovered and failed anew), exporter timeouts are
+short, and shutdown is bounded (0.8 s by default): it skips attempts against an endpoint already
+known dead, cancels retry back-offs and abandons an export still waiting.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ __all__ = [
     "configure_sdk",
 ]
 
-logger = logging.getLogger("omnitrace.otel")
+logger = logging.getLogger(__name__)
 
 OTLPProtocol = Literal["http/protobuf", "grpc"]
 _PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")

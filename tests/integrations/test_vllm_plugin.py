@@ -89,7 +89,7 @@ def test_select_backend_without_config_logs_why_and_picks_torch(
     with caplog.at_level(logging.INFO, logger="omnitrace"):
         backend = select_backend(None)
     assert isinstance(backend, TorchGraphBackend)
-    lines = [r for r in caplog.records if r.name == "omnitrace"]
+    lines = [r for r in caplog.records if r.name == "omnitrace.graphs.backends.select"]
     assert len(lines) == 1
     assert "no vllm_config was given" in lines[0].getMessage()
 
@@ -111,6 +111,6 @@ def test_select_backend_without_vllm_logs_why(
     with caplog.at_level(logging.INFO, logger="omnitrace"):
         backend = select.select_backend(object())
     assert isinstance(backend, TorchGraphBackend)
-    assert [r.getMessage() for r in caplog.records if r.name == "omnitrace"] == [
-        "omnitrace: using the torch graph backend (vLLM is not importable)"
-    ]
+    assert [
+        r.getMessage() for r in caplog.records if r.name == "omnitrace.graphs.backends.select"
+    ] == ["omnitrace: using the torch graph backend (vLLM is not importable)"]

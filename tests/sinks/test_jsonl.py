@@ -500,7 +500,7 @@ def test_rotation_counts_the_events_it_deletes(
     path = tmp_path / "events.jsonl"
     events = _many(3000)
     sink = JsonlSink(path, max_bytes=8192, backups=backups)
-    with caplog.at_level(logging.WARNING, logger="omnitrace.jsonl"):
+    with caplog.at_level(logging.WARNING, logger="omnitrace.sinks.jsonl"):
         try:
             for start in range(0, len(events), 100):
                 sink.handle(events[start : start + 100])

@@ -577,11 +577,11 @@ def test_a_failing_tracer_is_counted_and_logged_once_never_raised(
     try:
         sink = OTelSink(bus, tracer_provider=BrokenProvider(), meter_provider=provider)
         bus.add_sink(sink)
-        with caplog.at_level(logging.ERROR, logger="omnitrace.otel"):
+        with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otel"):
             run_scenario(bus)
             assert bus.flush(5.0)
         assert sink.errors == 3
-        records = [r for r in caplog.records if r.name == "omnitrace.otel"]
+        records = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
         assert len(records) == 1
         assert "tracer is broken" in records[0].getMessage()
         (stats,) = bus.statistics().sinks
@@ -626,7 +626,7 @@ def test_dead_endpoint_neither_raises_nor_blocks_and_is_logged_once(
         assert failures["traces"] >= 1
         assert failures["metrics"] >= 2
         assert setup.export_successes == {"traces": 0, "metrics": 0}
-        ours = [r for r in caplog.records if r.name == "omnitrace.otel"]
+        ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
         assert len(ours) == 1
         assert ours[0].levelno == logging.WARNING
         assert "failed" in ours[0].getMessage()
@@ -653,17 +653,17 @@ def test_export_failure_is_reported_again_only_after_a_recovery(
                     bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
                 )
             )
-            with caplog.at_level(logging.INFO, logger="omnitrace.otel"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel"):
                 receiver.reject = True
                 assert setup.force_flush() is False
                 assert setup.force_flush() is False
-                warnings = [r for r in caplog.records if r.name == "omnitrace.otel"]
+                warnings = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
                 assert [r.levelno for r in warnings] == [logging.WARNING]
                 receiver.reject = False
                 assert setup.force_flush() is True
                 receiver.reject = True
                 assert setup.force_flush() is False
-            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.otel"]
+            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.sinks.otel"]
             assert levels == [logging.WARNING, logging.INFO, logging.WARNING]
             assert receiver.rejected == setup.export_failures["metrics"] == 3
             assert setup.export_successes["metrics"] == 1
@@ -688,12 +688,12 @@ def test_a_traces_only_backend_logs_the_metrics_outage_once_and_traces_still_flo
                 bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
             )
             bus.add_sink(sink)
-            with caplog.at_level(logging.INFO, logger="omnitrace.otel"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel"):
                 for _ in range(3):
                     run_scenario(bus)
                     assert bus.flush(5.0)
                     assert setup.force_flush() is False
-            ours = [r for r in caplog.records if r.name == "omnitrace.otel"]
+            ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
             assert [(r.levelno, "metrics" in r.getMessage()) for r in ours] == [
                 (logging.WARNING, True)
             ]

@@ -11,7 +11,7 @@ from omnitrace.graphs.backends.torch import TorchGraphBackend
 
 __all__ = ["select_backend"]
 
-logger = logging.getLogger("omnitrace")
+logger = logging.getLogger(__name__)
 
 
 def select_backend(vllm_config: Any = None) -> GraphBackend:
