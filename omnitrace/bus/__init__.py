@@ -1,0 +1,378 @@
+"""The in-process event bus between the graph adapters and every consumer.
+
+``emit()`` runs on the encoder's hot path, so it only does bounded, non-blocking work under
+one short lock: it feeds the synchronous folds (the stats, which must see every event in
+order and never drop one) and appends the event to one bounded pending queue, whatever the
+number of sinks. A pump on an asyncio loop (the host's, or the bus's own daemon thread when
+the host has none) moves pending events into one bounded queue per sink and wakes the sink: a
+plain ``handle`` runs on a daemon thread of that sink's own, a coroutine ``handle`` on the
+loop. A sink whose queue is full loses the event and the loss is counted; a sink that raises
+is disabled and reported once. Nothing a consumer does can raise into, or block, the caller
+of ``emit()``.
+
+Every wait is bounded and every event is accounted for:
+
+* ``flush()`` and ``close()`` return within their timeout (``close()`` then gives the sinks a
+  short grace to close). What ``close()`` could not deliver is counted as dropped with a
+  reason (:data:`DROP_REASONS`), so once the bus is closed, for every sink,
+  ``delivered + dropped == offered``, and ``offered == emitted`` for a sink attached before
+  the first event. Sink threads are daemons and the exit handler's close is bounded, so a
+  sink stuck in ``handle`` never keeps the process alive.
+* If the host's loop ends while the bus runs on it (``asyncio.run`` returning), the bus moves
+  to a thread of its own and keeps delivering.
+* In a forked child the bus gets a new lock, the parent's loop and sink threads are known to
+  be gone, and the events the parent had not delivered at the fork are counted as dropped
+  (``forked``) in the child's copy (the parent still delivers them). The child's bus starts
+  threads of its own when it is flushed, closed or given a sink; at exit, a child that never
+  emitted on it leaves the parent's sinks alone and exits at once.
+* :meth:`EventBus.close_on_signal` closes the bus within a bound when the process is told to
+  stop (``SIGTERM``), logs how many events were not delivered, then lets the previous handler
+  (or the default action) run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from omnitrace.bus._channels import SinkChannels, sink_name
+from omnitrace.bus._folds import FoldRegistry
+from omnitrace.bus._process import (
+    EXIT_TIMEOUT_S,
+    install_close_on_signal,
+    register_atexit,
+    track_forks,
+)
+from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread
+from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
+from omnitrace.config import ConfigError
+from omnitrace.events import EVENT_TYPES, Event
+from omnitrace.stats import AdapterStats
+
+__all__ = [
+    "DROP_REASONS",
+    "BusStatistics",
+    "EventBus",
+    "Fold",
+    "Sink",
+    "SinkStatistics",
+]
+
+logger = logging.getLogger(__name__)
+
+_EVENT_TYPES = frozenset(EVENT_TYPES)
+
+
+class EventBus:
+    """Deliver adapter events to synchronous folds and bounded asynchronous sinks.
+
+    The bus itself holds the lock, the adapters' registered facts and the count of objects
+    ``emit()`` rejected; it composes the folds (:mod:`omnitrace.bus._folds`), the sink channels
+    (:mod:`omnitrace.bus._channels`), the loop runner (:mod:`omnitrace.bus._runner`) and the
+    process hooks (:mod:`omnitrace.bus._process`).
+
+    Args:
+        sinks: sinks to attach now (the bus then starts at once).
+        queue_size: capacity of the pending queue and of each sink's queue; events past it
+            are dropped and counted.
+        drain_interval: seconds between drains of the sink queues (events wait at most this
+            long before a sink sees them; ``flush()`` drains at once).
+
+    Raises:
+        ConfigError: ``queue_size`` or ``drain_interval`` is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        sinks: Iterable[Sink] = (),
+        queue_size: int = 10_000,
+        drain_interval: float = 0.05,
+    ) -> None:
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"queue_size: expected a positive integer, got {queue_size!r}")
+        if (
+            isinstance(drain_interval, bool)
+            or not isinstance(drain_interval, (int, float))
+            or not 0 < drain_interval <= 60
+        ):
+            raise ConfigError(
+                f"drain_interval: expected seconds in (0, 60], got {drain_interval!r}"
+            )
+        self._queue_size = queue_size
+        self._lock = threading.Lock()
+        self._folds = FoldRegistry()
+        self._channels = SinkChannels(self._lock, queue_size)
+        self._runner = LoopRunner(self._lock, self._channels, float(drain_interval))
+        self._adapters: dict[str, Mapping[str, Any]] = {}
+        self._rejected = 0
+        self._emitted_at_fork = 0
+        self._atexit_ref = register_atexit(self)
+        track_forks(self)
+        for sink in sinks:
+            self.add_sink(sink)
+
+    # -- hot path -------------------------------------------------------------------------
+
+    def emit(self, event: Event) -> None:
+        """Publish ``event``: fold it synchronously and queue it for every sink.
+
+        Never blocks on a consumer and never raises: a full queue, a closed bus, a failing
+        fold or a non-event argument is counted instead.
+        """
+        if type(event) not in _EVENT_TYPES:
+            with self._lock:
+                self._rejected += 1
+            return
+        with self._lock:
+            for fold in self._folds.folds:
+                try:
+                    fold(event)
+                except Exception as exc:  # a fold never reaches model code
+                    self._folds.disable(fold, exc)
+            # The channels' fast path, inlined: a method call here would cost emit() a tenth.
+            channels = self._channels
+            channels.emitted += 1
+            if channels.accepting:
+                if len(channels.pending) < channels.queue_size:
+                    channels.pending.append(event)
+                else:
+                    channels.refuse_locked()
+            elif channels.closed:
+                channels.refuse_locked()
+
+    # -- folds ----------------------------------------------------------------------------
+
+    def add_fold(self, fold: Fold) -> None:
+        """Call ``fold(event)`` synchronously, in order, for every later event.
+
+        A fold runs on the hot path under the bus lock: keep it tiny. One that raises is
+        removed and reported once.
+
+        Raises:
+            TypeError: ``fold`` is not callable.
+        """
+        with self._lock:
+            self._folds.add(fold)
+
+    def remove_fold(self, fold: Fold) -> None:
+        """Stop calling ``fold`` (no error if it is not attached)."""
+        with self._lock:
+            self._folds.remove(fold)
+
+    # -- stats and metadata ---------------------------------------------------------------
+
+    def adapter_stats(self) -> dict[str, AdapterStats]:
+        """Return the stats fold of every adapter that emitted on this bus."""
+        with self._lock:
+            return self._folds.stats.snapshots()
+
+    def register_adapter(self, name: str, info: Mapping[str, Any]) -> None:
+        """Record static facts about an adapter (its cap, floor ...) for consumers."""
+        with self._lock:
+            self._adapters[name] = dict(info)
+
+    def adapters(self) -> dict[str, Mapping[str, Any]]:
+        """Return what ``register_adapter`` recorded, by adapter name."""
+        with self._lock:
+            return dict(self._adapters)
+
+    def statistics(self) -> BusStatistics:
+        """Return a frozen snapshot of the emission and delivery counters."""
+        with self._lock:
+            channels = self._channels
+            return BusStatistics(
+                emitted=channels.emitted,
+                rejected=self._rejected,
+                emitted_after_close=channels.after_close,
+                disabled_folds=self._folds.disabled,
+                sinks=channels.statistics_locked(),
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._channels.closed
+
+    # -- sinks and the loop ---------------------------------------------------------------
+
+    def add_sink(self, sink: Sink, *, queue_size: int | None = None) -> None:
+        """Attach ``sink``; it sees events emitted from now on. Starts the bus if needed.
+
+        Raises:
+            TypeError: ``sink`` has no ``handle`` method.
+            ConfigError: ``queue_size`` is not a positive integer.
+            RuntimeError: the bus is closed.
+        """
+        if not callable(getattr(sink, "handle", None)):
+            raise TypeError(f"sink {sink_name(sink)} has no handle(events) method")
+        capacity = self._queue_size if queue_size is None else queue_size
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"queue_size: expected a positive integer, got {capacity!r}")
+        with self._lock:
+            channel = self._channels.attach_locked(sink, capacity)
+            started = self._runner.started
+        if not started:
+            self.start()
+        elif self._runner.revive():
+            self._runner.spawn(channel)
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start draining sink queues (idempotent).
+
+        Uses ``loop`` if given, else the running loop of the calling thread, else a loop on a
+        daemon thread of the bus's own.
+        """
+        self._runner.start(loop)
+
+    # -- flush and close ------------------------------------------------------------------
+
+    async def aflush(self, timeout: float = 5.0) -> bool:
+        """Deliver every event emitted so far; return False if ``timeout`` passed first."""
+        deadline, target, _ = self._begin_flush(timeout)
+        while (busy := self._runner.flush_step(target)) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        return not busy
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Block until every event emitted so far reached its sink; False if ``timeout`` passed.
+
+        Events emitted meanwhile by other threads are not waited for, so a busy emitter
+        cannot keep a flush from finishing.
+
+        Raises:
+            RuntimeError: called on the thread that runs the bus loop (use ``aflush``).
+        """
+        self._runner.check_not_loop_thread("flush", "aflush")
+        deadline, target, _ = self._begin_flush(timeout)
+        while (busy := self._runner.flush_step(target)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return not busy
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Flush for at most ``timeout`` seconds, close every sink and stop draining.
+
+        Idempotent. What could not be delivered in time is counted as dropped.
+        """
+        if self.closed:
+            return
+        deadline, target, running = self._begin_flush(timeout)
+        while running and self._runner.flush_step(target) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if not self._mark_closed():
+            return
+        grace = max(deadline, time.monotonic()) + min(timeout, CLOSE_GRACE_S)
+        self._finish(await self._runner.astop(grace), timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush for at most ``timeout`` seconds, close every sink and stop the bus thread.
+
+        Idempotent. Returns within ``timeout`` plus a short grace for the sinks' own
+        ``close()``, whatever a sink does; what could not be delivered in time is counted
+        as dropped (``not_flushed``, or ``abandoned`` for a batch stuck in ``handle``) and
+        logged. Events emitted afterwards still reach the folds and are counted in
+        ``emitted_after_close``.
+
+        Raises:
+            RuntimeError: called on the thread that runs the bus loop (use ``aclose``).
+        """
+        if self.closed:
+            return
+        self._runner.check_not_loop_thread("close", "aclose")
+        deadline, target, running = self._begin_flush(timeout)
+        while running and self._runner.flush_step(target) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if not self._mark_closed():
+            return
+        grace = max(deadline, time.monotonic()) + min(timeout, CLOSE_GRACE_S)
+        self._finish(self._runner.stop(grace), timeout)
+
+    def _begin_flush(self, timeout: float) -> tuple[float, int, bool]:
+        """Make sure something drains the sinks; return the flush's deadline, the emitted
+        count it waits for, and whether anything drains at all."""
+        deadline = time.monotonic() + timeout
+        running = self._runner.revive()
+        return deadline, self._emitted(), running
+
+    def _emitted(self) -> int:
+        with self._lock:
+            return self._channels.emitted
+
+    def _mark_closed(self) -> bool:
+        """Stop accepting events for the sinks; count what is still queued as not flushed."""
+        if not self._channels.close():
+            return False
+        atexit.unregister(self._atexit_ref)
+        return True
+
+    def _finish(self, workers: list[SinkThread], timeout: float) -> None:
+        """Count batches still inside a sink as abandoned and report what was lost."""
+        losses = self._channels.abandon_in_flight()
+        self._runner.report_stuck(workers, timeout)
+        if losses:
+            logger.warning(
+                "EventBus closed with undelivered events, counted as dropped: %s",
+                ", ".join(f"{name} {n}" for name, n in losses.items()),
+            )
+
+    # -- the process: signals, exit and fork ----------------------------------------------
+
+    def close_on_signal(
+        self, signum: int = signal.SIGTERM, *, timeout: float = EXIT_TIMEOUT_S
+    ) -> Callable[[], None]:
+        """Close the bus within ``timeout`` when ``signum`` arrives, then chain the old handler.
+
+        The default action of ``SIGTERM`` kills the process without running exit handlers,
+        so queued events would vanish unrecorded. The installed handler closes the bus on a
+        helper thread (bounded by ``timeout`` plus the close grace), logs one line with what
+        every sink delivered and lost, then runs the handler that was installed before (or,
+        for the default action, restores it and re-sends the signal). A second signal while
+        closing skips the wait. While the bus closes, the main thread waits in the handler
+        (it emits nothing more), unless it was interrupted holding a lock the close needs.
+        Call it from the main thread (Python installs signal
+        handlers there only); a signal the host ignores is left alone.
+
+        Returns:
+            A function that puts the previous handler back (if ours is still installed).
+
+        Raises:
+            ValueError: called from a thread other than the main thread.
+        """
+        return install_close_on_signal(self, signum, timeout)
+
+    def _close_at_exit(self, timeout: float) -> None:
+        if self.closed:
+            return
+        if self._runner.dormant and self._emitted() == self._emitted_at_fork:
+            # A forked child that never used its parent's bus: leave the parent's sinks
+            # alone and add nothing to this process's exit.
+            if self._mark_closed():
+                self._finish([], 0.0)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop thread itself is exiting
+            self.close(timeout=timeout)
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread may have held the lock at fork(): it never releases it here.
+        self._lock = self._channels.lock = self._runner.lock = threading.Lock()
+        self._emitted_at_fork = self._channels.emitted
+        if self.closed or not self._runner.started:
+            return
+        self._channels.forget_parent()
+        self._runner.forget_parent()
+
+    def __enter__(self) -> EventBus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("running" if self._runner.started else "idle")
+        return f"<EventBus {state} sinks={len(self._channels.channels)} emitted={self._emitted()}>"

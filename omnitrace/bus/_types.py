@@ -1,0 +1,76 @@
+"""What the bus shows of itself: the sink protocol, fold type, drop reasons and counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from omnitrace.events import Event
+
+__all__ = ["DROP_REASONS", "BusStatistics", "Fold", "Sink", "SinkStatistics"]
+
+Fold = Callable[[Event], None]
+
+#: Why a sink lost events (the keys of :attr:`SinkStatistics.dropped_by`):
+#: ``queue_full`` the pending queue or the sink's queue was full;
+#: ``sink_error`` the sink raised and was disabled (its failing batch and every later event);
+#: ``not_flushed`` still queued when ``close()`` reached its deadline;
+#: ``abandoned`` inside the sink's ``handle`` when ``close()`` gave up waiting for it;
+#: ``after_close`` emitted after ``close()``;
+#: ``forked`` undelivered in the parent at a ``fork()`` (the child's copy is discarded).
+DROP_REASONS = ("queue_full", "sink_error", "not_flushed", "abandoned", "after_close", "forked")
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """An asynchronous consumer of events.
+
+    ``handle`` receives events in emission order, in batches. It may be a plain method (it
+    then runs on a daemon thread of its own, so a slow sink never stalls the others) or a
+    coroutine function (awaited on the bus loop). An optional ``close()`` is called once
+    when the bus closes (on the sink's thread for a plain sink); an optional ``name`` names
+    the sink in statistics and logs.
+    """
+
+    def handle(self, events: Sequence[Event]) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SinkStatistics:
+    """Delivery counters of one sink.
+
+    Once the bus is closed, ``delivered + dropped == offered`` and ``queued == 0``.
+    """
+
+    name: str
+    capacity: int
+    queued: int
+    """Events waiting for the sink or inside its ``handle`` right now."""
+    peak_queued: int
+    delivered: int
+    dropped: int
+    """Events the sink lost, whatever the reason (see ``dropped_by``)."""
+    disabled: bool
+    error: str | None
+    offered: int = 0
+    """Events emitted while the sink was attached (all of them for a sink attached first)."""
+    dropped_by: Mapping[str, int] = field(default_factory=dict, hash=False)
+    """``dropped`` by reason, one of :data:`DROP_REASONS` (reasons with no loss are absent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BusStatistics:
+    """A frozen snapshot of the bus counters."""
+
+    emitted: int
+    rejected: int
+    """Objects passed to ``emit()`` that were not omnitrace events (ignored)."""
+    emitted_after_close: int
+    """Events emitted after ``close()``: folded, but no longer delivered to sinks."""
+    disabled_folds: int
+    sinks: tuple[SinkStatistics, ...]
+
+    @property
+    def dropped(self) -> int:
+        return sum(s.dropped for s in self.sinks)
