@@ -93,7 +93,7 @@ BUS_UNITS = "The bus's units: process hooks over the runner over channels and fo
         (
             "integrations/worker.py",
             "import omnitrace.demo.traffic",
-            {LAYERS, "Nothing imports the demo"},
+            {LAYERS, "Nothing but the command line imports the demo"},
         ),
         ("added.py", "import omnitrace.config", {LAYERS}),
         ("bus/_channels.py", "import omnitrace.bus._runner", {BUS_UNITS}),

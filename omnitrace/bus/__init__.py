@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from omnitrace._validate import check_int
 from omnitrace.bus._channels import SinkChannels, sink_name
 from omnitrace.bus._folds import FoldRegistry
 from omnitrace.bus._process import (
@@ -96,8 +97,7 @@ class EventBus:
         queue_size: int = 10_000,
         drain_interval: float = 0.05,
     ) -> None:
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ConfigError(f"queue_size: expected a positive integer, got {queue_size!r}")
+        check_int("queue_size", queue_size, minimum=1)
         if (
             isinstance(drain_interval, bool)
             or not isinstance(drain_interval, (int, float))
@@ -213,8 +213,7 @@ class EventBus:
         if not callable(getattr(sink, "handle", None)):
             raise TypeError(f"sink {sink_name(sink)} has no handle(events) method")
         capacity = self._queue_size if queue_size is None else queue_size
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError(f"queue_size: expected a positive integer, got {capacity!r}")
+        check_int("queue_size", capacity, minimum=1)
         with self._lock:
             channel = self._channels.attach_locked(sink, capacity)
             started = self._runner.started
