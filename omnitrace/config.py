@@ -40,6 +40,10 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
     "encoder_cuda_graph_min_capture_calls": "min_capture_calls",
     "encoder_cuda_graph_min_free_bytes": "min_free_bytes",
     "encoder_cuda_graph_share_pools": "share_pools",
+    "encoder_cuda_graph_compile": "compile",
+    "encoder_cuda_graph_background_capture": "background_capture",
+    "encoder_cuda_graph_device_timing": "device_timing",
+    "encoder_cuda_graph_skip_profiling": "skip_profiling",
 }
 _FIELD_TO_KEY = {v: k for k, v in HF_OVERRIDE_KEYS.items()}
 
@@ -66,6 +70,19 @@ class EncoderGraphConfig:
         min_free_bytes: device-free memory floor checked before each capture; 0 disables it.
         share_pools: share one memory pool and capture stream per encoder, device and
             replay stream (false gives every graph its own, for an A/B comparison).
+        compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
+            per exact shape instead of the eager forward; misses still run the eager
+            forward. Off by default.
+        background_capture: prepare a graph (compile and capture) on a background thread
+            and a side stream while calls of its shape keep running eagerly (``warmup``
+            misses, detail ``preparing``), then replay. Off by default: the call that
+            reaches ``min_capture_calls`` captures synchronously and is served by the graph.
+        device_timing: time eager and replayed calls on the device with CUDA events,
+            recorded without a host sync and resolved off the call path into
+            ``DeviceTimed`` events. Off by default (host time only).
+        skip_profiling: while the adapter is in the ``profiling`` phase (vLLM's start-up
+            profiling run), calls run eagerly as ``ineligible`` misses (detail
+            ``profiling``) and never enter the admission history or take a graph slot.
     """
 
     enabled: bool = True
@@ -73,6 +90,10 @@ class EncoderGraphConfig:
     min_capture_calls: int = 2
     min_free_bytes: int = GiB
     share_pools: bool = True
+    compile: bool = False
+    background_capture: bool = False
+    device_timing: bool = False
+    skip_profiling: bool = False
 
     def __post_init__(self) -> None:
         check_bool(_FIELD_TO_KEY["enabled"], self.enabled)
@@ -93,7 +114,14 @@ class EncoderGraphConfig:
             self.min_free_bytes,
             meaning="a number of bytes from 0 to 2**63-1 (0 disables the check)",
         )
-        check_bool(_FIELD_TO_KEY["share_pools"], self.share_pools)
+        for name in (
+            "share_pools",
+            "compile",
+            "background_capture",
+            "device_timing",
+            "skip_profiling",
+        ):
+            check_bool(_FIELD_TO_KEY[name], getattr(self, name))
 
     @property
     def history_size(self) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from omnitrace.errors import OmnitraceError
-from omnitrace.events import EVENT_TYPES, Event, MissReason
+from omnitrace.events import EVENT_TYPES, Event, MissReason, Phase
 from omnitrace.signature import InputSpec, Signature, SignatureParseError
 
 __all__ = [
@@ -140,11 +140,17 @@ def encode_event(event: Event, *, pid: int, rank: int) -> dict[str, Any]:
             record[field.name] = encode_signature(value)
             record["key"] = value.text
         else:
-            record[field.name] = value.value if isinstance(value, MissReason) else value
+            record[field.name] = value.value if isinstance(value, (MissReason, Phase)) else value
     return record
 
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "float | None": (int, float, type(None)),
+}
+_ENUM_FIELDS: dict[str, type[MissReason] | type[Phase]] = {"MissReason": MissReason, "Phase": Phase}
 
 
 def _int_list(value: object) -> bool:
@@ -208,16 +214,20 @@ def _decode_field(
         except SignatureParseError as exc:
             raise EventLogError(f"{where}: {cls_name}.key: {exc}") from None
     if name not in record:
+        if field.default is not dataclasses.MISSING:
+            # Added after the log was written (phase, an eager call's duration).
+            return field.default
         raise EventLogError(f"{where}: {cls_name} is missing field {name!r}")
     value = record[name]
-    # MissReason is the only other non-JSON type in an event; it is written as its value.
-    if name == "reason":
+    enum_type = _ENUM_FIELDS.get(str(field.type))
+    if enum_type is not None:
+        # The enums (MissReason, Phase) are the only other non-JSON types in an event.
         try:
-            return MissReason(value)
+            return enum_type(value)
         except ValueError:
-            valid = ", ".join(r.value for r in MissReason)
+            valid = ", ".join(member.value for member in enum_type)
             raise EventLogError(
-                f"{where}: {cls_name}.reason: expected one of {valid}, got {value!r}"
+                f"{where}: {cls_name}.{name}: expected one of {valid}, got {value!r}"
             ) from None
     expected = _JSON_TYPES.get(str(field.type))
     if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):

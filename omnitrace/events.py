@@ -17,21 +17,29 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
-from typing import TypeAlias
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, TypeAlias, TypeVar
 
 from omnitrace.signature import Signature
 
 __all__ = [
+    "EVENT_TYPES",
     "CaptureFailed",
+    "DeviceTimed",
     "Event",
     "GraphCaptured",
     "GraphMissed",
     "GraphReplayed",
     "MemoryDeferred",
     "MissReason",
+    "Phase",
+    "missed",
     "now",
+    "replayed",
 ]
+
+_E = TypeVar("_E")
 
 
 class MissReason(str, enum.Enum):
@@ -82,6 +90,18 @@ _MISS_DISPLAY: dict[MissReason, tuple[int, str]] = {
 }
 
 
+class Phase(str, enum.Enum):
+    """What the engine was doing when an event happened."""
+
+    SERVING = "serving"
+    """Requests (the default)."""
+    PROFILING = "profiling"
+    """vLLM's start-up profiling run: dummy maximum-size inputs, before serving."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def now() -> tuple[int, int]:
     """Return ``(monotonic_ns, epoch_ns)`` for an event stamped now."""
     return time.monotonic_ns(), time.time_ns()
@@ -120,6 +140,7 @@ class GraphCaptured(_Keyed):
     """Bytes of the graph's static input and output buffers (outside the pool)."""
     graph_index: int
     """How many graphs the adapter held before this one (0 for the first)."""
+    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +153,7 @@ class GraphReplayed(_Keyed):
     epoch_ns: int
     duration_s: float
     """Host-side time of copy-in, replay launch and output clones."""
+    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +167,10 @@ class GraphMissed(_Keyed):
     reason: MissReason
     detail: str
     """Finer cause: ``cpu``, ``grad``, ``autocast``, ``capturing``, ``disabled``, ``cap`` ..."""
+    duration_s: float | None = None
+    """Host time of the eager forward (launch, not device, time); None when the adapter did
+    not run it (a model-level fallback recorded with ``record_ineligible``)."""
+    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +184,7 @@ class MemoryDeferred(_Keyed):
     free_bytes: int
     floor_bytes: int
     device: str
+    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +202,31 @@ class CaptureFailed(_Keyed):
     spans and event logs, and the exception may carry model values."""
     device: str
     stream: int
+    phase: Phase = Phase.SERVING
 
 
-Event: TypeAlias = GraphCaptured | GraphReplayed | GraphMissed | MemoryDeferred | CaptureFailed
+@dataclass(frozen=True, slots=True)
+class DeviceTimed(_Keyed):
+    """The device time of one call, measured with CUDA events and resolved after it ran.
+
+    Emitted only with ``device_timing`` on, after the call's GraphReplayed or GraphMissed,
+    once the device finished the work; not a call of its own (stats ignore it).
+    """
+
+    adapter: str
+    signature: Signature
+    monotonic_ns: int
+    epoch_ns: int
+    kind: str
+    """``"replay"`` or ``"eager"``."""
+    device_s: float
+    """Seconds between the events recorded before and after the call on its stream."""
+    phase: Phase = Phase.SERVING
+
+
+Event: TypeAlias = (
+    GraphCaptured | GraphReplayed | GraphMissed | MemoryDeferred | CaptureFailed | DeviceTimed
+)
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     GraphCaptured,
@@ -185,4 +234,32 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     GraphMissed,
     MemoryDeferred,
     CaptureFailed,
+    DeviceTimed,
 )
+
+
+def _fast_constructor(cls: type[_E]) -> Callable[..., _E]:
+    """Build ``cls`` from all its fields positionally, without dataclass __init__'s cost.
+
+    A frozen dataclass's __init__ sets each field with ``object.__setattr__``; the slot
+    descriptors set them at half the cost. The result is the same frozen event (equal,
+    hashable, immutable). For the adapter's per-call events only.
+    """
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    namespace.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
+    body = "".join(f"    _set_{n}(event, {n})\n" for n in names)
+    # The source is built from the class's own field names only.
+    exec(
+        f"def make({', '.join(names)}):\n    event = _new(_cls)\n{body}    return event\n",
+        namespace,
+    )
+    maker: Callable[..., _E] = namespace["make"]
+    return maker
+
+
+#: ``replayed(adapter, signature, monotonic_ns, epoch_ns, duration_s, phase)``: a
+#: GraphReplayed built for the hit path (all fields, positional).
+replayed = _fast_constructor(GraphReplayed)
+#: ``missed(adapter, signature, monotonic_ns, epoch_ns, reason, detail, duration_s, phase)``.
+missed = _fast_constructor(GraphMissed)

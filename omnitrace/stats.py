@@ -14,6 +14,7 @@ from typing import Any
 
 from omnitrace.events import (
     CaptureFailed,
+    DeviceTimed,
     Event,
     GraphCaptured,
     GraphMissed,
@@ -294,6 +295,8 @@ class StatsFold:
                 tally.failures += 1
                 if tally.failure is None:
                     tally.failure = f"{event.error_type}: {event.message}"
+            case DeviceTimed():
+                pass  # a measurement of a call already counted, not a call
             case _:
                 raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 

@@ -1,7 +1,25 @@
-"""The exact-shape encoder graph adapter."""
+"""The exact-shape encoder graph adapter.
+
+One call reads: check eligibility (``eligibility.py``), look the key up, replay; or admit
+(``admission.py``) and capture, or run eagerly. Every decision is an event, folded into the
+adapter's own stats and put on the bus. Opt-in variants, all off by default:
+
+* ``compile``: the captured forward is ``torch.compile(forward)`` (inductor's fused kernels);
+  eager misses still run the plain forward.
+* ``background_capture``: the call that admits a key hands a copy of its inputs to this
+  adapter's capture thread and runs eagerly; the thread warms up (and compiles) on a side
+  stream, captures on the capture stream in CUDA's thread-local capture mode, so other
+  threads' calls keep running, and installs the graph. Until then calls of that key are
+  ``warmup`` misses with detail ``preparing``. A failed background capture makes the adapter
+  terminal like a synchronous one; the next call raises, chained to the original error.
+* ``device_timing``: CUDA events around eager and replayed calls, resolved off the call path
+  (``timing.py``) into DeviceTimed events.
+"""
 
 from __future__ import annotations
 
+import logging
+import queue
 import re
 import threading
 import time
@@ -16,21 +34,27 @@ from omnitrace.events import (
     CaptureFailed,
     Event,
     GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
     MemoryDeferred,
     MissReason,
+    Phase,
+    missed,
+    replayed,
 )
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
 from omnitrace.graphs.eligibility import examine, ineligible_detail, signature_of
-from omnitrace.graphs.pools import PoolRegistry
+from omnitrace.graphs.pools import PoolRegistry, PoolSlot
+from omnitrace.graphs.timing import DeviceTimer
 from omnitrace.signature import Signature
 from omnitrace.stats import AdapterStats, StatsFold
 
 __all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "failure_message"]
 
+logger = logging.getLogger(__name__)
+
 _INELIGIBLE = MissReason.INELIGIBLE
+_WARMUP = MissReason.WARMUP
+_SERVING = Phase.SERVING
 #: Longest capture-failure message put in events, logs and spans.
 MESSAGE_MAX_CHARS = 300
 # The start of a tensor or array repr, and long bracketed runs of numbers: model values
@@ -88,6 +112,30 @@ class _Entry:
         self.signature = signature
 
 
+class _Job:
+    """A background capture: what the capture thread needs, taken on the call path."""
+
+    __slots__ = ("device", "inputs", "key", "replay_stream", "signature", "slot", "stream")
+
+    def __init__(
+        self,
+        key: Hashable,
+        inputs: tuple[Any, ...],
+        device: torch.device,
+        stream: int,
+        replay_stream: Any,
+        signature: Signature,
+        slot: PoolSlot,
+    ) -> None:
+        self.key = key
+        self.inputs = inputs
+        self.device = device
+        self.stream = stream
+        self.replay_stream = replay_stream
+        self.signature = signature
+        self.slot = slot
+
+
 class EncoderCudaGraph:
     """Replay one CUDA graph per exact input signature of an encoder forward.
 
@@ -106,7 +154,8 @@ class EncoderCudaGraph:
 
     Raises:
         TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
-        ConfigError: ``name`` is empty.
+        ConfigError: ``name`` is empty, or ``background_capture`` is asked of a backend that
+            cannot capture while other threads run CUDA work (vLLM's manager).
     """
 
     def __init__(
@@ -133,6 +182,12 @@ class EncoderCudaGraph:
             from omnitrace.graphs.backends.select import select_backend
 
             backend = select_backend(vllm_config)
+        if config.background_capture and backend.name == "vllm":
+            raise ConfigError(
+                "encoder_cuda_graph_background_capture: vLLM's encoder graph manager captures "
+                "in CUDA's global capture mode, which other threads' CUDA work would break; "
+                "use it with the torch backend, or capture synchronously"
+            )
         self._forward = forward
         self.name = name
         self.config = config
@@ -144,9 +199,17 @@ class EncoderCudaGraph:
         self._admission = Admission(config)
         self._pools = PoolRegistry(backend, share=config.share_pools)
         self._graphs: dict[Hashable, _Entry] = {}
+        self._preparing: set[Hashable] = set()
         self._fold = StatsFold()
         self._lock = threading.RLock()
         self._failure: str | None = None
+        self._failure_exc: BaseException | None = None
+        self._phase = _SERVING
+        self._skip_profiling = config.skip_profiling
+        self._compiled: Callable[..., Any] | None = None
+        self._timers: dict[torch.device, DeviceTimer] | None = {} if config.device_timing else None
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+        self._worker: threading.Thread | None = None
         if bus is not None:
             bus.register_adapter(
                 name,
@@ -156,6 +219,9 @@ class EncoderCudaGraph:
                     "min_capture_calls": config.min_capture_calls,
                     "min_free_bytes": config.min_free_bytes,
                     "share_pools": config.share_pools,
+                    "compile": config.compile,
+                    "background_capture": config.background_capture,
+                    "device_timing": config.device_timing,
                     "backend": backend.name,
                     "simulated": backend.simulated,
                 },
@@ -175,6 +241,29 @@ class EncoderCudaGraph:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    @property
+    def preparing(self) -> int:
+        """Graphs being prepared by the background capture thread."""
+        return len(self._preparing)
+
+    @property
+    def phase(self) -> Phase:
+        """The engine phase events are tagged with (``serving`` unless told otherwise)."""
+        return self._phase
+
+    def set_phase(self, phase: Phase | str) -> None:
+        """Tag later events with ``phase``; with ``skip_profiling``, ``profiling`` calls stay
+        eager and out of admission.
+
+        Raises:
+            ConfigError: ``phase`` is not a Phase or its value.
+        """
+        try:
+            self._phase = Phase(phase)
+        except ValueError:
+            valid = ", ".join(p.value for p in Phase)
+            raise ConfigError(f"phase: expected one of {valid}, got {phase!r}") from None
 
     def captured_keys(self) -> tuple[str, ...]:
         """Return the text keys of the held graphs, in capture order."""
@@ -211,8 +300,35 @@ class EncoderCudaGraph:
         and event logs still cover every encoder call. Runs nothing.
         """
         self._emit(
-            GraphMissed(self.name, signature_of(inputs), _mono(), _epoch(), _INELIGIBLE, detail)
+            missed(
+                self.name,
+                signature_of(inputs),
+                _mono(),
+                _epoch(),
+                _INELIGIBLE,
+                detail,
+                None,
+                self._phase,
+            )
         )
+
+    def wait_prepared(self, timeout: float = 60.0) -> bool:
+        """Wait until no background capture is pending; True when none is left.
+
+        For tests, benchmarks and shutdown; the call path never waits.
+        """
+        deadline = time.monotonic() + timeout
+        while self._preparing and self._failure is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return not self._preparing
+
+    def flush_device_timing(self, timeout: float = 5.0) -> bool:
+        """Resolve the device timings recorded so far (waiting up to ``timeout`` for the
+        device); True when none is left. The call path never waits for them."""
+        timers = list((self._timers or {}).values())
+        return all(timer.resolve(timeout) for timer in timers)
 
     # -- the call path --------------------------------------------------------------------
 
@@ -224,11 +340,26 @@ class EncoderCudaGraph:
             bus.emit(event)
 
     def _terminal_error(self) -> EncoderGraphFailedError:
-        return EncoderGraphFailedError(
+        error = EncoderGraphFailedError(
             f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
             f"({self._failure}). Restart the worker, optionally with encoder graphs "
             "disabled (--hf-overrides '{\"encoder_cuda_graph\": false}')."
         )
+        # A background capture's exception reached no caller: the first refusal carries it.
+        error.__cause__ = self._failure_exc
+        return error
+
+    def _timer(self, device: torch.device) -> DeviceTimer:
+        timers = self._timers
+        assert timers is not None
+        timer = timers.get(device)
+        if timer is None:
+            with self._lock:
+                timer = timers.get(device)
+                if timer is None:
+                    clock = self.backend.device_clock(device)
+                    timer = timers[device] = DeviceTimer(clock, self._emit)
+        return timer
 
     def _eager(
         self,
@@ -236,20 +367,40 @@ class EncoderCudaGraph:
         reason: MissReason,
         detail: str,
         signature: Signature,
+        device: torch.device | None,
     ) -> Any:
         if self._failure is not None:
             # Another thread's capture failed since this call was admitted: terminal at once.
             raise self._terminal_error()
-        self._emit(GraphMissed(self.name, signature, _mono(), _epoch(), reason, detail))
-        return self._forward(*inputs)
+        phase = self._phase
+        timer = None if self._timers is None or device is None else self._timer(device)
+        marker = timer.start() if timer is not None else None
+        start = _perf()
+        try:
+            return self._forward(*inputs)
+        finally:
+            # Emitted after the eager run, with its host time; a forward that raised is still
+            # a call that missed.
+            duration = _perf() - start
+            if timer is not None:
+                timer.stop(marker, self.name, signature, "eager", phase)
+            self._emit(
+                missed(self.name, signature, _mono(), _epoch(), reason, detail, duration, phase)
+            )
 
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
         if self._failure is not None:
             raise self._terminal_error()
         call = examine(self.name, inputs)
         detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
+        if detail is None and self._skip_profiling and self._phase is Phase.PROFILING:
+            detail = "profiling"
         if detail is not None:
-            return self._eager(inputs, _INELIGIBLE, detail, signature_of(inputs))
+            # Timed on the device only where the backend has a clock: one graph device.
+            device = call.device
+            if device is not None and (call.mixed or not self.backend.is_graph_device(device)):
+                device = None
+            return self._eager(inputs, _INELIGIBLE, detail, signature_of(inputs), device)
         device = call.device
         assert device is not None  # an eligible call has a tensor input
         stream = self.backend.stream_id(device)
@@ -266,15 +417,23 @@ class EncoderCudaGraph:
                 if miss is None:
                     return out
             else:
-                start = _perf()
-                out = entry.graph.replay(inputs)
-                event: Event = GraphReplayed(
-                    self.name, entry.signature, _mono(), _epoch(), _perf() - start
-                )
+                phase = self._phase
+                if self._timers is None:
+                    start = _perf()
+                    out = entry.graph.replay(inputs)
+                    duration = _perf() - start
+                else:
+                    timer = self._timer(device)
+                    marker = timer.start()
+                    start = _perf()
+                    out = entry.graph.replay(inputs)
+                    duration = _perf() - start
+                    timer.stop(marker, self.name, entry.signature, "replay", phase)
+                event = replayed(self.name, entry.signature, _mono(), _epoch(), duration, phase)
                 self._fold.fold(event)
         if miss is not None:
             # Eager work runs outside the lock: other threads' hits need not wait for it.
-            return self._eager(inputs, *miss)
+            return self._eager(inputs, *miss, device)
         bus = self._bus
         if bus is not None:
             bus.emit(event)
@@ -289,13 +448,15 @@ class EncoderCudaGraph:
     ) -> tuple[Any, tuple[MissReason, str, Signature] | None]:
         """Decide for an uncaptured key with the lock held: capture now, or name the miss."""
         signature = signature_of(inputs, stream)
+        if key in self._preparing:
+            return None, (_WARMUP, "preparing", signature)
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
             return None, (MissReason.CAPACITY, "cap", signature)
         if verdict is Verdict.WARMUP:
             detail = f"call {decision.calls} of {self.config.min_capture_calls}"
-            return None, (MissReason.WARMUP, detail, signature)
+            return None, (_WARMUP, detail, signature)
         if verdict is Verdict.MEMORY:
             free = decision.free_bytes if decision.free_bytes is not None else 0
             self._emit(
@@ -307,10 +468,78 @@ class EncoderCudaGraph:
                     free,
                     self.config.min_free_bytes,
                     str(device),
+                    self._phase,
                 )
             )
             return None, (MissReason.MEMORY, "floor", signature)
+        if self.config.background_capture:
+            self._submit(key, inputs, device, stream, signature)
+            return None, (_WARMUP, "preparing", signature)
         return self._capture(key, inputs, device, stream, signature), None
+
+    def _capture_forward(self) -> Callable[..., Any]:
+        """The forward graphs are captured from: the encoder, or torch.compile of it."""
+        if not self.config.compile:
+            return self._forward
+        if self._compiled is None:
+            # Default mode: inductor's fused kernels and no CUDA graphs of its own, since
+            # the adapter captures them, one graph per exact shape.
+            self._compiled = torch.compile(self._forward, dynamic=False)
+        return self._compiled
+
+    def _fail(
+        self, exc: BaseException, signature: Signature, device: torch.device, stream: int
+    ) -> None:
+        # The message goes to logs, spans and event logs: bounded, and without the tensor
+        # values a forward's exception may carry. The exception itself propagates untouched.
+        message = failure_message(exc)
+        self._failure = f"{type(exc).__name__}: {message}"
+        self._failure_exc = exc
+        self._emit(
+            CaptureFailed(
+                self.name,
+                signature,
+                _mono(),
+                _epoch(),
+                type(exc).__name__,
+                message,
+                str(device),
+                stream,
+                self._phase,
+            )
+        )
+
+    def _install(
+        self,
+        key: Hashable,
+        graph: CapturedGraph,
+        signature: Signature,
+        slot: PoolSlot,
+        device: torch.device,
+        stream: int,
+        start: tuple[int, int, float],
+    ) -> None:
+        """Hold ``graph`` for ``key`` and report the capture (lock held)."""
+        start_mono, start_epoch, start_perf = start
+        index = len(self._graphs)
+        self._graphs[key] = _Entry(graph, signature)
+        self._emit(
+            GraphCaptured(
+                self.name,
+                signature,
+                start_mono,
+                start_epoch,
+                _perf() - start_perf,
+                slot.pool_id,
+                str(device),
+                stream,
+                slot.capture_stream_id,
+                int(graph.bytes_reserved),
+                int(graph.static_bytes),
+                index,
+                self._phase,
+            )
+        )
 
     def _capture(
         self,
@@ -321,56 +550,124 @@ class EncoderCudaGraph:
         signature: Signature,
     ) -> Any:
         slot = self._pools.slot_for(device, stream)
-        start_mono, start_epoch, start = _mono(), _epoch(), _perf()
+        start = (_mono(), _epoch(), _perf())
         try:
             graph = self.backend.capture(
-                self._forward,
+                self._capture_forward(),
                 inputs,
                 device=device,
                 pool=slot.pool,
                 capture_stream=slot.capture_stream,
             )
         except BaseException as exc:
-            # The message goes to logs, spans and event logs: bounded, and without the
-            # tensor values a forward's exception may carry. The exception itself propagates
-            # untouched.
-            message = failure_message(exc)
-            self._failure = f"{type(exc).__name__}: {message}"
-            self._emit(
-                CaptureFailed(
-                    self.name,
-                    signature,
-                    _mono(),
-                    _epoch(),
-                    type(exc).__name__,
-                    message,
-                    str(device),
-                    stream,
-                )
-            )
+            self._fail(exc, signature, device, stream)
             raise
-        duration = _perf() - start
-        index = len(self._graphs)
-        self._graphs[key] = _Entry(graph, signature)
         self._admission.captured(key)
-        self._emit(
-            GraphCaptured(
-                self.name,
-                signature,
-                start_mono,
-                start_epoch,
-                duration,
-                slot.pool_id,
-                str(device),
-                stream,
-                slot.capture_stream_id,
-                int(graph.bytes_reserved),
-                int(graph.static_bytes),
-                index,
-            )
-        )
+        self._install(key, graph, signature, slot, device, stream, start)
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
         out = graph.replay(inputs)
-        self._emit(GraphReplayed(self.name, signature, _mono(), _epoch(), _perf() - replay_start))
+        self._emit(
+            replayed(self.name, signature, _mono(), _epoch(), _perf() - replay_start, self._phase)
+        )
         return out
+
+    # -- background capture -----------------------------------------------------------------
+
+    def _submit(
+        self,
+        key: Hashable,
+        inputs: tuple[Any, ...],
+        device: torch.device,
+        stream: int,
+        signature: Signature,
+    ) -> None:
+        """Reserve the key's slot and hand a copy of the inputs to the capture thread."""
+        self._admission.captured(key)  # the slot is taken now: no other key may claim it
+        self._preparing.add(key)
+        # The caller may reuse its tensors once this call returns: the thread gets copies,
+        # made on the caller's stream.
+        copies = tuple(None if x is None else x.detach().clone() for x in inputs)
+        replay_stream = self.backend_stream(device)
+        job = _Job(
+            key,
+            copies,
+            device,
+            stream,
+            replay_stream,
+            signature,
+            self._pools.slot_for(device, stream),
+        )
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            self._worker = threading.Thread(
+                target=self._capture_loop,
+                args=(self._jobs,),
+                name=f"omnitrace-capture-{self.name}",
+                daemon=True,
+            )
+            self._worker.start()
+        self._jobs.put(job)
+
+    def backend_stream(self, device: torch.device) -> Any:
+        """The current stream object of ``device`` (None on a simulated device)."""
+        if device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(device)
+
+    def _capture_loop(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        side: dict[torch.device, Any] = {}
+        while True:
+            job = jobs.get()
+            if job is None or self._failure is not None:
+                return
+            self._prepare(job, side)
+
+    def _prepare(self, job: _Job, side: dict[torch.device, Any]) -> None:
+        """Warm up (and compile) on a side stream, capture thread-locally, install."""
+        start = (_mono(), _epoch(), _perf())
+        try:
+            if job.device.type == "cuda":
+                with torch.cuda.device(job.device):
+                    stream = side.get(job.device)
+                    if stream is None:
+                        stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
+                    # The copies were made on the caller's stream: the side stream waits.
+                    stream.wait_stream(job.replay_stream)
+                    with torch.no_grad(), torch.cuda.stream(stream):
+                        graph = self._capture_on_current_stream(job)
+                    # Static inputs are written on the side stream; the graph's first replay
+                    # on the caller's stream must see them: wait here, off the call path.
+                    stream.synchronize()
+            else:
+                with torch.no_grad():
+                    graph = self._capture_on_current_stream(job)
+        except BaseException as exc:
+            with self._lock:
+                self._preparing.discard(job.key)
+                self._fail(exc, job.signature, job.device, job.stream)
+            logger.error(
+                "omnitrace: background capture of %s for %r failed: %s; the adapter is terminal",
+                job.signature.text,
+                self.name,
+                self._failure,
+            )
+            return
+        with self._lock:
+            self._preparing.discard(job.key)
+            if self._failure is None:
+                self._install(
+                    job.key, graph, job.signature, job.slot, job.device, job.stream, start
+                )
+
+    def _capture_on_current_stream(self, job: _Job) -> CapturedGraph:
+        # no_grad, not inference_mode: the static buffers must stay ordinary tensors that
+        # callers outside inference mode can copy into.
+        return self.backend.capture(
+            self._capture_forward(),
+            job.inputs,
+            device=job.device,
+            pool=job.slot.pool,
+            capture_stream=job.slot.capture_stream,
+            capture_error_mode="thread_local",
+        )

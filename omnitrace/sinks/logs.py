@@ -28,11 +28,13 @@ from omnitrace._validate import check_int
 from omnitrace.config import ConfigError
 from omnitrace.events import (
     CaptureFailed,
+    DeviceTimed,
     Event,
     GraphCaptured,
     GraphMissed,
     GraphReplayed,
     MemoryDeferred,
+    Phase,
 )
 from omnitrace.sinks.names import LOG_EVENTS
 
@@ -181,11 +183,12 @@ class LogSink:
         # context is that of whoever drives the bus, not of the encoder call.
         trace = trace_context()
         for event in events:
-            if not debug_on and isinstance(event, (GraphReplayed, GraphMissed)):
+            per_call = isinstance(event, _PER_CALL)
+            if not debug_on and per_call:
                 continue
             name, fields = _describe(event)
             fields.update(trace)
-            if isinstance(event, (GraphReplayed, GraphMissed)) and self.sample_every > 1:
+            if per_call and self.sample_every > 1:
                 skipped = self._sampled(event.adapter, name)
                 if skipped is None:
                     continue
@@ -195,6 +198,10 @@ class LogSink:
 
     def close(self) -> None:
         """Nothing to release: the logger's stream belongs to the application."""
+
+
+#: Events of which there is one (or, with device timing, two) per encoder call: debug lines.
+_PER_CALL = (GraphReplayed, GraphMissed, DeviceTimed)
 
 
 def _describe(event: Event) -> tuple[str, dict[str, Any]]:
@@ -218,7 +225,12 @@ def _describe(event: Event) -> tuple[str, dict[str, Any]]:
             name = "graph_replayed"
         case GraphMissed():
             fields.update(reason=event.reason.value, detail=event.detail)
+            if event.duration_s is not None:
+                fields["duration_s"] = event.duration_s
             name = "graph_missed"
+        case DeviceTimed():
+            fields.update(kind=event.kind, device_s=event.device_s)
+            name = "device_timed"
         case MemoryDeferred():
             fields.update(
                 free_bytes=event.free_bytes, floor_bytes=event.floor_bytes, device=event.device
@@ -232,5 +244,7 @@ def _describe(event: Event) -> tuple[str, dict[str, Any]]:
                 stream=event.stream,
             )
             name = "capture_failed"
+    if event.phase is not Phase.SERVING:
+        fields["phase"] = event.phase.value
     fields["event_epoch_ns"] = event.epoch_ns
     return name, fields

@@ -163,6 +163,7 @@ LOG_EVENTS: dict[str, str] = {
     "graph_captured": "info",
     "graph_replayed": "debug",
     "graph_missed": "debug",
+    "device_timed": "debug",
     "memory_deferred": "warning",
     "capture_failed": "error",
 }

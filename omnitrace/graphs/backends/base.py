@@ -27,6 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from omnitrace.graphs.timing import DeviceClock
+
 __all__ = [
     "CapturedGraph",
     "GraphBackend",
@@ -94,8 +96,18 @@ class GraphBackend(Protocol):
         device: torch.device,
         pool: Any,
         capture_stream: Any,
+        capture_error_mode: str = "global",
     ) -> CapturedGraph:
-        """Warm up and capture ``forward(*inputs)``; the original exception propagates."""
+        """Warm up and capture ``forward(*inputs)``; the original exception propagates.
+
+        The current stream is the replay stream: static inputs are copied and the warm-up
+        runs there. ``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"``
+        lets other threads keep running CUDA work during the capture (background capture).
+        """
+        ...
+
+    def device_clock(self, device: torch.device) -> DeviceClock:
+        """Return a clock of markers on ``device``'s timeline, for device timing."""
         ...
 
 

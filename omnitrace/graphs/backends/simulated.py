@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from omnitrace._validate import check_int
+from omnitrace._validate import check_int, check_number
 from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
+from omnitrace.graphs.timing import HostClock
 
 __all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
 
@@ -59,6 +62,10 @@ class SimulatedGraphBackend:
         graph_bytes: memory each capture takes from ``free_bytes``.
         fail_on_capture: make captures raise: ``True`` raises a ``RuntimeError``, an
             exception instance or class raises that.
+        capture_delay: seconds each capture takes (a slow compile and capture), for tests
+            of what calls do meanwhile.
+
+    The current stream and the capturing state are per thread, as CUDA's are.
     """
 
     name = "simulated"
@@ -70,36 +77,41 @@ class SimulatedGraphBackend:
         free_bytes: int = 80 << 30,
         graph_bytes: int = 64 << 20,
         fail_on_capture: bool | BaseException | type[BaseException] = False,
+        capture_delay: float = 0.0,
     ) -> None:
         self.free_bytes = check_int("free_bytes", free_bytes)
         self.graph_bytes = check_int("graph_bytes", graph_bytes)
         self.fail_on_capture = fail_on_capture
+        self.capture_delay = check_number("capture_delay", capture_delay, positive=False)
         self.captures = 0
         self.replays = 0
         self.pools_created = 0
         self.capture_streams_created = 0
-        self._stream = 0
-        self._capturing = False
+        self.capture_modes: list[str] = []
+        """``capture_error_mode`` of every capture, in order."""
+        self._local = threading.local()
 
     # -- knobs for tests -------------------------------------------------------------------
 
     @contextlib.contextmanager
     def stream(self, stream_id: int) -> Iterator[None]:
         """Make ``stream_id`` the current (replay) stream inside the block."""
-        previous, self._stream = self._stream, stream_id
+        previous = getattr(self._local, "stream", 0)
+        self._local.stream = stream_id
         try:
             yield
         finally:
-            self._stream = previous
+            self._local.stream = previous
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """Pretend the current stream is capturing a graph inside the block."""
-        previous, self._capturing = self._capturing, True
+        previous = getattr(self._local, "capturing", False)
+        self._local.capturing = True
         try:
             yield
         finally:
-            self._capturing = previous
+            self._local.capturing = previous
 
     # -- GraphBackend ----------------------------------------------------------------------
 
@@ -107,10 +119,13 @@ class SimulatedGraphBackend:
         return True
 
     def is_capturing(self, device: torch.device) -> bool:
-        return self._capturing
+        return bool(getattr(self._local, "capturing", False))
 
     def stream_id(self, device: torch.device) -> int:
-        return self._stream
+        return int(getattr(self._local, "stream", 0))
+
+    def device_clock(self, device: torch.device) -> HostClock:
+        return HostClock()
 
     def device_free_bytes(self, device: torch.device) -> int:
         return self.free_bytes
@@ -132,11 +147,15 @@ class SimulatedGraphBackend:
         device: torch.device,
         pool: Any,
         capture_stream: Any,
+        capture_error_mode: str = "global",
     ) -> SimulatedGraph:
+        self.capture_modes.append(capture_error_mode)
         static_inputs = [None if x is None else x.detach().clone() for x in inputs]
         leaves, spec = flatten_outputs(forward(*static_inputs))  # warm-up
         static_outputs = [torch.empty_like(t) for t in leaves]
         with self.capturing():
+            if self.capture_delay:
+                time.sleep(self.capture_delay)
             failure = self.fail_on_capture
             if failure is True:
                 raise RuntimeError("simulated CUDA graph capture failure")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from omnitrace.graphs.backends.base import (
     static_copies,
 )
 
-__all__ = ["TorchCudaGraph", "TorchGraphBackend"]
+__all__ = ["CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -53,6 +54,38 @@ class TorchCudaGraph(StaticBuffers):
         self._graph.replay()
         # Clones keep a caller's tensors valid after the next replay overwrites the buffers.
         return self.clone_out()
+
+
+class CudaEventClock:
+    """CUDA events as device-time markers, recorded on the current stream, reused."""
+
+    __slots__ = ("_device", "_free", "_index")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._free: deque[torch.cuda.Event] = deque()
+
+    def mark(self) -> torch.cuda.Event:
+        try:
+            event = self._free.pop()
+        except IndexError:
+            with torch.cuda.device(self._index):
+                event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        if torch.cuda.current_device() != self._index:
+            event.record(torch.cuda.current_stream(self._index))
+        else:
+            event.record()
+        return event
+
+    def passed(self, marker: torch.cuda.Event) -> bool:
+        return bool(marker.query())  # type: ignore[no-untyped-call]
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return float(start.elapsed_time(end)) / 1e3
+
+    def release(self, marker: torch.cuda.Event) -> None:
+        self._free.append(marker)
 
 
 class TorchGraphBackend:
@@ -93,6 +126,9 @@ class TorchGraphBackend:
         stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return stream, int(stream.cuda_stream)
 
+    def device_clock(self, device: torch.device) -> CudaEventClock:
+        return CudaEventClock(device)
+
     def capture(
         self,
         forward: Callable[..., Any],
@@ -101,9 +137,10 @@ class TorchGraphBackend:
         device: torch.device,
         pool: Any,
         capture_stream: Any,
+        capture_error_mode: str = "global",
     ) -> TorchCudaGraph:
         with torch.cuda.device(device):
-            return self._capture(forward, inputs, device, pool, capture_stream)
+            return self._capture(forward, inputs, device, pool, capture_stream, capture_error_mode)
 
     def _capture(
         self,
@@ -112,6 +149,7 @@ class TorchGraphBackend:
         device: torch.device,
         pool: Any,
         capture_stream: torch.cuda.Stream,
+        capture_error_mode: str,
     ) -> TorchCudaGraph:
         replay_stream = torch.cuda.current_stream(device)
         static_inputs = static_copies(inputs)
@@ -133,7 +171,12 @@ class TorchGraphBackend:
         try:
             with (
                 capture_ordering(replay_stream, capture_stream, torch.cuda.stream),
-                torch.cuda.graph(graph, pool=pool, stream=capture_stream),
+                torch.cuda.graph(
+                    graph,
+                    pool=pool,
+                    stream=capture_stream,
+                    capture_error_mode=capture_error_mode,
+                ),
             ):
                 try:
                     out = forward(*static_inputs)

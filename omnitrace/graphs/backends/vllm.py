@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from omnitrace.config import OmnitraceError
+from omnitrace.config import ConfigError, OmnitraceError
 from omnitrace.events import MissReason
 from omnitrace.graphs.backends.base import (
     capture_ordering,
@@ -535,6 +535,9 @@ class VllmGraphBackend:
     def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
         return self._device.new_capture_stream(device)
 
+    def device_clock(self, device: torch.device) -> Any:
+        return self._device.device_clock(device)
+
     # -- hooks a CPU test double overrides --------------------------------------------------
 
     def _device_scope(self, device: torch.device) -> Any:
@@ -568,7 +571,14 @@ class VllmGraphBackend:
         device: torch.device,
         pool: Any,
         capture_stream: Any,
+        capture_error_mode: str = "global",
     ) -> VllmCapturedGraph:
+        if capture_error_mode != "global":
+            # vLLM's manager opens torch.cuda.graph itself, always in the global mode.
+            raise ConfigError(
+                f"capture_error_mode: vLLM's encoder graph manager captures in the 'global' "
+                f"mode only, got {capture_error_mode!r}"
+            )
         with self._device_scope(device):
             replay_stream = self._current_stream(device)
             static_inputs = static_copies(inputs)

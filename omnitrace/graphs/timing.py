@@ -1,0 +1,165 @@
+"""Device time of encoder calls, measured without stalling the call path.
+
+With ``device_timing`` on, the adapter asks its backend's clock for a marker before and after
+each eager or replayed call (for CUDA: an event recorded on the call's stream, no host
+synchronisation) and hands the pair to a :class:`DeviceTimer`. A daemon thread polls the
+pending pairs, and once the device has passed the second marker reads the elapsed time and
+emits a :class:`~omnitrace.events.DeviceTimed` event. Nothing on the call path waits for the
+device: the cost there is two marker records and a deque append.
+
+Markers are reused: a resolved pair goes back to the clock's free list.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from omnitrace.events import DeviceTimed, Event, Phase
+from omnitrace.signature import Signature
+
+__all__ = ["DeviceClock", "DeviceTimer", "HostClock"]
+
+_mono = time.monotonic_ns
+_epoch = time.time_ns
+
+
+class DeviceClock(Protocol):
+    """Markers on the device's timeline (CUDA events), or a stand-in."""
+
+    def mark(self) -> Any:
+        """Record a marker on the current stream, without waiting for anything."""
+        ...
+
+    def passed(self, marker: Any) -> bool:
+        """Whether the device has reached ``marker`` (never blocks)."""
+        ...
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two markers the device has passed."""
+        ...
+
+    def release(self, marker: Any) -> None:
+        """Give a resolved marker back for reuse."""
+        ...
+
+
+class HostClock:
+    """Host time as a device clock: for the simulated backend (tests, the CPU demo)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def passed(self, marker: Any) -> bool:
+        return True
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+    def release(self, marker: Any) -> None:
+        pass
+
+
+class DeviceTimer:
+    """Collect marker pairs of calls and resolve them into DeviceTimed events off the call path.
+
+    Args:
+        clock: where markers come from.
+        emit: called with each DeviceTimed event, on the timer's thread.
+        poll_interval: seconds between polls of the pending pairs.
+    """
+
+    def __init__(
+        self,
+        clock: DeviceClock,
+        emit: Callable[[Event], None],
+        *,
+        poll_interval: float = 0.05,
+    ) -> None:
+        self.clock = clock
+        self._emit = emit
+        self._poll_interval = poll_interval
+        self._pending: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self.resolved = 0
+        """DeviceTimed events emitted so far."""
+
+    def start(self) -> Any:
+        """Record the marker before a call."""
+        return self.clock.mark()
+
+    def stop(self, start: Any, adapter: str, signature: Signature, kind: str, phase: Phase) -> None:
+        """Record the marker after a call and queue the pair (never blocks)."""
+        self._pending.append((start, self.clock.mark(), adapter, signature, kind, phase))
+        if self._thread is None:
+            self._start_thread()
+
+    @property
+    def pending(self) -> int:
+        """Pairs recorded but not resolved yet."""
+        return len(self._pending)
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="omnitrace-device-timer", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self.resolve()
+            self._wake.wait(self._poll_interval)
+            self._wake.clear()
+
+    def resolve(self, timeout: float = 0.0) -> bool:
+        """Emit an event for every pair the device has passed; True when none is left.
+
+        With ``timeout`` it waits up to that long for the device to pass the rest (tests and
+        shutdown use it; the call path never does).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            ready: list[DeviceTimed] = []
+            with self._lock:
+                kept: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
+                while self._pending:
+                    item = self._pending.popleft()
+                    start, end, adapter, signature, kind, phase = item
+                    if not self.clock.passed(end):
+                        kept.append(item)
+                        continue
+                    seconds = self.clock.seconds(start, end)
+                    self.clock.release(start)
+                    self.clock.release(end)
+                    ready.append(
+                        DeviceTimed(adapter, signature, _mono(), _epoch(), kind, seconds, phase)
+                    )
+                # Pairs recorded meanwhile were appended behind the ones kept.
+                self._pending.extendleft(reversed(kept))
+                left = len(self._pending)
+                self.resolved += len(ready)
+            # Emitted outside the timer's lock: emitting takes the adapter's lock, which the
+            # call path holds while it queues pairs.
+            for event in ready:
+                self._emit(event)
+            if not left:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """Resolve what the device finishes within ``timeout`` and stop the thread."""
+        done = self.resolve(timeout)
+        self._closed = True
+        self._wake.set()
+        return done

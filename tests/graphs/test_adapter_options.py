@@ -1,0 +1,318 @@
+"""The adapter's opt-in behaviours: phases, eager timing, device timing, compiled graphs and
+background capture, on the simulated backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from omnitrace import (
+    CaptureFailed,
+    ConfigError,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EncoderGraphFailedError,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MissReason,
+    derive_stats,
+)
+from omnitrace.events import DeviceTimed, Phase
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+CFG = EncoderGraphConfig(min_free_bytes=0)
+
+
+def encoder(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ x.transpose(-1, -2)) @ x
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Any:
+    with torch.no_grad():
+        yield
+
+
+def test_misses_carry_the_eager_calls_host_time_and_follow_the_run(bus: EventBus) -> None:
+    """A miss event is emitted after its eager run, with that run's host duration."""
+    seen_before_run: list[int] = []
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        seen_before_run.append(len(events))
+        time.sleep(0.02)
+        return x + 1
+
+    graph = EncoderCudaGraph(slow, name="v", config=CFG, bus=bus, backend=SimulatedGraphBackend())
+    with capture_events(bus) as events:
+        graph(torch.ones(2))
+    (miss,) = events
+    assert isinstance(miss, GraphMissed)
+    assert seen_before_run == [0]
+    assert miss.duration_s is not None
+    assert miss.duration_s >= 0.02
+
+
+def test_a_forward_that_raises_is_still_a_counted_miss(bus: EventBus) -> None:
+    """The exception propagates and the call still counts as an eager miss."""
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad input")
+
+    graph = EncoderCudaGraph(broken, name="v", config=CFG, bus=bus, backend=SimulatedGraphBackend())
+    with capture_events(bus) as events, pytest.raises(ValueError, match="bad input"):
+        graph(torch.ones(2))
+    assert [type(e) for e in events] == [GraphMissed]
+    assert graph.get_cumulative_stats()["warmup_misses"] == 1
+
+
+def test_events_carry_the_phase_the_adapter_is_in(bus: EventBus) -> None:
+    """After set_phase('profiling') events say profiling; serving again after that."""
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=CFG, bus=bus, backend=SimulatedGraphBackend()
+    )
+    x = torch.randn(1, 4, 3)
+    with capture_events(bus) as events:
+        graph.set_phase("profiling")
+        graph(x)
+        graph.set_phase(Phase.SERVING)
+        graph(x)
+        graph(x)
+    assert [e.phase for e in events] == [
+        Phase.PROFILING,
+        Phase.SERVING,
+        Phase.SERVING,
+        Phase.SERVING,
+    ]
+    with pytest.raises(ConfigError, match=r"^phase: expected one of serving, profiling"):
+        graph.set_phase("warming")
+
+
+def test_skip_profiling_keeps_profiling_calls_out_of_admission(bus: EventBus) -> None:
+    """Profiling calls are 'profiling' ineligible misses and take no history or slot."""
+    config = CFG.replace(skip_profiling=True, max_graphs=1)
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=config, bus=bus, backend=SimulatedGraphBackend()
+    )
+    big, small = torch.randn(1, 8, 3), torch.randn(1, 2, 3)
+    graph.set_phase("profiling")
+    with capture_events(bus) as events:
+        for _ in range(3):
+            graph(big)
+    assert [(e.reason, e.detail) for e in events if isinstance(e, GraphMissed)] == [
+        (MissReason.INELIGIBLE, "profiling")
+    ] * 3
+    assert graph.num_graphs == 0
+    graph.set_phase("serving")
+    with capture_events(bus) as events:
+        graph(small)
+        graph(small)
+    # The one slot went to the serving shape; the profiling shape left no history behind.
+    assert [type(e) for e in events] == [GraphMissed, GraphCaptured, GraphReplayed]
+    assert events[0].reason is MissReason.WARMUP
+
+
+def test_device_timing_reports_each_call_once_resolved(bus: EventBus) -> None:
+    """With device_timing, every eager and replayed call gets a DeviceTimed event later."""
+    graph = EncoderCudaGraph(
+        encoder,
+        name="v",
+        config=CFG.replace(device_timing=True),
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.randn(1, 4, 3)
+    with capture_events(bus) as events:
+        for _ in range(4):
+            graph(x)  # miss, capture (no timing of the capture itself), hit, hit
+        assert graph.flush_device_timing(5)
+    timed = [e for e in events if isinstance(e, DeviceTimed)]
+    assert sorted(e.kind for e in timed) == ["eager", "replay", "replay"]
+    assert all(e.device_s >= 0 for e in timed)
+    assert all(e.key == "float32[1,4,3] @cpu s=0" for e in timed)
+    calls = [e for e in events if not isinstance(e, DeviceTimed)]
+    assert derive_stats(events) == derive_stats(calls)
+
+
+def test_without_device_timing_no_timer_is_made(bus: EventBus) -> None:
+    """Device timing is off by default: no DeviceTimed event, nothing to flush."""
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=CFG, bus=bus, backend=SimulatedGraphBackend()
+    )
+    with capture_events(bus) as events:
+        for _ in range(3):
+            graph(torch.randn(1, 4, 3))
+    assert not any(isinstance(e, DeviceTimed) for e in events)
+    assert graph.flush_device_timing(0)
+
+
+def test_compile_captures_the_compiled_forward_and_misses_stay_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With compile on, captures use torch.compile(forward); eager misses use forward."""
+    used: list[str] = []
+    compiled_with: list[dict[str, Any]] = []
+
+    def fake_compile(fn: Any, **kwargs: Any) -> Any:
+        compiled_with.append(kwargs)
+
+        def compiled(*args: Any) -> Any:
+            used.append("compiled")
+            return fn(*args)
+
+        return compiled
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        used.append("eager")
+        return x * 2
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    backend = SimulatedGraphBackend()
+    graph = EncoderCudaGraph(forward, name="v", config=CFG.replace(compile=True), backend=backend)
+    x = torch.ones(3)
+    graph(x)  # warm-up miss: eager
+    assert used == ["eager"]
+    graph(x)  # capture: the compiled forward (warm-up, capture, replay re-run it)
+    graph(x)
+    assert compiled_with == [{"dynamic": False}]
+    assert used[0] == "eager"
+    assert set(used[1:]) == {"compiled", "eager"}  # the compiled fn wraps the eager one
+    assert used.count("compiled") >= 3
+    assert graph.get_cumulative_stats()["graph_hits"] == 2
+
+
+def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
+    bus: EventBus,
+) -> None:
+    """The admitting call returns at once, later calls miss as 'preparing', then replay."""
+    backend = SimulatedGraphBackend(capture_delay=0.3)
+    graph = EncoderCudaGraph(
+        encoder,
+        name="v",
+        config=CFG.replace(background_capture=True),
+        bus=bus,
+        backend=backend,
+    )
+    x = torch.randn(1, 4, 3)
+    expected = encoder(x)
+    with capture_events(bus) as events:
+        graph(x)  # warm-up
+        start = time.perf_counter()
+        assert torch.equal(graph(x), expected)  # admitted: handed to the capture thread
+        assert torch.equal(graph(x), expected)  # still preparing
+        assert time.perf_counter() - start < 0.25
+        assert graph.preparing == 1
+        assert graph.wait_prepared(10)
+        assert torch.equal(graph(x), expected)
+    kinds = [(type(e).__name__, getattr(e, "detail", None)) for e in events]
+    assert kinds == [
+        ("GraphMissed", "call 1 of 2"),
+        ("GraphMissed", "preparing"),
+        ("GraphMissed", "preparing"),
+        ("GraphCaptured", None),
+        ("GraphReplayed", None),
+    ]
+    assert backend.capture_modes == ["thread_local"]
+    assert graph.get_cumulative_stats()["warmup_misses"] == 3
+    assert derive_stats(events)["v"] == graph.get_cumulative_stats()
+
+
+def test_background_capture_takes_its_slot_at_admission(bus: EventBus) -> None:
+    """A shape being prepared holds a graph slot: another shape meanwhile is a capacity miss."""
+    backend = SimulatedGraphBackend(capture_delay=0.2)
+    graph = EncoderCudaGraph(
+        encoder,
+        name="v",
+        config=CFG.replace(background_capture=True, max_graphs=1),
+        bus=bus,
+        backend=backend,
+    )
+    a, b = torch.randn(1, 4, 3), torch.randn(1, 5, 3)
+    with capture_events(bus) as events:
+        graph(a)
+        graph(a)
+        graph(b)
+        graph.wait_prepared(10)
+    assert [e.reason for e in events if isinstance(e, GraphMissed)] == [
+        MissReason.WARMUP,
+        MissReason.WARMUP,
+        MissReason.CAPACITY,
+    ]
+    assert backend.captures == 1
+
+
+def test_concurrent_calls_during_background_capture_are_all_correct(bus: EventBus) -> None:
+    """Eight threads calling two shapes while graphs are prepared all get eager's result."""
+    backend = SimulatedGraphBackend(capture_delay=0.05)
+    graph = EncoderCudaGraph(
+        encoder,
+        name="v",
+        config=CFG.replace(background_capture=True),
+        bus=bus,
+        backend=backend,
+    )
+    inputs = [torch.randn(1, n, 3) for n in (4, 6)]
+    wrong: list[int] = []
+
+    def worker() -> None:
+        with torch.no_grad():
+            for i in range(60):
+                x = inputs[i % 2]
+                if not torch.allclose(graph(x), encoder(x)):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert graph.wait_prepared(10)
+    assert wrong == []
+    stats = graph.get_cumulative_stats()
+    assert stats["num_graphs"] == 2
+    assert stats["graph_hits"] + stats["graph_misses"] == 8 * 60
+    assert backend.captures == 2
+
+
+def test_a_failed_background_capture_makes_the_adapter_terminal(bus: EventBus) -> None:
+    """One CaptureFailed; the next call raises EncoderGraphFailedError chained to the cause."""
+    backend = SimulatedGraphBackend(fail_on_capture=RuntimeError("capture broke"))
+    graph = EncoderCudaGraph(
+        encoder,
+        name="v",
+        config=CFG.replace(background_capture=True),
+        bus=bus,
+        backend=backend,
+    )
+    x = torch.randn(1, 4, 3)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)  # admitted; the capture thread fails
+        deadline = time.monotonic() + 10
+        while not graph.terminal and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(EncoderGraphFailedError, match="capture broke") as raised:
+            graph(x)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert sum(isinstance(e, CaptureFailed) for e in events) == 1
+    assert graph.get_cumulative_stats()["capture_failures"] == 1
+
+
+def test_background_capture_refuses_vllms_manager() -> None:
+    """vLLM's manager captures in the global mode only: background capture is a ConfigError."""
+
+    class VllmLike(SimulatedGraphBackend):
+        name = "vllm"
+
+    with pytest.raises(ConfigError, match=r"^encoder_cuda_graph_background_capture: vLLM"):
+        EncoderCudaGraph(
+            encoder,
+            name="v",
+            config=CFG.replace(background_capture=True),
+            backend=VllmLike(),
+        )
