@@ -42,7 +42,13 @@ from omnitrace.events import (
 )
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
-from omnitrace.graphs.eligibility import examine, ineligible_detail, signature_of
+from omnitrace.graphs.eligibility import (
+    call_key,
+    examine,
+    ineligible_detail,
+    signature_of,
+    state_detail,
+)
 from omnitrace.graphs.pools import PoolRegistry, PoolSlot
 from omnitrace.graphs.timing import DeviceTimer
 from omnitrace.signature import Signature
@@ -391,6 +397,47 @@ class EncoderCudaGraph:
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
         if self._failure is not None:
             raise self._terminal_error()
+        found = call_key(inputs)
+        device, parts = found if found is not None else (None, ())
+        if device is not None:
+            # A key with a graph was captured from eligible inputs: on a hit only the
+            # process state (grad, autocast, capture) remains to check. Graphs are never
+            # removed, so an entry read without the lock stays valid.
+            entry = self._graphs.get((device, self.backend.stream_id(device), parts))
+            if (
+                entry is not None
+                and (self._skip_profiling is False or self._phase is not Phase.PROFILING)
+                and state_detail(device, self.backend) is None
+            ):
+                return self._replay(entry, inputs, device)
+        return self._call_slow(inputs)
+
+    def _replay(self, entry: _Entry, inputs: tuple[Any, ...], device: torch.device) -> Any:
+        """Serve a hit; raise the terminal error if a capture failed meanwhile."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._terminal_error()
+            phase = self._phase
+            if self._timers is None:
+                start = _perf()
+                out = entry.graph.replay(inputs)
+                duration = _perf() - start
+            else:
+                timer = self._timer(device)
+                marker = timer.start()
+                start = _perf()
+                out = entry.graph.replay(inputs)
+                duration = _perf() - start
+                timer.stop(marker, self.name, entry.signature, "replay", phase)
+            event = replayed(self.name, entry.signature, _mono(), _epoch(), duration, phase)
+            self._fold.fold(event)
+        bus = self._bus
+        if bus is not None:
+            bus.emit(event)
+        return out
+
+    def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
+        """Every call that is not a plain hit: check, admit, capture or run eagerly."""
         call = examine(self.name, inputs)
         detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
         if detail is None and self._skip_profiling and self._phase is Phase.PROFILING:
@@ -401,10 +448,14 @@ class EncoderCudaGraph:
             if device is not None and (call.mixed or not self.backend.is_graph_device(device)):
                 device = None
             return self._eager(inputs, _INELIGIBLE, detail, signature_of(inputs), device)
+        found = call_key(inputs)
         device = call.device
-        assert device is not None  # an eligible call has a tensor input
+        # An eligible call has tensor inputs, all of them read by examine() already.
+        assert found is not None
+        assert device is not None
+        parts = found[1]
         stream = self.backend.stream_id(device)
-        key = (device, stream, call.specs)
+        key = (device, stream, parts)
         miss: tuple[MissReason, str, Signature] | None = None
         with self._lock:
             # Checked again under the lock: a capture holds it, so a call that waited for a
@@ -416,28 +467,12 @@ class EncoderCudaGraph:
                 out, miss = self._admit(key, inputs, device, stream)
                 if miss is None:
                     return out
-            else:
-                phase = self._phase
-                if self._timers is None:
-                    start = _perf()
-                    out = entry.graph.replay(inputs)
-                    duration = _perf() - start
-                else:
-                    timer = self._timer(device)
-                    marker = timer.start()
-                    start = _perf()
-                    out = entry.graph.replay(inputs)
-                    duration = _perf() - start
-                    timer.stop(marker, self.name, entry.signature, "replay", phase)
-                event = replayed(self.name, entry.signature, _mono(), _epoch(), duration, phase)
-                self._fold.fold(event)
         if miss is not None:
             # Eager work runs outside the lock: other threads' hits need not wait for it.
             return self._eager(inputs, *miss, device)
-        bus = self._bus
-        if bus is not None:
-            bus.emit(event)
-        return out
+        # Captured by another thread since this call looked: a hit after all.
+        assert entry is not None
+        return self._replay(entry, inputs, device)
 
     def _admit(
         self,

@@ -14,6 +14,11 @@ eagerly, or returns None. The checks, in order:
 ``autocast``       autocast is on for the device (it would bake casts into the graph)
 ``capturing``      the current stream is already capturing a graph
 
+The first five depend on the inputs only, the last three on the process's state
+(:func:`state_detail`). A key holds every input's shape, dtype, device and layout, so a key
+that has a graph was captured from inputs that passed the first five: the hit path (a
+:func:`call_key` found among the graphs) only needs :func:`state_detail`.
+
 No events and no locks here: the adapter reports what these functions decide.
 """
 
@@ -26,7 +31,15 @@ import torch
 from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.signature import InputSpec, Signature
 
-__all__ = ["Call", "KeySpecs", "examine", "ineligible_detail", "signature_of"]
+__all__ = [
+    "Call",
+    "KeySpecs",
+    "call_key",
+    "examine",
+    "ineligible_detail",
+    "signature_of",
+    "state_detail",
+]
 
 #: Per input: ``(shape, dtype)`` or None. ``torch.Size`` is a hashable tuple, so building
 #: this costs no conversion on the hot path.
@@ -104,6 +117,11 @@ def ineligible_detail(call: Call, *, enabled: bool, backend: GraphBackend) -> st
         return device.type
     if not call.strided:
         return "layout"
+    return state_detail(device, backend)
+
+
+def state_detail(device: torch.device, backend: GraphBackend) -> str | None:
+    """The process-state checks alone: grad, autocast on ``device``, a capture in progress."""
     if torch.is_grad_enabled():
         return "grad"
     if torch.is_autocast_enabled(device.type):
@@ -111,6 +129,28 @@ def ineligible_detail(call: Call, *, enabled: bool, backend: GraphBackend) -> st
     if backend.is_capturing(device):
         return "capturing"
     return None
+
+
+def call_key(inputs: tuple[Any, ...]) -> tuple[torch.device | None, tuple[Any, ...]] | None:
+    """Return ``(first device, per-input parts)`` for a key, or None if an input is no tensor.
+
+    Each part is ``(shape, dtype, device, layout)`` or None: everything eligibility depends
+    on among the inputs, read once, so equal parts mean equally eligible inputs.
+    """
+    device = None
+    parts: list[Any] = []
+    try:
+        for x in inputs:
+            if x is None:
+                parts.append(None)
+                continue
+            x_device = x.device
+            if device is None:
+                device = x_device
+            parts.append((x.shape, x.dtype, x_device, x.layout))
+    except AttributeError:
+        return None
+    return device, tuple(parts)
 
 
 def signature_of(inputs: tuple[Any, ...], stream: int | None = None) -> Signature:

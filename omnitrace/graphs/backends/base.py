@@ -208,7 +208,14 @@ class StaticBuffers:
     a caller's outputs survive the next replay.
     """
 
-    __slots__ = ("_spec", "_static_inputs", "_static_outputs", "bytes_reserved", "static_bytes")
+    __slots__ = (
+        "_single",
+        "_spec",
+        "_static_inputs",
+        "_static_outputs",
+        "bytes_reserved",
+        "static_bytes",
+    )
 
     def __init__(
         self,
@@ -220,6 +227,8 @@ class StaticBuffers:
         self._static_inputs = static_inputs
         self._static_outputs = static_outputs
         self._spec = spec
+        # One tensor out (the usual encoder): clone it without rebuilding a tree.
+        self._single = static_outputs[0] if spec == 0 and len(static_outputs) == 1 else None
         self.bytes_reserved = bytes_reserved
         self.static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + sum(
             t.nbytes for t in static_outputs
@@ -233,4 +242,7 @@ class StaticBuffers:
 
     def clone_out(self) -> Any:
         """Return clones of the static outputs, in the forward's output structure."""
+        single = self._single
+        if single is not None:
+            return single.clone()
         return unflatten_outputs(self._spec, [out.clone() for out in self._static_outputs])

@@ -19,6 +19,7 @@ from omnitrace.graphs.backends.base import (
 __all__ = ["CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 class TorchCudaGraph(StaticBuffers):
@@ -44,7 +45,8 @@ class TorchCudaGraph(StaticBuffers):
         self._device_index = device_index
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        if torch.cuda.current_device() != self._device_index:
+        # The raw query: CUDA is initialised (this graph was captured), and this runs per hit.
+        if _current_device() != self._device_index:
             with torch.cuda.device(self._device_index):
                 return self._replay(inputs)
         return self._replay(inputs)
@@ -110,6 +112,8 @@ class TorchGraphBackend:
         return torch.cuda.is_current_stream_capturing()
 
     def stream_id(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 0  # not a graph device: no stream to tell apart, and no CUDA to ask
         # The raw-pointer query skips building a Stream object: this runs on every call.
         if _raw_stream is not None:
             index = device.index if device.index is not None else torch.cuda.current_device()
