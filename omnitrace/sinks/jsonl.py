@@ -39,6 +39,7 @@ from omnitrace.eventlog import (
     EventLogError,
     EventLogFollower,
     EventRecord,
+    LineEncoder,
     LogSegment,
     count_events,
     decode_record,
@@ -114,6 +115,7 @@ class JsonlSink:
         check_int("backups", backups)
         self.pid = os.getpid()
         self.rank = worker_rank()
+        self._encode = LineEncoder(pid=self.pid, rank=self.rank)
         self.path = Path(os.fspath(path).format(pid=self.pid, rank=self.rank))
         self.max_bytes = max_bytes
         self.backups = backups
@@ -181,8 +183,8 @@ class JsonlSink:
 
     def handle(self, events: Sequence[Event]) -> None:
         """Write ``events``: one unbuffered write per file, rotating between lines."""
-        pid, rank = self.pid, self.rank
-        lines = [dumps(encode_event(event, pid=pid, rank=rank)) for event in events]
+        encode = self._encode
+        lines = [encode(event) for event in events]
         with self._lock:
             if self._fd is None:
                 raise RuntimeError(f"JsonlSink({str(self.path)!r}) is closed")
@@ -286,6 +288,7 @@ class JsonlSink:
         # child's own.
         self._lock = threading.Lock()
         self.pid = os.getpid()
+        self._encode = LineEncoder(pid=self.pid, rank=self.rank)
 
     def __repr__(self) -> str:
         return f"<JsonlSink {str(self.path)!r} written={self.written}>"
