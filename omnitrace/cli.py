@@ -643,6 +643,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import AdapterInfo, log_gap
     from omnitrace.sinks.live import BusBoard, LiveView
+    from omnitrace.sinks.registry import build_sinks
 
     records = _merged(logs)
     sources = {record.source for log in logs for record in log}
@@ -672,17 +673,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     with _export_reported_by_the_cli():
         try:
             if endpoint is not None:
-                from omnitrace.sinks.otel import OTelSink, configure_sdk
+                from omnitrace.sinks.otel import sdk_sink
 
-                setup = configure_sdk(default_service_name="omnitrace-replay", endpoint=endpoint)
-                bus.add_sink(
-                    OTelSink(
-                        bus,
-                        tracer_provider=setup.tracer_provider,
-                        meter_provider=setup.meter_provider,
-                    )
+                sink, setup = sdk_sink(
+                    bus, default_service_name="omnitrace-replay", endpoint=endpoint
                 )
+                bus.add_sink(sink)
                 _say(f"replaying into OTLP at {endpoint}")
+            # Sinks the environment asks for, as in the vLLM plugin; never the event log
+            # (it could be the log being replayed) nor a second OpenTelemetry export.
+            for extra in build_sinks(bus, os.environ, exclude=("jsonl", "otlp")):
+                bus.add_sink(extra)
             board = BusBoard(bus, title=f"omnitrace replay · {names}")
             view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
             previous_ns: int | None = None

@@ -31,11 +31,15 @@ from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.sinks.live import BusBoard, LiveView
 from omnitrace.sinks.logs import LogSink
+from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import SimulatedGraphBackend
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
 MiB = 1 << 20
+# Sinks of omnitrace.sinks.registry the demo wires from its own options (the event log from
+# events_log, OpenTelemetry from OTEL_EXPORTER_OTLP_ENDPOINT and prometheus_port).
+_OWN_SINKS = frozenset({"jsonl", "otlp"})
 #: Share of the run after which the burst of new shapes starts.
 BURST_AT = 0.85
 
@@ -145,9 +149,10 @@ def _otlp_export(
     # Imported here: the OTel SDK and exporters are only needed when exporting.
     from prometheus_client import CollectorRegistry
 
-    from omnitrace.sinks.otel import OTelSink, configure_sdk
+    from omnitrace.sinks.otel import sdk_sink
 
-    setup = configure_sdk(
+    sink, setup = sdk_sink(
+        bus,
         default_service_name="omnitrace-demo",
         otlp=export.endpoint is not None,
         prometheus=prometheus_port is not None,
@@ -162,11 +167,7 @@ def _otlp_export(
         export.prometheus_port = setup.prometheus_port
         say(f"serving Prometheus metrics on http://127.0.0.1:{setup.prometheus_port}/metrics")
     try:
-        bus.add_sink(
-            OTelSink(
-                bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
-            )
-        )
+        bus.add_sink(sink)
         yield export
     finally:
         # The bus is closed first (inside the block), so every span has been handed over.
@@ -391,6 +392,10 @@ def _run(
     try:
         bus.add_sink(LogSink(sample_every=options.log_sample_every))
         bus.add_sink(jsonl)
+        # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
+        # the OpenTelemetry export, which come from the demo's own options.
+        for sink in build_sinks(bus, os.environ, exclude=_OWN_SINKS):
+            bus.add_sink(sink)
         # Adapters emit only when called, so the sinks below still see every event.
         encoders = _Encoders(options, bus, device, dtype, backends)
         progress = _Progress(options.requests, options.duration_s)

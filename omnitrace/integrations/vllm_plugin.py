@@ -9,10 +9,10 @@ routes ``vpm.forward`` and the model's batch audio method (``get_audio_hidden_st
 through them. vLLM itself is not edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
-so a forked worker never shares its parent's). Sinks come from the environment:
+so a forked worker never shares its parent's). ``OMNITRACE_PLUGIN=0`` keeps the plugin
+installed but inert; the sinks come from the environment, as the table of
+:mod:`omnitrace.sinks.registry` maps its variables:
 
-``OMNITRACE_PLUGIN=0``
-    do nothing (the plugin stays installed but inert).
 ``OMNITRACE_EVENTS_LOG=path``
     a JSONL event log (``omnitrace.sinks.jsonl.JsonlSink``); ``{pid}`` and ``{rank}`` in
     the path are filled in per worker, and every line carries the pid and rank.
@@ -27,30 +27,30 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
-from omnitrace.config import ConfigError, OmnitraceError
+from omnitrace.config import OmnitraceError
 from omnitrace.integrations.worker import worker_identity
+from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
 
 __all__ = ["ENV_EVENTS_LOG", "ENV_OTLP", "ENV_PLUGIN", "PluginError", "register", "worker_bus"]
 
 logger = logging.getLogger(__name__)
 
 ENV_PLUGIN = "OMNITRACE_PLUGIN"
-ENV_EVENTS_LOG = "OMNITRACE_EVENTS_LOG"
-ENV_OTLP = "OMNITRACE_OTLP"
+# The sinks' variables are defined by their table; these names are kept for importers.
+_SINK_ENV = {spec.name: spec.env for spec in SINKS}
+ENV_EVENTS_LOG = _SINK_ENV["jsonl"]
+ENV_OTLP = _SINK_ENV["otlp"]
 
 _LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 _PATCHED = "_omnitrace_patched"
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 
 _lock = threading.Lock()
 _bus: EventBus | None = None
@@ -61,58 +61,12 @@ class PluginError(OmnitraceError, RuntimeError):
     """The plugin's environment asks for something that cannot be set up."""
 
 
-def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {raw!r}")
-
-
-def _import_sink(module: str, env: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise PluginError(
-            f"{env} is set but {module} cannot be imported ({exc}); install omnitrace with "
-            "its telemetry dependencies or unset the variable"
-        ) from exc
-
-
 def _build_sinks(bus: EventBus, environ: Mapping[str, str]) -> list[Any]:
-    pid, rank = worker_identity(environ)
-    sinks: list[Any] = []
-    path = environ.get(ENV_EVENTS_LOG, "").strip()
-    if path:
-        jsonl = _import_sink("omnitrace.sinks.jsonl", ENV_EVENTS_LOG)
-        kwargs: dict[str, Any] = {"bus": bus}
-        if rank is not None and "rank" in inspect.signature(jsonl.JsonlSink).parameters:
-            kwargs["rank"] = rank
-        sinks.append(jsonl.JsonlSink(path, **kwargs))
-    if _flag(environ, ENV_OTLP, False):
-        otel = _import_sink("omnitrace.sinks.otel", ENV_OTLP)
-        attributes: dict[str, str | int | float | bool] = {"process.pid": pid}
-        if rank is not None:
-            attributes["omnitrace.worker.rank"] = rank
-        # OTEL_SERVICE_NAME is read from ``environ`` (the mapping this worker was given);
-        # the other OTEL_* variables are read by configure_sdk and the SDK.
-        setup = otel.configure_sdk(
-            service_name=environ.get("OTEL_SERVICE_NAME", "").strip() or None,
-            default_service_name="omnitrace",
-            resource_attributes=attributes,
-        )
-        sinks.append(
-            otel.OTelSink(
-                bus,
-                tracer_provider=setup.tracer_provider,
-                meter_provider=setup.meter_provider,
-            )
-        )
-    return sinks
+    _, rank = worker_identity(environ)
+    try:
+        return build_sinks(bus, environ, rank=rank)
+    except SinkUnavailableError as exc:
+        raise PluginError(str(exc)) from exc
 
 
 def worker_bus(environ: Mapping[str, str] | None = None) -> EventBus:
@@ -182,7 +136,7 @@ def register(environ: Mapping[str, str] | None = None) -> bool:
         PluginError: vLLM's model loader is not where this plugin expects it.
     """
     env = os.environ if environ is None else environ
-    if not _flag(env, ENV_PLUGIN, True):
+    if not env_flag(env, ENV_PLUGIN, True):
         logger.info("omnitrace: vLLM plugin disabled by %s", ENV_PLUGIN)
         return False
     try:

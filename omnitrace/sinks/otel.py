@@ -28,7 +28,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
@@ -61,7 +61,9 @@ __all__ = [
     "OTLPProtocol",
     "OTelSetup",
     "OTelSink",
+    "SdkSink",
     "configure_sdk",
+    "sdk_sink",
 ]
 
 logger = logging.getLogger(__name__)
@@ -871,6 +873,41 @@ def configure_sdk(
         prometheus_thread=thread,
         exporters=[e for e in (span_exporter, metric_exporter) if e is not None],
     )
+
+
+class SdkSink(NamedTuple):
+    """An :class:`OTelSink` on providers :func:`configure_sdk` built, and their setup."""
+
+    sink: OTelSink
+    setup: OTelSetup
+
+
+def sdk_sink(bus: EventBus, **settings: Any) -> SdkSink:
+    """Wire the OpenTelemetry SDK and return a sink for ``bus`` that exports through it.
+
+    The one place the command line, the demo and the vLLM plugin wire OpenTelemetry:
+    :func:`configure_sdk` with ``settings``, then an :class:`OTelSink` on its providers.
+    The caller adds the sink to ``bus`` and owns the setup (``setup.shutdown()`` after the
+    bus is closed; it also runs, bounded, at exit).
+
+    Args:
+        bus: the bus whose stats the sink's metrics read.
+        settings: arguments of :func:`configure_sdk`.
+
+    Raises:
+        ValueError: a setting or a standard variable is out of range (as configure_sdk).
+        ImportError: an exporter that is asked for is not installed (as configure_sdk).
+    """
+    setup = configure_sdk(**settings)
+    try:
+        sink = OTelSink(
+            bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
+        )
+    except BaseException:
+        # Exporter threads and a scrape endpoint may already run: stop them, then report.
+        setup.shutdown()
+        raise
+    return SdkSink(sink, setup)
 
 
 def _guarded_exporters(

@@ -246,3 +246,74 @@ def test_shutdown_after_a_successful_export_reports_no_error(receiver: OTLPRecei
     assert setup.shutdown() is True
     assert setup.export_error is None
     assert receiver.spans("pending")
+
+
+# -- sdk_sink: the one OpenTelemetry wiring of the plugin, the demo and replay ---------------
+
+
+def test_sdk_sink_exports_the_bus_through_the_sdk_it_wired(receiver: OTLPReceiver) -> None:
+    """sdk_sink returns an OTelSink on configure_sdk's providers and the setup that owns them."""
+    bus = EventBus()
+    sink, setup = otel.sdk_sink(
+        bus, endpoint=receiver.endpoint, export_interval_s=600, service_name="wired"
+    )
+    try:
+        assert isinstance(sink, OTelSink)
+        assert isinstance(setup, OTelSetup)
+        bus.add_sink(sink)
+        graph = EncoderCudaGraph(
+            torch.tanh,
+            name="vision",
+            config=EncoderGraphConfig(min_free_bytes=0),
+            bus=bus,
+            backend=SimulatedGraphBackend(),
+        )
+        with torch.no_grad():
+            for _ in range(2):
+                graph(torch.ones(2))
+        assert bus.flush(5.0)
+        assert setup.force_flush()
+        assert receiver.wait_for(lambda r: r.spans())
+        resource = attributes(receiver.resource_spans()[0].resource.attributes)
+        assert resource[ATTR.SERVICE_NAME] == "wired"
+    finally:
+        bus.close()
+        setup.shutdown()
+
+
+def test_sdk_sink_stops_the_sdk_when_the_sink_cannot_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If OTelSink raises, the scrape endpoint configure_sdk started is closed again."""
+    from prometheus_client import CollectorRegistry
+
+    created: list[OTelSetup] = []
+    real = otel.configure_sdk
+
+    def recording(**kwargs: Any) -> OTelSetup:
+        created.append(real(**kwargs))
+        return created[-1]
+
+    def broken(*args: Any, **kwargs: Any) -> OTelSink:
+        raise RuntimeError("no sink today")
+
+    monkeypatch.setattr(otel, "configure_sdk", recording)
+    monkeypatch.setattr(otel, "OTelSink", broken)
+    bus = EventBus()
+    try:
+        with pytest.raises(RuntimeError, match="no sink today"):
+            otel.sdk_sink(
+                bus,
+                otlp=False,
+                prometheus=True,
+                prometheus_port=0,
+                prometheus_registry=CollectorRegistry(),
+            )
+    finally:
+        bus.close()
+    (setup,) = created
+    port = setup.prometheus_port
+    assert port is not None
+    assert setup.force_flush() is False  # shut down
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect(("127.0.0.1", port))
