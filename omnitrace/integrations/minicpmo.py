@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +41,27 @@ import torch
 from torch import nn
 
 from omnitrace.bus import EventBus
-from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
+from omnitrace.integrations.base import (
+    ModelIntegration,
+    attach_lock,
+    config_from_model,
+    make_adapter,
+    output_tensor,
+    record_ineligible,
+    route_method,
+)
 
 __all__ = [
     "AUDIO_ATTR",
     "AUDIO_BATCH_METHODS",
+    "INTEGRATION",
     "VISION_ATTR",
     "Instrumented",
     "audio_batch_method",
     "config_from_model",
+    "detect",
     "encode_audio",
     "encode_audio_streaming",
     "instrument",
@@ -68,7 +77,6 @@ AUDIO_ATTR = "_audio_encoder_graph"
 #: Names of vLLM's batch (stateless) audio method on MiniCPM-o models, tried in order.
 AUDIO_BATCH_METHODS = ("get_audio_hidden_states",)
 
-_ORIGINAL_FORWARD = "_omnitrace_original_forward"
 _AUDIO_METHOD = "_omnitrace_audio_method"
 
 
@@ -83,74 +91,12 @@ class Instrumented:
     audio_method: str | None = None
 
 
-# -- configuration -------------------------------------------------------------------------
-
-
-def _hf_overrides_of(hf_config: Any) -> dict[str, Any]:
-    if hf_config is None:
-        return {}
-    if isinstance(hf_config, Mapping):
-        return {k: v for k, v in hf_config.items() if k in HF_OVERRIDE_KEYS}
-    return {k: getattr(hf_config, k) for k in HF_OVERRIDE_KEYS if hasattr(hf_config, k)}
-
-
-def config_from_model(
-    model: Any,
-    vllm_config: Any = None,
-    *,
-    hf_config: Any = None,
-    enforce_eager: bool | None = None,
-) -> EncoderGraphConfig:
-    """Build the encoder graph config of ``model``.
-
-    The ``encoder_cuda_graph*`` keys are read from ``hf_config`` (default: vLLM's
-    ``model_config.hf_config``, else ``model.config``); ``enforce_eager`` defaults to vLLM's
-    ``model_config.enforce_eager``.
-
-    Raises:
-        ConfigError: an override has the wrong type, range or name.
-    """
-    model_config = getattr(vllm_config, "model_config", None)
-    if hf_config is None:
-        hf_config = getattr(model_config, "hf_config", None)
-    if hf_config is None:
-        hf_config = getattr(model, "config", None)
-    if enforce_eager is None:
-        enforce_eager = bool(getattr(model_config, "enforce_eager", False))
-    return EncoderGraphConfig.from_hf_overrides(
-        _hf_overrides_of(hf_config), enforce_eager=enforce_eager
-    )
-
-
-# -- recording model-specific fallbacks ------------------------------------------------------
-
-
-def _record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> None:
-    """Record an eager run the model chose before reaching the adapter."""
-    # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
-    # derive_stats() over a recorded log agree on calls that never reached the graph.
-    graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
-
-
 # -- vision ------------------------------------------------------------------------------------
-
-
-def _encoder_output(result: Any) -> torch.Tensor:
-    # vLLM's encoder returns the tensor; Hugging Face's returns a ModelOutput or a tuple.
-    if isinstance(result, torch.Tensor):
-        return result
-    last = getattr(result, "last_hidden_state", None)
-    if isinstance(last, torch.Tensor):
-        return last
-    first = result[0]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"vision encoder returned {type(result).__name__} without a tensor")
-    return first
 
 
 def _vision_stack(encoder_forward: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     def stack(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        return _encoder_output(encoder_forward(hidden, attention_mask=attention_mask))
+        return output_tensor(encoder_forward(hidden, attention_mask=attention_mask))
 
     return stack
 
@@ -179,7 +125,7 @@ class _VisionEncoderForward:
             # Data-parallel vision sharding splits the batch across ranks inside vpm.forward.
             detail = "data_parallel"
         if detail is not None or not isinstance(hidden, torch.Tensor):
-            _record_ineligible(graph, detail or "arguments", hidden, mask)
+            record_ineligible(graph, detail or "arguments", hidden, mask)
             return self.original(*args, **kwargs)
         return graph(hidden, mask)
 
@@ -199,7 +145,7 @@ def _audio_states(model: Any, result: Any) -> torch.Tensor:
     if hidden_states is not None:
         states: torch.Tensor = hidden_states[layer]
         return states
-    return _encoder_output(result)
+    return output_tensor(result)
 
 
 def _audio_stack(model: Any) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
@@ -241,7 +187,7 @@ def encode_audio(
         return stack(mel, attention_mask)
     detail = _audio_ineligible(model, mel)
     if detail is not None:
-        _record_ineligible(graph, detail, mel, attention_mask)
+        record_ineligible(graph, detail, mel, attention_mask)
         return stack(mel, attention_mask)
     out: torch.Tensor = graph(mel, attention_mask)
     return out
@@ -264,7 +210,7 @@ def encode_audio_streaming(
     """
     graph: EncoderCudaGraph | None = getattr(model, AUDIO_ATTR, None)
     if graph is not None:
-        _record_ineligible(graph, "streaming", mel, attention_mask)
+        record_ineligible(graph, "streaming", mel, attention_mask)
     result = model.apm(
         mel, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=True
     )
@@ -400,7 +346,7 @@ class _AudioBatchMethod:
         if detail is None:
             detail = _audio_ineligible(model, first)
         if detail is not None:
-            _record_ineligible(graph, detail, first)
+            record_ineligible(graph, detail, first)
             return self.original(data, *args, **kwargs)
 
         wavforms = _padded_features(features)
@@ -447,9 +393,8 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
             ", ".join(AUDIO_BATCH_METHODS),
         )
         return None
-    original = getattr(model, name)
-    # An instance attribute: vLLM's self.<name>(data) finds it first; the class is untouched.
-    object.__setattr__(model, name, _AudioBatchMethod(model, graph, original))
+    # vLLM's self.<name>(data) finds the instance attribute first; the class is untouched.
+    route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original))
     object.__setattr__(model, _AUDIO_METHOD, name)
     return name
 
@@ -457,15 +402,9 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
 # -- attaching ---------------------------------------------------------------------------------
 
 
-_attach_lock = threading.Lock()
-
-
-def _backend(backend: GraphBackend | None, vllm_config: Any) -> GraphBackend:
-    if backend is not None:
-        return backend
-    from omnitrace.graphs.backends.select import select_backend
-
-    return select_backend(vllm_config)
+def detect(model: Any) -> bool:
+    """Whether ``model`` has a MiniCPM-o vision tower (``vpm``) or audio encoder (``apm``)."""
+    return hasattr(model, "vpm") or hasattr(model, "apm")
 
 
 def instrument(
@@ -495,39 +434,53 @@ def instrument(
         ConfigError: an ``encoder_cuda_graph*`` override is invalid.
     """
     config = config_from_model(model, vllm_config, hf_config=hf_config, enforce_eager=enforce_eager)
-    with _attach_lock:
+    with attach_lock:
         vision: EncoderCudaGraph | None = None
         vpm = getattr(model, "vpm", None)
         if isinstance(vpm, nn.Module):
             vision = getattr(vpm, VISION_ATTR, None)
             encoder = getattr(vpm, "encoder", None)
             if vision is None and isinstance(encoder, nn.Module):
-                original = encoder.forward
-                vision = EncoderCudaGraph(
-                    _vision_stack(original),
+                graph = make_adapter(
+                    _vision_stack(encoder.forward),
                     name="vision",
                     config=config,
                     bus=bus,
-                    backend=_backend(backend, vllm_config),
+                    backend=backend,
+                    vllm_config=vllm_config,
                 )
                 # Instance attributes: the classes (shared with other models) are untouched.
-                object.__setattr__(vpm, VISION_ATTR, vision)
-                object.__setattr__(encoder, _ORIGINAL_FORWARD, original)
-                object.__setattr__(encoder, "forward", _VisionEncoderForward(vpm, vision, original))
+                object.__setattr__(vpm, VISION_ATTR, graph)
+                route_method(
+                    encoder,
+                    "forward",
+                    lambda original: _VisionEncoderForward(vpm, graph, original),
+                )
+                vision = graph
         audio: EncoderCudaGraph | None = None
         audio_method: str | None = None
         if isinstance(getattr(model, "apm", None), nn.Module):
             audio = getattr(model, AUDIO_ATTR, None)
             if audio is None:
-                audio = EncoderCudaGraph(
+                audio = make_adapter(
                     _audio_stack(model),
                     name="audio",
                     config=config,
                     bus=bus,
-                    backend=_backend(backend, vllm_config),
+                    backend=backend,
+                    vllm_config=vllm_config,
                 )
                 object.__setattr__(model, AUDIO_ATTR, audio)
                 audio_method = _route_audio_batch_method(model, audio)
             else:
                 audio_method = getattr(model, _AUDIO_METHOD, None)
     return Instrumented(vision=vision, audio=audio, audio_method=audio_method)
+
+
+#: The entry of this integration in the ``omnitrace.models`` entry-point group.
+INTEGRATION = ModelIntegration(
+    name="minicpmo",
+    detect=detect,
+    instrument=instrument,
+    description="MiniCPM-o: SigLIP vision encoder (vpm) and stateless Whisper audio (apm)",
+)

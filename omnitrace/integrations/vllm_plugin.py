@@ -1,12 +1,12 @@
-"""vLLM general plugin: encoder graphs and telemetry for MiniCPM-o in ``vllm serve``.
+"""vLLM general plugin: encoder graphs and telemetry for omni models in ``vllm serve``.
 
 Installed with omnitrace's ``vllm`` extra (``pip install '.[vllm]'`` from a checkout), the
 ``vllm.general_plugins`` entry point ``omnitrace = omnitrace.integrations.vllm_plugin:register``
 makes vLLM call :func:`register` in every process it starts. ``register`` wraps vLLM's model
-loader so that a loaded model with a MiniCPM-o vision tower (``vpm``) or audio encoder
-(``apm``) gets its adapters from :func:`omnitrace.integrations.minicpmo.instrument`, which
-routes ``vpm.forward`` and the model's batch audio method (``get_audio_hidden_states``)
-through them. vLLM itself is not edited.
+loader so that every loaded model is offered to the model integrations of the
+``omnitrace.models`` entry-point group (:mod:`omnitrace.integrations.registry`): the first
+whose detector accepts it attaches its adapters (MiniCPM-o:
+:mod:`omnitrace.integrations.minicpmo`). vLLM itself is not edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
 so a forked worker never shares its parent's). ``OMNITRACE_PLUGIN=0`` keeps the plugin
@@ -90,23 +90,25 @@ def worker_bus(environ: Mapping[str, str] | None = None) -> EventBus:
         return bus
 
 
-def _looks_like_minicpmo(model: Any) -> bool:
-    return hasattr(model, "vpm") or hasattr(model, "apm")
-
-
 def _after_load(model: Any, vllm_config: Any) -> None:
-    if not _looks_like_minicpmo(model):
-        return
-    from omnitrace.integrations.minicpmo import instrument
+    # Imported here: the integrations load torch and the graph adapter, which register()
+    # (run in every vLLM process) does not need.
+    from omnitrace.integrations.base import attached_summary
+    from omnitrace.integrations.registry import IntegrationLoadError, find_integration
 
-    result = instrument(model, vllm_config, bus=worker_bus())
+    try:
+        integration = find_integration(model)
+    except IntegrationLoadError as exc:
+        raise PluginError(f"{exc} (set {ENV_PLUGIN}=0 to run without the plugin)") from exc
+    if integration is None:
+        logger.debug("omnitrace: no model integration detects %s", type(model).__name__)
+        return
+    result = integration.instrument(model, vllm_config, bus=worker_bus())
     pid, rank = worker_identity()
     logger.info(
-        "omnitrace: encoder graphs attached (vision=%s, audio=%s, audio_method=%s, pid=%d, "
-        "rank=%s)",
-        result.vision is not None,
-        result.audio is not None,
-        result.audio_method,
+        "omnitrace: encoder graphs attached (%s, model=%s, pid=%d, rank=%s)",
+        attached_summary(result),
+        integration.name,
         pid,
         rank,
     )

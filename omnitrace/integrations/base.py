@@ -1,0 +1,214 @@
+"""What every model integration shares: its registry record, config, routing and attaching.
+
+A model integration (``omnitrace.integrations.minicpmo``, or a third party's) holds only
+knowledge of its model: which encoder stack a graph can serve, where the eager boundary
+lies, and which calls must stay eager. It publishes a :class:`ModelIntegration` under the
+``omnitrace.models`` entry-point group (see :mod:`omnitrace.integrations.registry`) and
+builds on the helpers here:
+
+* :func:`config_from_model`: the ``encoder_cuda_graph*`` keys from the model's hf config
+  (or vLLM's ``model_config.hf_config``) and vLLM's ``enforce_eager``;
+* :func:`make_adapter`: an :class:`~omnitrace.graphs.adapter.EncoderCudaGraph` on the
+  backend the caller passed, or the one :func:`~omnitrace.graphs.backends.select.select_backend`
+  picks;
+* :func:`route_method`: serve a module's or model's method through a wrapper bound on that
+  instance only (the class, shared with every other instance, stays untouched);
+* :func:`record_ineligible`: count a call the model runs eagerly before reaching its
+  adapter, so stats and event logs still cover every encoder call;
+* :data:`attach_lock`: held while attaching, so two threads never attach twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnitrace.bus import EventBus
+from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
+from omnitrace.graphs.adapter import EncoderCudaGraph
+from omnitrace.graphs.backends.base import GraphBackend
+
+__all__ = [
+    "ModelIntegration",
+    "attach_lock",
+    "attached_summary",
+    "config_from_model",
+    "make_adapter",
+    "original_method",
+    "output_tensor",
+    "record_ineligible",
+    "route_method",
+]
+
+#: Held while any integration attaches adapters (attaching is rare; one lock is enough).
+attach_lock = threading.Lock()
+
+_ORIGINAL_PREFIX = "_omnitrace_original_"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIntegration:
+    """How omnitrace recognises one model family and attaches its adapters.
+
+    Attributes:
+        name: short name, the same as the entry point's (``minicpmo``).
+        detect: ``detect(model) -> bool``: whether a loaded model is of this family. It must
+            be cheap and never import anything.
+        instrument: ``instrument(model, vllm_config, *, bus) -> result``: attach the
+            adapters; the result is a dataclass whose fields name the adapters attached.
+        description: one line for logs and docs.
+    """
+
+    name: str
+    detect: Callable[[Any], bool]
+    instrument: Callable[..., Any]
+    description: str
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def _hf_overrides_of(hf_config: Any) -> dict[str, Any]:
+    if hf_config is None:
+        return {}
+    if isinstance(hf_config, Mapping):
+        return {k: v for k, v in hf_config.items() if k in HF_OVERRIDE_KEYS}
+    return {k: getattr(hf_config, k) for k in HF_OVERRIDE_KEYS if hasattr(hf_config, k)}
+
+
+def config_from_model(
+    model: Any,
+    vllm_config: Any = None,
+    *,
+    hf_config: Any = None,
+    enforce_eager: bool | None = None,
+) -> EncoderGraphConfig:
+    """Build the encoder graph config of ``model``.
+
+    The ``encoder_cuda_graph*`` keys are read from ``hf_config`` (default: vLLM's
+    ``model_config.hf_config``, else ``model.config``); ``enforce_eager`` defaults to vLLM's
+    ``model_config.enforce_eager``.
+
+    Raises:
+        ConfigError: an override has the wrong type, range or name.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if hf_config is None:
+        hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        hf_config = getattr(model, "config", None)
+    if enforce_eager is None:
+        enforce_eager = bool(getattr(model_config, "enforce_eager", False))
+    return EncoderGraphConfig.from_hf_overrides(
+        _hf_overrides_of(hf_config), enforce_eager=enforce_eager
+    )
+
+
+# -- adapters ----------------------------------------------------------------------------------
+
+
+def make_adapter(
+    stack: Callable[..., Any],
+    *,
+    name: str,
+    config: EncoderGraphConfig,
+    bus: EventBus | None,
+    backend: GraphBackend | None,
+    vllm_config: Any,
+) -> EncoderCudaGraph:
+    """Return an adapter serving ``stack`` on ``backend``, or on the selected backend.
+
+    Without a ``backend``, :func:`~omnitrace.graphs.backends.select.select_backend` picks one
+    per adapter: vLLM's graph manager when vLLM is importable and ``vllm_config`` is given,
+    else the torch backend.
+    """
+    if backend is None:
+        from omnitrace.graphs.backends.select import select_backend
+
+        backend = select_backend(vllm_config)
+    return EncoderCudaGraph(stack, name=name, config=config, bus=bus, backend=backend)
+
+
+def record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> None:
+    """Record an eager run the model chose before reaching the adapter.
+
+    Args:
+        graph: the adapter the call would have gone through.
+        detail: why it stays eager (``training``, ``arguments`` ...).
+        inputs: what the call had; tensors give the key, anything else shows as ``None``.
+    """
+    # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
+    # derive_stats() over a recorded log agree on calls that never reached the graph.
+    graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
+
+
+def output_tensor(result: Any) -> torch.Tensor:
+    """Return the hidden-state tensor of an encoder's result.
+
+    vLLM's encoders return the tensor; Hugging Face's return a ``ModelOutput`` (its
+    ``last_hidden_state``) or a tuple (its first item).
+
+    Raises:
+        TypeError: the result holds no such tensor.
+    """
+    if isinstance(result, torch.Tensor):
+        return result
+    last = getattr(result, "last_hidden_state", None)
+    if isinstance(last, torch.Tensor):
+        return last
+    first = result[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"encoder returned {type(result).__name__} without a tensor")
+    return first
+
+
+# -- routing methods ---------------------------------------------------------------------------
+
+
+def route_method(
+    owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[..., Any]:
+    """Serve ``owner.<name>`` through ``make(original)``, bound on this instance only.
+
+    The wrapper becomes an instance attribute, which ``owner.<name>(...)`` (and, for
+    ``forward``, ``nn.Module.__call__``) finds before the class's method; the class and every
+    other instance keep the original. The original stays reachable through
+    :func:`original_method`.
+
+    Returns:
+        The wrapper.
+    """
+    original = getattr(owner, name)
+    wrapper = make(original)
+    # object.__setattr__: nn.Module.__setattr__ would try to register callables as modules.
+    object.__setattr__(owner, _ORIGINAL_PREFIX + name, original)
+    object.__setattr__(owner, name, wrapper)
+    return wrapper
+
+
+def original_method(owner: Any, name: str) -> Callable[..., Any] | None:
+    """Return the method :func:`route_method` replaced on ``owner``, or None if none was."""
+    original: Callable[..., Any] | None = getattr(owner, _ORIGINAL_PREFIX + name, None)
+    return original
+
+
+def attached_summary(result: Any) -> str:
+    """Describe what an ``instrument`` result attached: ``vision=True, audio=False, ...``.
+
+    Adapter fields read True when attached; other fields show their value.
+    """
+    if not dataclasses.is_dataclass(result):
+        return repr(result)
+    parts = []
+    for field in dataclasses.fields(result):
+        value = getattr(result, field.name)
+        # An adapter field (annotated with EncoderCudaGraph) reads as whether it is attached.
+        if isinstance(value, EncoderCudaGraph) or "EncoderCudaGraph" in str(field.type):
+            value = value is not None
+        parts.append(f"{field.name}={value}")
+    return ", ".join(parts)

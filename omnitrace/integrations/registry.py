@@ -1,0 +1,99 @@
+"""Find the model integration for a loaded model: detector, then instrument.
+
+Integrations are registered as entry points of the ``omnitrace.models`` group, each naming a
+:class:`~omnitrace.integrations.base.ModelIntegration`. omnitrace declares its own in
+``pyproject.toml``::
+
+    [project.entry-points."omnitrace.models"]
+    minicpmo = "omnitrace.integrations.minicpmo:INTEGRATION"
+
+and another package adds a model the same way, in its own metadata, without changing
+omnitrace. The vLLM plugin asks :func:`find_integration` for every model vLLM loads; the
+first integration (by name) whose detector accepts the model instruments it.
+
+Entry points are read from the installed metadata: after adding one to ``pyproject.toml``,
+reinstall (``pip install -e .``) so the environment sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from typing import Any
+
+from omnitrace.config import OmnitraceError
+from omnitrace.integrations.base import ModelIntegration
+
+__all__ = ["ENTRY_POINT_GROUP", "IntegrationLoadError", "find_integration", "model_integrations"]
+
+logger = logging.getLogger(__name__)
+
+#: The entry-point group model integrations are registered under.
+ENTRY_POINT_GROUP = "omnitrace.models"
+
+
+class IntegrationLoadError(OmnitraceError, RuntimeError):
+    """A registered model integration cannot be loaded, or is not a ModelIntegration."""
+
+
+def _load(entry_point: metadata.EntryPoint) -> ModelIntegration:
+    where = f"{ENTRY_POINT_GROUP} entry point {entry_point.name} = {entry_point.value}"
+    try:
+        integration = entry_point.load()
+    except Exception as exc:
+        raise IntegrationLoadError(
+            f"{where} cannot be loaded ({type(exc).__name__}: {exc}); reinstall or remove "
+            "the package that declares it"
+        ) from exc
+    if not isinstance(integration, ModelIntegration):
+        raise IntegrationLoadError(
+            f"{where} is a {type(integration).__name__}, not an "
+            "omnitrace.integrations.base.ModelIntegration"
+        )
+    return integration
+
+
+def model_integrations(
+    entry_points: Iterable[metadata.EntryPoint] | None = None,
+) -> tuple[ModelIntegration, ...]:
+    """Load the registered model integrations, sorted by entry-point name.
+
+    Args:
+        entry_points: where to load from (default: the installed ``omnitrace.models`` group).
+
+    Raises:
+        IntegrationLoadError: an entry point cannot be loaded or names something else.
+    """
+    if entry_points is None:
+        entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    # The same declaration can be seen twice (an editable install beside a stale one).
+    unique = {(ep.name, ep.value): ep for ep in entry_points}
+    return tuple(_load(unique[key]) for key in sorted(unique))
+
+
+def find_integration(
+    model: Any, integrations: Sequence[ModelIntegration] | None = None
+) -> ModelIntegration | None:
+    """Return the first integration whose detector accepts ``model``, or None.
+
+    Args:
+        model: the loaded model.
+        integrations: where to look (default: :func:`model_integrations`).
+
+    Raises:
+        IntegrationLoadError: a registered integration cannot be loaded.
+    """
+    if integrations is None:
+        integrations = model_integrations()
+    if not integrations:
+        logger.warning(
+            "omnitrace: no model integrations are registered (entry-point group %s is "
+            "empty); reinstall omnitrace",
+            ENTRY_POINT_GROUP,
+        )
+        return None
+    for integration in integrations:
+        if integration.detect(model):
+            return integration
+    return None
