@@ -2,7 +2,7 @@
 
 Integrations are registered as entry points of the ``omnitrace.models`` group, each naming a
 :class:`~omnitrace.integrations.base.ModelIntegration`. omnitrace declares its own in
-``pyproject.toml``::
+``pyproject.toml``, one line per model::
 
     [project.entry-points."omnitrace.models"]
     minicpmo = "omnitrace.integrations.minicpmo:INTEGRATION"

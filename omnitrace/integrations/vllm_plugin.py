@@ -5,8 +5,8 @@ Installed with omnitrace's ``vllm`` extra (``pip install '.[vllm]'`` from a chec
 makes vLLM call :func:`register` in every process it starts. ``register`` wraps vLLM's model
 loader so that every loaded model is offered to the model integrations of the
 ``omnitrace.models`` entry-point group (:mod:`omnitrace.integrations.registry`): the first
-whose detector accepts it attaches its adapters (MiniCPM-o:
-:mod:`omnitrace.integrations.minicpmo`). vLLM itself is not edited.
+whose detector accepts it attaches its adapters (omnitrace's own models are listed in
+``docs/vllm.md``). vLLM itself is not edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
 so a forked worker never shares its parent's). ``OMNITRACE_PLUGIN=0`` keeps the plugin
