@@ -1,0 +1,476 @@
+"""Attach encoder graph adapters to a loaded Qwen2.5-Omni thinker (vLLM).
+
+vLLM's ``Qwen2_5OmniThinkerForConditionalGeneration`` runs two encoders whose kernels
+depend on more than their input shapes: both pack variable-length sequences and pass their
+boundaries (``cu_seqlens``) and the longest length (``max_seqlen``) to the attention. An
+exact-shape graph is honest only for the part of a forward whose kernels follow from its
+graph key, so each adapter keeps the value-dependent host work eager and graphs the rest,
+with the host values the graph bakes in made part of its key.
+
+Vision, ``model.visual._encoder_graph``: vLLM's ``Qwen2_5_VisionTransformer``.
+    ``forward(x, grid_thw, *, encoder_metadata=None)`` first turns ``grid_thw`` into
+    metadata (``prepare_encoder_metadata``: window indices in numpy, ``cu_seqlens`` through
+    ``.cpu().numpy()``, host-to-device copies, the rotary tables). That stays eager, exactly
+    as vLLM computes it; the adapter serves ``forward(x, None, encoder_metadata=...)``: input
+    norm, patch embedding, window reordering, every block, the merger and the reverse
+    reordering, the same split vLLM's own encoder graphs use for Qwen2.5-VL. The key is the
+    shape of ``x`` and of every metadata tensor (rotary cos/sin, window and reverse indices,
+    ``cu_seqlens``, ``cu_window_seqlens``, FlashInfer's sequence lengths), plus the two host
+    scalars ``max_seqlen_full`` and ``max_seqlen_window``: the attention wrappers read them
+    with ``.item()`` as kernel launch bounds, which a graph keeps, so they enter the key as
+    the shape of an empty int32 tensor ``(0, full, window)``. The metadata tensors' values
+    are copied into the graph's inputs on every replay and read on the device.
+
+    Graphs are used only with an attention backend that reads sequence boundaries on the
+    device: ``FLASH_ATTN``, ``ROCM_AITER_FA``, ``TRITON_ATTN``. ``TORCH_SDPA``
+    (``vit_torch_sdpa_wrapper`` in ``vllm/v1/attention/ops/vit_attn_wrappers.py``: ``lens =
+    (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()``, then one SDPA per sequence in a Python
+    loop) syncs with the host and branches on values, and ``FLASHINFER`` builds cuDNN graphs
+    keyed by bucketed lengths, which this module has not verified under capture: where the
+    backend really captures (a CUDA device; the simulated backend captures nothing) both
+    stay eager (``attention_backend``).
+
+Audio, ``model.audio_tower._encoder_graph``: transformers' ``Qwen2_5OmniAudioEncoder``.
+    ``forward(input_features, feature_lens, aftercnn_lens)`` cuts the concatenated mel into
+    chunks of ``2 * n_window`` frames (``chunk_and_pad_features``: ``chunk_lengths.tolist()``),
+    finds the valid positions after the first convolution (``get_valid_indices``:
+    ``.max().item()`` and ``nonzero``), the pooling pairs (``get_pool_indices``:
+    ``repeat_interleave`` by tensor counts), ``cu_seqlens`` and, under flash attention,
+    ``max_seqlen`` (``get_max_seqlen``: ``.item()``). The forward accepts all of these
+    precomputed as keyword arguments (transformers 5); the adapter computes them eagerly with
+    the same functions and serves the rest: the convolutions over the padded chunks, the
+    mask from ``chunk_lengths``, the gather of valid positions, every layer, the stride-2
+    pooling, ``ln_post`` and ``proj``. The key is the shape of the padded chunks,
+    ``chunk_lengths``, the valid and pooling indices and ``cu_seqlens``, plus ``max_seqlen``
+    as the shape of an empty int32 tensor ``(0, max_seqlen)`` (None without flash
+    attention).
+
+    Graphs are used only when the tower runs flash attention, which vLLM selects for it
+    when the ``flash_attn`` package is importable. With ``sdpa`` or ``eager`` attention,
+    ``Qwen2_5OmniAudioAttention.forward`` splits q, k and v by ``lengths.tolist()`` and runs
+    one attention per chunk in a Python loop: a host sync and control flow on values, so
+    where the backend really captures such calls stay eager (``attention_backend``). A
+    tower whose transformers lacks the precomputed-argument functions gets no audio adapter;
+    one log line says so.
+
+Both routes are instance attributes on the loaded model's towers (``visual.forward``,
+``audio_tower.forward``): vLLM's ``_process_image_input``, ``_process_video_input`` and
+``_process_audio_input`` call the towers as before; the classes are untouched. Model-level
+eager fallbacks, each recorded as an ineligible miss: ``training`` mode, ``arguments``
+(a caller's own ``encoder_metadata``, or keyword arguments vLLM never passes, such as
+``output_hidden_states``: the original runs), ``attention_backend`` (above) and
+``metadata`` (a metadata dict of another vLLM's layout: the original runs). CPU, grad and
+autocast are handled by the adapter itself.
+
+Models that bring vLLM's own encoder CUDA graph protocol (``encoder_cudagraph_forward``,
+such as Qwen2.5-VL) are left to vLLM: :func:`detect` does not claim them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnitrace.bus import EventBus
+from omnitrace.graphs.adapter import EncoderCudaGraph
+from omnitrace.graphs.backends.base import GraphBackend
+from omnitrace.integrations.base import (
+    ModelIntegration,
+    attach_lock,
+    config_from_model,
+    make_adapter,
+    output_tensor,
+    record_ineligible,
+    route_method,
+)
+
+__all__ = [
+    "AUDIO_TOWER",
+    "GRAPH_SAFE_VISION_ATTENTION",
+    "INTEGRATION",
+    "VISION_TOWER",
+    "AudioSeam",
+    "Instrumented",
+    "audio_seam",
+    "detect",
+    "instrument",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Class names of the towers this module serves (vLLM's vision, transformers' audio).
+VISION_TOWER = "Qwen2_5_VisionTransformer"
+AUDIO_TOWER = "Qwen2_5OmniAudioEncoder"
+#: Where each adapter lives, on its tower.
+GRAPH_ATTR = "_encoder_graph"
+
+#: vLLM vision attention backends whose kernels read sequence boundaries on the device and
+#: take the longest length as a host launch bound (part of the key).
+GRAPH_SAFE_VISION_ATTENTION = frozenset({"FLASH_ATTN", "ROCM_AITER_FA", "TRITON_ATTN"})
+
+# vLLM's encoder metadata layout (0.26 and 0.33): device tensors, in the order the graph
+# takes them (the last two are FlashInfer's and None otherwise), and the host scalars.
+_VISION_TENSORS = (
+    "rotary_pos_emb_cos",
+    "rotary_pos_emb_sin",
+    "window_index",
+    "reverse_indices",
+    "cu_seqlens",
+    "cu_window_seqlens",
+    "sequence_lengths_full",
+    "sequence_lengths_window",
+)
+_VISION_OPTIONAL = frozenset({"sequence_lengths_full", "sequence_lengths_window"})
+_VISION_SCALARS = ("max_seqlen_full", "max_seqlen_window")
+
+
+@dataclass(frozen=True, slots=True)
+class Instrumented:
+    """The adapters :func:`instrument` attached (None where the model has no such tower)."""
+
+    vision: EncoderCudaGraph | None
+    audio: EncoderCudaGraph | None
+
+
+# -- vision ------------------------------------------------------------------------------------
+
+
+def _vision_stack(original: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    def stack(x: torch.Tensor, bounds: torch.Tensor, *tensors: torch.Tensor | None) -> Any:
+        metadata: dict[str, Any] = dict(zip(_VISION_TENSORS, tensors, strict=True))
+        for name, value in zip(_VISION_SCALARS, bounds.shape[1:], strict=True):
+            # Host scalars, as vLLM makes them: created on the CPU, so never captured.
+            metadata[name] = torch.tensor(value, dtype=torch.int32)
+        return original(x, None, encoder_metadata=metadata)
+
+    return stack
+
+
+def _vision_inputs(metadata: Any) -> tuple[torch.Tensor, ...] | None:
+    """Return ``(bounds, *tensors)`` for the graph, or None for a layout this module lacks."""
+    if not isinstance(metadata, Mapping):
+        return None
+    names = set(metadata)
+    required = set(_VISION_TENSORS) - _VISION_OPTIONAL | set(_VISION_SCALARS)
+    if not required <= names <= set(_VISION_TENSORS) | set(_VISION_SCALARS):
+        return None
+    tensors: list[Any] = []
+    for name in _VISION_TENSORS:
+        value = metadata.get(name)
+        if not isinstance(value, torch.Tensor) and not (value is None and name in _VISION_OPTIONAL):
+            return None
+        tensors.append(value)
+    scalars = []
+    for name in _VISION_SCALARS:
+        value = metadata[name]
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.device.type != "cpu"
+            or value.dim() != 0
+            or value.dtype != torch.int32
+            or int(value) < 0
+        ):
+            return None
+        scalars.append(int(value))
+    bounds = torch.empty((0, *scalars), dtype=torch.int32, device=metadata["cu_seqlens"].device)
+    return (bounds, *tensors)
+
+
+def _attention_name(module: Any) -> str:
+    backend = getattr(module, "attn_backend", None)
+    return str(getattr(backend, "name", backend))
+
+
+def _captures_on(graph: EncoderCudaGraph, device: torch.device) -> bool:
+    """Whether the adapter's backend would really capture a call on ``device``."""
+    # The simulated backend captures nothing, so host syncs cannot break its "capture".
+    backend = graph.backend
+    return not backend.simulated and backend.is_graph_device(device)
+
+
+class _VisionForward:
+    """``visual.forward`` with everything after the metadata served by the adapter."""
+
+    def __init__(self, visual: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
+        self._visual = visual
+        self._graph = graph
+        self.original = original
+
+    def __call__(
+        self,
+        x: Any,
+        grid_thw: Any = None,
+        *args: Any,
+        encoder_metadata: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        visual, graph = self._visual, self._graph
+        detail = None
+        if args or kwargs or encoder_metadata is not None or not isinstance(x, torch.Tensor):
+            # A caller's own metadata, or arguments vLLM never passes: the original decides.
+            detail = "arguments"
+        elif grid_thw is None:
+            detail = "arguments"
+        elif visual.training:
+            detail = "training"
+        elif (
+            _captures_on(graph, x.device)
+            and _attention_name(visual) not in GRAPH_SAFE_VISION_ATTENTION
+        ):
+            detail = "attention_backend"
+        if detail is not None:
+            record_ineligible(graph, detail, x)
+            return self.original(x, grid_thw, *args, encoder_metadata=encoder_metadata, **kwargs)
+        metadata = visual.prepare_encoder_metadata(grid_thw)
+        inputs = _vision_inputs(metadata)
+        if inputs is None:
+            record_ineligible(graph, "metadata", x)
+            return self.original(x, None, encoder_metadata=metadata)
+        return graph(x, *inputs)
+
+
+# -- audio -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AudioSeam:
+    """The functions of the audio tower's module that compute its forward's host metadata."""
+
+    chunk_and_pad_features: Callable[..., Any]
+    get_valid_indices: Callable[..., Any]
+    get_pool_indices: Callable[..., Any]
+    get_audio_cu_seqlens: Callable[..., Any]
+    get_max_seqlen: Callable[..., Any]
+    output: Callable[..., Any]
+    """The forward's output class (``BaseModelOutputWithPooling``)."""
+
+
+def audio_seam(tower: Any) -> AudioSeam | None:
+    """Find the metadata functions the audio tower's forward accepts precomputed, if any.
+
+    Looks in the module that defines ``type(tower)`` for transformers' functions
+    ``chunk_and_pad_features``, ``get_valid_indices``, ``get_pool_indices``,
+    ``get_audio_cu_seqlens`` (each taking the caller's ``kwargs``, from which the forward
+    pops precomputed values), ``get_max_seqlen`` and the output class.
+    """
+    module = sys.modules.get(type(tower).__module__)
+    found: dict[str, Any] = {
+        field: getattr(module, name, None)
+        for field, name in (
+            ("chunk_and_pad_features", "chunk_and_pad_features"),
+            ("get_valid_indices", "get_valid_indices"),
+            ("get_pool_indices", "get_pool_indices"),
+            ("get_audio_cu_seqlens", "get_audio_cu_seqlens"),
+            ("get_max_seqlen", "get_max_seqlen"),
+            ("output", "BaseModelOutputWithPooling"),
+        )
+    }
+    if not all(callable(f) for f in found.values()):
+        return None
+    for field in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens"):
+        try:
+            parameters = inspect.signature(found[field]).parameters
+        except (TypeError, ValueError):
+            return None
+        if "kwargs" not in parameters:
+            return None
+    return AudioSeam(**found)
+
+
+def _audio_stack(original: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    def stack(
+        padded: torch.Tensor,
+        chunk_lengths: torch.Tensor,
+        valid_indices: torch.Tensor,
+        pool_indices: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        bound: torch.Tensor | None,
+    ) -> torch.Tensor:
+        result = original(
+            None,
+            None,
+            None,
+            padded_feature=padded,
+            chunk_lengths=chunk_lengths,
+            valid_indices=valid_indices,
+            pool_indices=pool_indices,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=None if bound is None else bound.shape[1],
+        )
+        return output_tensor(result)
+
+    return stack
+
+
+class _AudioForward:
+    """``audio_tower.forward`` with its host metadata eager and the rest served by the adapter."""
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        graph: EncoderCudaGraph,
+        original: Callable[..., Any],
+        seam: AudioSeam,
+    ):
+        self._tower = tower
+        self._graph = graph
+        self._seam = seam
+        self._stack = _audio_stack(original)
+        self.original = original
+
+    def __call__(
+        self,
+        input_features: Any = None,
+        feature_lens: Any = None,
+        aftercnn_lens: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        tower, graph, seam = self._tower, self._graph, self._seam
+        detail = None
+        tensors = isinstance(input_features, torch.Tensor) and isinstance(
+            feature_lens, torch.Tensor
+        )
+        if kwargs or not tensors:
+            detail = "arguments"
+        elif tower.training:
+            detail = "training"
+        if detail is not None:
+            record_ineligible(graph, detail, input_features)
+            return self.original(input_features, feature_lens, aftercnn_lens, **kwargs)
+        # The forward's own metadata steps, in its order; aftercnn_lens is not used by it.
+        padded, chunk_lengths = seam.chunk_and_pad_features(
+            input_features, feature_lens, tower.n_window
+        )
+        valid_indices = seam.get_valid_indices(chunk_lengths)
+        pool_indices = seam.get_pool_indices(feature_lens)
+        cu_seqlens = seam.get_audio_cu_seqlens(chunk_lengths)
+        max_seqlen = seam.get_max_seqlen(cu_seqlens, tower.config)
+        inputs = (padded, chunk_lengths, valid_indices, pool_indices, cu_seqlens)
+        if max_seqlen is None:
+            if _captures_on(graph, padded.device):
+                # Not flash attention: every layer splits by lengths.tolist() on the host.
+                record_ineligible(graph, "attention_backend", *inputs, None)
+                return seam.output(last_hidden_state=self._stack(*inputs, None))
+            bound = None
+        else:
+            bound = torch.empty((0, int(max_seqlen)), dtype=torch.int32, device=padded.device)
+        return seam.output(last_hidden_state=graph(*inputs, bound))
+
+
+# -- attaching ---------------------------------------------------------------------------------
+
+
+def _tower(model: Any, attribute: str, class_name: str) -> nn.Module | None:
+    tower = getattr(model, attribute, None)
+    if isinstance(tower, nn.Module) and type(tower).__name__ == class_name:
+        return tower
+    return None
+
+
+def detect(model: Any) -> bool:
+    """Whether ``model`` is a Qwen2.5-Omni thinker: vLLM's vision or transformers' audio tower.
+
+    A model with vLLM's own encoder graph protocol (``encoder_cudagraph_forward``) is not
+    claimed: its encoder graphs are vLLM's.
+    """
+    if callable(getattr(model, "encoder_cudagraph_forward", None)):
+        return False
+    return (
+        _tower(model, "visual", VISION_TOWER) is not None
+        or _tower(model, "audio_tower", AUDIO_TOWER) is not None
+    )
+
+
+def instrument(
+    model: Any,
+    vllm_config: Any = None,
+    *,
+    bus: EventBus | None = None,
+    hf_config: Any = None,
+    enforce_eager: bool | None = None,
+    backend: GraphBackend | None = None,
+) -> Instrumented:
+    """Attach the vision and audio adapters to a loaded Qwen2.5-Omni thinker.
+
+    Idempotent: a model that already carries adapters gets them back unchanged.
+
+    Args:
+        model: the loaded thinker (``visual`` and/or ``audio_tower``).
+        vllm_config: the engine's ``VllmConfig``: source of ``enforce_eager`` and the hf
+            config, and selects vLLM's graph manager as the backend.
+        bus: where both adapters emit events.
+        hf_config: overrides the hf config the ``encoder_cuda_graph*`` keys are read from.
+        enforce_eager: overrides vLLM's ``enforce_eager``.
+        backend: one backend for both adapters (tests pass a SimulatedGraphBackend);
+            default: :func:`~omnitrace.graphs.backends.select.select_backend`, one per adapter.
+
+    Raises:
+        ConfigError: an ``encoder_cuda_graph*`` override is invalid.
+    """
+    config = config_from_model(model, vllm_config, hf_config=hf_config, enforce_eager=enforce_eager)
+    with attach_lock:
+        vision: EncoderCudaGraph | None = None
+        visual = _tower(model, "visual", VISION_TOWER)
+        if visual is not None:
+            vision = getattr(visual, GRAPH_ATTR, None)
+            if vision is None:
+                graph = make_adapter(
+                    _vision_stack(visual.forward),
+                    name="vision",
+                    config=config,
+                    bus=bus,
+                    backend=backend,
+                    vllm_config=vllm_config,
+                )
+                object.__setattr__(visual, GRAPH_ATTR, graph)
+                route_method(
+                    visual, "forward", lambda original: _VisionForward(visual, graph, original)
+                )
+                vision = graph
+        audio: EncoderCudaGraph | None = None
+        tower = _tower(model, "audio_tower", AUDIO_TOWER)
+        if tower is not None:
+            audio = getattr(tower, GRAPH_ATTR, None)
+            seam = audio_seam(tower)
+            if audio is None and seam is None:
+                logger.warning(
+                    "omnitrace: %s's module lacks the metadata functions its forward accepts "
+                    "precomputed (transformers 5); the audio tower runs without graphs",
+                    type(tower).__name__,
+                )
+            elif audio is None and seam is not None:
+                graph = make_adapter(
+                    _audio_stack(tower.forward),
+                    name="audio",
+                    config=config,
+                    bus=bus,
+                    backend=backend,
+                    vllm_config=vllm_config,
+                )
+                object.__setattr__(tower, GRAPH_ATTR, graph)
+                route_method(
+                    tower,
+                    "forward",
+                    lambda original: _AudioForward(tower, graph, original, seam),
+                )
+                audio = graph
+    return Instrumented(vision=vision, audio=audio)
+
+
+#: The entry of this integration in the ``omnitrace.models`` entry-point group.
+INTEGRATION = ModelIntegration(
+    name="qwen2_5_omni",
+    detect=detect,
+    instrument=instrument,
+    description=(
+        "Qwen2.5-Omni thinker: vLLM's Qwen2.5 vision transformer (visual) and transformers' "
+        "audio encoder (audio_tower)"
+    ),
+)
