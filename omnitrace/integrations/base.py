@@ -8,9 +8,9 @@ where the eager boundary lies, and which calls must stay eager. It publishes a
 
 * :func:`config_from_model`: the ``encoder_cuda_graph*`` keys from the model's hf config
   (or vLLM's ``model_config.hf_config``) and vLLM's ``enforce_eager``;
-* :func:`make_adapter`: an :class:`~omnitrace.graphs.adapter.EncoderCudaGraph` on the
-  backend the caller passed, or the one :func:`~omnitrace.graphs.backends.select.select_backend`
-  picks;
+* :class:`Adapters`: the model's config, bus and backend choice, which makes an
+  :class:`~omnitrace.graphs.adapter.EncoderCudaGraph` per encoder and stores it on the
+  model (idempotently);
 * :func:`route_method`: serve a module's or model's method through a wrapper bound on that
   instance only (the class, shared with every other instance, stays untouched);
 * :func:`record_ineligible`: count a call the model runs eagerly before reaching its
@@ -24,7 +24,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -33,12 +33,16 @@ from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
+    "AdapterChoices",
+    "Adapters",
     "ModelIntegration",
     "attach_lock",
     "attached_summary",
     "config_from_model",
-    "make_adapter",
     "original_method",
     "output_tensor",
     "record_ineligible",
@@ -112,26 +116,91 @@ def config_from_model(
 # -- adapters ----------------------------------------------------------------------------------
 
 
-def make_adapter(
-    stack: Callable[..., Any],
-    *,
-    name: str,
-    config: EncoderGraphConfig,
-    bus: EventBus | None,
-    backend: GraphBackend | None,
-    vllm_config: Any,
-) -> EncoderCudaGraph:
-    """Return an adapter serving ``stack`` on ``backend``, or on the selected backend.
+class AdapterChoices(TypedDict, total=False):
+    """The keyword arguments every integration's ``instrument`` takes (see Adapters.for_model)."""
 
-    Without a ``backend``, :func:`~omnitrace.graphs.backends.select.select_backend` picks one
-    per adapter: vLLM's graph manager when vLLM is importable and ``vllm_config`` is given,
-    else the torch backend.
+    bus: EventBus | None
+    hf_config: Any
+    enforce_eager: bool | None
+    backend: GraphBackend | None
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """Make a model's adapters: one config, one bus, one backend choice for all of them.
+
+    Attributes:
+        config: the encoder graph config every adapter gets.
+        bus: where the adapters emit events.
+        backend: one backend for every adapter (tests pass a SimulatedGraphBackend); None:
+            :func:`~omnitrace.graphs.backends.select.select_backend` picks one per adapter.
+        vllm_config: the engine's ``VllmConfig``, which makes that choice vLLM's graph
+            manager when vLLM is importable.
     """
-    if backend is None:
-        from omnitrace.graphs.backends.select import select_backend
 
-        backend = select_backend(vllm_config)
-    return EncoderCudaGraph(stack, name=name, config=config, bus=bus, backend=backend)
+    config: EncoderGraphConfig
+    bus: EventBus | None = None
+    backend: GraphBackend | None = None
+    vllm_config: Any = None
+
+    @classmethod
+    def for_model(
+        cls, model: Any, vllm_config: Any = None, **choices: Unpack[AdapterChoices]
+    ) -> Adapters:
+        """Read ``model``'s config (:func:`config_from_model`) and keep the other choices.
+
+        Args:
+            model: the loaded model.
+            vllm_config: the engine's ``VllmConfig``: source of ``enforce_eager`` and the hf
+                config, and selects vLLM's graph manager as the backend.
+            choices: ``bus``, where the adapters emit events; ``hf_config``, overriding the
+                hf config the ``encoder_cuda_graph*`` keys are read from; ``enforce_eager``,
+                overriding vLLM's; ``backend``, one backend for every adapter (default: one
+                selected per adapter).
+
+        Raises:
+            ConfigError: an ``encoder_cuda_graph*`` override is invalid.
+        """
+        config = config_from_model(
+            model,
+            vllm_config,
+            hf_config=choices.get("hf_config"),
+            enforce_eager=choices.get("enforce_eager"),
+        )
+        return cls(
+            config=config,
+            bus=choices.get("bus"),
+            backend=choices.get("backend"),
+            vllm_config=vllm_config,
+        )
+
+    def make(self, stack: Callable[..., Any], *, name: str) -> EncoderCudaGraph:
+        """Return a new adapter named ``name`` serving ``stack``."""
+        backend = self.backend
+        if backend is None:
+            from omnitrace.graphs.backends.select import select_backend
+
+            backend = select_backend(self.vllm_config)
+        return EncoderCudaGraph(stack, name=name, config=self.config, bus=self.bus, backend=backend)
+
+    def attach(
+        self, owner: Any, attribute: str, name: str, stack: Callable[[], Callable[..., Any]]
+    ) -> tuple[EncoderCudaGraph, bool]:
+        """Return the adapter at ``owner.<attribute>``, or make one serving ``stack()`` there.
+
+        Call with :data:`attach_lock` held.
+
+        Returns:
+            The adapter, and whether it was made now (then the caller routes the model's
+            calls through it; an adapter found attached is already routed).
+        """
+        graph: EncoderCudaGraph | None = getattr(owner, attribute, None)
+        if graph is not None:
+            return graph, False
+        graph = self.make(stack(), name=name)
+        # An instance attribute: the class, shared with other models, is untouched.
+        object.__setattr__(owner, attribute, graph)
+        return graph, True
 
 
 def record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> None:

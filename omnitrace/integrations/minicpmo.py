@@ -35,23 +35,25 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from omnitrace.bus import EventBus
 from omnitrace.graphs.adapter import EncoderCudaGraph
-from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.integrations.base import (
+    AdapterChoices,
+    Adapters,
     ModelIntegration,
     attach_lock,
     config_from_model,
-    make_adapter,
     output_tensor,
     record_ineligible,
     route_method,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "AUDIO_ATTR",
@@ -408,13 +410,7 @@ def detect(model: Any) -> bool:
 
 
 def instrument(
-    model: Any,
-    vllm_config: Any = None,
-    *,
-    bus: EventBus | None = None,
-    hf_config: Any = None,
-    enforce_eager: bool | None = None,
-    backend: GraphBackend | None = None,
+    model: Any, vllm_config: Any = None, **choices: Unpack[AdapterChoices]
 ) -> Instrumented:
     """Attach the vision and audio adapters to a loaded MiniCPM-o model.
 
@@ -422,55 +418,36 @@ def instrument(
 
     Args:
         model: the loaded model (``vpm`` vision tower and/or ``apm`` audio encoder).
-        vllm_config: the engine's ``VllmConfig``: source of ``enforce_eager`` and the hf
-            config, and selects vLLM's graph manager as the backend.
-        bus: where both adapters emit events.
-        hf_config: overrides the hf config the ``encoder_cuda_graph*`` keys are read from.
-        enforce_eager: overrides vLLM's ``enforce_eager``.
-        backend: one backend for both adapters (tests pass a SimulatedGraphBackend);
-            default: :func:`~omnitrace.graphs.backends.select.select_backend`, one per adapter.
+        vllm_config: the engine's ``VllmConfig`` (config source and backend choice).
+        choices: ``bus``, ``hf_config``, ``enforce_eager``, ``backend``, as for every
+            integration (:meth:`omnitrace.integrations.base.Adapters.for_model`).
 
     Raises:
         ConfigError: an ``encoder_cuda_graph*`` override is invalid.
     """
-    config = config_from_model(model, vllm_config, hf_config=hf_config, enforce_eager=enforce_eager)
+    adapters = Adapters.for_model(model, vllm_config, **choices)
     with attach_lock:
         vision: EncoderCudaGraph | None = None
         vpm = getattr(model, "vpm", None)
-        if isinstance(vpm, nn.Module):
-            vision = getattr(vpm, VISION_ATTR, None)
-            encoder = getattr(vpm, "encoder", None)
-            if vision is None and isinstance(encoder, nn.Module):
-                graph = make_adapter(
-                    _vision_stack(encoder.forward),
-                    name="vision",
-                    config=config,
-                    bus=bus,
-                    backend=backend,
-                    vllm_config=vllm_config,
-                )
-                # Instance attributes: the classes (shared with other models) are untouched.
-                object.__setattr__(vpm, VISION_ATTR, graph)
+        encoder = getattr(vpm, "encoder", None)
+        if isinstance(vpm, nn.Module) and isinstance(encoder, nn.Module):
+            vision, made = adapters.attach(
+                vpm, VISION_ATTR, "vision", lambda: _vision_stack(encoder.forward)
+            )
+            if made:
+                graph = vision
                 route_method(
                     encoder,
                     "forward",
                     lambda original: _VisionEncoderForward(vpm, graph, original),
                 )
-                vision = graph
+        elif isinstance(vpm, nn.Module):
+            vision = getattr(vpm, VISION_ATTR, None)
         audio: EncoderCudaGraph | None = None
         audio_method: str | None = None
         if isinstance(getattr(model, "apm", None), nn.Module):
-            audio = getattr(model, AUDIO_ATTR, None)
-            if audio is None:
-                audio = make_adapter(
-                    _audio_stack(model),
-                    name="audio",
-                    config=config,
-                    bus=bus,
-                    backend=backend,
-                    vllm_config=vllm_config,
-                )
-                object.__setattr__(model, AUDIO_ATTR, audio)
+            audio, made = adapters.attach(model, AUDIO_ATTR, "audio", lambda: _audio_stack(model))
+            if made:
                 audio_method = _route_audio_batch_method(model, audio)
             else:
                 audio_method = getattr(model, _AUDIO_METHOD, None)

@@ -73,23 +73,24 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from omnitrace.bus import EventBus
 from omnitrace.graphs.adapter import EncoderCudaGraph
-from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.integrations.base import (
+    AdapterChoices,
+    Adapters,
     ModelIntegration,
     attach_lock,
-    config_from_model,
-    make_adapter,
     output_tensor,
     record_ineligible,
     route_method,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "AUDIO_TOWER",
@@ -389,79 +390,49 @@ def detect(model: Any) -> bool:
 
 
 def instrument(
-    model: Any,
-    vllm_config: Any = None,
-    *,
-    bus: EventBus | None = None,
-    hf_config: Any = None,
-    enforce_eager: bool | None = None,
-    backend: GraphBackend | None = None,
+    model: Any, vllm_config: Any = None, **choices: Unpack[AdapterChoices]
 ) -> Instrumented:
-    """Attach the vision and audio adapters to a loaded Qwen2.5-Omni thinker.
+    """Attach the vision and audio adapters to a loaded Qwen2.5-Omni thinker, once.
 
-    Idempotent: a model that already carries adapters gets them back unchanged.
-
-    Args:
-        model: the loaded thinker (``visual`` and/or ``audio_tower``).
-        vllm_config: the engine's ``VllmConfig``: source of ``enforce_eager`` and the hf
-            config, and selects vLLM's graph manager as the backend.
-        bus: where both adapters emit events.
-        hf_config: overrides the hf config the ``encoder_cuda_graph*`` keys are read from.
-        enforce_eager: overrides vLLM's ``enforce_eager``.
-        backend: one backend for both adapters (tests pass a SimulatedGraphBackend);
-            default: :func:`~omnitrace.graphs.backends.select.select_backend`, one per adapter.
+    A thinker that already carries adapters gets them back unchanged. ``vllm_config`` and
+    ``choices`` (``bus``, ``hf_config``, ``enforce_eager``, ``backend``) mean what they mean
+    for every integration (:meth:`omnitrace.integrations.base.Adapters.for_model`).
 
     Raises:
         ConfigError: an ``encoder_cuda_graph*`` override is invalid.
     """
-    config = config_from_model(model, vllm_config, hf_config=hf_config, enforce_eager=enforce_eager)
+    adapters = Adapters.for_model(model, vllm_config, **choices)
+    visual = _tower(model, "visual", VISION_TOWER)
+    tower = _tower(model, "audio_tower", AUDIO_TOWER)
     with attach_lock:
-        vision: EncoderCudaGraph | None = None
-        visual = _tower(model, "visual", VISION_TOWER)
-        if visual is not None:
-            vision = getattr(visual, GRAPH_ATTR, None)
-            if vision is None:
-                graph = make_adapter(
-                    _vision_stack(visual.forward),
-                    name="vision",
-                    config=config,
-                    bus=bus,
-                    backend=backend,
-                    vllm_config=vllm_config,
-                )
-                object.__setattr__(visual, GRAPH_ATTR, graph)
-                route_method(
-                    visual, "forward", lambda original: _VisionForward(visual, graph, original)
-                )
-                vision = graph
-        audio: EncoderCudaGraph | None = None
-        tower = _tower(model, "audio_tower", AUDIO_TOWER)
-        if tower is not None:
-            audio = getattr(tower, GRAPH_ATTR, None)
-            seam = audio_seam(tower)
-            if audio is None and seam is None:
-                logger.warning(
-                    "omnitrace: %s's module lacks the metadata functions its forward accepts "
-                    "precomputed (transformers 5); the audio tower runs without graphs",
-                    type(tower).__name__,
-                )
-            elif audio is None and seam is not None:
-                graph = make_adapter(
-                    _audio_stack(tower.forward),
-                    name="audio",
-                    config=config,
-                    bus=bus,
-                    backend=backend,
-                    vllm_config=vllm_config,
-                )
-                object.__setattr__(tower, GRAPH_ATTR, graph)
-                route_method(
-                    tower,
-                    "forward",
-                    lambda original: _AudioForward(tower, graph, original, seam),
-                )
-                audio = graph
-    return Instrumented(vision=vision, audio=audio)
+        return Instrumented(
+            vision=None if visual is None else _attach_vision(adapters, visual),
+            audio=None if tower is None else _attach_audio(adapters, tower),
+        )
+
+
+def _attach_vision(adapters: Adapters, visual: nn.Module) -> EncoderCudaGraph:
+    graph, made = adapters.attach(
+        visual, GRAPH_ATTR, "vision", lambda: _vision_stack(visual.forward)
+    )
+    if made:
+        route_method(visual, "forward", lambda original: _VisionForward(visual, graph, original))
+    return graph
+
+
+def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | None:
+    seam = audio_seam(tower)
+    if seam is None:
+        logger.warning(
+            "omnitrace: %s's module lacks the metadata functions its forward accepts "
+            "precomputed (transformers 5); the audio tower runs without graphs",
+            type(tower).__name__,
+        )
+        return None
+    graph, made = adapters.attach(tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward))
+    if made:
+        route_method(tower, "forward", lambda original: _AudioForward(tower, graph, original, seam))
+    return graph
 
 
 #: The entry of this integration in the ``omnitrace.models`` entry-point group.

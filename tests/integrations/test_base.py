@@ -13,9 +13,9 @@ from torch import nn
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus, GraphMissed, MissReason
 from omnitrace.graphs.backends.torch import TorchGraphBackend
 from omnitrace.integrations.base import (
+    Adapters,
     attached_summary,
     config_from_model,
-    make_adapter,
     original_method,
     output_tensor,
     record_ineligible,
@@ -40,22 +40,43 @@ def test_config_prefers_vllms_hf_config_to_the_models_own() -> None:
     assert (explicit.max_graphs, explicit.enabled) == (EncoderGraphConfig().max_graphs, True)
 
 
-def test_make_adapter_uses_the_given_backend_else_selects_one() -> None:
-    """A passed backend is used as is; without one the torch backend is selected (no vLLM)."""
+def test_adapters_use_the_given_backend_else_select_one() -> None:
+    """A passed backend serves every adapter; without one the torch backend is selected."""
     backend = SimulatedGraphBackend()
-    given = make_adapter(
-        torch.tanh,
-        name="a",
-        config=EncoderGraphConfig(),
-        bus=None,
-        backend=backend,
-        vllm_config=None,
-    )
+    given = Adapters(EncoderGraphConfig(), backend=backend).make(torch.tanh, name="a")
     assert given.backend is backend
-    chosen = make_adapter(
-        torch.tanh, name="b", config=EncoderGraphConfig(), bus=None, backend=None, vllm_config=None
-    )
+    chosen = Adapters(EncoderGraphConfig()).make(torch.tanh, name="b")
     assert isinstance(chosen.backend, TorchGraphBackend)
+
+
+def test_adapters_for_a_model_carry_its_config_and_the_callers_choices(bus: EventBus) -> None:
+    """for_model reads the model's hf config and keeps the bus, backend and vLLM config."""
+    model = SimpleNamespace(config={"encoder_cuda_graph_max_graphs": 5})
+    backend = SimulatedGraphBackend()
+    adapters = Adapters.for_model(model, None, bus=bus, backend=backend, enforce_eager=True)
+    assert (adapters.config.max_graphs, adapters.config.enabled) == (5, False)
+    assert (adapters.bus, adapters.backend, adapters.vllm_config) == (bus, backend, None)
+    graph = adapters.make(torch.tanh, name="vision")
+    assert (graph.config, graph.name) == (adapters.config, "vision")
+    assert "vision" in bus.adapters()
+
+
+def test_attach_makes_one_adapter_per_owner_and_says_when_it_made_it() -> None:
+    """The first attach stores a new adapter on the instance; the next returns that one."""
+    adapters = Adapters(EncoderGraphConfig(), backend=SimulatedGraphBackend())
+    owner, other = _Host(), _Host()
+    stacks: list[str] = []
+
+    def stack() -> Any:
+        stacks.append("made")
+        return torch.tanh
+
+    graph, made = adapters.attach(owner, "_encoder_graph", "vision", stack)
+    assert made
+    assert vars(owner)["_encoder_graph"] is graph
+    assert adapters.attach(owner, "_encoder_graph", "vision", stack) == (graph, False)
+    assert stacks == ["made"]
+    assert not hasattr(other, "_encoder_graph")
 
 
 class _Host(nn.Module):
