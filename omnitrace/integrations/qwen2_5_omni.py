@@ -214,10 +214,9 @@ class _VisionForward:
     ) -> Any:
         visual, graph = self._visual, self._graph
         detail = None
-        if args or kwargs or encoder_metadata is not None or not isinstance(x, torch.Tensor):
+        own = args or kwargs or encoder_metadata is not None or grid_thw is None
+        if own or not isinstance(x, torch.Tensor):
             # A caller's own metadata, or arguments vLLM never passes: the original decides.
-            detail = "arguments"
-        elif grid_thw is None:
             detail = "arguments"
         elif visual.training:
             detail = "training"
@@ -258,8 +257,8 @@ def audio_seam(tower: Any) -> AudioSeam | None:
 
     Looks in the module that defines ``type(tower)`` for transformers' functions
     ``chunk_and_pad_features``, ``get_valid_indices``, ``get_pool_indices``,
-    ``get_audio_cu_seqlens`` (each taking the caller's ``kwargs``, from which the forward
-    pops precomputed values), ``get_max_seqlen`` and the output class.
+    ``get_audio_cu_seqlens`` and ``get_max_seqlen`` (each taking the caller's ``kwargs``,
+    from which the forward pops precomputed values) and the output class.
     """
     module = sys.modules.get(type(tower).__module__)
     found: dict[str, Any] = {
@@ -275,9 +274,11 @@ def audio_seam(tower: Any) -> AudioSeam | None:
     }
     if not all(callable(f) for f in found.values()):
         return None
-    for field in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens"):
+    for field, function in found.items():
+        if field == "output":
+            continue
         try:
-            parameters = inspect.signature(found[field]).parameters
+            parameters = inspect.signature(function).parameters
         except (TypeError, ValueError):
             return None
         if "kwargs" not in parameters:
