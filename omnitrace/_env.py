@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omnitrace.config import ConfigError
+from omnitrace.errors import ConfigError
 
 __all__ = ["env_flag"]
 
