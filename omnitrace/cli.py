@@ -396,8 +396,8 @@ def _logging(args: argparse.Namespace) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _export_reported_by_the_cli() -> Iterator[None]:
-    """Keep the OTel sink's own outage warning quiet: the command reports the export itself."""
-    otel_logger = logging.getLogger("omnitrace.sinks.otel")
+    """Keep the OTel SDK wiring's outage warning quiet: the command reports the export itself."""
+    otel_logger = logging.getLogger("omnitrace.sinks.otel_sdk")
     saved = otel_logger.propagate
     quiet = logging.NullHandler()
     otel_logger.addHandler(quiet)
@@ -673,7 +673,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     with _export_reported_by_the_cli():
         try:
             if endpoint is not None:
-                from omnitrace.sinks.otel import sdk_sink
+                from omnitrace.sinks.otel_sdk import sdk_sink
 
                 sink, setup = sdk_sink(
                     bus, default_service_name="omnitrace-replay", endpoint=endpoint

@@ -133,7 +133,7 @@ SINKS: tuple[SinkSpec, ...] = (
     SinkSpec(
         name="otlp",
         env="OMNITRACE_OTLP",
-        module="omnitrace.sinks.otel",
+        module="omnitrace.sinks.otel_sdk",
         build=_otlp,
         switch=True,
         description=(

@@ -41,7 +41,8 @@ from omnitrace import (
 )
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
-from omnitrace.sinks.otel import CAPTURE_DURATION_BUCKETS, OTelSetup, OTelSink, configure_sdk
+from omnitrace.sinks.otel import CAPTURE_DURATION_BUCKETS, OTelSink
+from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
@@ -626,7 +627,7 @@ def test_dead_endpoint_neither_raises_nor_blocks_and_is_logged_once(
         assert failures["traces"] >= 1
         assert failures["metrics"] >= 2
         assert setup.export_successes == {"traces": 0, "metrics": 0}
-        ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
+        ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
         assert len(ours) == 1
         assert ours[0].levelno == logging.WARNING
         assert "failed" in ours[0].getMessage()
@@ -653,17 +654,17 @@ def test_export_failure_is_reported_again_only_after_a_recovery(
                     bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
                 )
             )
-            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel_sdk"):
                 receiver.reject = True
                 assert setup.force_flush() is False
                 assert setup.force_flush() is False
-                warnings = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
+                warnings = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
                 assert [r.levelno for r in warnings] == [logging.WARNING]
                 receiver.reject = False
                 assert setup.force_flush() is True
                 receiver.reject = True
                 assert setup.force_flush() is False
-            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.sinks.otel"]
+            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
             assert levels == [logging.WARNING, logging.INFO, logging.WARNING]
             assert receiver.rejected == setup.export_failures["metrics"] == 3
             assert setup.export_successes["metrics"] == 1
@@ -688,12 +689,12 @@ def test_a_traces_only_backend_logs_the_metrics_outage_once_and_traces_still_flo
                 bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
             )
             bus.add_sink(sink)
-            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel_sdk"):
                 for _ in range(3):
                     run_scenario(bus)
                     assert bus.flush(5.0)
                     assert setup.force_flush() is False
-            ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
+            ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
             assert [(r.levelno, "metrics" in r.getMessage()) for r in ours] == [
                 (logging.WARNING, True)
             ]
@@ -898,7 +899,8 @@ def test_install_global_lets_a_sink_without_providers_export() -> None:
     code = (
         "import torch\n"
         "from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus\n"
-        "from omnitrace.sinks.otel import OTelSink, configure_sdk\n"
+        "from omnitrace.sinks.otel import OTelSink\n"
+        "from omnitrace.sinks.otel_sdk import configure_sdk\n"
         "from omnitrace.testing import SimulatedGraphBackend\n"
         "from omnitrace.testing_otlp import OTLPReceiver\n"
         "with OTLPReceiver() as receiver:\n"

@@ -14,9 +14,10 @@ import torch
 
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.integrations import vllm_plugin
-from omnitrace.sinks import otel
+from omnitrace.sinks import otel_sdk
 from omnitrace.sinks.names import ATTR, METRICS
-from omnitrace.sinks.otel import OTelSetup, OTelSink, configure_sdk
+from omnitrace.sinks.otel import OTelSink
+from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
@@ -160,13 +161,13 @@ def test_vllm_plugin_takes_its_service_name_from_otel_service_name(
     """The plugin's OTLP sink exports with OTEL_SERVICE_NAME from the worker's environment."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     created: list[OTelSetup] = []
-    real = otel.configure_sdk
+    real = otel_sdk.configure_sdk
 
     def recording(**kwargs: Any) -> OTelSetup:
         created.append(real(**kwargs))
         return created[-1]
 
-    monkeypatch.setattr(otel, "configure_sdk", recording)
+    monkeypatch.setattr(otel_sdk, "configure_sdk", recording)
     bus = EventBus()
     try:
         environ = {"OMNITRACE_OTLP": "1", "OTEL_SERVICE_NAME": "minicpmo-worker"}
@@ -254,7 +255,7 @@ def test_shutdown_after_a_successful_export_reports_no_error(receiver: OTLPRecei
 def test_sdk_sink_exports_the_bus_through_the_sdk_it_wired(receiver: OTLPReceiver) -> None:
     """sdk_sink returns an OTelSink on configure_sdk's providers and the setup that owns them."""
     bus = EventBus()
-    sink, setup = otel.sdk_sink(
+    sink, setup = otel_sdk.sdk_sink(
         bus, endpoint=receiver.endpoint, export_interval_s=600, service_name="wired"
     )
     try:
@@ -288,7 +289,7 @@ def test_sdk_sink_stops_the_sdk_when_the_sink_cannot_be_made(
     from prometheus_client import CollectorRegistry
 
     created: list[OTelSetup] = []
-    real = otel.configure_sdk
+    real = otel_sdk.configure_sdk
 
     def recording(**kwargs: Any) -> OTelSetup:
         created.append(real(**kwargs))
@@ -297,12 +298,12 @@ def test_sdk_sink_stops_the_sdk_when_the_sink_cannot_be_made(
     def broken(*args: Any, **kwargs: Any) -> OTelSink:
         raise RuntimeError("no sink today")
 
-    monkeypatch.setattr(otel, "configure_sdk", recording)
-    monkeypatch.setattr(otel, "OTelSink", broken)
+    monkeypatch.setattr(otel_sdk, "configure_sdk", recording)
+    monkeypatch.setattr(otel_sdk, "OTelSink", broken)
     bus = EventBus()
     try:
         with pytest.raises(RuntimeError, match="no sink today"):
-            otel.sdk_sink(
+            otel_sdk.sdk_sink(
                 bus,
                 otlp=False,
                 prometheus=True,
