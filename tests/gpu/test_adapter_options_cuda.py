@@ -1,0 +1,133 @@
+"""The adapter's opt-in variants on a real device: device timing, compiled graphs, background
+capture (alone, under concurrent calls, and beside a reduce-overhead model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus, GraphCaptured, GraphMissed
+from omnitrace.demo.encoders import AudioEncoder, EncoderGeometry, VisionEncoder
+from omnitrace.events import DeviceTimed
+from omnitrace.testing import capture_events
+
+pytestmark = pytest.mark.gpu
+
+CFG = EncoderGraphConfig(min_free_bytes=0)
+SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
+#: A replay runs eager's kernels: equal up to bf16 noise. Inductor fuses differently.
+GRAPH_TOL = 1.6e-2
+COMPILED_TOL = 6e-2
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    with torch.no_grad():
+        yield
+    torch.cuda.synchronize()
+
+
+def vision() -> VisionEncoder:
+    torch.manual_seed(0)
+    return VisionEncoder(SMALL).to("cuda", torch.bfloat16).eval()
+
+
+def test_device_timing_measures_replays_and_eager_calls_on_the_device(bus: EventBus) -> None:
+    """DeviceTimed events arrive for every eager and replayed call, with device seconds."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="v", config=CFG.replace(device_timing=True), bus=bus)
+    x = torch.randn(1, 256, 256, device="cuda", dtype=torch.bfloat16)
+    with capture_events(bus) as events:
+        for _ in range(6):
+            out = graph(x)
+        assert graph.flush_device_timing(10)
+    timed = [e for e in events if isinstance(e, DeviceTimed)]
+    assert sorted(e.kind for e in timed) == ["eager"] + ["replay"] * 4
+    assert all(0 < e.device_s < 1 for e in timed)
+    torch.testing.assert_close(out, model(x), rtol=GRAPH_TOL, atol=GRAPH_TOL)
+    print("\ndevice us:", [round(e.device_s * 1e6) for e in timed])
+
+
+def test_compiled_graphs_match_eager_within_the_documented_tolerance(bus: EventBus) -> None:
+    """With compile on, the captured graph runs inductor's kernels; outputs stay close."""
+    torch.manual_seed(0)
+    model = AudioEncoder(SMALL).to("cuda", torch.bfloat16).eval()
+    graph = EncoderCudaGraph(model, name="a", config=CFG.replace(compile=True), bus=bus)
+    mel = torch.randn(1, 80, 100, device="cuda", dtype=torch.bfloat16)
+    with capture_events(bus) as events:
+        outs = [graph(mel) for _ in range(4)]
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 1
+    reference = model(mel).float()
+    scale = reference.abs().max()
+    errors = [float((o.float() - reference).abs().max() / scale) for o in outs]
+    print("\nmax rel err vs eager:", [f"{e:.2e}" for e in errors])
+    assert max(errors[1:]) <= COMPILED_TOL
+
+
+def test_background_capture_replays_correctly_under_concurrent_calls(bus: EventBus) -> None:
+    """Three threads on their own streams call two shapes while graphs are prepared."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="v", config=CFG.replace(background_capture=True), bus=bus)
+    inputs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (128, 256)]
+    references = [model(x) for x in inputs]
+    torch.cuda.synchronize()
+    errors: list[str] = []
+
+    def client(seed: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for i in range(40):
+                which = (i + seed) % 2
+                out = graph(inputs[which])
+                if not torch.allclose(out, references[which], rtol=GRAPH_TOL, atol=GRAPH_TOL):
+                    errors.append(f"client {seed} call {i}")
+            stream.synchronize()
+
+    with capture_events(bus) as events:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert graph.wait_prepared(60)
+    assert errors == []
+    assert not graph.terminal
+    preparing = [e for e in events if isinstance(e, GraphMissed) and e.detail == "preparing"]
+    captured = [e for e in events if isinstance(e, GraphCaptured)]
+    # Three client streams x two shapes: each (stream, shape) key gets its own graph.
+    assert len(captured) == 6
+    print(f"\n{len(preparing)} calls served eagerly while their graph was prepared")
+
+
+def test_background_compiled_capture_beside_reduce_overhead() -> None:
+    """Background compiled captures while a reduce-overhead model records and replays."""
+    torch.manual_seed(0)
+    model = AudioEncoder(SMALL).to("cuda", torch.bfloat16).eval()
+    other = vision()
+    compiled_other = torch.compile(other, mode="reduce-overhead", dynamic=False)
+    graph = EncoderCudaGraph(
+        model, name="a", config=CFG.replace(background_capture=True, compile=True)
+    )
+    mel = torch.randn(1, 80, 100, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 64, 256, device="cuda", dtype=torch.bfloat16)
+    reference, other_reference = model(mel).float(), other(x).float()
+    deadline = time.monotonic() + 180
+    worst = 0.0
+    while time.monotonic() < deadline:
+        out = graph(mel)
+        worst = max(worst, float((out.float() - reference).abs().max()))
+        torch.compiler.cudagraph_mark_step_begin()
+        other_out = compiled_other(x)
+        assert float((other_out.float() - other_reference).abs().max()) < 0.5
+        if graph.num_graphs == 1 and graph.get_cumulative_stats()["graph_hits"] >= 20:
+            break
+    torch.cuda.synchronize()
+    assert not graph.terminal
+    assert graph.get_cumulative_stats()["graph_hits"] >= 20
+    scale = float(reference.abs().max())
+    print(f"\nmax rel err vs eager {worst / scale:.2e}")
+    assert worst / scale <= COMPILED_TOL
