@@ -41,7 +41,7 @@ from omnitrace.events import (
     replayed,
 )
 from omnitrace.graphs.admission import Admission, Verdict
-from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend
+from omnitrace.graphs.backends.base import CapturedGraph, CaptureRequest, GraphBackend
 from omnitrace.graphs.eligibility import (
     call_key,
     examine,
@@ -588,11 +588,9 @@ class EncoderCudaGraph:
         start = (_mono(), _epoch(), _perf())
         try:
             graph = self.backend.capture(
-                self._capture_forward(),
-                inputs,
-                device=device,
-                pool=slot.pool,
-                capture_stream=slot.capture_stream,
+                CaptureRequest(
+                    self._capture_forward(), inputs, device, slot.pool, slot.capture_stream
+                )
             )
         except BaseException as exc:
             self._fail(exc, signature, device, stream)
@@ -699,10 +697,12 @@ class EncoderCudaGraph:
         # no_grad, not inference_mode: the static buffers must stay ordinary tensors that
         # callers outside inference mode can copy into.
         return self.backend.capture(
-            self._capture_forward(),
-            job.inputs,
-            device=job.device,
-            pool=job.slot.pool,
-            capture_stream=job.slot.capture_stream,
-            capture_error_mode="thread_local",
+            CaptureRequest(
+                self._capture_forward(),
+                job.inputs,
+                job.device,
+                job.slot.pool,
+                job.slot.capture_stream,
+                capture_error_mode="thread_local",
+            )
         )

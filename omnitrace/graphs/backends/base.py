@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from omnitrace.graphs.timing import DeviceClock
 
 __all__ = [
+    "CaptureRequest",
     "CapturedGraph",
     "GraphBackend",
     "OutputSpec",
@@ -39,6 +41,23 @@ __all__ = [
     "static_copies",
     "unflatten_outputs",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRequest:
+    """What a backend needs to capture one graph."""
+
+    forward: Callable[..., Any]
+    """The forward to capture (the encoder, or torch.compile of it)."""
+    inputs: Sequence[torch.Tensor | None]
+    """The call's inputs; the backend copies them into static buffers."""
+    device: torch.device
+    pool: Any
+    """The memory pool the adapter chose (shared per encoder, device and replay stream)."""
+    capture_stream: Any
+    capture_error_mode: str = "global"
+    """``torch.cuda.graph``'s: ``"thread_local"`` lets other threads keep running CUDA work
+    during the capture (background capture)."""
 
 
 @runtime_checkable
@@ -88,21 +107,11 @@ class GraphBackend(Protocol):
         """Create a side stream for captures on ``device``; return it and its id."""
         ...
 
-    def capture(
-        self,
-        forward: Callable[..., Any],
-        inputs: Sequence[torch.Tensor | None],
-        *,
-        device: torch.device,
-        pool: Any,
-        capture_stream: Any,
-        capture_error_mode: str = "global",
-    ) -> CapturedGraph:
-        """Warm up and capture ``forward(*inputs)``; the original exception propagates.
+    def capture(self, request: CaptureRequest) -> CapturedGraph:
+        """Warm up and capture ``request.forward(*request.inputs)``.
 
         The current stream is the replay stream: static inputs are copied and the warm-up
-        runs there. ``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"``
-        lets other threads keep running CUDA work during the capture (background capture).
+        runs there, never on the capture stream. The original exception propagates.
         """
         ...
 

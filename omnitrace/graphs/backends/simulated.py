@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from omnitrace._validate import check_int, check_number
-from omnitrace.graphs.backends.base import StaticBuffers, flatten_outputs
+from omnitrace.graphs.backends.base import CaptureRequest, StaticBuffers, flatten_outputs
 from omnitrace.graphs.timing import HostClock
 
 __all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
@@ -139,16 +139,12 @@ class SimulatedGraphBackend:
         stream_id = next(_stream_ids)
         return ("simulated-stream", stream_id), stream_id
 
-    def capture(
-        self,
-        forward: Callable[..., Any],
-        inputs: Sequence[torch.Tensor | None],
-        *,
-        device: torch.device,
-        pool: Any,
-        capture_stream: Any,
-        capture_error_mode: str = "global",
-    ) -> SimulatedGraph:
+    def capture(self, request: CaptureRequest) -> SimulatedGraph:
+        forward, inputs, capture_error_mode = (
+            request.forward,
+            request.inputs,
+            request.capture_error_mode,
+        )
         self.capture_modes.append(capture_error_mode)
         static_inputs = [None if x is None else x.detach().clone() for x in inputs]
         leaves, spec = flatten_outputs(forward(*static_inputs))  # warm-up

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from omnitrace._validate import check_int
 from omnitrace.graphs.backends.base import (
+    CaptureRequest,
     StaticBuffers,
     capture_ordering,
     flatten_outputs,
@@ -133,30 +134,15 @@ class TorchGraphBackend:
     def device_clock(self, device: torch.device) -> CudaEventClock:
         return CudaEventClock(device)
 
-    def capture(
-        self,
-        forward: Callable[..., Any],
-        inputs: Sequence[torch.Tensor | None],
-        *,
-        device: torch.device,
-        pool: Any,
-        capture_stream: Any,
-        capture_error_mode: str = "global",
-    ) -> TorchCudaGraph:
-        with torch.cuda.device(device):
-            return self._capture(forward, inputs, device, pool, capture_stream, capture_error_mode)
+    def capture(self, request: CaptureRequest) -> TorchCudaGraph:
+        with torch.cuda.device(request.device):
+            return self._capture(request)
 
-    def _capture(
-        self,
-        forward: Callable[..., Any],
-        inputs: Sequence[torch.Tensor | None],
-        device: torch.device,
-        pool: Any,
-        capture_stream: torch.cuda.Stream,
-        capture_error_mode: str,
-    ) -> TorchCudaGraph:
+    def _capture(self, request: CaptureRequest) -> TorchCudaGraph:
+        forward, device, pool = request.forward, request.device, request.pool
+        capture_stream = request.capture_stream
         replay_stream = torch.cuda.current_stream(device)
-        static_inputs = static_copies(inputs)
+        static_inputs = static_copies(request.inputs)
         # Warm up on the replay stream, where eager calls of this encoder already run.
         warm = None
         for _ in range(max(1, self.warmup_iters)):
@@ -179,7 +165,7 @@ class TorchGraphBackend:
                     graph,
                     pool=pool,
                     stream=capture_stream,
-                    capture_error_mode=capture_error_mode,
+                    capture_error_mode=request.capture_error_mode,
                 ),
             ):
                 try:

@@ -62,6 +62,7 @@ import torch
 from omnitrace.config import ConfigError, OmnitraceError
 from omnitrace.events import MissReason
 from omnitrace.graphs.backends.base import (
+    CaptureRequest,
     capture_ordering,
     flatten_outputs,
     static_copies,
@@ -563,22 +564,15 @@ class VllmGraphBackend:
 
     # -- GraphBackend: capture ---------------------------------------------------------------
 
-    def capture(
-        self,
-        forward: Callable[..., Any],
-        inputs: Sequence[torch.Tensor | None],
-        *,
-        device: torch.device,
-        pool: Any,
-        capture_stream: Any,
-        capture_error_mode: str = "global",
-    ) -> VllmCapturedGraph:
-        if capture_error_mode != "global":
+    def capture(self, request: CaptureRequest) -> VllmCapturedGraph:
+        if request.capture_error_mode != "global":
             # vLLM's manager opens torch.cuda.graph itself, always in the global mode.
             raise ConfigError(
                 f"capture_error_mode: vLLM's encoder graph manager captures in the 'global' "
-                f"mode only, got {capture_error_mode!r}"
+                f"mode only, got {request.capture_error_mode!r}"
             )
+        forward, inputs, device = request.forward, request.inputs, request.device
+        pool, capture_stream = request.pool, request.capture_stream
         with self._device_scope(device):
             replay_stream = self._current_stream(device)
             static_inputs = static_copies(inputs)
