@@ -36,6 +36,7 @@ from omnitrace import (
     StatsFold,
 )
 from omnitrace.demo.encoders import VISION_TINY, VisionEncoder
+from omnitrace.graphs.backends.base import CaptureRequest
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "overhead"
@@ -281,7 +282,7 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
     config = EncoderGraphConfig(min_free_bytes=0)
     cpu = torch.device("cpu")
     backend = SimulatedGraphBackend()
-    graph = backend.capture(_identity, (x,), device=cpu, pool=None, capture_stream=None)
+    graph = backend.capture(CaptureRequest(_identity, (x,), cpu, None, None))
 
     buses: list[EventBus] = []
     bus_fold = EventBus(queue_size=10)
