@@ -500,3 +500,40 @@ def test_routed_audio_equals_vllms_own_batch_audio_method() -> None:
                 assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert backend.captures == 2
     assert result.audio.get_cumulative_stats()["graph_hits"] == 4  # type: ignore[union-attr]
+
+
+def test_hits_replay_the_managers_graph_directly_and_count_in_the_manager(
+    cpu_graphs: list[CpuGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit replays the manager's captured graph without execute(); vLLM still counts it."""
+    backend = CpuVllmBackend(_config())
+    x = torch.randn(1, 6, 4)
+    calls = [(x * i, None) for i in range(1, 6)]
+    executed: list[int] = []
+    original = manager_module.EncoderCudaGraphManager.execute
+
+    def counting_execute(self: Any, mm_kwargs: Any) -> Any:
+        executed.append(1)
+        return original(self, mm_kwargs)
+
+    monkeypatch.setattr(manager_module.EncoderCudaGraphManager, "execute", counting_execute)
+    graph, outs = _run(backend, _encoder, calls, EncoderGraphConfig(min_free_bytes=0))
+    for (a, m), out in zip(calls, outs, strict=True):
+        assert torch.equal(out, _encoder(a, m))
+    (captured,) = backend._graphs
+    assert captured.direct
+    assert executed == []
+    assert backend.manager_stats().graph_hits == graph.get_cumulative_stats()["graph_hits"] == 4
+
+
+def test_an_unknown_graph_layout_replays_through_execute(cpu_graphs: list[CpuGraph]) -> None:
+    """A manager whose captured graphs are laid out otherwise is driven through execute()."""
+    from omnitrace.graphs.backends.vllm import captured_budget_graph
+
+    class Other:
+        def __init__(self) -> None:
+            self.budget_graphs: dict[str, dict[int, Any]] = {"default": {}}
+            self.graph_hits = 0
+
+    assert captured_budget_graph(Other()) is None
+    assert captured_budget_graph(object()) is None
