@@ -8,7 +8,9 @@ the JSON files into the markdown tables of ``BENCHMARKS.md``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import functools
 import gc
 import json
 import math
@@ -19,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,8 +36,10 @@ __all__ = [
     "CudaUnavailableError",
     "cuda_status",
     "environment",
+    "figure",
     "free_cuda_memory",
     "rotated",
+    "simulated_compile",
     "summarize",
     "target",
     "time_per_call",
@@ -79,12 +83,14 @@ class Context:
         simulate: run the CUDA benchmarks on CPU with the simulated backend and tiny
             encoders; it checks the plumbing only, and every number it produces is
             meaningless (results say ``"simulated": true``).
+        batch4: time the latency shapes at batch 4 as well (full scale only).
     """
 
     scale: str = "full"
     out_dir: Path = field(default_factory=lambda: Path("bench-results"))
     cuda: bool = False
     simulate: bool = False
+    batch4: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
     deadline: float = math.inf
     """``time.monotonic()`` by which the whole run should be done (the runner sets it)."""
@@ -267,8 +273,13 @@ def target(
     unit: str,
     *,
     note: str = "",
+    goal: str = "",
 ) -> dict[str, Any]:
-    """Record a target check; ``met`` is None when ``value`` could not be measured."""
+    """Record a target check; ``met`` is None when ``value`` could not be measured.
+
+    ``goal`` names the performance goal the check belongs to (a key of
+    ``benchmarks.report.GOALS``); the report's goals table lists every check that has one.
+    """
     if op not in ("<=", ">=", "<", ">"):
         raise ValueError(f"op: expected one of <=, >=, <, >, got {op!r}")
     met: bool | None
@@ -290,6 +301,21 @@ def target(
         "unit": unit,
         "met": met,
         "note": note,
+        "goal": goal,
+    }
+
+
+def figure(
+    name: str, value: float | None, unit: str, *, goal: str, note: str = ""
+) -> dict[str, Any]:
+    """Record a measured figure that has no bar of its own (a cost to report, not to pass)."""
+    measured = value is not None and math.isfinite(value)
+    return {
+        "name": name,
+        "value": value if measured else None,
+        "unit": unit,
+        "goal": goal,
+        "note": note,
     }
 
 
@@ -302,6 +328,32 @@ def free_cuda_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def simulated_compile(ctx: Context) -> Iterator[None]:
+    """In a simulated run, make ``torch.compile`` default to ``backend="eager"``.
+
+    Adapters with the ``compile`` switch call ``torch.compile`` themselves, possibly on their
+    capture thread; on CPU inductor would build C++ kernels for minutes, and the simulated
+    numbers mean nothing anyway. Outside simulated runs this does nothing.
+    """
+    if not ctx.simulate:
+        yield
+        return
+    original = torch.compile
+
+    @functools.wraps(original)
+    def eager_compile(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("backend", "eager")
+        kwargs.pop("mode", None)  # modes are inductor options; the eager backend takes none
+        return original(*args, **kwargs)
+
+    torch.compile = eager_compile
+    try:
+        yield
+    finally:
+        torch.compile = original
 
 
 # -- JSON --------------------------------------------------------------------------------

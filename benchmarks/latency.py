@@ -1,21 +1,28 @@
 """Encoder latency: every method of every shape in one process, interleaved, medians per call.
 
 For MiniCPM-o 4.5's encoders at full size (SigLIP so400m vision at 1024 and 256 tokens,
-Whisper-medium audio at a 1-second chunk and a 30-second clip), batch 1 and a small batch,
-bf16 under ``torch.no_grad()``, the methods ("arms", :data:`ARMS`, in this order):
+Whisper-medium audio at a 1-second chunk and a 30-second clip), batch 1 (the shapes the
+performance goals name; ``--batch4`` adds batch 4), bf16 under ``torch.no_grad()``, the
+methods ("arms", :data:`ARMS`, in this order):
 
 * ``eager``: the module itself;
 * ``bare``: a ``torch.cuda.CUDAGraph`` (:class:`benchmarks.common.BareGraph`) called as
   copy_ + replay + clone, the floor any graph wrapper is measured against;
 * ``replay_only``: the same graph's ``replay()`` alone;
-* ``adapter``: :class:`omnitrace.EncoderCudaGraph` with its default (torch) backend, hit path;
+* ``adapter``: :class:`omnitrace.EncoderCudaGraph` with its default (torch) backend and no
+  bus, hit path;
+* ``adapter_bus``: the adapter on an :class:`omnitrace.EventBus` without sinks, so every hit
+  feeds the folds the bus keeps (the stats fold, and any other the bus grows): their cost;
+* ``adapter_timed``: the adapter with ``device_timing`` (CUDA events around every call,
+  resolved off the call path; flushed, untimed, after each of its rounds): its cost;
 * ``adapter_vllm``: the adapter on ``VllmGraphBackend(VllmConfig())`` (vLLM's encoder graph
   manager), when ``vllm.v1.worker.encoder_cudagraph`` can be imported;
 * ``adapter_sinks``: the adapter on an :class:`omnitrace.EventBus` with the production sinks
   (OTel, structlog logs, JSONL event log), built as :mod:`benchmarks.observability` builds them;
 * ``compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)``;
-* ``adapter_compiled``: the adapter over ``torch.compile(model, dynamic=False)`` in default
-  mode, so the adapter's graph captures inductor's fused kernels.
+* ``adapter_compiled``: the adapter with the ``compile`` switch
+  (``EncoderGraphConfig(compile=True)``), which captures ``torch.compile(forward)`` in
+  default mode per exact shape, so its graph replays inductor's fused kernels.
 
 One process, no isolation. Every shape and every arm runs in the runner's own process, so the
 graphs of both backends, reduce-overhead's CUDA-graph trees and the compiled modules live side
@@ -44,13 +51,15 @@ are computed, and ``benchmarks.report`` shows it as a column.
 
 Simulated (``--simulate``): tiny encoders on CPU; adapters use the simulated backend, the bare
 graph is its steps on CPU (copy in, forward, copy out, clone), and the compiling arms use
-``torch.compile(backend="eager")``. The plumbing runs; the numbers mean nothing.
+``torch.compile(backend="eager")`` (:func:`benchmarks.common.simulated_compile`). The
+plumbing runs; the numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import importlib
 import importlib.metadata
@@ -71,8 +80,10 @@ from benchmarks.common import (
     BareGraph,
     BenchmarkFailedError,
     Context,
+    figure,
     free_cuda_memory,
     rotated,
+    simulated_compile,
     summarize,
     target,
     write_partial,
@@ -98,9 +109,12 @@ HOST_OVER_BARE_TARGET_US = 3.0
 #: The production sinks may add this much to the adapter's latency.
 SINKS_VS_ADAPTER_TARGET = 0.01
 #: A graph replays the eager kernels, so outputs should agree almost exactly; compiled
-#: kernels fuse differently and are held to a looser bf16 tolerance.
+#: kernels fuse differently (other reduction orders, bf16 intermediates kept in registers)
+#: and are held to a looser tolerance: max |out - eager| / max |eager|.
 GRAPH_TOLERANCE = 1e-2
 COMPILE_TOLERANCE = 1e-1
+#: Seconds the device timings of one round may take to resolve after it.
+TIMING_FLUSH_S = 10.0
 #: Guesses (seconds) used until this run measured one: a compile (the first in a process
 #: also pays for inductor's start-up), and one shape without its compiles.
 FIRST_COMPILE_GUESS_S = {"cuda": 60.0, "simulated": 10.0}
@@ -144,6 +158,7 @@ class Timed:
         settle: run, untimed, after each of the arm's rounds (drain the sinks' queues, so
             their backlog never lands in another arm's round).
         info: extra fields for the arm's entry in the row (compile time).
+        report: returns fields added to the arm's entry once its rounds are timed.
     """
 
     call: Callable[[], Any]
@@ -151,6 +166,7 @@ class Timed:
     window: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     settle: Callable[[], None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    report: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +237,37 @@ def _adapter(p: Point) -> Timed:
     return Timed(lambda: adapter(p.x), adapter=adapter)
 
 
+@arm("adapter_bus", "adapter + bus", vs=("bare", "adapter"))
+def _adapter_bus(p: Point) -> Timed:
+    bus = EventBus()
+    p.closers.append(bus.close)
+    adapter = p.captured_adapter("bus", bus=bus)
+    return Timed(lambda: adapter(p.x), adapter=adapter)
+
+
+@arm("adapter_timed", "adapter + device timing", vs=("bare", "adapter"))
+def _adapter_timed(p: Point) -> Timed:
+    config = dataclasses.replace(p.run.config, device_timing=True)
+    adapter = p.captured_adapter("timed", config=config)
+    flushes: list[bool] = []
+
+    def settle() -> None:
+        # Untimed: resolving is the timer thread's job; waiting here only keeps one round's
+        # timings from resolving during another arm's round.
+        flushes.append(adapter.flush_device_timing(TIMING_FLUSH_S))
+
+    settle()
+    return Timed(
+        lambda: adapter(p.x),
+        adapter=adapter,
+        settle=settle,
+        report=lambda: {
+            "timing_flushes": len(flushes),
+            "timings_resolved": all(flushes),
+        },
+    )
+
+
 @arm("adapter_vllm", "adapter, vLLM", vs=("bare", "adapter"))
 def _adapter_vllm(p: Point) -> Timed:
     from omnitrace.graphs.backends.vllm import VllmGraphBackend
@@ -269,10 +316,11 @@ def _reduce_overhead(p: Point) -> Timed:
 )
 def _adapter_compiled(p: Point) -> Timed:
     start = time.perf_counter()
+    config = dataclasses.replace(p.run.config, compile=True)
     # A module object of its own, so its compiled code never shares dynamo's cache entry
-    # with the reduce-overhead module.
-    inner = p.run.compile(copy.deepcopy(p.model), mode=None)
-    adapter = p.captured_adapter("compiled", forward=inner)
+    # with the reduce-overhead module. The adapter compiles at its capture, so the time to
+    # a captured graph is the compile time.
+    adapter = p.captured_adapter("compiled", forward=copy.deepcopy(p.model), config=config)
     return Timed(
         lambda: adapter(p.x),
         adapter=adapter,
@@ -317,7 +365,7 @@ class Shape:
 
 def shapes(ctx: Context) -> list[Shape]:
     """Return the shapes to time in the order they run: batch 1 first, priority shapes first."""
-    batches = ctx.pick((1, 4), (1,), (1,))
+    batches = (1, 4) if ctx.batch4 and ctx.scale == "full" else (1,)
     points: tuple[tuple[str, str, int], ...] = SIMULATED_POINTS if ctx.simulate else FULL_POINTS
     if ctx.scale == "tiny":
         points = points[:1] + tuple(p for p in points if p[0] == "audio")[:1]
@@ -512,6 +560,8 @@ class Point:
     run: Run
     built: dict[str, Any] = field(default_factory=dict)
     """Objects an arm leaves for later ones (the bare graph, for ``replay_only``)."""
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+    """Called once the shape is measured (an arm's own bus)."""
 
     def sync(self) -> None:
         self.run.sync()
@@ -523,20 +573,22 @@ class Point:
         backend: Any = None,
         bus: EventBus | None = None,
         forward: Callable[..., Any] | None = None,
+        config: EncoderGraphConfig | None = None,
     ) -> EncoderCudaGraph:
         """Return an adapter of the model (or ``forward``), warmed until it captured ``x``.
 
         Raises:
             RuntimeError: the adapter did not capture exactly one graph.
         """
+        config = self.run.config if config is None else config
         adapter = EncoderCudaGraph(
             self.model if forward is None else forward,
             name=f"{self.shape.encoder}-{self.shape.size}-b{self.shape.batch}-{name}",
-            config=self.run.config,
+            config=config,
             bus=bus,
             backend=SimulatedGraphBackend() if self.run.simulate else backend,
         )
-        for _ in range(self.run.config.min_capture_calls):
+        for _ in range(config.min_capture_calls):
             adapter(self.x)
         self.sync()
         if adapter.num_graphs != 1:
@@ -693,6 +745,30 @@ def measure_shape(
     run.sync()
     row["output_shape"] = list(ref.shape)
     point = Point(shape, model, x, ref, run)
+    try:
+        timings, rounds = _measure_arms(point, budget, settings, row, start)
+    finally:
+        for close in point.closers:
+            close()
+    timings["total_s"] = time.perf_counter() - start
+    row["timings"] = timings
+    row["rounds"] = rounds
+    row.update(compare(row["methods"]))
+    row["outputs_match"] = all(
+        e.get("within_tolerance", True) for e in row["methods"].values() if "error" not in e
+    )
+    return row
+
+
+def _measure_arms(
+    point: Point,
+    budget: Budget,
+    settings: dict[str, int],
+    row: dict[str, Any],
+    start: float,
+) -> tuple[dict[str, float], int]:
+    """Build the arms into ``row``, time them; return phase timings and the rounds run."""
+    run = point.run
     timings: dict[str, float] = {"build_s": time.perf_counter() - start}
     arms: dict[str, Timed] = {}
     for spec in ARMS:
@@ -716,15 +792,10 @@ def measure_shape(
             entry["hits"] = int(after["graph_hits"] - before[name]["graph_hits"])
             entry["misses"] = int(after["graph_misses"] - before[name]["graph_misses"])
             entry["num_graphs"] = int(after["num_graphs"])
+        if timed.report is not None:
+            entry.update(timed.report())
     timings["timing_s"] = time.perf_counter() - phase
-    timings["total_s"] = time.perf_counter() - start
-    row["timings"] = timings
-    row["rounds"] = rounds
-    row.update(compare(row["methods"]))
-    row["outputs_match"] = all(
-        e.get("within_tolerance", True) for e in row["methods"].values() if "error" not in e
-    )
-    return row
+    return timings, rounds
 
 
 def compare(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -799,13 +870,14 @@ def run(ctx: Context) -> dict[str, Any]:
             "sinks": sinks,
             "rows": sorted(rows, key=lambda r: r["order"]),
             "targets": _targets(rows, sinks),
+            "figures": _figures(rows),
             "simulated": ctx.simulate,
         }
 
     try:
         state.load_vllm()
         ctx.log(_describe_vllm(state.vllm))
-        with torch.no_grad():
+        with torch.no_grad(), simulated_compile(ctx):
             for i, shape in enumerate(order):
                 hidden = _geometries(ctx.simulate)[shape.encoder].hidden
                 dims = _input_shape(shape.encoder, shape.size, shape.batch, hidden)
@@ -901,11 +973,18 @@ def _worst(
 
 def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str, Any]]:
     def ratio(
-        name: str, key: str, op: str, limit: float, encoder: str | None = None
+        name: str,
+        key: str,
+        op: str,
+        limit: float,
+        encoder: str | None = None,
+        goal: str = "",
     ) -> dict[str, Any]:
         value, note = _worst(rows, "ratios", key, scale=100.0, encoder=encoder)
         arm_name = key.split("_over_")[0]
-        return target(name, value, op, limit, "%", note=note + _skip_note(rows, arm_name))
+        return target(
+            name, value, op, limit, "%", note=note + _skip_note(rows, arm_name), goal=goal
+        )
 
     def host(name: str, key: str) -> dict[str, Any]:
         value, note = _worst(rows, "host_over_us", key)
@@ -917,6 +996,7 @@ def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str
             HOST_OVER_BARE_TARGET_US,
             "us",
             note="median host time per call, difference; " + note + _skip_note(rows, arm_name),
+            goal="hit_path",
         )
 
     adapter_entries = [
@@ -935,12 +1015,20 @@ def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str
         for name, e in r["methods"].items()
         if e.get("within_tolerance") is False
     ]
+    compiled = [
+        (r["label"], r["batch"], r["methods"]["adapter_compiled"]["max_rel_err"])
+        for r in rows
+        if (r["methods"].get("adapter_compiled") or {}).get("max_rel_err") is not None
+    ]
+    worst_compiled = max(compiled, key=lambda c: c[2], default=None)
+    timed = [e for r in rows if "timings_resolved" in (e := r["methods"].get("adapter_timed", {}))]
     return [
         ratio(
             "adapter (torch) vs bare copy-replay-clone, worst shape",
             "adapter_over_bare",
             "<=",
             ADAPTER_VS_BARE_TARGET * 100,
+            goal="hit_path",
         ),
         host("adapter (torch) host time over bare, worst shape", "adapter_over_bare"),
         ratio(
@@ -948,13 +1036,26 @@ def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str
             "adapter_vllm_over_bare",
             "<=",
             ADAPTER_VS_BARE_TARGET * 100,
+            goal="hit_path",
         ),
         host("adapter (vLLM) host time over bare, worst shape", "adapter_vllm_over_bare"),
+        ratio(
+            "adapter with a bus (its folds) vs bare copy-replay-clone, worst shape",
+            "adapter_bus_over_bare",
+            "<=",
+            ADAPTER_VS_BARE_TARGET * 100,
+            goal="hit_path",
+        ),
+        host(
+            "adapter with a bus (its folds) host time over bare, worst shape",
+            "adapter_bus_over_bare",
+        ),
         ratio(
             "adapter with production sinks vs adapter, worst shape",
             "adapter_sinks_over_adapter",
             "<=",
             SINKS_VS_ADAPTER_TARGET * 100,
+            goal="observability",
         ),
         ratio(
             "adapter vs torch.compile reduce-overhead, worst shape",
@@ -963,18 +1064,35 @@ def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str
             0.0,
         ),
         ratio(
-            "adapter over torch.compile vs bare, worst audio shape",
+            "compiled adapter vs bare, worst audio shape",
             "adapter_compiled_over_bare",
             "<",
             0.0,
             encoder="audio",
+            goal="compiled",
         ),
         ratio(
-            "adapter over torch.compile vs reduce-overhead, worst audio shape",
+            "compiled adapter vs reduce-overhead, worst audio shape",
             "adapter_compiled_over_compile",
             "<",
             0.0,
             encoder="audio",
+            goal="compiled",
+        ),
+        target(
+            "compiled adapter output vs eager, max relative error, worst shape",
+            None if worst_compiled is None else worst_compiled[2],
+            "<=",
+            COMPILE_TOLERANCE,
+            "",
+            note="max |out - eager| / max |eager| at the first call; "
+            + (
+                "not measured" + _skip_note(rows, "adapter_compiled")
+                if worst_compiled is None
+                else f"worst at {worst_compiled[0]} batch {worst_compiled[1]}, "
+                f"measured at {len(compiled)} of {len(rows)} shapes"
+            ),
+            goal="compiled",
         ),
         target(
             "outputs match eager (bf16 tolerance), arms failing",
@@ -1001,7 +1119,47 @@ def _targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str
             note="bus and per-sink drops, sinks disabled by an error, a flush that timed out"
             + ("" if lost_events is not None else f"; sinks {sinks.get('status')}"),
         ),
+        target(
+            "device timings left unresolved after a round",
+            float(sum(not e["timings_resolved"] for e in timed)) if timed else None,
+            "<=",
+            0.0,
+            "shapes",
+            note=f"flush_device_timing({TIMING_FLUSH_S:g} s) after every round of the timed "
+            f"adapter; measured at {len(timed)} of {len(rows)} shapes",
+            goal="coverage_costs",
+        ),
     ]
+
+
+def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the hit-path costs of the bus's folds and of device timing, worst shape."""
+    out = []
+    for arm_name, what in (
+        ("adapter_bus", "the bus's folds (adapter + bus - adapter)"),
+        ("adapter_timed", "device timing (adapter + device timing - adapter)"),
+    ):
+        key = f"{arm_name}_over_adapter"
+        host_us, host_note = _worst(rows, "host_over_us", key)
+        pct, pct_note = _worst(rows, "ratios", key, scale=100.0)
+        skipped = _skip_note(rows, arm_name)
+        out += [
+            figure(
+                f"hit-path cost of {what}: host time, worst shape",
+                host_us,
+                "us",
+                goal="coverage_costs",
+                note="median host time per call, difference; " + host_note + skipped,
+            ),
+            figure(
+                f"hit-path cost of {what}: latency, worst shape",
+                pct,
+                "%",
+                goal="coverage_costs",
+                note="median latency per call, ratio; " + pct_note + skipped,
+            ),
+        ]
+    return out
 
 
 #: Plot colours, by arm; an arm without one gets matplotlib's next colour.
@@ -1010,6 +1168,8 @@ COLORS = {
     "bare": "tab:orange",
     "replay_only": "tab:olive",
     "adapter": "tab:blue",
+    "adapter_bus": "tab:brown",
+    "adapter_timed": "tab:pink",
     "adapter_vllm": "tab:cyan",
     "adapter_sinks": "tab:purple",
     "compile": "tab:green",

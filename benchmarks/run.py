@@ -80,6 +80,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="seconds the whole run may take; torch.compile is skipped past it "
         "(default: 420, or 120 with --quick)",
     )
+    parser.add_argument(
+        "--batch4",
+        action="store_true",
+        help="time the latency shapes at batch 4 too (about 1 to 2 minutes more)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write JSON only")
     # For the test suite and for checking the plumbing without a GPU: numbers meaningless.
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -217,7 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(1)
-    ctx = Context(scale=scale, out_dir=args.out, cuda=cuda_ok, simulate=args.simulate)
+    ctx = Context(
+        scale=scale,
+        out_dir=args.out,
+        cuda=cuda_ok,
+        simulate=args.simulate,
+        batch4=args.batch4,
+    )
     command = shlex.join(["python", "-m", "benchmarks.run", *argv])
     device = (
         "simulated on CPU (numbers meaningless)"

@@ -251,13 +251,15 @@ LATENCY_ARMS = [
     "bare",
     "replay_only",
     "adapter",
+    "adapter_bus",
+    "adapter_timed",
     "adapter_vllm",
     "adapter_sinks",
     "compile",
     "adapter_compiled",
 ]
 #: Arms that wrap an adapter, whose timed calls must all be hits.
-ADAPTER_ARMS = ["adapter", "adapter_sinks", "adapter_compiled"]
+ADAPTER_ARMS = ["adapter", "adapter_bus", "adapter_timed", "adapter_sinks", "adapter_compiled"]
 
 
 def test_latency_rows_hold_every_arm_measured_in_one_process(
@@ -289,9 +291,17 @@ def test_latency_rows_hold_every_arm_measured_in_one_process(
             assert methods[name]["hits"] == methods[name]["timed_calls"] > 0
             assert methods[name]["misses"] == 0
         assert _positive(methods["compile"]["compile_s"])
+        assert _positive(methods["adapter_compiled"]["compile_s"])
+        assert methods["adapter_compiled"]["within_tolerance"] is True
+        timed = methods["adapter_timed"]
+        assert timed["timings_resolved"] is True
+        # Once after building, once after the warm-up, once after every round.
+        assert timed["timing_flushes"] == row["rounds"] + 2
         assert row["outputs_match"] is True
         for key in (
             "adapter_over_bare",
+            "adapter_bus_over_adapter",
+            "adapter_timed_over_adapter",
             "adapter_sinks_over_adapter",
             "adapter_compiled_over_compile",
         ):
@@ -319,6 +329,38 @@ def test_latency_targets_include_the_hit_path_goals(simulated: tuple[Path, Any])
     assert "not measured: " in vllm["note"]
     assert by_name["timed adapter calls that were not hits"]["value"] == 0.0
     assert by_name["events the production sinks dropped or failed on"]["value"] == 0.0
+    bus = by_name["adapter with a bus (its folds) host time over bare, worst shape"]
+    assert (bus["op"], bus["limit"], bus["goal"]) == ("<=", 3.0, "hit_path")
+    assert math.isfinite(bus["value"])
+    err = by_name["compiled adapter output vs eager, max relative error, worst shape"]
+    assert (err["op"], err["limit"], err["goal"], err["met"]) == ("<=", 0.1, "compiled", True)
+    assert "measured at 2 of 2 shapes" in err["note"]
+    assert by_name["device timings left unresolved after a round"]["value"] == 0.0
+
+
+def test_latency_figures_report_the_costs_of_the_folds_and_of_device_timing(
+    simulated: tuple[Path, Any],
+) -> None:
+    """The bus's and device timing's hit-path costs are figures, worst shape, host and latency."""
+    out, _ = simulated
+    latency = _result(out, "latency")
+    figures = {f["name"]: f for f in latency["figures"]}
+    assert set(figures) == {
+        f"hit-path cost of {what}: {kind}, worst shape"
+        for what in (
+            "the bus's folds (adapter + bus - adapter)",
+            "device timing (adapter + device timing - adapter)",
+        )
+        for kind in ("host time", "latency")
+    }
+    for item in figures.values():
+        assert item["goal"] == "coverage_costs"
+        assert math.isfinite(item["value"])
+    host = figures[
+        "hit-path cost of the bus's folds (adapter + bus - adapter): host time, worst shape"
+    ]
+    worst = max(r["host_over_us"]["adapter_bus_over_adapter"] for r in latency["rows"])
+    assert host["value"] == worst
 
 
 def test_latency_report_shows_every_arm_with_skip_reasons(
@@ -333,6 +375,8 @@ def test_latency_report_shows_every_arm_with_skip_reasons(
         "eager",
         "bare graph",
         "adapter, torch (vs bare / compile)",
+        "adapter + bus (vs bare / adapter)",
+        "adapter + device timing (vs bare / adapter)",
         "adapter, vLLM (vs bare / adapter)",
         "adapter + sinks (vs adapter)",
         "reduce-overhead (vs bare)",
@@ -343,6 +387,33 @@ def test_latency_report_shows_every_arm_with_skip_reasons(
     assert "Host time per call" in section
     # The runner prints the same table in its summary.
     assert "adapter over torch.compile (vs bare / compile)" in done.stdout
+
+
+def test_simulated_compile_defaults_to_the_eager_backend_only_in_simulated_runs() -> None:
+    """Inside a simulated run torch.compile gets backend='eager' and no mode; else untouched."""
+    from benchmarks.common import Context, simulated_compile
+
+    original = torch.compile
+    seen: list[dict[str, Any]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return args[0]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "compile", spy)
+        with simulated_compile(Context(simulate=False)):
+            torch.compile(len, mode="reduce-overhead")
+        with simulated_compile(Context(simulate=True)):
+            torch.compile(len, mode="reduce-overhead", dynamic=False)
+            torch.compile(len, backend="inductor")
+        assert torch.compile is spy
+    assert torch.compile is original
+    assert seen == [
+        {"mode": "reduce-overhead"},
+        {"dynamic": False, "backend": "eager"},
+        {"backend": "inductor"},
+    ]
 
 
 @pytest.fixture
