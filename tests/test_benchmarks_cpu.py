@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,7 +151,7 @@ def test_report_renders_and_updates_marked_sections(
     _, report = bench
     out, _ = cpu_results
     sections = report.markdown_sections(report.load(out))
-    assert set(sections) == {"environment", "targets", "overhead"}
+    assert set(sections) == {"environment", "goals", "targets", "overhead"}
     assert "EventBus.emit() cost" in sections["overhead"]
     doc = (
         "intro\n<!-- BEGIN bench:overhead -->\nOUTDATED\n<!-- END bench:overhead -->\n"
@@ -212,7 +213,7 @@ def test_every_suite_runs_simulated_on_cpu(simulated: tuple[Path, Any]) -> None:
     """Every benchmark runs end to end on the simulated backend, so the GPU scripts cannot rot."""
     out, done = simulated
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("overhead", "memory", "traffic", "observability", "latency"):
+    for name in ("overhead", "memory", "traffic", "capture", "observability", "latency"):
         payload = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
         assert payload["status"] == "ok", payload.get("traceback")
         assert payload["environment"]["simulated"] is True
@@ -389,6 +390,127 @@ def test_latency_report_shows_every_arm_with_skip_reasons(
     assert "adapter over torch.compile (vs bare / compile)" in done.stdout
 
 
+#: The capture modes, in the order the capture benchmark runs them.
+CAPTURE_MODES = ["sync", "background", "background_compiled"]
+
+
+def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
+    simulated: tuple[Path, Any],
+) -> None:
+    """Each capture mode serves the stream twice with two clients; checked outputs all match."""
+    out, _ = simulated
+    capture = _result(out, "capture")
+    n = capture["stream"]["requests"]
+    checked = len(range(0, n, capture["stream"]["checked_every"]))
+    assert capture["clients"] == 2
+    assert [r["mode"] for r in capture["rows"]] == CAPTURE_MODES
+    for row in capture["rows"]:
+        assert row["errors"] == []
+        assert row["stats_agree_with_bus"] is True
+        assert row["capture_failures"] == 0
+        assert row["cotenant_calls"] > 0
+        assert row["cotenant_wrong"] == 0
+        for name in ("cold", "warm"):
+            one = row[name]
+            lat = one["latency_us"]
+            assert one["requests"] == lat["n"] == one["hits"] + one["misses"] == n
+            assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
+            assert (one["checked"], one["wrong"]) == (checked, 0)
+            assert one["settle"]["prepared"] is True
+            assert one["settle"]["terminal"] == []
+        assert row["cold"]["settle"]["graphs_after"] == row["warm"]["graphs_before"]
+        assert row["warm"]["settle"]["graphs_after"] == row["graphs"] > 0
+        assert row["graphs"] <= 2 * capture["max_graphs"]
+    by = {r["mode"]: r for r in capture["rows"]}
+    assert by["sync"]["cold"]["preparing_misses"] == by["sync"]["warm"]["preparing_misses"] == 0
+    for mode in ("background", "background_compiled"):
+        for name in ("cold", "warm"):
+            one = by[mode][name]
+            # The call that admits a shape hands it to the capture thread and runs eagerly.
+            assert one["preparing_misses"] >= one["settle"]["graphs_after"] - one["graphs_before"]
+        assert by[mode]["cold"]["preparing_misses"] > 0
+    # Three calls compile and record the co-tenant before the first mode.
+    cotenant = capture["cotenant"]
+    assert cotenant["calls"] == 3 + sum(r["cotenant_calls"] for r in capture["rows"])
+    assert cotenant["wrong"] == 0
+
+
+def test_capture_targets_read_the_cold_pass_p99_and_count_every_failure(
+    simulated: tuple[Path, Any],
+) -> None:
+    """Background modes are held to a lower cold-pass p99 than sync; failures must be zero."""
+    out, _ = simulated
+    capture = _result(out, "capture")
+    by_name = {t["name"]: t for t in capture["targets"]}
+    p99 = {r["mode"]: r["cold"]["latency_us"]["p99"] for r in capture["rows"]}
+    for mode, title in (
+        ("background", "background capture"),
+        ("background_compiled", "background compiled capture"),
+    ):
+        cut = by_name.pop(f"{title}: cold-pass p99 vs synchronous capture")
+        assert (cut["op"], cut["limit"], cut["unit"], cut["goal"]) == ("<", 0.0, "%", "background")
+        assert cut["value"] == pytest.approx(p99[mode] / p99["sync"] * 100 - 100)
+    assert set(by_name) == {
+        "requests whose output is beyond tolerance of eager, every mode",
+        "exceptions and failed preparations, every mode",
+        "co-tenant (reduce-overhead) outputs beyond tolerance",
+    }
+    for item in by_name.values():
+        assert (item["value"], item["met"], item["goal"]) == (0.0, True, "background")
+
+
+def test_capture_report_shows_both_passes_of_every_mode(
+    bench: Any, simulated: tuple[Path, Any]
+) -> None:
+    """The capture table has a cold and a warm row per mode, and the runner prints it."""
+    _, report = bench
+    out, done = simulated
+    section = report.markdown_sections(report.load(out))["capture"]
+    for title in (
+        "synchronous capture (default)",
+        "background capture",
+        "background compiled capture",
+    ):
+        assert f"| {title} | cold |" in section
+        assert f"| {title} | warm |" in section
+    assert "FAILED" not in section
+    assert "Traffic mix by capture mode, 2 client threads" in done.stdout
+
+
+def test_goals_table_lists_every_goal_with_its_checks_and_figures(
+    bench: Any, simulated: tuple[Path, Any]
+) -> None:
+    """The goals section names every goal once, with its checks, verdicts and reported costs."""
+    _, report = bench
+    out, done = simulated
+    section = report.markdown_sections(report.load(out))["goals"]
+    for text in report.GOALS.values():
+        assert section.count(f"| {text} |") == 1
+    assert "(no check in these results)" not in section
+    for check in (
+        "adapter (torch) vs bare copy-replay-clone, worst shape",
+        "compiled adapter vs reduce-overhead, worst audio shape",
+        "background capture: cold-pass p99 vs synchronous capture",
+        "throughput loss with the production sinks (OTel, logs, JSONL)",
+        "hit-path cost of device timing (adapter + device timing - adapter): host time, "
+        "worst shape",
+    ):
+        assert f"| {check} |" in section
+    assert section.count("| reported |") == 4
+    assert "\nGoals\n" in done.stdout
+
+
+def test_report_renders_results_of_an_earlier_benchmark_version(bench: Any) -> None:
+    """Results committed by an earlier version still render; their goals read not measured."""
+    _, report = bench
+    outputs = report.load(ROOT / "benchmarks" / "results" / "h200")
+    assert set(outputs) == {"overhead", "memory", "traffic", "observability", "latency"}
+    sections = report.markdown_sections(outputs)
+    assert "| adapter, torch (vs bare / compile) |" in sections["latency"].splitlines()[2]
+    assert sections["goals"].count("(no check in these results)") == len(report.GOALS)
+    assert "throughput loss with all sinks on" in sections["targets"]
+
+
 def test_simulated_compile_defaults_to_the_eager_backend_only_in_simulated_runs() -> None:
     """Inside a simulated run torch.compile gets backend='eager' and no mode; else untouched."""
     from benchmarks.common import Context, simulated_compile
@@ -414,6 +536,51 @@ def test_simulated_compile_defaults_to_the_eager_backend_only_in_simulated_runs(
         {"dynamic": False, "backend": "eager"},
         {"backend": "inductor"},
     ]
+
+
+def test_a_failed_background_capture_fails_the_suite_and_the_next_mode_still_runs(
+    bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A capture that fails on the capture thread stops its mode, exits 1, and the next runs."""
+    from benchmarks import capture
+    from omnitrace.testing import SimulatedGraphBackend
+
+    run, _ = bench
+    original = capture._backend
+
+    def backend(ctx: Any, mode: Any) -> Any:
+        if mode.name == "background":
+            return SimulatedGraphBackend(fail_on_capture=RuntimeError("capture broke on purpose"))
+        return original(ctx, mode)
+
+    monkeypatch.setattr(capture, "_backend", backend)
+    # The failing mode first, then one more; the compiled mode adds nothing here but time.
+    modes = {m.name: m for m in capture.MODES}
+    monkeypatch.setattr(capture, "MODES", (modes["background"], modes["sync"]))
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--suite", "capture", "--simulate", "--tiny", "--no-plots", "--out", str(tmp_path)]
+        code = run.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 1
+    payload = json.loads((tmp_path / "capture.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "error"
+    assert re.match(
+        r"BenchmarkFailedError: [12] failure\(s\) while serving: background: ", payload["error"]
+    )
+    assert "capture broke on purpose" in payload["error"]
+    rows = {r["mode"]: r for r in payload["result"]["rows"]}
+    assert list(rows) == ["background", "sync"]
+    assert "warm" not in rows["background"]
+    assert rows["background"]["cold"]["settle"]["terminal"] != []
+    assert rows["sync"]["errors"] == []
+    assert rows["sync"]["warm"]["requests"] == payload["result"]["stream"]["requests"]
+    by_name = {t["name"]: t for t in payload["result"]["targets"]}
+    failures = by_name["exceptions and failed preparations, every mode"]
+    assert failures["value"] >= 1
+    assert failures["met"] is False
+    assert by_name["background capture: cold-pass p99 vs synchronous capture"]["value"] is None
 
 
 @pytest.fixture
