@@ -14,9 +14,11 @@ The modes (:data:`MODES`): ``sync``, the default, where the call that admits a s
 it and waits for the capture; ``background``, ``EncoderGraphConfig(background_capture=True)``,
 where a capture thread prepares the graph on a side stream while calls of that shape keep
 running eagerly; ``background_compiled``, the same with ``compile=True``, so the capture thread
-compiles the encoder for the shape first. Every mode allows :data:`MAX_GRAPHS` graphs per
-encoder: graphs are per shape and replay stream, and each client has a stream of its own, so
-each client's stream keeps its own top shapes.
+compiles the encoder for the shape first. ``sync_one_client``, synchronous capture served by
+client 0 alone, runs first as a reference: the setting the default is made for (one thread
+calling the encoders), measured even when synchronous capture fails under two clients. Graphs
+are per shape and replay stream, and each client has a stream of its own, so every mode allows
+:data:`GRAPHS_PER_CLIENT` graphs per encoder and client (the default four per stream).
 
 Timing: each request is timed on its client thread from the adapter call until the client's
 own CUDA stream has finished it (``stream.synchronize()``), so a request that captured, waited
@@ -34,7 +36,7 @@ on client 0 before the first mode, and called by client 0 after every
 :data:`COTENANT_EVERY`-th request it serves, in every mode and pass; its outputs are checked
 against its eager output every call.
 
-Failures: an exception in a client thread stops that mode at once (both clients), is
+Failures: an exception in a client thread stops that mode at once (every client), is
 recorded with its traceback, and fails the benchmark once every mode ran; so does a capture
 that failed, and a mode whose graphs are still being prepared :data:`PREPARE_TIMEOUT_S`
 after a pass. ``--quick`` skips the compiled mode (recorded as skipped).
@@ -65,6 +67,7 @@ from benchmarks.common import (
     BenchmarkFailedError,
     Context,
     _quantile,
+    figure,
     free_cuda_memory,
     simulated_compile,
     target,
@@ -79,8 +82,8 @@ NEEDS_CUDA = True
 
 #: Client threads serving the stream.
 CLIENTS = 2
-#: Graphs per encoder: the default four for each client's replay stream.
-MAX_GRAPHS = 8
+#: Graphs per encoder and client: the default four, for each client's replay stream.
+GRAPHS_PER_CLIENT = 4
 #: Requests whose index is a multiple of this are checked against eager.
 CHECK_EVERY = 5
 #: Client 0 calls the co-tenant after every this many requests it serves.
@@ -109,14 +112,25 @@ class Mode:
     background: bool
     compile: bool
     tolerance: float
+    clients: int = CLIENTS
 
     def config(self) -> EncoderGraphConfig:
         return EncoderGraphConfig(
-            max_graphs=MAX_GRAPHS, background_capture=self.background, compile=self.compile
+            max_graphs=GRAPHS_PER_CLIENT * self.clients,
+            background_capture=self.background,
+            compile=self.compile,
         )
 
 
 MODES = (
+    Mode(
+        "sync_one_client",
+        "synchronous capture, one client (reference)",
+        False,
+        False,
+        GRAPH_TOLERANCE,
+        clients=1,
+    ),
     Mode("sync", "synchronous capture (default)", False, False, GRAPH_TOLERANCE),
     Mode("background", "background capture", True, False, GRAPH_TOLERANCE),
     Mode("background_compiled", "background compiled capture", True, True, COMPILE_TOLERANCE),
@@ -362,7 +376,7 @@ def _pass(
 ) -> dict[str, Any]:
     """Serve one pass; add the graphs it captured and the calls made while preparing."""
     graphs, counted = sum(a.num_graphs for a in adapters.values()), preparing.count
-    out = serve(clients, adapters, traffic, mode.tolerance, cotenant, simulated)
+    out = serve(clients[: mode.clients], adapters, traffic, mode.tolerance, cotenant, simulated)
     out["graphs_before"] = graphs
     out["preparing_misses"] = preparing.count - counted
     return out
@@ -413,7 +427,13 @@ def run_mode(
         for enc, model in models.items()
     }
     simulated = [b for b in backends.values() if b is not None]
-    row: dict[str, Any] = {"mode": mode.name, "title": mode.title, "tolerance": mode.tolerance}
+    row: dict[str, Any] = {
+        "mode": mode.name,
+        "title": mode.title,
+        "clients": mode.clients,
+        "max_graphs": mode.config().max_graphs,
+        "tolerance": mode.tolerance,
+    }
     calls_before = cotenant.counts()
     start = time.perf_counter()
     errors: list[dict[str, str]] = []
@@ -554,7 +574,7 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     cotenant_info: dict[str, Any] = {}
     try:
-        with simulated_compile(ctx), _recompile_limit(8 * MAX_GRAPHS):
+        with simulated_compile(ctx), _recompile_limit(8 * GRAPHS_PER_CLIENT * CLIENTS):
             x = torch.randn(1, 80, COTENANT_FRAMES, device=device, dtype=dtype)
             cotenant = CoTenant(cotenant_model, x, on_cuda)
             start = time.perf_counter()
@@ -596,7 +616,7 @@ def run(ctx: Context) -> dict[str, Any]:
         },
         "clients": CLIENTS,
         "encoders": "tiny (simulated)" if ctx.simulate else "medium",
-        "max_graphs": MAX_GRAPHS,
+        "graphs_per_client": GRAPHS_PER_CLIENT,
         "geometries": {
             k: {f: getattr(g, f) for f in ("hidden", "layers", "heads", "mlp")}
             for k, g in geoms.items()
@@ -607,6 +627,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "cotenant": cotenant_info,
         "rows": rows,
         "targets": _targets(rows, cotenant_info),
+        "figures": _figures(rows),
         "simulated": ctx.simulate,
     }
     failed = [f"{r['mode']}: {e['error']}" for r in rows for e in r["errors"]]
@@ -617,16 +638,38 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
-def _targets(rows: list[dict[str, Any]], cotenant: dict[str, Any]) -> list[dict[str, Any]]:
+def _cold_p99_change(rows: list[dict[str, Any]], mode: str, versus: str) -> float | None:
+    """Return the cold-pass p99 of ``mode`` against ``versus``'s in percent, if both ran."""
     by = {r["mode"]: r for r in rows}
 
-    def p99(mode: str) -> float | None:
-        lat = (by.get(mode, {}).get("cold") or {}).get("latency_us")
-        return None if lat is None or by[mode]["errors"] else float(lat["p99"])
+    def p99(name: str) -> float | None:
+        lat = (by.get(name, {}).get("cold") or {}).get("latency_us")
+        return None if lat is None or by[name]["errors"] else float(lat["p99"])
 
+    mine, theirs = p99(mode), p99(versus)
+    return mine / theirs * 100 - 100 if mine is not None and theirs else None
+
+
+def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return each background mode's cold-pass p99 against one client's synchronous capture."""
+    return [
+        figure(
+            f"{title}: cold-pass p99 vs synchronous capture with one client (reference)",
+            _cold_p99_change(rows, mode, "sync_one_client"),
+            "%",
+            goal="background",
+            note="the background mode serves with two clients, the reference with one",
+        )
+        for mode, title in (
+            ("background", "background capture"),
+            ("background_compiled", "background compiled capture"),
+        )
+    ]
+
+
+def _targets(rows: list[dict[str, Any]], cotenant: dict[str, Any]) -> list[dict[str, Any]]:
     def cut(mode: str, title: str) -> dict[str, Any]:
-        mine, sync = p99(mode), p99("sync")
-        value = mine / sync * 100 - 100 if mine is not None and sync else None
+        value = _cold_p99_change(rows, mode, "sync")
         return target(
             f"{title}: cold-pass p99 vs synchronous capture",
             value,

@@ -386,6 +386,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
         f"Traffic mix by capture mode, {result['clients']} client threads, request latency us",
         [
             "mode",
+            "clients",
             "pass",
             "requests",
             "p50",
@@ -402,7 +403,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
     )
     for row in result["rows"]:
         if "skipped" in row:
-            t.rows.append([row["title"], f"skipped ({row['skipped']})", *([""] * 11)])
+            t.rows.append([row["title"], "", f"skipped ({row['skipped']})", *([""] * 11)])
             continue
         for name in ("cold", "warm"):
             one = row.get(name)
@@ -413,6 +414,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
             t.rows.append(
                 [
                     row["title"],
+                    str(row.get("clients", result["clients"])),
                     name,
                     str(one["requests"]),
                     _us(lat.get("p50"), 0),
@@ -429,15 +431,20 @@ def _capture(result: dict[str, Any]) -> list[Table]:
             )
         if row["errors"]:
             t.rows.append(
-                [row["title"], "FAILED", *([""] * 10), "; ".join(e["error"] for e in row["errors"])]
+                [
+                    row["title"],
+                    str(row.get("clients", result["clients"])),
+                    "FAILED",
+                    *([""] * 10),
+                    "; ".join(e["error"] for e in row["errors"]),
+                ]
             )
     co = result.get("cotenant") or {}
     stream = result["stream"]
     t.note = (
         f"{stream['requests']} requests per pass ({stream['distinct_shapes']} distinct shapes), "
         f"{result.get('encoders', 'medium')} encoders, {result['dtype']}, "
-        f"up to {result['max_graphs']} graphs per encoder; "
-        "fresh adapters per mode. Latency: "
+        f"{_graphs_allowed(result)}; fresh adapters per mode. Latency: "
         f"{result['timing']}. Cold: the first pass, shapes admitted and captured while "
         "requests run; warm: the same stream again (shapes seen once in the cold pass may be "
         "admitted now). Graphs: held before the pass -> after it and the untimed wait for "
@@ -449,6 +456,12 @@ def _capture(result: dict[str, Any]) -> list[Table]:
         "tolerance."
     )
     return [t]
+
+
+def _graphs_allowed(result: dict[str, Any]) -> str:
+    if "graphs_per_client" in result:
+        return f"up to {result['graphs_per_client']} graphs per encoder and client stream"
+    return f"up to {result.get('max_graphs', 'n/a')} graphs per encoder"
 
 
 def _memory(result: dict[str, Any]) -> list[Table]:

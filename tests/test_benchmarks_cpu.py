@@ -391,20 +391,22 @@ def test_latency_report_shows_every_arm_with_skip_reasons(
 
 
 #: The capture modes, in the order the capture benchmark runs them.
-CAPTURE_MODES = ["sync", "background", "background_compiled"]
+CAPTURE_MODES = ["sync_one_client", "sync", "background", "background_compiled"]
 
 
 def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
     simulated: tuple[Path, Any],
 ) -> None:
-    """Each capture mode serves the stream twice with two clients; checked outputs all match."""
+    """Each capture mode serves the stream twice; every checked output matches eager."""
     out, _ = simulated
     capture = _result(out, "capture")
     n = capture["stream"]["requests"]
     checked = len(range(0, n, capture["stream"]["checked_every"]))
     assert capture["clients"] == 2
     assert [r["mode"] for r in capture["rows"]] == CAPTURE_MODES
+    assert [r["clients"] for r in capture["rows"]] == [1, 2, 2, 2]
     for row in capture["rows"]:
+        assert row["max_graphs"] == capture["graphs_per_client"] * row["clients"]
         assert row["errors"] == []
         assert row["stats_agree_with_bus"] is True
         assert row["capture_failures"] == 0
@@ -420,9 +422,10 @@ def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
             assert one["settle"]["terminal"] == []
         assert row["cold"]["settle"]["graphs_after"] == row["warm"]["graphs_before"]
         assert row["warm"]["settle"]["graphs_after"] == row["graphs"] > 0
-        assert row["graphs"] <= 2 * capture["max_graphs"]
+        assert row["graphs"] <= 2 * row["max_graphs"]  # two encoders
     by = {r["mode"]: r for r in capture["rows"]}
-    assert by["sync"]["cold"]["preparing_misses"] == by["sync"]["warm"]["preparing_misses"] == 0
+    for mode in ("sync_one_client", "sync"):
+        assert by[mode]["cold"]["preparing_misses"] == by[mode]["warm"]["preparing_misses"] == 0
     for mode in ("background", "background_compiled"):
         for name in ("cold", "warm"):
             one = by[mode][name]
@@ -457,6 +460,14 @@ def test_capture_targets_read_the_cold_pass_p99_and_count_every_failure(
     }
     for item in by_name.values():
         assert (item["value"], item["met"], item["goal"]) == (0.0, True, "background")
+    figures = {f["name"]: f for f in capture["figures"]}
+    for mode, title in (
+        ("background", "background capture"),
+        ("background_compiled", "background compiled capture"),
+    ):
+        item = figures[f"{title}: cold-pass p99 vs synchronous capture with one client (reference)"]
+        assert item["goal"] == "background"
+        assert item["value"] == pytest.approx(p99[mode] / p99["sync_one_client"] * 100 - 100)
 
 
 def test_capture_report_shows_both_passes_of_every_mode(
@@ -466,13 +477,14 @@ def test_capture_report_shows_both_passes_of_every_mode(
     _, report = bench
     out, done = simulated
     section = report.markdown_sections(report.load(out))["capture"]
-    for title in (
-        "synchronous capture (default)",
-        "background capture",
-        "background compiled capture",
+    for title, clients in (
+        ("synchronous capture, one client (reference)", 1),
+        ("synchronous capture (default)", 2),
+        ("background capture", 2),
+        ("background compiled capture", 2),
     ):
-        assert f"| {title} | cold |" in section
-        assert f"| {title} | warm |" in section
+        assert f"| {title} | {clients} | cold |" in section
+        assert f"| {title} | {clients} | warm |" in section
     assert "FAILED" not in section
     assert "Traffic mix by capture mode, 2 client threads" in done.stdout
 
@@ -496,7 +508,7 @@ def test_goals_table_lists_every_goal_with_its_checks_and_figures(
         "worst shape",
     ):
         assert f"| {check} |" in section
-    assert section.count("| reported |") == 4
+    assert section.count("| reported |") == 6
     assert "\nGoals\n" in done.stdout
 
 
