@@ -139,6 +139,8 @@ def run_benchmarks(
     ctx.environment = env
     budget = TIME_BUDGET_S[ctx.scale] if time_budget is None else time_budget
     ctx.deadline = time.monotonic() + budget
+    # Plots are drawn before a benchmark's JSON is written: the folder must exist by then.
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, dict[str, Any]] = {}
     for name in names:
         module = _module(name)
