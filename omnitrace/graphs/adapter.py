@@ -18,11 +18,13 @@ adapter's own stats and put on the bus. Opt-in variants, all off by default:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -41,7 +43,12 @@ from omnitrace.events import (
     replayed,
 )
 from omnitrace.graphs.admission import Admission, Verdict
-from omnitrace.graphs.backends.base import CapturedGraph, CaptureRequest, GraphBackend
+from omnitrace.graphs.backends.base import (
+    CAPTURE_LOCK,
+    CapturedGraph,
+    CaptureRequest,
+    GraphBackend,
+)
 from omnitrace.graphs.eligibility import (
     call_key,
     examine,
@@ -106,6 +113,31 @@ def failure_message(exc: BaseException) -> str:
     kept = first[:MESSAGE_MAX_CHARS]
     cut = len(text) - len(kept)
     return f"{kept} ... [+{cut} chars]" if cut else kept
+
+
+def _recompile_limit() -> int | None:
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    for name in ("recompile_limit", "cache_size_limit"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+# Adapters that started a thread of their own (background capture, device timing): closed
+# at exit within a bound, so no capture thread is still inside a forward when the
+# interpreter tears down.
+_THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
+_EXIT_CLOSE_S = 5.0
+
+
+def _close_at_exit() -> None:
+    deadline = time.monotonic() + _EXIT_CLOSE_S
+    for adapter in list(_THREADED):
+        adapter.close(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_close_at_exit)
 
 
 class _Entry:
@@ -188,16 +220,22 @@ class EncoderCudaGraph:
             from omnitrace.graphs.backends.select import select_backend
 
             backend = select_backend(vllm_config)
-        if config.background_capture and backend.name == "vllm":
+        modes = tuple(getattr(backend, "error_modes", ("global",)))
+        if config.background_capture and "thread_local" not in modes:
             raise ConfigError(
-                "encoder_cuda_graph_background_capture: vLLM's encoder graph manager captures "
-                "in CUDA's global capture mode, which other threads' CUDA work would break; "
-                "use it with the torch backend, or capture synchronously"
+                f"encoder_cuda_graph_background_capture: the {backend.name} backend captures in "
+                "CUDA's global capture mode only (vLLM's encoder graph manager opens the capture "
+                "itself), which other threads' CUDA work would break; use it with the torch "
+                "backend, or capture synchronously"
             )
         self._forward = forward
         self.name = name
         self.config = config
         self.backend = backend
+        # Thread-local where the backend allows it: other threads' calls (allocations,
+        # syncs) during a capture neither fail nor break it.
+        self._error_mode = "thread_local" if "thread_local" in modes else "global"
+        self._closed = False
         self._bus = bus
         # max_graphs=0 keeps graphs "on": a cache of zero graphs is full, so every eligible
         # call is a capacity miss and the lost coverage shows, as for any full cache.
@@ -330,6 +368,28 @@ class EncoderCudaGraph:
             time.sleep(0.005)
         return not self._preparing
 
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the adapter's threads; True when nothing was left pending.
+
+        Waits up to ``timeout`` for graphs being prepared in the background and for device
+        timings, then stops the capture and timing threads. Graphs already captured keep
+        replaying; a shape admitted after close is captured synchronously. Idempotent.
+        """
+        deadline = time.monotonic() + timeout
+        self._closed = True
+        prepared = self.wait_prepared(max(0.0, deadline - time.monotonic()))
+        jobs = self._jobs
+        if jobs is not None:
+            jobs.put(None)
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(max(0.0, deadline - time.monotonic()))
+        timed = all(
+            timer.close(max(0.0, deadline - time.monotonic()))
+            for timer in list((self._timers or {}).values())
+        )
+        return prepared and timed
+
     def flush_device_timing(self, timeout: float = 5.0) -> bool:
         """Resolve the device timings recorded so far (waiting up to ``timeout`` for the
         device); True when none is left. The call path never waits for them."""
@@ -365,6 +425,7 @@ class EncoderCudaGraph:
                 if timer is None:
                     clock = self.backend.device_clock(device)
                     timer = timers[device] = DeviceTimer(clock, self._emit)
+                    _THREADED.add(self)
         return timer
 
     def _eager(
@@ -507,7 +568,7 @@ class EncoderCudaGraph:
                 )
             )
             return None, (MissReason.MEMORY, "floor", signature)
-        if self.config.background_capture:
+        if self.config.background_capture and not self._closed:
             self._submit(key, inputs, device, stream, signature)
             return None, (_WARMUP, "preparing", signature)
         return self._capture(key, inputs, device, stream, signature), None
@@ -520,6 +581,17 @@ class EncoderCudaGraph:
             # Default mode: inductor's fused kernels and no CUDA graphs of its own, since
             # the adapter captures them, one graph per exact shape.
             self._compiled = torch.compile(self._forward, dynamic=False)
+            limit = _recompile_limit()
+            if limit is not None and self.config.max_graphs > limit:
+                logger.warning(
+                    "omnitrace: %r may capture %d compiled shapes but torch.compile recompiles "
+                    "a forward at most %d times; later shapes are captured from the uncompiled "
+                    "kernels (correct, not fused). Raise torch._dynamo.config.recompile_limit "
+                    "to compile them all.",
+                    self.name,
+                    self.config.max_graphs,
+                    limit,
+                )
         return self._compiled
 
     def _fail(
@@ -587,11 +659,16 @@ class EncoderCudaGraph:
         slot = self._pools.slot_for(device, stream)
         start = (_mono(), _epoch(), _perf())
         try:
-            graph = self.backend.capture(
-                CaptureRequest(
-                    self._capture_forward(), inputs, device, slot.pool, slot.capture_stream
-                )
+            request = CaptureRequest(
+                self._capture_forward(),
+                inputs,
+                device,
+                slot.pool,
+                slot.capture_stream,
+                capture_error_mode=self._error_mode,
             )
+            with CAPTURE_LOCK:
+                graph = self.backend.capture(request)
         except BaseException as exc:
             self._fail(exc, signature, device, stream)
             raise
@@ -640,6 +717,7 @@ class EncoderCudaGraph:
                 daemon=True,
             )
             self._worker.start()
+            _THREADED.add(self)
         self._jobs.put(job)
 
     def backend_stream(self, device: torch.device) -> Any:
@@ -696,13 +774,15 @@ class EncoderCudaGraph:
     def _capture_on_current_stream(self, job: _Job) -> CapturedGraph:
         # no_grad, not inference_mode: the static buffers must stay ordinary tensors that
         # callers outside inference mode can copy into.
-        return self.backend.capture(
-            CaptureRequest(
-                self._capture_forward(),
-                job.inputs,
-                job.device,
-                job.slot.pool,
-                job.slot.capture_stream,
-                capture_error_mode="thread_local",
-            )
+        request = CaptureRequest(
+            self._capture_forward(),
+            job.inputs,
+            job.device,
+            job.slot.pool,
+            job.slot.capture_stream,
+            capture_error_mode="thread_local",
         )
+        # Warm-up and compile inside the forward's first calls run under the lock too: the
+        # capture that follows them is the one that must not overlap another.
+        with CAPTURE_LOCK:
+            return self.backend.capture(request)

@@ -219,6 +219,7 @@ def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
     ]
     assert backend.capture_modes == ["thread_local"]
     assert graph.get_cumulative_stats()["warmup_misses"] == 3
+    assert graph.close(5)
     assert derive_stats(events)["v"] == graph.get_cumulative_stats()
 
 
@@ -303,16 +304,61 @@ def test_a_failed_background_capture_makes_the_adapter_terminal(bus: EventBus) -
     assert graph.get_cumulative_stats()["capture_failures"] == 1
 
 
-def test_background_capture_refuses_vllms_manager() -> None:
+def test_background_capture_refuses_a_backend_without_thread_local_capture() -> None:
     """vLLM's manager captures in the global mode only: background capture is a ConfigError."""
 
     class VllmLike(SimulatedGraphBackend):
         name = "vllm"
+        error_modes = ("global",)
 
-    with pytest.raises(ConfigError, match=r"^encoder_cuda_graph_background_capture: vLLM"):
+    with pytest.raises(
+        ConfigError, match=r"^encoder_cuda_graph_background_capture: the vllm backend captures"
+    ):
         EncoderCudaGraph(
             encoder,
             name="v",
             config=CFG.replace(background_capture=True),
             backend=VllmLike(),
         )
+
+
+def test_synchronous_captures_are_thread_local_where_the_backend_allows() -> None:
+    """Other threads may keep running CUDA work during a synchronous capture too."""
+    backend = SimulatedGraphBackend()
+    graph = EncoderCudaGraph(encoder, name="v", config=CFG, backend=backend)
+    x = torch.randn(1, 4, 3)
+    graph(x)
+    graph(x)
+    assert backend.capture_modes == ["thread_local"]
+
+    class GlobalOnly(SimulatedGraphBackend):
+        error_modes = ("global",)
+
+    strict = GlobalOnly()
+    other = EncoderCudaGraph(encoder, name="w", config=CFG, backend=strict)
+    other(x)
+    other(x)
+    assert strict.capture_modes == ["global"]
+
+
+def test_close_waits_for_preparations_then_captures_synchronously(bus: EventBus) -> None:
+    """close() lets a background capture finish; a shape admitted afterwards captures inline."""
+    backend = SimulatedGraphBackend(capture_delay=0.1)
+    graph = EncoderCudaGraph(
+        encoder,
+        name="closing",
+        config=CFG.replace(background_capture=True),
+        bus=bus,
+        backend=backend,
+    )
+    a, b = torch.randn(1, 4, 3), torch.randn(1, 5, 3)
+    graph(a)
+    graph(a)  # handed to the capture thread
+    assert graph.close(5)
+    assert graph.num_graphs == 1
+    assert not any(t.name == "omnitrace-capture-closing" for t in threading.enumerate())
+    with capture_events(bus) as events:
+        graph(b)
+        graph(b)  # admitted after close: captured synchronously, served by its graph
+    assert [type(e) for e in events] == [GraphMissed, GraphCaptured, GraphReplayed]
+    assert graph.close(1)

@@ -22,6 +22,7 @@ where its workspace is allocated from the graph's own pool.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -31,6 +32,7 @@ import torch
 from omnitrace.graphs.timing import DeviceClock
 
 __all__ = [
+    "CAPTURE_LOCK",
     "CaptureRequest",
     "CapturedGraph",
     "GraphBackend",
@@ -41,6 +43,13 @@ __all__ = [
     "static_copies",
     "unflatten_outputs",
 ]
+
+
+#: One capture at a time in this process, whatever adapter, backend or thread asks. A capture
+#: start synchronises the device and empties the allocator's cache, which would break a
+#: capture another thread has under way; PyTorch serialises its own CUDA-graph recordings the
+#: same way.
+CAPTURE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +91,10 @@ class GraphBackend(Protocol):
 
     name: str
     simulated: bool
+    error_modes: tuple[str, ...]
+    """``torch.cuda.graph`` capture error modes the backend honours, preferred first.
+    ``"thread_local"`` lets other threads keep running CUDA work (allocations, syncs) during
+    a capture; ``"global"`` makes such work fail in whichever thread does it."""
 
     def is_graph_device(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` can be graphed at all."""

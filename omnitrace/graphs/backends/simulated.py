@@ -69,6 +69,7 @@ class SimulatedGraphBackend:
     """
 
     name = "simulated"
+    error_modes: tuple[str, ...] = ("thread_local", "global")
     simulated = True
 
     def __init__(

@@ -101,6 +101,7 @@ class TorchGraphBackend:
     """
 
     name = "torch"
+    error_modes: tuple[str, ...] = ("thread_local", "global")
     simulated = False
 
     def __init__(self, *, warmup_iters: int = 1) -> None:

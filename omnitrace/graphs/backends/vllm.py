@@ -565,6 +565,7 @@ class VllmGraphBackend:
     """
 
     name = "vllm"
+    error_modes: tuple[str, ...] = ("global",)
     simulated = False
 
     def __init__(self, vllm_config: Any, *, api: VllmApi | None = None) -> None:
