@@ -13,7 +13,8 @@ Plain data, no torch: sinks and readers of event logs use it without importing t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["InputSpec", "Signature", "SignatureParseError"]
 
@@ -44,10 +45,27 @@ class InputSpec:
 
 @dataclass(frozen=True, slots=True)
 class Signature:
-    """The inputs of one call (``None`` for an absent one) and its replay stream, if known."""
+    """The inputs of one call (``None`` for an absent one) and its replay stream, if known.
+
+    Folds key dictionaries by signatures on every event, so the hash is computed once, on
+    first use, and kept (hashing the nested tuples costs more than the rest of a fold's
+    update). It is left out of comparisons, copies and pickles: string hashes differ from
+    one process to the next.
+    """
 
     inputs: tuple[InputSpec | None, ...]
     stream: int | None = None
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        cached = self._hash
+        if cached is None:
+            cached = hash((self.inputs, self.stream))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Signature, (self.inputs, self.stream))
 
     @property
     def device(self) -> str | None:

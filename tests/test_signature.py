@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,3 +74,42 @@ def test_signatures_are_hashable_plain_data() -> None:
     assert {a: 1}[b] == 1
     assert a.inputs[0] is not None
     assert a.inputs[0].numel == 8000
+
+
+def test_the_hash_is_computed_once_and_kept() -> None:
+    """A signature computes its hash on first use only; equal signatures still hash equal."""
+    sig = Signature.parse("float32[1,80,100] @cuda:0 s=7")
+    assert sig._hash is None
+    first = hash(sig)
+    assert sig._hash == first == hash((sig.inputs, sig.stream))
+    object.__setattr__(sig, "_hash", 12345)
+    assert hash(sig) == 12345  # read back, not recomputed
+    assert sig == Signature.parse("float32[1,80,100] @cuda:0 s=7")  # not compared
+
+
+def test_the_kept_hash_leaves_out_of_pickles_and_copies(tmp_path: Path) -> None:
+    """A pickled signature hashes as the reading process computes it, not as the writer did."""
+    sig = Signature.parse("bfloat16[1,1024,1152], None @cuda:0 s=94")
+    hash(sig)
+    assert copy.copy(sig)._hash is None
+    assert dataclasses.replace(sig, stream=3)._hash is None
+    path = tmp_path / "sig.pickle"
+    path.write_bytes(pickle.dumps(sig))
+    # String hashes differ between processes: another seed must find the signature by hash.
+    script = (
+        "import pickle, sys\n"
+        "from omnitrace.signature import Signature\n"
+        "sig = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "fresh = Signature.parse('bfloat16[1,1024,1152], None @cuda:0 s=94')\n"
+        "assert sig == fresh and {fresh: 1}[sig] == 1, 'stale hash'\n"
+        "print(hash(sig) == hash(fresh))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "1234"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
