@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         EncoderGraphFailedError,
         OmnitraceError,
     )
+    from omnitrace.coverage import AdapterCoverage, CoverageFold, KeyCoverage, derive_coverage
     from omnitrace.events import (
         CaptureFailed,
         Event,
@@ -34,10 +35,12 @@ if TYPE_CHECKING:
 
 #: Where each public name lives; a name is imported from there when first asked for.
 _MODULE_OF: dict[str, str] = {
+    "AdapterCoverage": "omnitrace.coverage",
     "AdapterStats": "omnitrace.stats",
     "BusStatistics": "omnitrace.bus",
     "CaptureFailed": "omnitrace.events",
     "ConfigError": "omnitrace.config",
+    "CoverageFold": "omnitrace.coverage",
     "EncoderCudaGraph": "omnitrace.graphs.adapter",
     "EncoderGraphConfig": "omnitrace.config",
     "EncoderGraphFailedError": "omnitrace.config",
@@ -46,6 +49,7 @@ _MODULE_OF: dict[str, str] = {
     "GraphCaptured": "omnitrace.events",
     "GraphMissed": "omnitrace.events",
     "GraphReplayed": "omnitrace.events",
+    "KeyCoverage": "omnitrace.coverage",
     "MemoryDeferred": "omnitrace.events",
     "MissReason": "omnitrace.events",
     "OmnitraceError": "omnitrace.config",
@@ -53,14 +57,17 @@ _MODULE_OF: dict[str, str] = {
     "Sink": "omnitrace.bus",
     "SinkStatistics": "omnitrace.bus",
     "StatsFold": "omnitrace.stats",
+    "derive_coverage": "omnitrace.coverage",
     "derive_stats": "omnitrace.stats",
 }
 
 __all__ = [
+    "AdapterCoverage",
     "AdapterStats",
     "BusStatistics",
     "CaptureFailed",
     "ConfigError",
+    "CoverageFold",
     "EncoderCudaGraph",
     "EncoderGraphConfig",
     "EncoderGraphFailedError",
@@ -69,6 +76,7 @@ __all__ = [
     "GraphCaptured",
     "GraphMissed",
     "GraphReplayed",
+    "KeyCoverage",
     "MemoryDeferred",
     "MissReason",
     "OmnitraceError",
@@ -77,6 +85,7 @@ __all__ = [
     "SinkStatistics",
     "StatsFold",
     "__version__",
+    "derive_coverage",
     "derive_stats",
 ]
 

@@ -38,7 +38,7 @@ from typing import IO, Any
 import orjson
 
 from omnitrace.errors import OmnitraceError
-from omnitrace.events import EVENT_TYPES, Event, MissReason, Phase
+from omnitrace.events import EVENT_TYPES, DeviceTimed, Event, MissReason, Phase
 from omnitrace.signature import InputSpec, Signature, SignatureParseError
 
 __all__ = [
@@ -73,6 +73,7 @@ _EVENT_CLASSES: dict[str, type[Event]] = {cls.__name__: cls for cls in EVENT_TYP
 _EVENT_FIELDS: dict[str, tuple[dataclasses.Field[Any], ...]] = {
     cls.__name__: dataclasses.fields(cls) for cls in EVENT_TYPES
 }
+_DEVICE_TIMED_KINDS = ("replay", "eager")
 INFO_TYPE = "AdapterInfo"
 SEGMENT_TYPE = "LogSegment"
 #: Longest first line :func:`log_gap` reads (a segment header is about 120 bytes).
@@ -276,6 +277,12 @@ def decode_record(record: Mapping[str, Any], *, where: str = "record") -> EventR
         field.name: _decode_field(cls.__name__, field, record, version, where)
         for field in _EVENT_FIELDS[cls.__name__]
     }
+    if cls is DeviceTimed and kwargs["kind"] not in _DEVICE_TIMED_KINDS:
+        # Folds tell replayed from eager device time by this field: nothing else is one.
+        valid = ", ".join(_DEVICE_TIMED_KINDS)
+        raise EventLogError(
+            f"{where}: DeviceTimed.kind: expected one of {valid}, got {kwargs['kind']!r}"
+        )
     return EventRecord(cls(**kwargs), pid, rank)
 
 

@@ -15,6 +15,7 @@ from omnitrace.eventlog import (
     encode_event,
     read_events,
 )
+from omnitrace.events import DeviceTimed
 from omnitrace.signature import InputSpec, Signature
 
 SIG = Signature((InputSpec("bfloat16", (1, 1024, 1152), "cuda:0"), None), 94)
@@ -66,4 +67,16 @@ def test_a_version_2_record_with_a_malformed_signature_is_an_error() -> None:
         decode_record(record)
     del record["signature"]
     with pytest.raises(EventLogError, match=r"GraphMissed is missing field 'signature'"):
+        decode_record(record)
+
+
+def test_a_device_timing_of_an_unknown_kind_is_an_error() -> None:
+    """DeviceTimed.kind is replay or eager; anything else is a one-line EventLogError."""
+    record = encode_event(DeviceTimed("v", SIG, 1, 2, "replay", 0.001), pid=1, rank=0)
+    assert decode_record(record).item == DeviceTimed("v", SIG, 1, 2, "replay", 0.001)
+    record["kind"] = "warmup"
+    with pytest.raises(
+        EventLogError,
+        match=r"^record: DeviceTimed.kind: expected one of replay, eager, got 'warmup'$",
+    ):
         decode_record(record)

@@ -54,6 +54,7 @@ from omnitrace.bus._process import (
 from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread
 from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
 from omnitrace.config import ConfigError
+from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, AdapterCoverage
 from omnitrace.events import EVENT_TYPES, Event
 from omnitrace.stats import AdapterStats
 
@@ -85,9 +86,11 @@ class EventBus:
             are dropped and counted.
         drain_interval: seconds between drains of the sink queues (events wait at most this
             long before a sink sees them; ``flush()`` drains at once).
+        coverage_keys: input signatures the coverage fold tracks per adapter (the rest are
+            counted together; see :mod:`omnitrace.coverage`).
 
     Raises:
-        ConfigError: ``queue_size`` or ``drain_interval`` is out of range.
+        ConfigError: ``queue_size``, ``drain_interval`` or ``coverage_keys`` is out of range.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class EventBus:
         sinks: Iterable[Sink] = (),
         queue_size: int = 10_000,
         drain_interval: float = 0.05,
+        coverage_keys: int = DEFAULT_COVERAGE_KEYS,
     ) -> None:
         check_int("queue_size", queue_size, minimum=1)
         if (
@@ -108,7 +112,7 @@ class EventBus:
             )
         self._queue_size = queue_size
         self._lock = threading.Lock()
-        self._folds = FoldRegistry()
+        self._folds = FoldRegistry(coverage_keys)
         self._channels = SinkChannels(self._lock, queue_size)
         self._runner = LoopRunner(self._lock, self._channels, float(drain_interval))
         self._adapters: dict[str, Mapping[str, Any]] = {}
@@ -173,6 +177,11 @@ class EventBus:
         """Return the stats fold of every adapter that emitted on this bus."""
         with self._lock:
             return self._folds.stats.snapshots()
+
+    def coverage(self) -> dict[str, AdapterCoverage]:
+        """Return the per-signature coverage of every adapter that emitted on this bus."""
+        with self._lock:
+            return self._folds.coverage.snapshots()
 
     def register_adapter(self, name: str, info: Mapping[str, Any]) -> None:
         """Record static facts about an adapter (its cap, floor ...) for consumers."""

@@ -6,6 +6,7 @@ import logging
 import threading
 
 from omnitrace.bus._types import Fold
+from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, CoverageFold
 from omnitrace.stats import StatsFold
 
 __all__ = ["FoldRegistry"]
@@ -14,17 +15,22 @@ logger = logging.getLogger(__name__)
 
 
 class FoldRegistry:
-    """The folds of one bus, the stats fold first; a fold that raises is removed.
+    """The folds of one bus, the stats and coverage folds first; a fold that raises is removed.
 
     Not thread-safe on its own: the bus calls it under its lock. ``folds`` is a tuple that
     is replaced, never changed, so ``emit()`` can iterate it without a copy.
+
+    Args:
+        coverage_keys: signatures the coverage fold tracks per adapter.
     """
 
-    __slots__ = ("disabled", "folds", "stats")
+    __slots__ = ("coverage", "disabled", "folds", "stats")
 
-    def __init__(self) -> None:
+    def __init__(self, coverage_keys: int = DEFAULT_COVERAGE_KEYS) -> None:
         self.stats = StatsFold()
-        self.folds: tuple[Fold, ...] = (self.stats.fold,)
+        # One fold call per event keeps both: the coverage fold applies events to the stats.
+        self.coverage = CoverageFold(coverage_keys, stats=self.stats)
+        self.folds: tuple[Fold, ...] = (self.coverage.fold,)
         self.disabled = 0
 
     def add(self, fold: Fold) -> None:
