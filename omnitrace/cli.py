@@ -1,8 +1,9 @@
-"""The ``omnitrace`` command: ``demo``, ``top`` and ``replay``.
+"""The ``omnitrace`` command: ``demo``, ``top``, ``replay`` and ``advise``.
 
 ``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
 attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
-``omnitrace replay`` feeds a recorded log into the live view or into OTLP.
+``omnitrace replay`` feeds a recorded log into the live view or into OTLP; ``omnitrace
+advise`` replays recorded traffic under other graph settings and recommends one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from omnitrace._version import __version__
-from omnitrace.config import ConfigError, EncoderGraphConfig, OmnitraceError
+from omnitrace.config import MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig, OmnitraceError
 
 # Only what --help, --version and argument errors need is imported up front: rich, the
 # sinks and torch load inside the commands that use them, so the CLI answers at once.
@@ -93,6 +94,29 @@ _model_size = _int_range(1, 16384, "an integer")
 _layers = _int_range(1, 256, "an integer")
 _mib = _int_range(0, (1 << 43) - 1, "a number of MiB")
 _seed = _int_range(0, (1 << 63) - 1, "an integer")
+
+
+def _int_list(low: int, high: int) -> Callable[[str], list[int]]:
+    """Return an argparse type for comma-separated integers from ``low`` to ``high``."""
+    one = _int_range(low, high, "integers")
+
+    def parse(text: str) -> list[int]:
+        return [one(part.strip()) for part in text.split(",")]
+
+    return parse
+
+
+def _size(text: str) -> int:
+    from omnitrace.advise import parse_size
+
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_list(text: str) -> list[int]:
+    return [_size(part) for part in text.split(",")]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -276,6 +300,61 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--json", action="store_true", help="print the replayed stats as JSON instead of a table"
     )
+    advise = commands.add_parser(
+        "advise",
+        help="replay event logs under other graph settings and recommend the best",
+        description=(
+            "Replay the encoder calls of recorded JSONL logs (several workers' logs at once) "
+            "through the adapter's admission policy for a grid of max_graphs, "
+            "min_capture_calls and memory floors; report per setting the hit rate, graphs, "
+            "pool memory and estimated time saved, then the recommended --hf-overrides JSON "
+            "and why."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    advise.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
+    advise.add_argument(
+        "--max-graphs",
+        type=_int_list(0, MAX_GRAPHS_CAP),
+        default=None,
+        metavar="N,N,...",
+        help="max_graphs values to try (default: 0 to 64 up to the keys seen, and the logged one)",
+    )
+    advise.add_argument(
+        "--min-capture-calls",
+        type=_int_list(2, 1_000_000),
+        default=None,
+        metavar="N,N,...",
+        help="min_capture_calls values to try (default: 2, 3, 4, 6, 8 and the logged one)",
+    )
+    advise.add_argument(
+        "--min-free-bytes",
+        type=_size_list,
+        default=None,
+        metavar="SIZE,...",
+        help=(
+            "memory floors to try, e.g. 0,512MiB,1GiB (default: the logged one, and a range "
+            "when device-free memory is known)"
+        ),
+    )
+    advise.add_argument(
+        "--free-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="device-free memory at each worker's start (default: estimated from deferrals)",
+    )
+    advise.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="most pool memory the graphs of one worker may hold, e.g. 2GiB",
+    )
+    advise.add_argument(
+        "--top", type=_positive_int, default=10, metavar="N", help="settings to list"
+    )
+    advise.add_argument("--json", action="store_true", help="print the advice as JSON")
     return parser
 
 
@@ -743,11 +822,118 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- advise ---------------------------------------------------------------------------------
+
+
+def _advise_table(advice: Any, top: int) -> Table:
+    """Return the table of the best ``top`` settings, and the logged one if it is not there."""
+    from rich import box
+    from rich.table import Table
+
+    from omnitrace.advise import format_bytes, format_seconds
+
+    recording = advice.recording
+    table = Table(
+        title="settings, best first",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+    )
+    for heading in ("#", "max_graphs", "min_calls", "floor"):
+        table.add_column(heading, justify="right")
+    if recording.profiling:
+        table.add_column("skip prof.")
+    for heading in ("hit rate", "graphs", "pool"):
+        table.add_column(heading, justify="right")
+    free_known = bool(recording.free_bytes)
+    if free_known:
+        table.add_column("least free", justify="right")
+    timed = advice.objective == "time"
+    source = "/".join(sorted(set(recording.time_source.values())))
+    table.add_column(f"saved ({source})" if timed else "hits", justify="right")
+    table.add_column("")
+    shown = list(advice.results[:top])
+    if advice.logged is not None and advice.logged not in shown:
+        shown.append(advice.logged)
+    for result in shown:
+        setting = result.setting
+        rank = next((str(i + 1) for i, r in enumerate(advice.results) if r.setting == setting), "—")
+        marks = []
+        if advice.best is not None and setting == advice.best.setting:
+            marks.append("[bold green]recommended[/]")
+        if advice.logged is not None and setting == advice.logged.setting:
+            marks.append("logged")
+        if advice.memory_budget is not None and result.pool_bytes > advice.memory_budget:
+            marks.append("[yellow]over budget[/]")
+        if result.exhausts_memory:
+            marks.append("[red]out of memory[/]")
+        cells = [rank, str(setting.max_graphs), str(setting.min_capture_calls)]
+        cells.append(format_bytes(setting.min_free_bytes))
+        if recording.profiling:
+            cells.append("yes" if setting.skip_profiling else "no")
+        pool = format_bytes(result.pool_bytes) + ("*" if result.estimated_sizes else "")
+        cells += [f"{result.hit_rate * 100:.1f} %", str(result.graphs), pool]
+        if free_known:
+            cells.append(format_bytes(result.min_free_bytes))
+        cells.append(format_seconds(result.saved_s) if timed else str(result.hits))
+        cells.append(", ".join(marks))
+        table.add_row(*cells)
+    return table
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    logs = _read_logs("advise", args.paths)
+    if isinstance(logs, int):
+        return logs
+    from omnitrace.advise import Recording, advice_json, advise, default_grid
+
+    recording = Recording.from_records(
+        (record for log in logs for record in log), free_bytes=args.free_bytes
+    )
+    if not recording.costs:
+        names = ", ".join(str(p) for p in args.paths)
+        return _error("advise", f"{names}: no encoder call could use a graph", status=1)
+    grid = default_grid(
+        recording,
+        max_graphs=args.max_graphs,
+        min_capture_calls=args.min_capture_calls,
+        min_free_bytes=args.min_free_bytes,
+    )
+    advice = advise(recording, grid, memory_budget=args.memory_budget)
+    if args.json:
+        _print_json(advice_json(advice))
+        return 0 if advice.best is not None else 1
+    console = _stdout_console()
+    workers = len(recording.calls)
+    console.print(
+        f"replayed {recording.call_count} encoder calls of {workers} worker"
+        f"{'s' if workers > 1 else ''} ({', '.join(recording.adapters)}) under "
+        f"{len(grid)} settings"
+    )
+    for note in advice.notes:
+        console.print(f"  · {note}", soft_wrap=True)
+    console.print(_advise_table(advice, args.top))
+    if any(r.estimated_sizes for r in advice.results[: args.top]):
+        console.print("  * pool memory includes estimated capture sizes")
+    if advice.best is None:
+        console.print(f"[bold red]no recommendation[/]: {advice.why()}")
+        return 1
+    console.print("recommended:")
+    console.print(f"  --hf-overrides '{json.dumps(advice.overrides)}'", soft_wrap=True)
+    console.print(f"why: {advice.why()}", soft_wrap=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omnitrace`` command line; return the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
-    handlers = {"demo": _cmd_demo, "top": _cmd_top, "replay": _cmd_replay}
+    handlers = {
+        "demo": _cmd_demo,
+        "top": _cmd_top,
+        "replay": _cmd_replay,
+        "advise": _cmd_advise,
+    }
     try:
         return int(handlers[args.command](args))
     except (OmnitraceError, OSError) as exc:

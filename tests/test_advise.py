@@ -1,0 +1,598 @@
+"""omnitrace advise: recorded traffic replayed through the admission policy, checked against
+the real adapter run setting by setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+from omnitrace.advise import Recording, Result, Setting, advise, default_grid, replay
+from omnitrace.cli import main
+from omnitrace.eventlog import (
+    INFO_TYPE,
+    AdapterInfo,
+    EventRecord,
+    dumps,
+    encode_event,
+    read_records,
+)
+from omnitrace.events import (
+    DeviceTimed,
+    Event,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MissReason,
+    Phase,
+)
+from omnitrace.signature import Signature
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+MiB = 1 << 20
+GiB = 1 << 30
+WORKER = (0, 4242)
+
+Call = tuple[str, tuple[int, ...], Phase]
+"""(adapter, input shape, phase) of one encoder call."""
+
+
+def _tensor(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(tuple(shape), dtype=dtype)
+
+
+class _SizedBackend(SimulatedGraphBackend):
+    """A simulated device whose captures take the size given per input shape."""
+
+    def __init__(self, free_bytes: int, sizes: dict[tuple[int, ...], int], default: int) -> None:
+        super().__init__(free_bytes=free_bytes, graph_bytes=default)
+        self.sizes = sizes
+        self.default = default
+
+    def capture(self, forward: Any, inputs: Any, **kwargs: Any) -> Any:
+        self.graph_bytes = self.sizes.get(tuple(inputs[0].shape), self.default)
+        return super().capture(forward, inputs, **kwargs)
+
+
+def _run(
+    calls: Iterable[Call],
+    config: EncoderGraphConfig,
+    *,
+    free_bytes: int = 80 * GiB,
+    sizes: dict[tuple[int, ...], int] | None = None,
+    graph_bytes: int = 64 * MiB,
+) -> list[Event]:
+    """Run ``calls`` through real adapters (one per encoder) on one simulated device."""
+    backend = _SizedBackend(free_bytes, sizes or {}, graph_bytes)
+    bus = EventBus()
+    adapters: dict[str, EncoderCudaGraph] = {}
+    tensors: dict[tuple[int, ...], torch.Tensor] = {}
+    try:
+        with capture_events(bus) as events, torch.no_grad():
+            for name, shape, phase in calls:
+                adapter = adapters.get(name)
+                if adapter is None:
+                    adapter = adapters[name] = EncoderCudaGraph(
+                        lambda x: x * 2, name=name, config=config, bus=bus, backend=backend
+                    )
+                adapter.set_phase(phase)
+                x = tensors.get(shape)
+                if x is None:
+                    x = tensors[shape] = _tensor(shape)
+                adapter(x)
+        return list(events)
+    finally:
+        bus.close()
+
+
+def _retimed(
+    events: Iterable[Event],
+    eager: dict[tuple[int, ...], float],
+    replay_s: dict[tuple[int, ...], float],
+    *,
+    device: bool = False,
+) -> list[Event]:
+    """Give every call its key's eager or replay time (and a DeviceTimed when ``device``)."""
+    out: list[Event] = []
+    for event in events:
+        shape = event.signature.inputs[0].shape  # type: ignore[union-attr]
+        if isinstance(event, GraphMissed):
+            event = dataclasses.replace(event, duration_s=eager[shape] * (3 if device else 1))
+            out.append(event)
+            if device:
+                out.append(DeviceTimed(event.adapter, event.signature, 0, 0, "eager", eager[shape]))
+            continue
+        if isinstance(event, GraphReplayed):
+            event = dataclasses.replace(event, duration_s=replay_s[shape] * (3 if device else 1))
+            out.append(event)
+            if device:
+                out.append(
+                    DeviceTimed(event.adapter, event.signature, 0, 0, "replay", replay_s[shape])
+                )
+            continue
+        out.append(event)
+    return out
+
+
+def _records(
+    events: Iterable[Event], config: EncoderGraphConfig, *, simulated: bool = False
+) -> list[EventRecord]:
+    """Records as a GPU worker's log holds them: its adapters' facts, then its events."""
+    events = list(events)
+    info = {
+        "max_graphs": config.max_graphs,
+        "min_capture_calls": config.min_capture_calls,
+        "min_free_bytes": config.min_free_bytes,
+        "backend": "torch",
+        "simulated": simulated,
+    }
+    names = dict.fromkeys(e.adapter for e in events)
+    return [
+        *(EventRecord(AdapterInfo(name, info), *reversed(WORKER)) for name in names),
+        *(EventRecord(e, WORKER[1], WORKER[0]) for e in events),
+    ]
+
+
+def _write(path: Path, records: Iterable[EventRecord]) -> Path:
+    with path.open("wb") as file:
+        for record in records:
+            item = record.item
+            if isinstance(item, AdapterInfo):
+                line = {"v": 2, "type": INFO_TYPE, "pid": record.pid, "rank": record.rank}
+                line |= {"adapter": item.adapter, "info": dict(item.info)}
+                file.write(dumps(line))
+            else:
+                file.write(dumps(encode_event(item, pid=record.pid, rank=record.rank)))
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Truth:
+    """What the real adapter did under one setting."""
+
+    hits: int
+    calls: int
+    graphs: int
+    pool_bytes: int
+    saved_s: float
+
+
+def _brute_force(
+    recording: Recording,
+    calls: Sequence[Call],
+    grid: Iterable[Setting],
+    *,
+    free_bytes: int,
+    sizes: dict[tuple[int, ...], int],
+    graph_bytes: int,
+) -> dict[Setting, _Truth]:
+    """Run the real adapter over the traffic once per setting and total what it did."""
+    truth: dict[Setting, _Truth] = {}
+    for setting in grid:
+        events = _run(
+            calls, setting.config(), free_bytes=free_bytes, sizes=sizes, graph_bytes=graph_bytes
+        )
+        hits = Counter((e.adapter, e.signature) for e in events if isinstance(e, GraphReplayed))
+        captured = [(e.adapter, e.signature) for e in events if isinstance(e, GraphCaptured)]
+        saved = 0.0
+        for adapter, signature in captured:
+            saving = recording.costs[adapter][signature].saving_s
+            assert saving is not None
+            saved += (hits[(adapter, signature)] - 1) * saving
+        truth[setting] = _Truth(
+            hits=sum(hits.values()),
+            calls=sum(isinstance(e, (GraphReplayed, GraphMissed)) for e in events),
+            graphs=len(captured),
+            pool_bytes=sum(
+                e.bytes_reserved + e.static_bytes for e in events if isinstance(e, GraphCaptured)
+            ),
+            saved_s=saved,
+        )
+    return truth
+
+
+def _best(truth: dict[Setting, _Truth], budget: int | None = None) -> Setting:
+    """The best setting by saving, then the documented tie-breaks, found by plain search."""
+    fitting = [s for s, t in truth.items() if budget is None or t.pool_bytes <= budget]
+    return min(
+        fitting,
+        key=lambda s: (
+            -round(truth[s].saved_s, 9),
+            truth[s].graphs,
+            truth[s].pool_bytes,
+            s.max_graphs,
+            -s.min_free_bytes,
+            -s.min_capture_calls,
+            -s.skip_profiling,
+        ),
+    )
+
+
+def _check_against_brute_force(
+    recording: Recording, truth: dict[Setting, _Truth], results: Sequence[Result]
+) -> None:
+    by_setting = {r.setting: r for r in results}
+    assert set(by_setting) == set(truth)
+    for setting, real in truth.items():
+        mine = by_setting[setting]
+        assert (mine.hits, mine.calls, mine.graphs) == (real.hits, real.calls, real.graphs), setting
+        assert mine.saved_s == pytest.approx(real.saved_s), setting
+
+
+SIX = [(1, 16 * (n + 1), 8) for n in range(6)]
+
+
+def _six_hot_shapes() -> list[Call]:
+    """Six shapes called round-robin, 50 times each."""
+    return [("vision", shape, Phase.SERVING) for _ in range(50) for shape in SIX]
+
+
+def test_six_hot_shapes_with_four_graphs_lose_a_third_and_six_is_recommended() -> None:
+    """With max_graphs 4 two of six equally hot shapes never get a graph (a third of the
+    calls); advise recommends max_graphs 6, the smallest cap that graphs them all, and the
+    brute-force run of the real adapter agrees setting by setting."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    calls = _six_hot_shapes()
+    eager = {shape: 0.004 for shape in SIX}
+    replay_s = {shape: 0.001 for shape in SIX}
+    events = _retimed(_run(calls, logged), eager, replay_s)
+    recording = Recording.from_records(_records(events, logged))
+    advice = advise(recording)
+
+    assert advice.objective == "time"
+    assert advice.logged is not None
+    assert advice.logged.hits == 4 * 49
+    assert advice.logged.calls - advice.logged.hits == 100 + 4  # a third, plus warm-ups
+    assert advice.overrides == {
+        "encoder_cuda_graph_max_graphs": 6,
+        "encoder_cuda_graph_min_capture_calls": 2,
+        "encoder_cuda_graph_min_free_bytes": 0,
+    }
+    assert advice.best is not None
+    assert advice.best.saved_s == pytest.approx(6 * 48 * 0.003)
+    assert advice.best.hit_rate == pytest.approx(294 / 300)
+    assert "max_graphs" not in advice.why()
+    assert advice.why().startswith(
+        "it saves the most estimated host time over the recorded traffic, 864.0 ms "
+        "(hit rate 98.0 %), with 6 graphs holding "
+    )
+
+    grid = default_grid(recording)
+    truth = _brute_force(
+        recording, calls, grid, free_bytes=80 * GiB, sizes={}, graph_bytes=64 * MiB
+    )
+    _check_against_brute_force(recording, truth, advice.results)
+    assert advice.best.setting == _best(truth)
+
+
+def test_one_off_pairs_fill_the_slots_and_a_budget_makes_three_calls_win() -> None:
+    """Shapes seen twice at the start take the slots with min_capture_calls 2; within a
+    budget of two graphs, min_capture_calls 3 keeps them out and graphs the hot shapes."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    pairs = [(1, 8 * (n + 1), 4) for n in range(4)]
+    hot = [(1, 100, 4), (1, 200, 4)]
+    calls: list[Call] = [("audio", s, Phase.SERVING) for s in pairs for _ in range(2)]
+    calls += [("audio", s, Phase.SERVING) for _ in range(100) for s in hot]
+    # Capture memory grows with the input, as the advice's estimate for unseen keys assumes.
+    sizes = {shape: shape[1] * shape[2] * 256 * 1024 for shape in pairs + hot}
+    times = {shape: 0.005 for shape in pairs + hot}
+    events = _retimed(_run(calls, logged, sizes=sizes), times, {s: 0.002 for s in times})
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.estimated_sizes == 2
+    budget = 300 * MiB + 64 * 1024  # the two hot graphs with their static buffers
+
+    advice = advise(recording, memory_budget=budget)
+    assert advice.best is not None
+    assert advice.best.setting == Setting(2, 3, 0)
+    assert advice.best.graphs == 2
+    assert advice.logged is not None
+    assert advice.logged.hits == 4
+    assert advice.logged.saved_s == 0  # its four graphs went to shapes never seen again
+    unbounded = advise(recording)
+
+    grid = default_grid(recording)
+    truth = _brute_force(
+        recording, calls, grid, free_bytes=80 * GiB, sizes=sizes, graph_bytes=64 * MiB
+    )
+    _check_against_brute_force(recording, truth, advice.results)
+    assert advice.best.setting == _best(truth, budget)
+    assert unbounded.best is not None
+    assert unbounded.best.setting == _best(truth)
+    assert unbounded.best.graphs > 2
+
+
+def test_the_floor_is_replayed_from_the_free_memory_the_deferrals_imply() -> None:
+    """A log whose 1 GiB floor deferred the fourth capture gives the device's free memory
+    at start; a 512 MiB floor graphs all four shapes and leaves 512 MiB free."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=GiB)
+    # As many input elements each: the fourth, never captured, is sized like the others.
+    shapes = [(1, 32 << n, 64 >> n) for n in range(4)]
+    calls: list[Call] = [("vision", s, Phase.SERVING) for _ in range(30) for s in shapes]
+    sizes = {shape: 256 * MiB for shape in shapes}
+    start = 3 * GiB // 2
+    events = _run(calls, logged, free_bytes=start, sizes=sizes)
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 3
+    events = _retimed(events, {s: 0.004 for s in shapes}, {s: 0.001 for s in shapes})
+    recording = Recording.from_records(_records(events, logged))
+    static = sum(e.static_bytes for e in events if isinstance(e, GraphCaptured)) // 3
+    assert recording.free_source == "estimated"
+    assert recording.free_bytes == {(WORKER, "cpu"): start + 3 * static}
+
+    advice = advise(recording)
+    assert advice.best is not None
+    assert advice.best.setting == Setting(4, 2, 512 * MiB)
+    assert advice.best.graphs == 4
+    assert advice.best.min_free_bytes == 512 * MiB - static
+    assert "it lowers the memory floor from 1.0 GiB" in advice.why()
+    grid = default_grid(recording)
+    assert {s.min_free_bytes for s in grid} == {0, 256 * MiB, 512 * MiB, GiB, 2 * GiB, 4 * GiB}
+    # The brute force's device counts static buffers too, as the advice's model does.
+    truth = _brute_force(
+        recording,
+        calls,
+        grid,
+        free_bytes=start + 3 * static,
+        sizes={s: 256 * MiB + static for s in shapes},
+        graph_bytes=64 * MiB,
+    )
+    by_setting = {r.setting: r for r in advice.results}
+    for setting, real in truth.items():
+        assert by_setting[setting].graphs == real.graphs, setting
+        assert by_setting[setting].hits == real.hits, setting
+
+
+def test_profiling_captures_that_take_a_slot_make_skipping_profiling_win() -> None:
+    """A maximum-size profiling shape captured before serving takes one of four slots; the
+    advice is to skip profiling, keeping four graphs for the four serving shapes."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    dummy = (1, 4096, 8)
+    shapes = [(1, 64 * (n + 1), 8) for n in range(4)]
+    calls: list[Call] = [("vision", dummy, Phase.PROFILING)] * 2
+    calls += [("vision", s, Phase.SERVING) for _ in range(40) for s in shapes]
+    times = {s: 0.004 for s in [dummy, *shapes]}
+    events = _retimed(_run(calls, logged), times, {s: 0.001 for s in times})
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.profiling
+
+    advice = advise(recording)
+    assert advice.overrides == {
+        "encoder_cuda_graph_max_graphs": 4,
+        "encoder_cuda_graph_min_capture_calls": 2,
+        "encoder_cuda_graph_min_free_bytes": 0,
+        "encoder_cuda_graph_skip_profiling": True,
+    }
+    assert advice.logged is not None
+    assert advice.logged.hits == 1 + 3 * 39
+    grid = default_grid(recording)
+    truth = _brute_force(
+        recording, calls, grid, free_bytes=80 * GiB, sizes={}, graph_bytes=64 * MiB
+    )
+    _check_against_brute_force(recording, truth, advice.results)
+    assert advice.best is not None
+    assert advice.best.setting == _best(truth)
+
+
+def test_device_times_are_preferred_and_labelled() -> None:
+    """With DeviceTimed events the saving is in device time (host times are three times
+    larger here and ignored)."""
+    logged = EncoderGraphConfig(max_graphs=1, min_capture_calls=2, min_free_bytes=0)
+    shape = (1, 16, 8)
+    calls: list[Call] = [("audio", shape, Phase.SERVING)] * 10
+    events = _retimed(_run(calls, logged), {shape: 0.004}, {shape: 0.001}, device=True)
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.time_source == {"audio": "device"}
+    result = replay(recording, Setting(1, 2, 0))
+    assert result.saved_s == pytest.approx(8 * 0.003)
+    assert "estimated device time" in advise(recording).why()
+
+
+def test_sizes_of_keys_never_captured_are_estimated_per_input_element() -> None:
+    """A key the log never captured is sized at the encoder's recorded bytes per input
+    element times its own elements, and counted as estimated."""
+    logged = EncoderGraphConfig(max_graphs=1, min_capture_calls=2, min_free_bytes=0)
+    small, large = (1, 16, 8), (1, 64, 8)
+    calls: list[Call] = [("audio", small, Phase.SERVING)] * 3 + [
+        ("audio", large, Phase.SERVING)
+    ] * 3
+    events = _run(calls, logged, sizes={small: 128 * 1024})
+    recording = Recording.from_records(_records(events, logged))
+    costs = {key.inputs[0].shape: cost for key, cost in recording.costs["audio"].items()}  # type: ignore[union-attr]
+    recorded = costs[small].capture_bytes
+    assert not costs[small].estimated_bytes
+    assert costs[large].estimated_bytes
+    assert costs[large].capture_bytes == pytest.approx(recorded * 4, abs=1)
+    both = replay(recording, Setting(2, 2, 0))
+    assert both.graphs == 2
+    assert both.estimated_sizes == 1
+
+
+def test_a_simulated_log_is_ranked_by_calls_graphed() -> None:
+    """Replays on the simulated backend run the forward again: the advice ranks by hits and
+    says why."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    events = _run(_six_hot_shapes(), logged)
+    recording = Recording.from_records(_records(events, logged, simulated=True))
+    advice = advise(recording)
+    assert advice.objective == "hits"
+    assert advice.best is not None
+    assert advice.best.setting.max_graphs == 6
+    assert any("simulated backend" in note for note in advice.notes)
+    assert advice.why().startswith("it graphs the most calls of the recorded traffic, 294 of 300")
+
+
+def test_advise_recommends_what_a_brute_force_of_the_demo_log_confirms(tmp_path: Path) -> None:
+    """On the demo's own event log the recommendation is the best of the grid when every
+    setting is run through the real adapters."""
+    from omnitrace.demo.run import DemoOptions, run_demo
+
+    log = tmp_path / "demo.jsonl"
+    run_demo(
+        DemoOptions(requests=160, events_log=log),
+        console=Console(file=io.StringIO()),
+        say=lambda _: None,
+    )
+    records = list(read_records(log))
+    recording = Recording.from_records(records)
+    grid = default_grid(recording, min_capture_calls=[2, 3])
+    advice = advise(recording, grid)
+    assert advice.objective == "hits"
+    assert advice.best is not None
+    # The real adapters, each call of the recorded order with its recorded key.
+    sizes: dict[Signature, int] = {}
+    for costs in recording.costs.values():
+        sizes.update({key: cost.capture_bytes for key, cost in costs.items()})
+    ((worker, calls),) = recording.calls.items()
+    truth: dict[Setting, tuple[int, int]] = {}
+    tensors: dict[Signature, tuple[torch.Tensor | None, ...]] = {}
+    for setting in grid:
+        backend = _KeyedBackend(recording.free_bytes.get((worker, "cpu"), 80 * GiB), sizes)
+        adapters = {
+            name: EncoderCudaGraph(
+                lambda *xs: xs[0] * 2, name=name, config=setting.config(), backend=backend
+            )
+            for name in recording.adapters
+        }
+        misses = 0
+        with torch.no_grad():
+            for call in calls:
+                if not call.eligible:
+                    misses += 1
+                    continue
+                inputs = tensors.get(call.key)
+                if inputs is None:
+                    inputs = tensors[call.key] = tuple(
+                        None if spec is None else _tensor(spec.shape, getattr(torch, spec.dtype))
+                        for spec in call.key.inputs
+                    )
+                backend.key = call.key
+                with backend.stream(call.key.stream or 0):
+                    adapters[call.adapter](*inputs)
+        hits = sum(a.get_cumulative_stats()["graph_hits"] for a in adapters.values())
+        truth[setting] = (int(hits), sum(a.num_graphs for a in adapters.values()))
+    by_setting = {r.setting: r for r in advice.results}
+    for setting, (hits, graphs) in truth.items():
+        assert (by_setting[setting].hits, by_setting[setting].graphs) == (hits, graphs), setting
+    feasible = [s for s in grid if not by_setting[s].exhausts_memory]
+    best = min(
+        feasible,
+        key=lambda s: (
+            -truth[s][0],
+            truth[s][1],
+            by_setting[s].pool_bytes,
+            s.max_graphs,
+            -s.min_free_bytes,
+            -s.min_capture_calls,
+        ),
+    )
+    assert advice.best.setting == best
+
+
+class _KeyedBackend(SimulatedGraphBackend):
+    """A simulated device whose captures take the size the advice gives their key."""
+
+    def __init__(self, free_bytes: int, sizes: dict[Signature, int]) -> None:
+        super().__init__(free_bytes=free_bytes)
+        self.sizes = sizes
+        self.key: Signature | None = None
+
+    def capture(self, forward: Any, inputs: Any, **kwargs: Any) -> Any:
+        assert self.key is not None
+        self.graph_bytes = self.sizes[self.key]
+        return super().capture(forward, inputs, **kwargs)
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def _six_hot_log(tmp_path: Path) -> Path:
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    eager = {shape: 0.004 for shape in SIX}
+    events = _retimed(_run(_six_hot_shapes(), logged), eager, {s: 0.001 for s in SIX})
+    return _write(tmp_path / "events.jsonl", _records(events, logged))
+
+
+def test_advise_prints_the_table_the_overrides_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The text output lists the settings, then the --hf-overrides line and the reason."""
+    assert main(["advise", str(_six_hot_log(tmp_path)), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "replayed 300 encoder calls of 1 worker (vision) under " in out
+    assert (
+        '  --hf-overrides \'{"encoder_cuda_graph_max_graphs": 6, '
+        '"encoder_cuda_graph_min_capture_calls": 2, "encoder_cuda_graph_min_free_bytes": 0}\''
+    ) in out
+    assert "why: it saves the most estimated host time" in out
+    assert "recommended" in out
+    assert "logged" in out
+
+
+def test_advise_json_is_for_scripts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json prints the recommendation, the reason and every setting's figures."""
+    assert main(["advise", str(_six_hot_log(tmp_path)), "--json", "--max-graphs", "4,6"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["encoder_cuda_graph_max_graphs"] == 6
+    assert data["objective"] == "time"
+    assert [r["setting"]["encoder_cuda_graph_max_graphs"] for r in data["results"]][:2] == [6, 6]
+    assert {r["setting"]["encoder_cuda_graph_max_graphs"] for r in data["results"]} == {4, 6}
+    assert data["logged"]["hits"] == 196
+    assert data["best"]["encoders"]["vision"]["graphs"] == 6
+
+
+def test_no_setting_within_the_budget_is_exit_status_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A budget no setting with a graph fits recommends max_graphs 0, and a budget below
+    that is reported in one line with exit status 1."""
+    path = _six_hot_log(tmp_path)
+    assert main(["advise", str(path), "--memory-budget", "1KiB", "--max-graphs", "2,4"]) == 1
+    out = capsys.readouterr().out
+    assert "no recommendation: no setting of the grid keeps its pool memory within " in out
+    assert "the budget of 1.0 KiB" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-graphs", "2,2000"], "--max-graphs: expected integers from 0 to 1024, got '2000'"),
+        (
+            ["--min-capture-calls", "1"],
+            "--min-capture-calls: expected integers from 2 to 1000000, got '1'",
+        ),
+        (
+            ["--memory-budget", "12XB"],
+            "--memory-budget: expected a size in bytes (1073741824, 512MiB, 1.5GiB), got '12XB'",
+        ),
+    ],
+)
+def test_bad_grid_values_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """A bad grid value or size is one usage line with exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["advise", str(tmp_path / "x.jsonl"), *args])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: argument {message}")
+
+
+def test_a_log_without_graphable_calls_is_exit_status_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log whose calls were all ineligible says so in one line."""
+    from omnitrace.testing import sig
+
+    event = GraphMissed("vision", sig("float32[1,4] @cpu"), 1, 1, MissReason.INELIGIBLE, "cpu")
+    path = _write(tmp_path / "e.jsonl", [EventRecord(event, 1, 0)])
+    assert main(["advise", str(path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"omnitrace advise: error: {path}: no encoder call could use a graph"
+    )
