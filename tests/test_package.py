@@ -145,7 +145,10 @@ _LIGHT_MODULES = (
     "omnitrace.events",
     "omnitrace.bus",
     "omnitrace.stats",
+    "omnitrace.coverage",
     "omnitrace.config",
+    "omnitrace.advise",
+    "omnitrace.graphs.admission",
     "omnitrace.sinks.jsonl",
     "omnitrace.sinks.live",
     "omnitrace.sinks.logs",
@@ -190,14 +193,16 @@ def test_help_version_and_usage_errors_import_no_torch_sinks_or_events(
     assert not any(m.startswith("omnitrace.sinks") for m in loaded)
 
 
-def test_top_and_replay_import_no_torch(tmp_path: Path) -> None:
-    """`top LOG` and `replay LOG` read a log through the event-log reader, without torch."""
+def test_top_replay_and_advise_import_no_torch(tmp_path: Path) -> None:
+    """`top LOG`, `replay LOG` and `advise LOG` read a log through the event-log reader,
+    without torch."""
     log = tmp_path / "e.jsonl"
     log.write_text(
         '{"v":1,"type":"GraphReplayed","pid":1,"rank":0,"adapter":"vision",'
         '"key":"float32[1]","monotonic_ns":1,"epoch_ns":1,"duration_s":0.001}\n'
     )
-    for args in (["top", str(log)], ["replay", str(log)], ["top", "--json", str(log)]):
+    runs = (["top", str(log)], ["replay", str(log)], ["top", "--json", str(log)])
+    for args in (*runs, ["advise", str(log)]):
         loaded = _modules_after_cli(args, tmp_path)
         assert "omnitrace.eventlog" in loaded, args
         # Reading a log needs the format, not the sink that writes it.
