@@ -66,6 +66,8 @@ def prom_label(attribute: str) -> str:
 
 ENCODER = prom_label(ATTR.ENCODER)
 REASON = prom_label(ATTR.MISS_REASON)
+PHASE = prom_label(ATTR.PHASE)
+KIND = prom_label(ATTR.CALL_KIND)
 SINK = prom_label(ATTR.SINK)
 #: Grafana's dashboard variable narrowing every panel to the chosen encoders.
 ENCODER_FILTER = f'{ENCODER}=~"$encoder"'
@@ -158,6 +160,13 @@ def dashboard() -> dict[str, Any]:
     buckets = rate_by(
         "capture_duration", window, f"le, {ENCODER}", ENCODER_FILTER, suffix="_bucket"
     )
+    by_kind = f"le, {ENCODER}, {KIND}"
+    host_times = rate_by("call_duration", window, by_kind, ENCODER_FILTER, suffix="_bucket")
+    device_times = rate_by(
+        "call_device_duration", window, by_kind, ENCODER_FILTER, suffix="_bucket"
+    )
+    enc_kind = f"{enc} {{{{{KIND}}}}}"
+    enc_phase = f"{enc} {{{{{PHASE}}}}}"
     panels = [
         _panel(
             1,
@@ -291,6 +300,86 @@ def dashboard() -> dict[str, Any]:
                     "wrapLogMessage": True,
                     "prettifyLogMessage": True,
                     "sortOrder": "Descending",
+                }
+            },
+        ),
+        _panel(
+            10,
+            "Call time, eager vs replay (host)",
+            "Host time of replays and of eager runs per encoder, median and p99: the gap is "
+            "what a graph saves a call (host side; device time in the next panel).",
+            "timeseries",
+            (0, 34, 12, 8),
+            [
+                _target(f"histogram_quantile(0.5, {host_times})", f"{enc_kind} p50", "A"),
+                _target(f"histogram_quantile(0.99, {host_times})", f"{enc_kind} p99", "B"),
+            ],
+            unit="s",
+        ),
+        _panel(
+            11,
+            "Call time, eager vs replay (device)",
+            "Device time of replays and eager runs from CUDA events, median and p99; empty "
+            "unless encoder_cuda_graph_device_timing is on.",
+            "timeseries",
+            (12, 34, 12, 8),
+            [
+                _target(f"histogram_quantile(0.5, {device_times})", f"{enc_kind} p50", "A"),
+                _target(f"histogram_quantile(0.99, {device_times})", f"{enc_kind} p99", "B"),
+            ],
+            unit="s",
+        ),
+        _panel(
+            12,
+            "Graph pool memory",
+            "Device memory each encoder's graphs took at capture (allocator growth plus "
+            "static buffers): what the graphs hold back from the KV cache.",
+            "timeseries",
+            (0, 42, 8, 8),
+            [
+                _target(
+                    f"max by ({ENCODER}) ({_selector(series('pool_memory'), ENCODER_FILTER)})",
+                    enc,
+                    "A",
+                )
+            ],
+            unit="bytes",
+        ),
+        _panel(
+            13,
+            "Calls by phase",
+            "Encoder calls per second, serving apart from vLLM's start-up profiling run.",
+            "timeseries",
+            (8, 42, 8, 8),
+            [
+                _target(
+                    rate_by("phase_calls", window, f"{ENCODER}, {PHASE}", ENCODER_FILTER),
+                    enc_phase,
+                    "A",
+                )
+            ],
+            unit="reqps",
+        ),
+        _panel(
+            14,
+            "Graphs captured by phase",
+            "Graphs captured while serving and during profiling; a profiling capture holds "
+            "a slot whether or not serving ever replays it.",
+            "stat",
+            (16, 42, 8, 8),
+            [
+                _target(
+                    f"sum by ({ENCODER}, {PHASE}) "
+                    f"({_selector(series('phase_captures'), ENCODER_FILTER)})",
+                    enc_phase,
+                    "A",
+                )
+            ],
+            extra={
+                "options": {
+                    "colorMode": "none",
+                    "graphMode": "none",
+                    "reduceOptions": {"calcs": ["lastNotNull"]},
                 }
             },
         ),

@@ -35,6 +35,7 @@ from omnitrace.events import (
     MissReason,
     Phase,
 )
+from omnitrace.graphs.backends.base import CaptureRequest
 from omnitrace.signature import Signature
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 
@@ -58,9 +59,9 @@ class _SizedBackend(SimulatedGraphBackend):
         self.sizes = sizes
         self.default = default
 
-    def capture(self, forward: Any, inputs: Any, **kwargs: Any) -> Any:
-        self.graph_bytes = self.sizes.get(tuple(inputs[0].shape), self.default)
-        return super().capture(forward, inputs, **kwargs)
+    def capture(self, request: CaptureRequest) -> Any:
+        self.graph_bytes = self.sizes.get(tuple(request.inputs[0].shape), self.default)
+        return super().capture(request)
 
 
 def _run(
@@ -504,10 +505,10 @@ class _KeyedBackend(SimulatedGraphBackend):
         self.sizes = sizes
         self.key: Signature | None = None
 
-    def capture(self, forward: Any, inputs: Any, **kwargs: Any) -> Any:
+    def capture(self, request: CaptureRequest) -> Any:
         assert self.key is not None
         self.graph_bytes = self.sizes[self.key]
-        return super().capture(forward, inputs, **kwargs)
+        return super().capture(request)
 
 
 # -- the command --------------------------------------------------------------------------------

@@ -390,7 +390,7 @@ def _run(
         else None
     )
     try:
-        bus.add_sink(LogSink(sample_every=options.log_sample_every))
+        bus.add_sink(LogSink(sample_every=options.log_sample_every, bus=bus))
         bus.add_sink(jsonl)
         # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
         # the OpenTelemetry export, which come from the demo's own options.

@@ -12,19 +12,27 @@ than a message text::
 Replays and misses are the bulk of events and are logged at debug level; ``sample_every``
 keeps one in N of them per encoder and counts the rest (each logged line says how many
 were skipped before it).
+
+Given the bus, the sink also writes a ``graph_summary`` line per encoder every
+``OMNITRACE_SUMMARY_INTERVAL`` seconds (default 60; 0: only the last) and once more when it
+closes (``final: true``): the encoder's stats, its top missed signatures with their reason
+and share of calls, the eager time graphs could have saved, and its profiling-phase calls.
+They come from the bus's folds, so they count every event, even ones a full queue dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import IO, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from omnitrace._validate import check_int
+from omnitrace._env import env_seconds
+from omnitrace._validate import check_int, check_number
 from omnitrace.config import ConfigError
 from omnitrace.events import (
     CaptureFailed,
@@ -38,9 +46,27 @@ from omnitrace.events import (
 )
 from omnitrace.sinks.names import LOG_EVENTS
 
-__all__ = ["LOGGER_NAME", "LogSink", "add_trace_context", "configure_logging", "trace_context"]
+if TYPE_CHECKING:
+    from omnitrace.bus import EventBus
+    from omnitrace.coverage import AdapterCoverage
+    from omnitrace.stats import AdapterStats
+
+__all__ = [
+    "ENV_SUMMARY_INTERVAL",
+    "LOGGER_NAME",
+    "LogSink",
+    "add_trace_context",
+    "configure_logging",
+    "summary_fields",
+    "trace_context",
+]
 
 LOGGER_NAME = "omnitrace"
+logger = logging.getLogger(__name__)
+#: Seconds between ``graph_summary`` lines (default 60; 0: only the one at close).
+ENV_SUMMARY_INTERVAL = "OMNITRACE_SUMMARY_INTERVAL"
+#: Missed signatures a summary line lists per encoder.
+SUMMARY_TOP_MISSED = 5
 
 _LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG,
@@ -140,19 +166,51 @@ class LogSink:
     Args:
         sample_every: log one in N replays and misses per encoder (1 logs all of them);
             captures, deferrals and failures are always logged.
+        bus: the bus the sink is attached to; given, the sink writes ``graph_summary``
+            lines from its folds, periodically and at close.
+        summary_interval: seconds between summaries (0: only the one at close); None reads
+            ``OMNITRACE_SUMMARY_INTERVAL`` from ``environ``, default 60.
+        environ: where to read that variable (default: the process environment).
 
     Raises:
-        ConfigError: ``sample_every`` is not a positive integer.
+        ConfigError: ``sample_every`` is not a positive integer, or the interval is not a
+            number of seconds from 0 to 10**6 (the message names the variable).
     """
 
     name = "logs"
 
-    def __init__(self, *, sample_every: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        sample_every: int = 1,
+        bus: EventBus | None = None,
+        summary_interval: float | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         self.sample_every = check_int("sample_every", sample_every, minimum=1)
+        if summary_interval is None:
+            summary_interval = env_seconds(
+                os.environ if environ is None else environ,
+                ENV_SUMMARY_INTERVAL,
+                60.0,
+                meaning="0 writes the summary only at shutdown",
+            )
+        else:
+            summary_interval = check_number(
+                "summary_interval", summary_interval, positive=False, unit="seconds"
+            )
+        self.summary_interval = summary_interval
+        self._bus = bus
         self._seen: dict[tuple[str, str], int] = {}
         self._skipped_since: dict[tuple[str, str], int] = {}
         self._skipped = 0
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._timer_pid = 0
+        self._closed = False
+        self.summaries = 0
+        """``graph_summary`` lines written so far."""
 
     @property
     def skipped(self) -> int:
@@ -173,6 +231,7 @@ class LogSink:
 
     def handle(self, events: Sequence[Event]) -> None:
         """Log ``events`` in order."""
+        self._start_timer()
         log = structlog.get_logger(LOGGER_NAME).bind()
         # Replays and misses are debug lines, one per encoder call: when the logger filters
         # them out, skip them before building their fields. This sink shares the GIL with
@@ -197,7 +256,117 @@ class LogSink:
             getattr(log, LOG_EVENTS[name])(name, **fields)
 
     def close(self) -> None:
-        """Nothing to release: the logger's stream belongs to the application."""
+        """Stop the periodic summaries and write the final ``graph_summary`` lines.
+
+        The logger's stream belongs to the application and stays open.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        timer = self._timer
+        if timer is not None and timer is not threading.current_thread():
+            timer.join(timeout=1.0)
+        self.summarize(final=True)
+
+    # -- graph_summary ----------------------------------------------------------------------
+
+    def _start_timer(self) -> None:
+        """Start the summary thread once per process (a forked child starts its own)."""
+        if self._bus is None or not self.summary_interval or self._closed:
+            return
+        pid = os.getpid()
+        if self._timer is not None and self._timer_pid == pid:
+            return
+        with self._lock:
+            if (self._timer is not None and self._timer_pid == pid) or self._closed:
+                return
+            self._timer_pid = pid
+            self._timer = threading.Thread(
+                target=self._run_timer, name="omnitrace-log-summary", daemon=True
+            )
+            self._timer.start()
+
+    def _run_timer(self) -> None:
+        while not self._stop.wait(self.summary_interval):
+            self.summarize(final=False)
+
+    def summarize(self, *, final: bool = False) -> int:
+        """Write one ``graph_summary`` line per encoder that was called; return how many.
+
+        Never raises: a failure to read the bus or to log is logged once on this module's
+        logger instead (the summary is a report, not part of serving).
+        """
+        bus = self._bus
+        if bus is None:
+            return 0
+        try:
+            stats = bus.adapter_stats()
+            coverage = bus.coverage()
+            infos = bus.adapters()
+            log = structlog.get_logger(LOGGER_NAME)
+            written = 0
+            for name, adapter_stats in stats.items():
+                if not adapter_stats.calls:
+                    continue
+                fields = summary_fields(adapter_stats, coverage.get(name), infos.get(name))
+                log.info("graph_summary", **fields, final=final, **trace_context())
+                written += 1
+        except Exception as exc:  # a report must never take the sink down
+            logger.warning("graph_summary failed: %s: %s", type(exc).__name__, exc)
+            return 0
+        self.summaries += written
+        return written
+
+
+def summary_fields(
+    stats: AdapterStats,
+    coverage: AdapterCoverage | None,
+    info: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Return the fields of one encoder's ``graph_summary`` line.
+
+    The nine stats keys, ``calls``, ``max_graphs`` and ``backend`` (from the adapter's
+    registered ``info``), ``top_missed`` (per signature: ``key``,
+    ``misses``, ``reason`` most of them had, ``share`` of the encoder's calls), ``eager_s``
+    and ``lost_s`` (eager time of the misses a graph could have served, and what graphs
+    would have saved of it, ``None`` when no replay time is known) in ``time_source`` time,
+    and ``profiling`` (``calls``, ``hits``, ``captures`` in the profiling phase) when there
+    were any.
+    """
+    from omnitrace.events import Phase
+
+    fields: dict[str, Any] = {"encoder": stats.adapter, **stats.as_dict(), "calls": stats.calls}
+    info = info or {}
+    max_graphs = info.get("max_graphs")
+    if isinstance(max_graphs, int) and not isinstance(max_graphs, bool):
+        fields["max_graphs"] = max_graphs
+    if isinstance(info.get("backend"), str):
+        # A simulated replay runs the forward again: its time saved means nothing.
+        fields["backend"] = info["backend"]
+    if coverage is None:
+        return fields
+    calls = coverage.total.calls or 1
+    fields["top_missed"] = [
+        {
+            "key": row.key,
+            "misses": row.graph_misses,
+            "reason": None if row.main_reason is None else row.main_reason.value,
+            "share": round(row.graph_misses / calls, 4),
+        }
+        for row in coverage.top_missed(SUMMARY_TOP_MISSED)
+    ]
+    loss = coverage.eager_loss()
+    fields.update(eager_s=loss.eager_s, lost_s=loss.lost_s, time_source=loss.source)
+    profiling = coverage.in_phase(Phase.PROFILING)
+    if profiling.calls or profiling.captures:
+        fields["profiling"] = {
+            "calls": profiling.calls,
+            "hits": profiling.hits,
+            "captures": profiling.captures,
+        }
+    return fields
 
 
 #: Events of which there is one (or, with device timing, two) per encoder call: debug lines.

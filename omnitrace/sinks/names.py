@@ -57,6 +57,10 @@ class ATTR:
     """Distinct dtypes of the key's tensor inputs, in input order, comma-separated."""
     SHAPES = "omnitrace.graph.shapes"
     """One ``[d0,d1,...]`` (or ``None``) per positional input, parsed from the key text."""
+    PHASE = "omnitrace.phase"
+    """``serving``, or ``profiling`` during vLLM's start-up profiling run."""
+    CALL_KIND = "omnitrace.call.kind"
+    """``replay`` (a hit) or ``eager`` (a miss the adapter ran)."""
     ERROR_TYPE = "error.type"  # OTel semantic convention
     EXCEPTION_TYPE = "exception.type"  # OTel semantic convention (exception event)
     EXCEPTION_MESSAGE = "exception.message"  # OTel semantic convention (exception event)
@@ -76,10 +80,12 @@ class SPANS:
     EXCEPTION_EVENT = "exception"  # span event name the OTel semantic conventions fix
 
 
-# Every counter is an observable counter that reads the bus's stats fold, so its value is the
-# stats dict's value exactly. The Prometheus names follow the exporter's translation (a unit in
-# braces is an annotation and adds no suffix, counters gain _total, seconds gain _seconds) and
-# a test scrapes a real exporter to hold them to it.
+# Every counter is an observable counter that reads the bus's folds (stats, and coverage for
+# the counts by phase), so its value is the stats' value exactly; the call-time histograms are
+# recorded from the events the sink receives. Signatures never become labels. The Prometheus
+# names follow the exporter's translation (a unit in braces is an annotation and adds no
+# suffix, counters gain _total, seconds gain _seconds, bytes _bytes) and a test scrapes a real
+# exporter to hold them to it.
 METRICS: dict[str, MetricName] = {
     "hits": MetricName(
         otel="omnitrace.encoder.graph.hits",
@@ -148,6 +154,58 @@ METRICS: dict[str, MetricName] = {
         attributes=(ATTR.ENCODER,),
         prometheus="omnitrace_encoder_graph_capture_duration_seconds",
     ),
+    "phase_calls": MetricName(
+        otel="omnitrace.encoder.calls",
+        kind="counter",
+        unit="{call}",
+        description=(
+            "Encoder calls by phase (serving, or profiling during vLLM's start-up profiling "
+            "run); hits plus misses of each encoder."
+        ),
+        attributes=(ATTR.ENCODER, ATTR.PHASE),
+        prometheus="omnitrace_encoder_calls_total",
+    ),
+    "phase_captures": MetricName(
+        otel="omnitrace.encoder.graph.phase_captures",
+        kind="counter",
+        unit="{graph}",
+        description="CUDA graphs captured, by the phase they were captured in.",
+        attributes=(ATTR.ENCODER, ATTR.PHASE),
+        prometheus="omnitrace_encoder_graph_phase_captures_total",
+    ),
+    "pool_memory": MetricName(
+        otel="omnitrace.encoder.graph.pool_memory",
+        kind="gauge",
+        unit="By",
+        description=(
+            "Device memory the encoder's graphs took at capture: allocator growth across "
+            "each capture plus its static input and output buffers."
+        ),
+        attributes=(ATTR.ENCODER,),
+        prometheus="omnitrace_encoder_graph_pool_memory_bytes",
+    ),
+    "call_duration": MetricName(
+        otel="omnitrace.encoder.call.duration",
+        kind="histogram",
+        unit="s",
+        description=(
+            "Host time of encoder calls: replays (copy-in, replay launch, clone-out) and the "
+            "eager runs of misses, by kind and phase."
+        ),
+        attributes=(ATTR.ENCODER, ATTR.CALL_KIND, ATTR.PHASE),
+        prometheus="omnitrace_encoder_call_duration_seconds",
+    ),
+    "call_device_duration": MetricName(
+        otel="omnitrace.encoder.call.device_duration",
+        kind="histogram",
+        unit="s",
+        description=(
+            "Device time of encoder calls (CUDA events, with encoder_cuda_graph_device_timing), "
+            "by kind and phase."
+        ),
+        attributes=(ATTR.ENCODER, ATTR.CALL_KIND, ATTR.PHASE),
+        prometheus="omnitrace_encoder_call_device_duration_seconds",
+    ),
     "bus_dropped": MetricName(
         otel="omnitrace.bus.dropped",
         kind="counter",
@@ -166,4 +224,5 @@ LOG_EVENTS: dict[str, str] = {
     "device_timed": "debug",
     "memory_deferred": "warning",
     "capture_failed": "error",
+    "graph_summary": "info",
 }

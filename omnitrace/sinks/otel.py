@@ -32,19 +32,25 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from omnitrace.events import (
     CaptureFailed,
+    DeviceTimed,
     Event,
     GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
     MemoryDeferred,
     MissReason,
+    Phase,
 )
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 
 if TYPE_CHECKING:
     from omnitrace.bus import EventBus
+    from omnitrace.coverage import AdapterCoverage
     from omnitrace.stats import AdapterStats
 
 __all__ = [
+    "CALL_DURATION_BUCKETS",
     "CAPTURE_DURATION_BUCKETS",
     "OTLPProtocol",
     "OTelSink",
@@ -71,6 +77,24 @@ CAPTURE_DURATION_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
     30.0,
+)
+
+#: Bucket bounds (seconds) of the call-time histograms: an encoder call takes from a tenth of
+#: a millisecond (a small replay) to a few hundred (a long eager clip).
+CALL_DURATION_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
 )
 
 _SCOPE = "omnitrace"
@@ -123,10 +147,13 @@ class OTelSink:
 
     Attach it with ``bus.add_sink(OTelSink(bus))``. Spans: one per capture
     (``omnitrace.graph.capture``, from the capture's start to its end), one per memory
-    deferral, and an ERROR span with an ``exception`` event per capture failure. Metrics:
-    observable counters and gauges that read ``bus.adapter_stats()``, ``bus.adapters()`` and
-    ``bus.statistics()`` at each collection, plus the capture-duration histogram. Create one
-    per bus and meter provider: a second one would report every counter twice.
+    deferral, and an ERROR span with an ``exception`` event per capture failure; each carries
+    the phase. Metrics: observable counters and gauges that read ``bus.adapter_stats()``,
+    ``bus.coverage()`` (calls and captures by phase), ``bus.adapters()`` and
+    ``bus.statistics()`` at each collection, the capture-duration histogram, and the host and
+    device call-time histograms by kind (``replay``, ``eager``) and phase, recorded from the
+    events this sink receives. Create one per bus and meter provider: a second one would
+    report every counter twice.
 
     Args:
         bus: the bus whose stats the metrics read (the sink still has to be added to it).
@@ -168,13 +195,19 @@ class OTelSink:
             ("captures", self._observe_captures),
             ("capture_failures", self._observe_failures),
             ("memory_deferrals", self._observe_deferrals),
+            ("phase_calls", self._observe_phase_calls),
+            ("phase_captures", self._observe_phase_captures),
             ("bus_dropped", self._observe_dropped),
         ):
             spec = METRICS[key]
             meter.create_observable_counter(
                 spec.otel, observable(key, read), unit=spec.unit, description=spec.description
             )
-        for key, read in (("graphs", self._observe_graphs), ("max_graphs", self._observe_cap)):
+        for key, read in (
+            ("graphs", self._observe_graphs),
+            ("max_graphs", self._observe_cap),
+            ("pool_memory", self._observe_pool_memory),
+        ):
             spec = METRICS[key]
             meter.create_observable_gauge(
                 spec.otel, observable(key, read), unit=spec.unit, description=spec.description
@@ -186,6 +219,21 @@ class OTelSink:
             description=spec.description,
             explicit_bucket_boundaries_advisory=CAPTURE_DURATION_BUCKETS,
         )
+        host, device = METRICS["call_duration"], METRICS["call_device_duration"]
+        self._call_duration = meter.create_histogram(
+            host.otel,
+            unit=host.unit,
+            description=host.description,
+            explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
+        )
+        self._call_device_duration = meter.create_histogram(
+            device.otel,
+            unit=device.unit,
+            description=device.description,
+            explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
+        )
+        # One attribute dict per (encoder, kind, phase): a call's record builds none.
+        self._call_attributes: dict[tuple[str, str, Phase], dict[str, str]] = {}
 
     # -- introspection --------------------------------------------------------------------
 
@@ -205,10 +253,14 @@ class OTelSink:
     # -- Sink protocol --------------------------------------------------------------------
 
     def handle(self, events: Sequence[Event]) -> None:
-        """Make the spans of ``events`` and record new captures in the duration histogram."""
+        """Make the spans of ``events``, record their call times, and record new captures
+        in the duration histogram."""
         for event in events:
             try:
-                self._span_for(event)
+                if isinstance(event, (GraphReplayed, GraphMissed, DeviceTimed)):
+                    self._record_call(event)
+                else:
+                    self._span_for(event)
             except Exception as exc:
                 self._errors(
                     "OTel sink failed on %s: %s: %s", type(event).__name__, _name(exc), exc
@@ -218,6 +270,30 @@ class OTelSink:
     def close(self) -> None:
         """Record captures not yet in the histogram; the providers stay the app's to shut down."""
         self._record_capture_durations()
+
+    # -- call times -----------------------------------------------------------------------
+
+    def _attributes(self, adapter: str, kind: str, phase: Phase) -> dict[str, str]:
+        key = (adapter, kind, phase)
+        attributes = self._call_attributes.get(key)
+        if attributes is None:
+            attributes = self._call_attributes[key] = {
+                ATTR.ENCODER: adapter,
+                ATTR.CALL_KIND: kind,
+                ATTR.PHASE: phase.value,
+            }
+        return attributes
+
+    def _record_call(self, event: GraphReplayed | GraphMissed | DeviceTimed) -> None:
+        if isinstance(event, DeviceTimed):
+            attributes = self._attributes(event.adapter, event.kind, event.phase)
+            self._call_device_duration.record(event.device_s, attributes)
+            return
+        duration = event.duration_s
+        if duration is None:  # a model-level fallback: the adapter did not run it
+            return
+        kind = "replay" if isinstance(event, GraphReplayed) else "eager"
+        self._call_duration.record(duration, self._attributes(event.adapter, kind, event.phase))
 
     # -- spans ----------------------------------------------------------------------------
 
@@ -235,6 +311,7 @@ class OTelSink:
                     ATTR.BYTES_RESERVED: event.bytes_reserved,
                     ATTR.STATIC_BYTES: event.static_bytes,
                     ATTR.GRAPH_INDEX: event.graph_index,
+                    ATTR.PHASE: event.phase.value,
                 }
                 end_ns = event.epoch_ns + max(0, round(event.duration_s * 1e9))
                 self._emit_span(SPANS.CAPTURE, event.epoch_ns, end_ns, attributes)
@@ -245,6 +322,7 @@ class OTelSink:
                     ATTR.DEVICE: event.device,
                     ATTR.FREE_BYTES: event.free_bytes,
                     ATTR.FLOOR_BYTES: event.floor_bytes,
+                    ATTR.PHASE: event.phase.value,
                 }
                 self._emit_span(SPANS.MEMORY_DEFERRAL, event.epoch_ns, event.epoch_ns, attributes)
             case CaptureFailed():
@@ -256,13 +334,14 @@ class OTelSink:
                     ATTR.DEVICE: event.device,
                     ATTR.STREAM: event.stream,
                     ATTR.ERROR_TYPE: event.error_type,
+                    ATTR.PHASE: event.phase.value,
                 }
                 self._emit_span(
                     SPANS.CAPTURE_FAILURE, event.epoch_ns, event.epoch_ns, attributes, event
                 )
             case _:
-                # Hits and misses are counters: a span event per replay on a long-lived span
-                # would hit the SDK's per-span event cap within seconds of serving.
+                # Hits and misses are counters and histograms: a span event per replay on a
+                # long-lived span would hit the SDK's per-span event cap within seconds.
                 pass
 
     def _emit_span(
@@ -351,6 +430,28 @@ class OTelSink:
     def _observe_graphs(self) -> Iterator[Observation]:
         for name, stats in self._adapters():
             yield Observation(stats.num_graphs if stats else 0, {ATTR.ENCODER: name})
+
+    def _observe_pool_memory(self) -> Iterator[Observation]:
+        for name, stats in self._adapters():
+            held = sum(g.bytes_reserved + g.static_bytes for g in stats.graphs) if stats else 0
+            yield Observation(held, {ATTR.ENCODER: name})
+
+    def _coverage(self) -> Iterator[tuple[str, AdapterCoverage | None]]:
+        coverage = self._bus.coverage()
+        for name in (*coverage, *(n for n in self._bus.adapters() if n not in coverage)):
+            yield name, coverage.get(name)
+
+    def _observe_phase_calls(self) -> Iterator[Observation]:
+        for name, coverage in self._coverage():
+            for phase in Phase:
+                calls = coverage.in_phase(phase).calls if coverage else 0
+                yield Observation(calls, {ATTR.ENCODER: name, ATTR.PHASE: phase.value})
+
+    def _observe_phase_captures(self) -> Iterator[Observation]:
+        for name, coverage in self._coverage():
+            for phase in Phase:
+                captures = coverage.in_phase(phase).captures if coverage else 0
+                yield Observation(captures, {ATTR.ENCODER: name, ATTR.PHASE: phase.value})
 
     def _observe_cap(self) -> Iterator[Observation]:
         for name, info in self._bus.adapters().items():

@@ -66,6 +66,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
                 str(REQUESTS),
                 "--log-file",
                 str(log_file),
+                # Device timing on: the device-time histograms are exported too.
+                "--hf-overrides",
+                '{"encoder_cuda_graph_device_timing": true}',
             ],
             cwd=workdir,
             env=env,

@@ -207,7 +207,8 @@ def test_dashboards_and_alerts_work_against_a_real_prometheus(
         "--sim-free-mib",
         "100000",
         "--hf-overrides",
-        '{"encoder_cuda_graph_max_graphs": 64}',
+        # Device timing on, so the device-time panel has data.
+        '{"encoder_cuda_graph_max_graphs": 64, "encoder_cuda_graph_device_timing": true}',
     )
     try:
         for where, expr in _dashboard_queries():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -217,3 +218,92 @@ def test_filtered_debug_events_are_skipped_before_their_fields_are_built(
     assert described == ["graph_captured"]
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [line["event"] for line in lines] == ["graph_captured"]
+
+
+def _summaries(logs: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [line for line in logs if line["event"] == "graph_summary"]
+
+
+def _serve(bus: EventBus) -> EncoderCudaGraph:
+    """Run an adapter with one hot shape (captured) and one the cap keeps out."""
+    graph = EncoderCudaGraph(
+        lambda x: x * 2,
+        name="vision",
+        config=EncoderGraphConfig(max_graphs=1, min_free_bytes=0),
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    with torch.no_grad():
+        graph.set_phase("profiling")
+        graph(torch.ones(1, 64))
+        graph.set_phase("serving")
+        for _ in range(5):
+            graph(torch.ones(1, 8))
+        for _ in range(3):
+            graph(torch.ones(1, 16))
+    return graph
+
+
+def test_close_writes_a_final_graph_summary_per_encoder_with_its_top_missed_keys() -> None:
+    """At close the sink logs one graph_summary per encoder: its stats, the missed
+    signatures with their reason and share of calls, the eager time and the profiling calls."""
+    bus = EventBus()
+    sink = LogSink(bus=bus, summary_interval=0)
+    bus.add_sink(sink)
+    with capture_logs() as logs:
+        graph = _serve(bus)
+        bus.close()
+    (line,) = _summaries(logs)
+    assert LOG_EVENTS["graph_summary"] == "info"
+    assert line["log_level"] == "info"
+    assert line["final"] is True
+    stats = graph.get_cumulative_stats()
+    assert {k: line[k] for k in stats} == stats
+    assert (line["calls"], line["max_graphs"], line["backend"]) == (9, 1, "simulated")
+    assert line["top_missed"] == [
+        {"key": "float32[1,16] @cpu s=0", "misses": 3, "reason": "capacity", "share": 0.3333},
+        {"key": "float32[1,8] @cpu s=0", "misses": 1, "reason": "warmup", "share": 0.1111},
+        {"key": "float32[1,64] @cpu s=0", "misses": 1, "reason": "warmup", "share": 0.1111},
+    ]
+    assert line["profiling"] == {"calls": 1, "hits": 0, "captures": 0}
+    assert line["time_source"] == "host"
+    assert isinstance(line["eager_s"], float)
+    assert line["eager_s"] > 0
+    assert sink.summaries == 1
+
+
+def test_summaries_repeat_at_the_interval_while_serving() -> None:
+    """With an interval, graph_summary lines come periodically (final false), then once
+    more at close (final true)."""
+    bus = EventBus()
+    sink = LogSink(bus=bus, summary_interval=0.05)
+    bus.add_sink(sink)
+    with capture_logs() as logs:
+        _serve(bus)
+        assert bus.flush()
+        deadline = time.monotonic() + 5
+        while sink.summaries < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        bus.close()
+    lines = _summaries(logs)
+    assert len(lines) >= 3
+    assert [line["final"] for line in lines[:-1]] == [False] * (len(lines) - 1)
+    assert lines[-1]["final"] is True
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1e7", "nan"])
+def test_a_bad_summary_interval_is_a_one_line_config_error(value: str) -> None:
+    """OMNITRACE_SUMMARY_INTERVAL must be seconds from 0 to 10**6; the message names it."""
+    with pytest.raises(ConfigError) as info:
+        LogSink(bus=EventBus(), environ={"OMNITRACE_SUMMARY_INTERVAL": value})
+    assert str(info.value) == (
+        "OMNITRACE_SUMMARY_INTERVAL: expected a number of seconds from 0 to 1000000 "
+        f"(0 writes the summary only at shutdown), got {value!r}"
+    )
+
+
+def test_the_summary_interval_comes_from_the_environment_default_60() -> None:
+    """Unset, the interval is 60 s; the variable sets it; 0 keeps only the final line."""
+    assert LogSink(environ={}).summary_interval == 60.0
+    assert LogSink(environ={"OMNITRACE_SUMMARY_INTERVAL": "2.5"}).summary_interval == 2.5
+    assert LogSink(environ={"OMNITRACE_SUMMARY_INTERVAL": "0"}).summary_interval == 0.0

@@ -35,20 +35,25 @@ from omnitrace import (
     Event,
     EventBus,
     GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
     MemoryDeferred,
     MissReason,
     derive_stats,
 )
+from omnitrace.events import DeviceTimed
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
-from omnitrace.sinks.otel import CAPTURE_DURATION_BUCKETS, OTelSink
+from omnitrace.sinks.otel import CALL_DURATION_BUCKETS, CAPTURE_DURATION_BUCKETS, OTelSink
 from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 PROTOCOLS = ["http/protobuf", "grpc"]
 
-VISION_CFG = EncoderGraphConfig(max_graphs=1, min_capture_calls=2, min_free_bytes=0)
+VISION_CFG = EncoderGraphConfig(
+    max_graphs=1, min_capture_calls=2, min_free_bytes=0, device_timing=True
+)
 AUDIO_CFG = EncoderGraphConfig(max_graphs=2, min_free_bytes=1 << 30)
 BROKEN_CFG = EncoderGraphConfig(min_free_bytes=0)
 CAPTURE_ERROR = "simulated capture failure: out of memory"
@@ -94,7 +99,10 @@ def run_scenario(bus: EventBus) -> Scenario:
     )
     x = torch.ones(1, 8, 16, dtype=torch.bfloat16)
     with capture_events(bus) as events, torch.no_grad():
-        for _ in range(3):  # warm-up miss, capture (a hit), hit
+        vision.set_phase("profiling")
+        vision(x, None)  # warm-up miss, in the profiling phase
+        vision.set_phase("serving")
+        for _ in range(2):  # capture (a hit), hit
             vision(x, None)
         vision(torch.ones(1, 4, 16), None)  # capacity miss: the one slot is taken
         with torch.enable_grad():
@@ -104,6 +112,7 @@ def run_scenario(bus: EventBus) -> Scenario:
         broken(torch.ones(3, 5))
         with pytest.raises(RuntimeError, match="out of memory"):
             broken(torch.ones(3, 5))
+        assert vision.flush_device_timing()
     return Scenario(list(events), {"vision": vision, "audio": audio, "broken": broken})
 
 
@@ -188,6 +197,7 @@ def test_capture_span_carries_the_event_times_and_attributes(
         ATTR.BYTES_RESERVED: captured.bytes_reserved,
         ATTR.STATIC_BYTES: captured.static_bytes,
         ATTR.GRAPH_INDEX: 0,
+        ATTR.PHASE: "serving",
     }
     assert captured.key == "bfloat16[1,8,16], None @cpu s=0"
     assert sink.spans == 3
@@ -214,6 +224,7 @@ def test_memory_deferral_span_records_free_bytes_and_floor(
         ATTR.DEVICE: "cpu",
         ATTR.FREE_BYTES: 1 << 20,
         ATTR.FLOOR_BYTES: AUDIO_CFG.min_free_bytes,
+        ATTR.PHASE: "serving",
     }
     assert span.status.code == Status.StatusCode.STATUS_CODE_UNSET
 
@@ -241,6 +252,7 @@ def test_capture_failure_span_has_error_status_and_exception_event(
         ATTR.DEVICE: "cpu",
         ATTR.STREAM: failed.stream,
         ATTR.ERROR_TYPE: "RuntimeError",
+        ATTR.PHASE: "serving",
     }
     (event,) = span.events
     assert event.name == "exception"
@@ -369,6 +381,81 @@ def test_exported_capture_histogram_counts_each_capture_duration(
     assert point.sum == pytest.approx(sum(c.duration_s for c in captures))
     assert sum(point.bucket_counts) == point.count
     assert tuple(point.explicit_bounds) == CAPTURE_DURATION_BUCKETS
+
+
+def test_call_time_histograms_count_each_call_by_kind_and_phase(
+    exported: tuple[OTLPReceiver, OTelSetup, OTelSink], bus: EventBus
+) -> None:
+    """Host times of replays and eager runs, and device times where the adapter measures
+    them, land in histograms per encoder, kind and phase, one observation per call."""
+    receiver, setup, _ = exported
+    scenario = run_scenario(bus)
+    assert bus.flush(5.0)
+    assert setup.force_flush()
+    host, device = METRICS["call_duration"], METRICS["call_device_duration"]
+    assert receiver.wait_for(lambda r: r.latest_metric(device.otel) is not None)
+    expected: dict[tuple[str, str, str], list[float]] = {}
+    measured: dict[tuple[str, str, str], list[float]] = {}
+    for event in scenario.events:
+        if isinstance(event, (GraphReplayed, GraphMissed)) and event.duration_s is not None:
+            kind = "replay" if isinstance(event, GraphReplayed) else "eager"
+            key = (event.adapter, kind, event.phase.value)
+            expected.setdefault(key, []).append(event.duration_s)
+        elif isinstance(event, DeviceTimed):
+            key = (event.adapter, event.kind, event.phase.value)
+            measured.setdefault(key, []).append(event.device_s)
+    assert ("vision", "eager", "profiling") in expected
+    assert {k for k in measured if k[0] != "vision"} == set()
+    for spec, want in ((host, expected), (device, measured)):
+        metric = receiver.latest_metric(spec.otel)
+        assert metric is not None
+        assert metric.unit == "s"
+        got = {}
+        for labels, point in _points(metric).items():
+            named = dict(labels)
+            key = (named[ATTR.ENCODER], named[ATTR.CALL_KIND], named[ATTR.PHASE])
+            got[key] = (point.count, point.sum)
+            assert tuple(point.explicit_bounds) == CALL_DURATION_BUCKETS
+        assert got == {k: (len(v), pytest.approx(sum(v))) for k, v in want.items()}, spec.otel
+
+
+def test_calls_and_captures_by_phase_and_pool_memory_read_the_folds(
+    exported: tuple[OTLPReceiver, OTelSetup, OTelSink], bus: EventBus
+) -> None:
+    """Calls and captures per phase come from the coverage fold and add up to the stats;
+    pool memory is what each encoder's captures took."""
+    receiver, setup, _ = exported
+    scenario = run_scenario(bus)
+    assert bus.flush(5.0)
+    assert setup.force_flush()
+    assert receiver.wait_for(lambda r: r.latest_metric(METRICS["pool_memory"].otel) is not None)
+    calls = receiver.latest_metric(METRICS["phase_calls"].otel)
+    captures = receiver.latest_metric(METRICS["phase_captures"].otel)
+    pool = receiver.latest_metric(METRICS["pool_memory"].otel)
+    assert calls is not None
+    assert captures is not None
+    assert pool is not None
+    by_phase = {
+        (dict(labels)[ATTR.ENCODER], dict(labels)[ATTR.PHASE]): _value(p)
+        for labels, p in _points(calls).items()
+    }
+    assert by_phase[("vision", "profiling")] == 1
+    for name, graph in scenario.graphs.items():
+        stats = graph.get_cumulative_stats()
+        total = by_phase[(name, "serving")] + by_phase[(name, "profiling")]
+        assert total == stats["graph_hits"] + stats["graph_misses"]
+    captured = {
+        (dict(labels)[ATTR.ENCODER], dict(labels)[ATTR.PHASE]): _value(p)
+        for labels, p in _points(captures).items()
+    }
+    assert captured[("vision", "serving")] == 1
+    assert captured[("vision", "profiling")] == 0
+    held = {dict(labels)[ATTR.ENCODER]: _value(p) for labels, p in _points(pool).items()}
+    sizes = {name: 0 for name in scenario.graphs}
+    for event in scenario.of(GraphCaptured):
+        sizes[event.adapter] += event.bytes_reserved + event.static_bytes
+    assert held == sizes
+    assert held["vision"] > 0
 
 
 def test_exported_metric_attributes_are_the_declared_low_cardinality_ones(
@@ -529,6 +616,7 @@ def test_a_signature_without_tensors_keeps_its_key_and_has_no_dtype(
             ATTR.DEVICE: "cuda:1",
             ATTR.FREE_BYTES: 10,
             ATTR.FLOOR_BYTES: 20,
+            ATTR.PHASE: "serving",
         }
         assert (span.start_time, span.end_time) == (2_000, 2_000)
     finally:
@@ -873,7 +961,8 @@ def test_metric_names_follow_otel_naming_rules_in_one_namespace() -> None:
         assert pattern.fullmatch(spec.otel), spec.otel
         assert len(spec.otel) <= 255
         assert not spec.otel.endswith("_total")
-        assert set(spec.attributes) <= {ATTR.ENCODER, ATTR.MISS_REASON, ATTR.SINK}
+        low_cardinality = {ATTR.ENCODER, ATTR.MISS_REASON, ATTR.SINK, ATTR.PHASE, ATTR.CALL_KIND}
+        assert set(spec.attributes) <= low_cardinality
     for name in (SPANS.CAPTURE, SPANS.MEMORY_DEFERRAL, SPANS.CAPTURE_FAILURE):
         assert pattern.fullmatch(name), name
 
