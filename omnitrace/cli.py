@@ -651,6 +651,7 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
                 "rank": e.rank,
                 "pid": e.pid,
                 **_encoder_json(e.stats.as_dict(), e.max_graphs),
+                **(e.coverage.summary() if e.coverage is not None else {}),
             }
             for e in snapshot.encoders
         ],

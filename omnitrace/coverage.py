@@ -277,6 +277,42 @@ class AdapterCoverage:
         rows.sort(key=lambda row: -row.graph_misses)
         return tuple(rows[:count])
 
+    def summary(self, count: int = 5) -> dict[str, Any]:
+        """Return the coverage in a few JSON-ready fields (log summaries, ``top --json``).
+
+        ``top_missed``: up to ``count`` rows with the most misses, each with its ``key``,
+        ``misses``, the ``reason`` most of them had and their ``share`` of the adapter's
+        calls; ``eager_s`` and ``lost_s`` (see :class:`EagerLoss`) in ``time_source`` time;
+        and ``profiling`` (``calls``, ``hits``, ``captures`` and ``replayed_in_serving``,
+        graphs captured while profiling that serving replayed) when there were any.
+        """
+        calls = self.total.calls or 1
+        fields: dict[str, Any] = {
+            "top_missed": [
+                {
+                    "key": row.key,
+                    "misses": row.graph_misses,
+                    "reason": None if row.main_reason is None else row.main_reason.value,
+                    "share": round(row.graph_misses / calls, 4),
+                }
+                for row in self.top_missed(count)
+            ]
+        }
+        loss = self.eager_loss()
+        fields.update(eager_s=loss.eager_s, lost_s=loss.lost_s, time_source=loss.source)
+        profiling = self.in_phase(Phase.PROFILING)
+        if profiling.calls or profiling.captures:
+            captured = [row for row in self.captured if row.capture_phase is Phase.PROFILING]
+            fields["profiling"] = {
+                "calls": profiling.calls,
+                "hits": profiling.hits,
+                "captures": profiling.captures,
+                "replayed_in_serving": sum(
+                    1 for row in captured if row.in_phase(Phase.SERVING).hits
+                ),
+            }
+        return fields
+
     @property
     def time_source(self) -> str:
         """``"device"`` when any call of the adapter was timed on the device, else ``"host"``."""

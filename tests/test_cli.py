@@ -26,7 +26,7 @@ import pytest
 import structlog
 
 import omnitrace
-from omnitrace import derive_stats
+from omnitrace import derive_coverage, derive_stats
 from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
@@ -387,6 +387,21 @@ def test_top_json_prints_the_stats_of_each_worker(
         assert stats == derived[entry["encoder"]]
         assert entry["calls"] == stats["graph_hits"] + stats["graph_misses"]
         assert (entry["max_graphs"], entry["rank"]) == (4, 0)
+
+
+def test_top_json_lists_each_encoders_top_missed_signatures_and_eager_time(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top --json` adds the coverage summary: top missed keys, eager time, time source."""
+    _, log = recorded
+    assert main(["top", "--json", str(log)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    coverage = derive_coverage(read_events(log))
+    for entry in data["encoders"]:
+        mine = coverage[entry["encoder"]].summary()
+        assert {k: entry[k] for k in mine} == json.loads(json.dumps(mine))
+        assert sum(row["misses"] for row in entry["top_missed"]) <= entry["graph_misses"]
+    assert any(entry["top_missed"] for entry in data["encoders"])
 
 
 def test_top_json_with_follow_is_a_usage_error(

@@ -7,7 +7,10 @@ a pure function of the frozen snapshot, so what an operator sees can be tested e
 a recording console.
 
 Two boards feed the same view: :class:`BusBoard` (in-process, from an EventBus) and
-:class:`RecordBoard` (from event-log records, one column per worker pid and rank).
+:class:`RecordBoard` (from event-log records, one column per worker pid and rank). Beside the
+stats, each encoder's per-signature coverage feeds the panel of the top missed signatures
+(their reason and share of calls), the estimated time eager calls lost, and the calls and
+captures of vLLM's start-up profiling run.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from rich.table import Table
 from rich.text import Text
 
 from omnitrace.bus import EventBus
+from omnitrace.coverage import AdapterCoverage, CoverageFold, KeyCoverage
 from omnitrace.eventlog import AdapterInfo, EventRecord
-from omnitrace.events import CaptureFailed, Event, MemoryDeferred, MissReason
+from omnitrace.events import CaptureFailed, Event, MemoryDeferred, MissReason, Phase
 from omnitrace.stats import AdapterStats, StatsFold
 
 __all__ = [
@@ -77,6 +81,8 @@ class EncoderSnapshot:
     rank: int | None = None
     """The writing worker's rank and pid (from an event log); None in-process."""
     pid: int | None = None
+    coverage: AdapterCoverage | None = None
+    """Per-signature coverage (missed signatures, eager time, profiling), when known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +193,7 @@ class BusBoard:
     def snapshot(self) -> LiveSnapshot:
         """Freeze the bus's stats fold, adapter facts and counters."""
         stats = self._bus.adapter_stats()
+        coverage = self._bus.coverage()
         infos = self._bus.adapters()
         bus_stats = self._bus.statistics()
         names = list(infos) + [name for name in stats if name not in infos]
@@ -199,6 +206,7 @@ class BusBoard:
                 min_free_bytes=_int_or_none(infos.get(name, {}), "min_free_bytes"),
                 backend=_backend(infos.get(name, {})),
                 notices=notices.get(name, ()),
+                coverage=coverage.get(name),
             )
             for name in names
         )
@@ -220,6 +228,7 @@ class RecordBoard:
         self._title = title
         self._lock = threading.Lock()
         self._folds: dict[tuple[int, int], StatsFold] = {}
+        self._coverage: dict[tuple[int, int], CoverageFold] = {}
         self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
         self._notices: dict[tuple[tuple[int, int], str], deque[Notice]] = {}
         self._count = 0
@@ -237,6 +246,7 @@ class RecordBoard:
                     continue
                 self._count += 1
                 self._folds.setdefault(source, StatsFold()).fold(item)
+                self._coverage.setdefault(source, CoverageFold()).fold(item)
                 notice = _notice(item)
                 if notice is not None:
                     key = (source, item.adapter)
@@ -254,6 +264,7 @@ class RecordBoard:
             encoders: list[EncoderSnapshot] = []
             for source in sources:
                 fold = self._folds.get(source, StatsFold())
+                coverage = self._coverage.get(source, CoverageFold())
                 infos = self._infos.get(source, {})
                 names = list(infos) + [n for n in fold.adapters() if n not in infos]
                 label = f"rank {source[0]} · pid {source[1]}" if len(sources) > 1 else ""
@@ -269,6 +280,7 @@ class RecordBoard:
                             notices=tuple(self._notices.get((source, name), ())),
                             rank=source[0],
                             pid=source[1],
+                            coverage=coverage.snapshot(name),
                         )
                     )
             return LiveSnapshot(
@@ -284,17 +296,22 @@ class RecordBoard:
 
 #: Panel interior width under which rows switch to their compact wording.
 _COMPACT_BELOW = 56
-#: (notices, captured keys, log lines) per encoder, tried in order until a frame fits.
-_BUDGETS: tuple[tuple[int, int | None, int], ...] = (
-    (_RECENT, None, 3),
-    (2, None, 3),
-    (1, None, 2),
-    (0, None, 2),
-    (0, None, 1),
-    (0, 3, 1),
-    (0, 2, 1),
-    (0, 1, 1),
-    (0, 0, 0),
+#: Missed signatures the frame lists at most.
+_MISSED = 5
+#: (notices, captured keys, log lines, missed signatures), tried in order until a frame fits:
+#: old notices go first, then missed rows beyond three, log lines, keys, the last rows.
+_BUDGETS: tuple[tuple[int, int | None, int, int], ...] = (
+    (_RECENT, None, 3, _MISSED),
+    (2, None, 3, _MISSED),
+    (1, None, 2, _MISSED),
+    (0, None, 2, _MISSED),
+    (0, None, 2, 3),
+    (0, None, 1, 3),
+    (0, 3, 1, 3),
+    (0, 2, 1, 2),
+    (0, 1, 1, 1),
+    (0, 0, 0, 1),
+    (0, 0, 0, 0),
 )
 _DTYPES = {
     "float32": "f32",
@@ -372,12 +389,14 @@ def _keys_table(
     keys.add_column("capture", justify="right", no_wrap=True, min_width=8)
     # What is left beside the capture time (and the clock): the key is elided to fit it.
     key_width = width - (11 if compact else 22)
+    profiled = _profiling_captures(encoder.coverage)
     for graph in shown:
         inputs, place = _split_key(graph.key)
         label = _short_inputs(inputs) if compact else inputs
         if common is None and place:
             label = f"{label} {place}"
-        cells = [_elide(label, max(8, key_width))]
+        tag = " (prof)" if graph.signature in profiled else ""
+        cells = [_elide(label, max(8, key_width - len(tag))) + tag]
         if not compact:
             cells.append(_clock(graph.epoch_ns))
         cells.append(f"{graph.duration_s * 1e3:.1f} ms")
@@ -385,6 +404,129 @@ def _keys_table(
     if len(shown) < len(graphs):
         keys.add_row(Text(f"… {len(graphs) - len(shown)} more", style="dim"))
     return keys
+
+
+def _profiling_captures(coverage: AdapterCoverage | None) -> set[Any]:
+    """The signatures captured during the profiling phase."""
+    if coverage is None:
+        return set()
+    return {row.signature for row in coverage.captured if row.capture_phase is Phase.PROFILING}
+
+
+def _seconds(value: float, compact: bool = False) -> str:
+    if compact:
+        return f"{value:.1f}s" if value >= 1 else f"{value * 1e3:.0f}ms"
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.1f} ms"
+
+
+def _eager_row(coverage: AdapterCoverage, backend: str | None, compact: bool) -> Text | None:
+    """The eager time of misses a graph could have served, and what graphs would save."""
+    loss = coverage.eager_loss()
+    if not loss.misses:
+        return None
+    eager = _seconds(loss.eager_s, compact)
+    if backend == "simulated":
+        # A simulated replay runs the forward again: there is no saving to estimate.
+        if compact:
+            return Text(f"{eager} {loss.source}, lost n/a (sim)")
+        lost = Text("lost n/a (simulated)", style="dim")
+    elif loss.lost_s is None:
+        lost = Text("lost ?", style="dim")
+    else:
+        lost = Text("lost ≈ " if not compact else "lost ≈")
+        lost.append(_seconds(loss.lost_s, compact), style="yellow" if loss.lost_s > 0 else "")
+    if compact:
+        text = lost
+        text.append(f" of {eager} {loss.source}")
+        return text
+    text = Text(f"{eager} in {loss.timed} misses · ")
+    text.append_text(lost)
+    text.append(f" {loss.source}", style="dim")
+    return text
+
+
+def _profiling_row(coverage: AdapterCoverage, compact: bool) -> Text | None:
+    """Calls and captures of the profiling phase, and whether serving replayed them."""
+    profiling = coverage.in_phase(Phase.PROFILING)
+    if not profiling.calls and not profiling.captures:
+        return None
+    captured = [row for row in coverage.captured if row.capture_phase is Phase.PROFILING]
+    used = sum(1 for row in captured if row.in_phase(Phase.SERVING).hits)
+    if compact:
+        text = Text(f"{profiling.calls} calls · {len(captured)} cap")
+        if captured:
+            text.append(f" · {used} served", style="yellow" if used < len(captured) else "")
+        return text
+    text = Text(f"calls {profiling.calls} · captures {len(captured)}")
+    if captured:
+        text.append(
+            f" · {used} of {len(captured)} replayed while serving",
+            style="yellow" if used < len(captured) else "",
+        )
+    return text
+
+
+def _missed_rows(
+    encoders: Sequence[EncoderSnapshot], limit: int
+) -> list[tuple[EncoderSnapshot, KeyCoverage, float]]:
+    """The signatures with the most misses across encoders, with their share of calls."""
+    rows = []
+    for encoder in encoders:
+        coverage = encoder.coverage
+        if coverage is None:
+            continue
+        calls = coverage.total.calls or 1
+        rows += [(encoder, row, row.graph_misses / calls) for row in coverage.top_missed(limit)]
+    rows.sort(key=lambda item: -item[1].graph_misses)
+    return rows[:limit]
+
+
+def _missed_panel(
+    encoders: Sequence[EncoderSnapshot], width: int, limit: int
+) -> RenderableType | None:
+    """The panel of the top missed signatures: encoder, signature, reason, misses, share."""
+    rows = _missed_rows(encoders, limit)
+    if not rows:
+        return None
+    compact = width < 100
+    sources = len({encoder.source for encoder, _, _ in rows}) > 1
+    table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold", expand=False)
+    table.add_column("encoder", no_wrap=True)
+    table.add_column("missed signature", no_wrap=True, overflow="ellipsis")
+    table.add_column("reason", no_wrap=True)
+    table.add_column("misses", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    names = [
+        encoder.stats.adapter
+        + (f" r{encoder.rank}" if sources and encoder.rank is not None else "")
+        for encoder, _, _ in rows
+    ]
+    # What the other columns leave (borders, padding, reason, misses, share) goes to the key.
+    key_width = max(8, width - 4 - max(len(n) for n in names) - 1 - 9 - 7 - 7 - 3)
+    for name, (_, row, share) in zip(names, rows, strict=True):
+        if row.signature is None:
+            label = "(shapes not tracked)"
+        else:
+            inputs, place = _split_key(row.key)
+            label = _short_inputs(inputs) if compact else f"{inputs} {place}".rstrip()
+        reason = row.main_reason
+        table.add_row(
+            name,
+            _elide(label, key_width),
+            Text(
+                "" if reason is None else reason.value,
+                style="yellow" if reason is not None and reason.loses_coverage else "",
+            ),
+            str(row.graph_misses),
+            f"{share * 100:.1f} %",
+        )
+    return Panel(
+        table,
+        title="[bold]top missed signatures[/]",
+        title_align="left",
+        border_style="yellow",
+        expand=True,
+    )
 
 
 def _encoder_panel(
@@ -430,6 +572,14 @@ def _encoder_panel(
         )
         memory.append(f"deferrals {deferred}", style=deferral_style)
         grid.add_row("memory", _line(memory))
+    coverage = encoder.coverage
+    if coverage is not None:
+        eager = _eager_row(coverage, encoder.backend, compact)
+        if eager is not None:
+            grid.add_row("eager", _line(eager))
+        profiling = _profiling_row(coverage, compact)
+        if profiling is not None:
+            grid.add_row("profile" if not compact else "prof", _line(profiling))
     if stats.failure is not None:
         grid.add_row("TERMINAL", _line(stats.failure, style="bold red"))
 
@@ -501,7 +651,12 @@ _LEVEL_STYLES = {"error": "bold red", "critical": "bold red", "warning": "yellow
 
 
 def _frame(
-    snapshot: LiveSnapshot, width: int, notices: int, key_limit: int | None, logs: int
+    snapshot: LiveSnapshot,
+    width: int,
+    notices: int,
+    key_limit: int | None,
+    logs: int,
+    missed: int = _MISSED,
 ) -> Group:
     header = Text(f"{snapshot.title}", style="bold")
     header.append(f"   {_clock(snapshot.taken_epoch_ns)}", style="dim")
@@ -509,6 +664,9 @@ def _frame(
     parts.extend(_line(line) for line in snapshot.progress)
     if snapshot.encoders:
         parts.append(_layout(snapshot.encoders, width, notices, key_limit))
+        panel = _missed_panel(snapshot.encoders, width, missed) if missed else None
+        if panel is not None:
+            parts.append(panel)
     else:
         parts.append(Text("no encoder events yet", style="dim"))
     bus = Text("bus  ")

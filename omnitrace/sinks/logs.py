@@ -332,11 +332,9 @@ def summary_fields(
     ``misses``, ``reason`` most of them had, ``share`` of the encoder's calls), ``eager_s``
     and ``lost_s`` (eager time of the misses a graph could have served, and what graphs
     would have saved of it, ``None`` when no replay time is known) in ``time_source`` time,
-    and ``profiling`` (``calls``, ``hits``, ``captures`` in the profiling phase) when there
-    were any.
+    and ``profiling`` (``calls``, ``hits``, ``captures`` in the profiling phase, and
+    ``replayed_in_serving``) when there were any: see ``AdapterCoverage.summary``.
     """
-    from omnitrace.events import Phase
-
     fields: dict[str, Any] = {"encoder": stats.adapter, **stats.as_dict(), "calls": stats.calls}
     info = info or {}
     max_graphs = info.get("max_graphs")
@@ -345,27 +343,8 @@ def summary_fields(
     if isinstance(info.get("backend"), str):
         # A simulated replay runs the forward again: its time saved means nothing.
         fields["backend"] = info["backend"]
-    if coverage is None:
-        return fields
-    calls = coverage.total.calls or 1
-    fields["top_missed"] = [
-        {
-            "key": row.key,
-            "misses": row.graph_misses,
-            "reason": None if row.main_reason is None else row.main_reason.value,
-            "share": round(row.graph_misses / calls, 4),
-        }
-        for row in coverage.top_missed(SUMMARY_TOP_MISSED)
-    ]
-    loss = coverage.eager_loss()
-    fields.update(eager_s=loss.eager_s, lost_s=loss.lost_s, time_source=loss.source)
-    profiling = coverage.in_phase(Phase.PROFILING)
-    if profiling.calls or profiling.captures:
-        fields["profiling"] = {
-            "calls": profiling.calls,
-            "hits": profiling.hits,
-            "captures": profiling.captures,
-        }
+    if coverage is not None:
+        fields.update(coverage.summary(SUMMARY_TOP_MISSED))
     return fields
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 import time
@@ -21,7 +22,9 @@ from omnitrace import (
     GraphReplayed,
     MemoryDeferred,
     MissReason,
+    derive_coverage,
 )
+from omnitrace.events import Event, Phase
 from omnitrace.sinks.jsonl import AdapterInfo, EventRecord, JsonlSink, read_records
 from omnitrace.sinks.live import (
     BusBoard,
@@ -33,7 +36,7 @@ from omnitrace.sinks.live import (
     format_bytes,
     render,
 )
-from omnitrace.stats import AdapterStats, CapturedGraphInfo
+from omnitrace.stats import AdapterStats, CapturedGraphInfo, StatsFold
 from omnitrace.testing import SimulatedGraphBackend, sig
 
 T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
@@ -432,3 +435,117 @@ def test_stderr_lines_go_into_the_view_never_across_it(
         )
     else:
         assert real.getvalue() == "".join(f"line {i}\n" for i in range(5))
+
+
+# -- coverage: missed signatures, eager time, profiling -----------------------------------
+
+
+def _coverage_events() -> list[Event]:
+    """Vision: a profiling capture never replayed, a hot key, two keys the cap keeps out."""
+    hot, dummy = sig("float32[1,1024,64], None @cpu s=0"), sig("float32[4,1024,64], None @cpu s=0")
+    late = [sig(f"float32[1,{n},64], None @cpu s=0") for n in (960, 798)]
+    events: list[Event] = [
+        GraphMissed(
+            "vision", dummy, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.02, Phase.PROFILING
+        ),
+        GraphCaptured(
+            "vision", dummy, 0, T0, 0.1, 1, "cpu", 0, 5, 64 * MiB, 1024, 0, Phase.PROFILING
+        ),
+        GraphReplayed("vision", dummy, 0, T0, 0.005, Phase.PROFILING),
+        GraphMissed("vision", hot, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.010),
+        GraphCaptured("vision", hot, 0, T0, 0.1, 1, "cpu", 0, 5, 64 * MiB, 1024, 1),
+    ]
+    events += [GraphReplayed("vision", hot, 0, T0, 0.002) for _ in range(20)]
+    events += [GraphMissed("vision", late[0], 0, T0, MissReason.CAPACITY, "cap", 0.009)] * 10
+    events += [GraphMissed("vision", late[1], 0, T0, MissReason.CAPACITY, "cap", 0.008)] * 4
+    audio = sig("float32[1,80,100] @cpu s=0")
+    events += [GraphMissed("audio", audio, 0, T0, MissReason.MEMORY, "floor", 0.004)] * 3
+    return events
+
+
+def _covered(snapshot: LiveSnapshot, backend: str | None = "torch") -> LiveSnapshot:
+    coverage = derive_coverage(_coverage_events())
+    encoders = tuple(
+        dataclasses.replace(e, coverage=coverage.get(e.stats.adapter), backend=backend)
+        for e in snapshot.encoders
+    )
+    return dataclasses.replace(snapshot, encoders=encoders)
+
+
+def test_missed_panel_lists_signatures_with_reason_and_share_and_the_eager_time_lost() -> None:
+    """The frame lists the most-missed signatures across encoders with their reason and
+    share of the encoder's calls; each panel shows the eager time and what graphs would
+    have saved, and the profiling calls with how many of their graphs serving replayed."""
+    lines = _lines(_text(render(_covered(_snapshot())), width=140))
+    body = "\n".join(lines)
+    header = next(line for line in lines if "encoder" in line and "share" in line)
+    assert header.split() == [
+        "│",
+        "encoder",
+        "missed",
+        "signature",
+        "reason",
+        "misses",
+        "share",
+        "│",
+    ]
+    rows = [line.split("│")[1].split() for line in lines if "capacity" in line and "@cpu" in line]
+    assert rows == [
+        ["vision", "float32[1,960,64],", "None", "@cpu", "s=0", "capacity", "10", "27.0", "%"],
+        ["vision", "float32[1,798,64],", "None", "@cpu", "s=0", "capacity", "4", "10.8", "%"],
+    ]
+    assert "audio    float32[1,80,100] @cpu s=0" in body
+    # 16 graphable misses: 2 warm-ups (20 + 10 ms), 14 capacity (10 x 9 + 4 x 8 ms).
+    # 16 graphable misses; the two late keys never replayed get the replay-to-eager ratio
+    # of the others, (20 x 2 + 5) / (20 x 10 + 20) ms: 15 + 8 + 10 x 9 x (1 - r) + 4 x 8 x (1 - r).
+    assert "│ eager    152.0 ms in 16 misses · lost ≈ 120.0 ms host" in body
+    assert "│ eager    12.0 ms in 3 misses · lost ? host" in body  # audio: no replay to go by
+    assert "│ profile  calls 2 · captures 1 · 0 of 1 replayed while serving" in body
+
+
+def test_keys_captured_while_profiling_are_tagged() -> None:
+    """A captured key of the profiling phase is marked (prof) in the captured keys."""
+    events = _coverage_events()
+    stats = StatsFold()
+    stats.extend(events)
+    coverage = derive_coverage(events)
+    encoder = EncoderSnapshot(stats.snapshot("vision"), max_graphs=2, coverage=coverage["vision"])
+    body = _text(render(LiveSnapshot("t", T0, (encoder,))))
+    assert "float32[4,1024,64], None (prof)  22:13:20Z  100.0 ms" in body
+    assert "float32[1,1024,64], None         22:13:20Z  100.0 ms" in body
+
+
+def test_a_simulated_backend_shows_no_time_lost() -> None:
+    """On the simulated backend a replay runs the forward again: the panel says n/a."""
+    body = _text(render(_covered(_snapshot(), backend="simulated")))
+    assert "eager    152.0 ms in 16 misses · lost n/a (simulated) host" in body
+    compact = _text(render(_covered(_busy_snapshot(), backend="simulated")), width=80)
+    assert "│ eager  152ms host, lost n/a (sim)   │" in compact
+
+
+def test_frame_with_the_missed_panel_fits_an_80x24_terminal() -> None:
+    """With coverage the busy frame still fits 80x24, keeping the missed panel's top rows."""
+    console = Console(record=True, width=80, height=24, file=io.StringIO())
+    console.print(render(_covered(_busy_snapshot()), height=24))
+    lines = _lines(console.export_text())
+    assert len(lines) <= 24
+    assert max(len(line) for line in lines) <= 80
+    body = "\n".join(lines)
+    assert "╭─ top missed signatures" in body
+    assert "│  vision   f32[1,960,64]     capacity      10  27.0 %" in body
+    assert "│ eager  lost ≈120ms of 152ms host    │" in body
+    assert "bus  events 300 · dropped 0" in lines
+    for height in (20, 16):
+        console = Console(record=True, width=80, height=height, file=io.StringIO())
+        console.print(render(_covered(_busy_snapshot()), height=height))
+        assert len(_lines(console.export_text())) <= height, height
+
+
+def test_record_board_shows_the_coverage_of_each_worker() -> None:
+    """omnitrace top folds the per-signature coverage from the log, per worker."""
+    board = RecordBoard(title="top")
+    board.add(EventRecord(e, 100, 0) for e in _coverage_events())
+    vision, _ = board.snapshot().encoders
+    assert vision.coverage is not None
+    assert vision.coverage == derive_coverage(_coverage_events())["vision"]
+    assert "top missed signatures" in _text(render(board.snapshot()))

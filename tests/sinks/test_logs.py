@@ -265,7 +265,7 @@ def test_close_writes_a_final_graph_summary_per_encoder_with_its_top_missed_keys
         {"key": "float32[1,8] @cpu s=0", "misses": 1, "reason": "warmup", "share": 0.1111},
         {"key": "float32[1,64] @cpu s=0", "misses": 1, "reason": "warmup", "share": 0.1111},
     ]
-    assert line["profiling"] == {"calls": 1, "hits": 0, "captures": 0}
+    assert line["profiling"] == {"calls": 1, "hits": 0, "captures": 0, "replayed_in_serving": 0}
     assert line["time_source"] == "host"
     assert isinstance(line["eager_s"], float)
     assert line["eager_s"] > 0
