@@ -21,25 +21,47 @@ installed but inert; the sinks come from the environment, as the table of
     rank as resource attributes. Everything else comes from OpenTelemetry's own variables:
     ``OTEL_SERVICE_NAME`` (default ``omnitrace``), ``OTEL_RESOURCE_ATTRIBUTES``,
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``_PROTOCOL``, ``OTEL_METRIC_EXPORT_INTERVAL``.
+
+Once a model has adapters, the plugin also wraps vLLM's start-up profiling run
+(``GPUModelRunner.profile_run``, which the CPU runner inherits): while it runs, every adapter
+attached in the process is in the ``profiling`` phase, so its events say so, and with
+``encoder_cuda_graph_skip_profiling`` its dummy maximum-size calls stay eager and out of the
+admission history and the graph slots. Where a vLLM has no such method the plugin logs it
+once and those calls are tagged ``serving``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
 from omnitrace.config import OmnitraceError
+from omnitrace.events import Phase
 from omnitrace.integrations.worker import worker_identity
 from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
 
-__all__ = ["ENV_EVENTS_LOG", "ENV_OTLP", "ENV_PLUGIN", "PluginError", "register", "worker_bus"]
+if TYPE_CHECKING:
+    from omnitrace.graphs.adapter import EncoderCudaGraph
+
+__all__ = [
+    "ENV_EVENTS_LOG",
+    "ENV_OTLP",
+    "ENV_PLUGIN",
+    "PluginError",
+    "profiling_phase",
+    "register",
+    "worker_bus",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +72,18 @@ ENV_EVENTS_LOG = _SINK_ENV["jsonl"]
 ENV_OTLP = _SINK_ENV["otlp"]
 
 _LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+#: Where vLLM's start-up profiling run lives (0.26 and 0.33; the CPU runner inherits it).
+_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_RUNNER_CLASS = "GPUModelRunner"
+_PROFILE_METHOD = "profile_run"
 _PATCHED = "_omnitrace_patched"
 
 _lock = threading.Lock()
 _bus: EventBus | None = None
 _bus_pid: int | None = None
+#: The adapters attached in this process, put in the profiling phase around profile_run.
+_attached: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
+_profiling_missing_reported = False
 
 
 class PluginError(OmnitraceError, RuntimeError):
@@ -104,6 +133,8 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         logger.debug("omnitrace: no model integration detects %s", type(model).__name__)
         return
     result = integration.instrument(model, vllm_config, bus=worker_bus())
+    _attached.update(_adapters_of(result))
+    _hook_profiling()
     pid, rank = worker_identity()
     logger.info(
         "omnitrace: encoder graphs attached (%s, model=%s, pid=%d, rank=%s)",
@@ -123,6 +154,77 @@ def _wrap_load_model(load_model: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(load_model_with_graphs, _PATCHED, True)
     return load_model_with_graphs
+
+
+def _adapters_of(result: Any) -> list[EncoderCudaGraph]:
+    """The adapters an integration's ``instrument`` result names (its adapter fields)."""
+    from omnitrace.graphs.adapter import EncoderCudaGraph
+
+    if not dataclasses.is_dataclass(result):
+        return []
+    values = (getattr(result, field.name) for field in dataclasses.fields(result))
+    return [value for value in values if isinstance(value, EncoderCudaGraph)]
+
+
+@contextlib.contextmanager
+def profiling_phase(adapters: Iterable[EncoderCudaGraph]) -> Iterator[None]:
+    """Put ``adapters`` in the profiling phase inside the block, then restore their phases.
+
+    For a serving engine's start-up profiling run (the plugin wraps vLLM's with it): the
+    adapters' events carry ``phase: profiling``, and adapters configured with
+    ``skip_profiling`` keep those calls eager and out of admission. Phases are restored even
+    when the block raises.
+    """
+    saved = [(adapter, adapter.phase) for adapter in adapters]
+    for adapter, _ in saved:
+        adapter.set_phase(Phase.PROFILING)
+    try:
+        yield
+    finally:
+        for adapter, phase in saved:
+            adapter.set_phase(phase)
+
+
+def _wrap_profile_run(profile_run: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(profile_run)
+    def profile_run_in_profiling_phase(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The adapters attached when the run starts: a worker attaches its model's at load,
+        # before vLLM profiles.
+        with profiling_phase(list(_attached)):
+            return profile_run(self, *args, **kwargs)
+
+    setattr(profile_run_in_profiling_phase, _PATCHED, True)
+    return profile_run_in_profiling_phase
+
+
+def _hook_profiling() -> bool:
+    """Wrap vLLM's start-up profiling run once; log once, and go on, where there is none.
+
+    Called after a model load, when vLLM's model runner module is already imported.
+
+    Returns:
+        Whether the profiling run is wrapped.
+    """
+    global _profiling_missing_reported
+    try:
+        runner = getattr(importlib.import_module(_RUNNER_MODULE), _RUNNER_CLASS)
+        method = getattr(runner, _PROFILE_METHOD)
+    except (ImportError, AttributeError) as exc:
+        if not _profiling_missing_reported:
+            _profiling_missing_reported = True
+            logger.warning(
+                "omnitrace: vLLM's profiling run %s.%s.%s is not there (%s); encoder calls it "
+                "makes are tagged as serving",
+                _RUNNER_MODULE,
+                _RUNNER_CLASS,
+                _PROFILE_METHOD,
+                exc,
+            )
+        return False
+    with _lock:
+        if not getattr(method, _PATCHED, False):
+            setattr(runner, _PROFILE_METHOD, _wrap_profile_run(method))
+    return True
 
 
 def register(environ: Mapping[str, str] | None = None) -> bool:

@@ -537,3 +537,58 @@ def test_an_unknown_graph_layout_replays_through_execute(cpu_graphs: list[CpuGra
 
     assert captured_budget_graph(Other()) is None
     assert captured_budget_graph(object()) is None
+
+
+# -- the start-up profiling run ----------------------------------------------------------------
+
+
+def test_plugin_wraps_the_profiling_run_vllms_worker_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUModelRunner.profile_run, which vLLM's worker calls to profile at start-up (and the
+    CPU runner inherits), is wrapped once, keeps its signature, and runs vLLM's own code with
+    the attached adapters in the profiling phase, restoring serving when it ends."""
+    import inspect
+    import weakref
+
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
+
+    from omnitrace.events import Phase
+    from omnitrace.integrations import vllm_plugin
+    from omnitrace.testing import SimulatedGraphBackend
+
+    runner = gpu_model_runner.GPUModelRunner
+    # Another test's model load may have wrapped it already: start from vLLM's own.
+    original = inspect.unwrap(runner.profile_run)
+    assert original.__module__ == gpu_model_runner.__name__
+    assert "model_runner.profile_run(" in inspect.getsource(gpu_worker.Worker)
+    monkeypatch.setattr(runner, "profile_run", original)
+    graph = EncoderCudaGraph(lambda x: x, name="probe", backend=SimulatedGraphBackend())
+    monkeypatch.setattr(vllm_plugin, "_attached", weakref.WeakSet([graph]))
+
+    assert vllm_plugin._hook_profiling() is True
+    assert vllm_plugin._hook_profiling() is True
+    wrapped = runner.profile_run
+    assert wrapped is not original
+    assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+    assert inspect.signature(wrapped) == inspect.signature(original)
+
+    seen: list[Phase] = []
+
+    class Stop(Exception):
+        pass
+
+    class Probe(runner):  # type: ignore[misc, valid-type]
+        @property
+        def supports_mm_inputs(self) -> bool:
+            # vLLM's profile_run reads this first: its own code runs under the wrapper.
+            seen.append(graph.phase)
+            raise Stop
+
+    with pytest.raises(Stop):
+        Probe.profile_run(object.__new__(Probe))
+    assert seen == [Phase.PROFILING]
+    assert graph.phase is Phase.SERVING
+    try:
+        from vllm.v1.worker import cpu_model_runner
+    except ImportError:
+        return
+    assert cpu_model_runner.CPUModelRunner.profile_run is wrapped
