@@ -37,6 +37,7 @@ from omnitrace import (
 )
 from omnitrace.demo.encoders import VISION_TINY, VisionEncoder
 from omnitrace.graphs.backends.base import CaptureRequest
+from omnitrace.signature import Signature
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "overhead"
@@ -80,28 +81,33 @@ class CountingFold:
 
 
 def event_mix(n: int) -> list[Event]:
-    """Return ``n`` events like a serving stream: hits of two encoders, a few warm-up misses."""
+    """Return ``n`` events like a serving stream: hits of two encoders, a few warm-up misses.
+
+    As from the adapter: a hit carries its graph's signature object, shared by every hit of
+    that graph; a miss a signature of its own, equal to the key's earlier ones.
+    """
     events: list[Event] = []
     mono, epoch = time.monotonic_ns(), time.time_ns()
+    graphs = {
+        name: Signature.parse(f"bfloat16[1,1024,1152], None @cuda:0 s={stream}")
+        for stream, name in enumerate(("vision", "audio"))
+    }
     for i in range(n):
         adapter = "vision" if i % 2 == 0 else "audio"
         if i % 20 == 19:
             events.append(
                 GraphMissed(
                     adapter,
-                    "bfloat16[1,80,312] @cuda:0 s=0",
+                    Signature.parse("bfloat16[1,80,312] @cuda:0 s=0"),
                     mono + i,
                     epoch + i,
                     MissReason.WARMUP,
                     "call 1 of 2",
+                    0.004,
                 )
             )
         else:
-            events.append(
-                GraphReplayed(
-                    adapter, "bfloat16[1,1024,1152] @cuda:0 s=0", mono + i, epoch + i, 2e-5
-                )
-            )
+            events.append(GraphReplayed(adapter, graphs[adapter], mono + i, epoch + i, 2e-5))
     return events
 
 
