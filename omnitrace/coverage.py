@@ -558,7 +558,7 @@ class CoverageFold:
         if table is None:
             table = self._table(event.adapter)
         # Hits first: they are nearly every event of a serving encoder.
-        if isinstance(event, GraphReplayed):
+        if type(event) is GraphReplayed:
             tally = table.tally
             if tally is not None:
                 # What StatsFold.fold does for a hit, without a second call.
