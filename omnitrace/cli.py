@@ -173,6 +173,16 @@ def _build_parser() -> argparse.ArgumentParser:
     graphs.add_argument(
         "--enforce-eager", action="store_true", help="disable encoder graphs (as vLLM's flag)"
     )
+    graphs.add_argument(
+        "--profiling-runs",
+        type=_int_range(0, 100, "an integer"),
+        default=0,
+        metavar="N",
+        help=(
+            "start-up profiling runs before the traffic, as vLLM's: maximum-size dummy calls "
+            "in the profiling phase (see encoder_cuda_graph_skip_profiling)"
+        ),
+    )
     sizes = demo.add_argument_group("model sizes (defaults are tiny, for a CPU)")
     sizes.add_argument("--hidden", type=_model_size, default=64, help="hidden size")
     sizes.add_argument("--heads", type=_layers, default=4, help="attention heads")
@@ -560,6 +570,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         fail_capture=args.fail_capture,
         force_cpu=args.cpu,
         prometheus_port=args.prometheus_port,
+        profiling_runs=args.profiling_runs,
     )
     # Checked before the run, so a bad path does not cost the run's results.
     if args.json_summary is not None:

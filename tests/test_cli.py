@@ -30,6 +30,7 @@ from omnitrace import derive_coverage, derive_stats
 from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
+from omnitrace.events import Phase
 from omnitrace.sinks.jsonl import JsonlSink, read_events
 from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
@@ -128,6 +129,46 @@ def test_demo_prints_the_stats_table_and_says_where_the_log_went(
     assert f"streaming audio {summary['streaming_eager_calls']} eager calls" in out
     assert "no CUDA device" in err or "simulated" in err
     assert f"event log: {log.resolve()}" in err
+
+
+def test_demo_profiling_runs_come_first_in_the_profiling_phase(tmp_path: Path) -> None:
+    """--profiling-runs 2 calls both encoders twice with maximum-size dummies before the
+    traffic, in the profiling phase: the event log says so, each encoder captures its dummy
+    shape then, and serving never replays it."""
+    code, summary, log = _demo(tmp_path, "--profiling-runs", "2")
+    assert code == 0
+    events = list(read_events(log))
+    assert _without_calls(summary["encoders"]) == derive_stats(events)
+    profiling = [e for e in events if e.phase is Phase.PROFILING]
+    first_serving = next(i for i, e in enumerate(events) if e.phase is Phase.SERVING)
+    assert all(e.phase is Phase.PROFILING for e in events[:first_serving])
+    assert len(profiling) == first_serving
+    for name, coverage in derive_coverage(events).items():
+        calls = coverage.in_phase(Phase.PROFILING)
+        assert (calls.calls, calls.captures) == (2, 1)
+        (dummy,) = [r for r in coverage.captured if r.capture_phase is Phase.PROFILING]
+        assert dummy.in_phase(Phase.SERVING).calls == 0, name
+    shapes = {e.adapter: e.signature.inputs[0].shape for e in profiling}  # type: ignore[union-attr]
+    assert shapes == {"vision": (10, 1024, 64), "audio": (1, 80, 3000)}
+
+
+def test_demo_profiling_runs_with_skip_profiling_stay_out_of_admission(tmp_path: Path) -> None:
+    """With encoder_cuda_graph_skip_profiling the profiling calls are ineligible misses
+    (detail profiling) and serving runs exactly as without profiling."""
+    skip = '{"encoder_cuda_graph_skip_profiling": true}'
+    code, summary, log = _demo(
+        tmp_path, "--profiling-runs", "2", "--hf-overrides", skip, name="skip"
+    )
+    assert code == 0
+    _, plain, _ = _demo(tmp_path, name="plain")
+    events = list(read_events(log))
+    profiling = [e for e in events if e.phase is Phase.PROFILING]
+    assert {(type(e).__name__, e.detail) for e in profiling} == {("GraphMissed", "profiling")}  # type: ignore[union-attr]
+    assert len(profiling) == 4
+    for name, stats in summary["encoders"].items():
+        assert stats["graph_hits"] == plain["encoders"][name]["graph_hits"]
+        assert stats["num_graphs"] == plain["encoders"][name]["num_graphs"]
+        assert stats["ineligible_misses"] == plain["encoders"][name]["ineligible_misses"] + 2
 
 
 def test_demo_is_deterministic_for_a_seed(tmp_path: Path) -> None:
@@ -735,8 +776,9 @@ def test_demo_refuses_output_paths_that_are_not_regular_files(
         (["--seed", str(1 << 64)], "expected an integer from 0 to 9223372036854775807"),
         (["--hidden", "1000000"], "expected an integer from 1 to 16384"),
         (["--requests", "9" * 5000], "expected an integer from 0 to 1000000000000, got '9999"),
+        (["--profiling-runs", "101"], "--profiling-runs: expected an integer from 0 to 100"),
     ],
-    ids=["sim-free-mib", "seed", "hidden", "requests"],
+    ids=["sim-free-mib", "seed", "hidden", "requests", "profiling-runs"],
 )
 def test_demo_numbers_are_bounded_to_what_they_mean(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str

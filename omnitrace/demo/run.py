@@ -26,6 +26,7 @@ from omnitrace.bus import EventBus
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.demo.encoders import MEL_BINS, AudioEncoder, EncoderGeometry, VisionEncoder
 from omnitrace.demo.traffic import Request, TrafficMix
+from omnitrace.events import Phase
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.sinks.jsonl import JsonlSink
@@ -42,6 +43,10 @@ MiB = 1 << 20
 _OWN_SINKS = frozenset({"jsonl", "otlp"})
 #: Share of the run after which the burst of new shapes starts.
 BURST_AT = 0.85
+#: The dummy inputs of a profiling run: a batch of ten full 1024-token image slices (nine
+#: slices and the thumbnail of one maximum-size image), and a 30-second clip.
+PROFILING_SLICES = 10
+PROFILING_AUDIO_FRAMES = 3000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,9 @@ class DemoOptions:
     force_cpu: bool = False
     prometheus_port: int | None = None
     """Serve ``/metrics`` for a Prometheus scrape on 127.0.0.1 at this port (0: a free one)."""
+    profiling_runs: int = 0
+    """Start-up profiling runs before the traffic, as vLLM's ``profile_run``: the encoders
+    called with maximum-size dummy inputs in the ``profiling`` phase."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +249,19 @@ class _Encoders:
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator).to(self.device, self.dtype)
 
+    def profile(self) -> None:
+        """Call both encoders with maximum-size dummy inputs, as vLLM's start-up profiling
+        run does, with the adapters in the profiling phase."""
+        adapters = (self.vision, self.audio)
+        for adapter in adapters:
+            adapter.set_phase(Phase.PROFILING)
+        try:
+            self.serve(Request("vision", PROFILING_SLICES, 1024))
+            self.serve(Request("audio", 1, PROFILING_AUDIO_FRAMES))
+        finally:
+            for adapter in adapters:
+                adapter.set_phase(Phase.SERVING)
+
     def serve(self, request: Request) -> Any:
         """Run one request and return the encoder output."""
         if request.kind == "streaming":
@@ -291,6 +312,8 @@ def _drive(
     duration = options.duration_s
     served = 0
     try:
+        for _ in range(options.profiling_runs):
+            encoders.profile()
         while total is None or served < total:
             elapsed = time.monotonic() - start
             if duration is not None and elapsed >= duration:
