@@ -21,6 +21,9 @@ installed but inert; the sinks come from the environment, as the table of
     rank as resource attributes. Everything else comes from OpenTelemetry's own variables:
     ``OTEL_SERVICE_NAME`` (default ``omnitrace``), ``OTEL_RESOURCE_ATTRIBUTES``,
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``_PROTOCOL``, ``OTEL_METRIC_EXPORT_INTERVAL``.
+``OMNITRACE_LOGS=1``
+    structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
+    encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker exits.
 
 Once a model has adapters, the plugin also wraps vLLM's start-up profiling run
 (``GPUModelRunner.profile_run``, which the CPU runner inherits): while it runs, every adapter

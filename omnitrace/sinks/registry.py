@@ -118,6 +118,17 @@ def _otlp(module: ModuleType, request: SinkRequest) -> Sink:
     return sink
 
 
+def _logs(module: ModuleType, request: SinkRequest) -> Sink:
+    # A host that configured structlog keeps its own rendering; otherwise JSON lines go to
+    # stderr at info level (captures, deferrals, failures and graph_summary lines).
+    import structlog
+
+    if not structlog.is_configured():
+        module.configure_logging(level="info", json=True)
+    sink: Sink = module.LogSink(bus=request.bus, environ=request.environ)
+    return sink
+
+
 #: Every sink a setting can ask for, in the order they are attached.
 SINKS: tuple[SinkSpec, ...] = (
     SinkSpec(
@@ -139,6 +150,17 @@ SINKS: tuple[SinkSpec, ...] = (
         description=(
             "OpenTelemetry spans and metrics, configured by OpenTelemetry's OTEL_* variables "
             "(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...)"
+        ),
+    ),
+    SinkSpec(
+        name="logs",
+        env="OMNITRACE_LOGS",
+        module="omnitrace.sinks.logs",
+        build=_logs,
+        switch=True,
+        description=(
+            "structlog JSON lines of captures, deferrals and failures, and a graph_summary "
+            "line per encoder every OMNITRACE_SUMMARY_INTERVAL seconds and at exit"
         ),
     ),
 )

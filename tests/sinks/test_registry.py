@@ -18,6 +18,7 @@ from omnitrace.cli import main
 from omnitrace.integrations import vllm_plugin
 from omnitrace.sinks import registry
 from omnitrace.sinks.jsonl import JsonlSink, read_events
+from omnitrace.sinks.logs import LogSink
 from omnitrace.sinks.registry import (
     SINKS,
     SinkRequest,
@@ -67,9 +68,28 @@ def with_recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_table_names_each_sink_once_with_its_variable() -> None:
     """Every entry has a unique name and variable, and its module is importable."""
-    assert [spec.name for spec in SINKS] == ["jsonl", "otlp"]
-    assert [spec.env for spec in SINKS] == ["OMNITRACE_EVENTS_LOG", "OMNITRACE_OTLP"]
+    assert [spec.name for spec in SINKS] == ["jsonl", "otlp", "logs"]
+    assert [spec.env for spec in SINKS] == [
+        "OMNITRACE_EVENTS_LOG",
+        "OMNITRACE_OTLP",
+        "OMNITRACE_LOGS",
+    ]
     assert all(spec.description for spec in SINKS)
+
+
+def test_logs_switch_attaches_a_log_sink_that_summarizes_the_bus(bus: EventBus) -> None:
+    """OMNITRACE_LOGS=1 builds a LogSink on the bus, with the environment's summary interval,
+    and configures JSON lines when the host configured no structlog."""
+    structlog.reset_defaults()
+    try:
+        (sink,) = build_sinks(bus, {"OMNITRACE_LOGS": "1", "OMNITRACE_SUMMARY_INTERVAL": "5"})
+        assert isinstance(sink, LogSink)
+        assert sink.summary_interval == 5.0
+        assert sink._bus is bus
+        assert structlog.is_configured()
+    finally:
+        structlog.reset_defaults()
+    assert build_sinks(bus, {"OMNITRACE_LOGS": "0"}) == []
 
 
 def test_unset_and_empty_variables_ask_for_no_sink(bus: EventBus) -> None:
