@@ -382,6 +382,26 @@ def test_profiling_captures_that_take_a_slot_make_skipping_profiling_win() -> No
     assert advice.best.setting == _best(truth)
 
 
+def test_workers_replay_apart_and_pool_memory_is_the_largest_worker(tmp_path: Path) -> None:
+    """Two workers' logs replay as two processes: their hits add up, each fills its own
+    graph slots, and the pool memory is what the fuller worker's device holds."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    eager = {shape: 0.004 for shape in SIX}
+    events = _retimed(_run(_six_hot_shapes(), logged), eager, {s: 0.001 for s in SIX})
+    records = _records(events, logged)
+    second = [EventRecord(r.item, 5151, 1) for r in records]
+    paths = [_write(tmp_path / "w0.jsonl", records), _write(tmp_path / "w1.jsonl", second)]
+    both = Recording.from_records([*records, *second])
+    one = Recording.from_records(records)
+    assert len(both.calls) == 2
+    for setting in (Setting(4, 2, 0), Setting(6, 2, 0)):
+        alone, together = replay(one, setting), replay(both, setting)
+        assert together.hits == 2 * alone.hits
+        assert together.graphs == 2 * alone.graphs
+        assert together.pool_bytes == alone.pool_bytes
+    assert main(["advise", "--json", *map(str, paths)]) == 0
+
+
 def test_device_times_are_preferred_and_labelled() -> None:
     """With DeviceTimed events the saving is in device time (host times are three times
     larger here and ignored)."""

@@ -122,6 +122,7 @@ def test_derive_coverage_equals_the_bus_fold(stream: list[Event], limit: int) ->
     assert {name: s.as_dict() for name, s in stats.items()} == derive_stats(stream)
 
 
+@settings(deadline=None)
 @given(st.lists(events, max_size=120), limits)
 def test_tracked_rows_plus_other_add_up_to_every_call(stream: list[Event], limit: int) -> None:
     """Per adapter and phase, rows plus the other bucket count every hit, miss by reason,
@@ -152,6 +153,7 @@ def test_tracked_rows_plus_other_add_up_to_every_call(stream: list[Event], limit
         )
 
 
+@settings(deadline=None)
 @given(st.lists(events, max_size=120), limits)
 def test_captured_signatures_keep_their_rows_and_the_table_stays_bounded(
     stream: list[Event], limit: int
@@ -173,6 +175,7 @@ def test_captured_signatures_keep_their_rows_and_the_table_stays_bounded(
         assert calls == sorted(calls, reverse=True)
 
 
+@settings(deadline=None)
 @given(st.lists(events, max_size=120))
 def test_without_eviction_every_row_counts_its_signature_exactly(stream: list[Event]) -> None:
     """With room for every signature, each row counts exactly its signature's calls."""
@@ -189,6 +192,7 @@ def test_without_eviction_every_row_counts_its_signature_exactly(stream: list[Ev
         assert adapter.evictions == 0
 
 
+@settings(deadline=None)
 @given(st.lists(events, max_size=60), st.lists(events, max_size=60), limits)
 def test_folding_in_two_parts_equals_folding_the_whole(
     first: list[Event], second: list[Event], limit: int
