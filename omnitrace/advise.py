@@ -680,7 +680,7 @@ class Advice:
             )
         parts.append(f"(hit rate {best.hit_rate * 100:.1f} %)")
         text = " ".join(parts)
-        text += f", with {best.graphs} graphs holding {format_bytes(best.pool_bytes)}"
+        text += f", with {_graphs(best.graphs)} holding {format_bytes(best.pool_bytes)}"
         if self.memory_budget is not None:
             text += f", within the budget of {format_bytes(self.memory_budget)}"
         if best.min_free_bytes is not None:
@@ -701,7 +701,7 @@ class Advice:
                 )
                 text += (
                     f"; the logged setting {measure} "
-                    f"(hit rate {logged.hit_rate * 100:.1f} %) with {logged.graphs} graphs"
+                    f"(hit rate {logged.hit_rate * 100:.1f} %) with {_graphs(logged.graphs)}"
                 )
         if self.ties:
             text += (
@@ -709,6 +709,10 @@ class Advice:
                 "more graphs, more memory, a higher cap or a lower floor"
             )
         return text + "."
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph" if count == 1 else f"{count} graphs"
 
 
 def _score(result: Result, objective: str) -> float:
