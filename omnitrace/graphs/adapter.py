@@ -266,6 +266,7 @@ class EncoderCudaGraph:
                     "compile": config.compile,
                     "background_capture": config.background_capture,
                     "device_timing": config.device_timing,
+                    "skip_profiling": config.skip_profiling,
                     "backend": backend.name,
                     "simulated": backend.simulated,
                 },
