@@ -19,6 +19,7 @@ adapter's own stats and put on the bus. Opt-in variants, all off by default:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import re
@@ -574,6 +575,20 @@ class EncoderCudaGraph:
             return None, (_WARMUP, "preparing", signature)
         return self._capture(key, inputs, device, stream, signature), None
 
+    def _compile_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """With compile on, hold torch.compile's own lock around warm-up and capture.
+
+        torch.compile's tracing state is process-wide: a compiled forward called while
+        another thread traces or compiles raises ("using FX to symbolically trace a
+        dynamo-optimized function"). Holding dynamo's compile lock makes the two wait for
+        each other instead.
+        """
+        if not self.config.compile:
+            return contextlib.nullcontext()
+        convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
+        lock = getattr(convert_frame, "compile_lock", None)
+        return lock if lock is not None else contextlib.nullcontext()
+
     def _capture_forward(self) -> Callable[..., Any]:
         """The forward graphs are captured from: the encoder, or torch.compile of it."""
         if not self.config.compile:
@@ -668,7 +683,7 @@ class EncoderCudaGraph:
                 slot.capture_stream,
                 capture_error_mode=self._error_mode,
             )
-            with CAPTURE_LOCK:
+            with CAPTURE_LOCK, self._compile_guard():
                 graph = self.backend.capture(request)
         except BaseException as exc:
             self._fail(exc, signature, device, stream)
@@ -782,8 +797,9 @@ class EncoderCudaGraph:
             job.slot.pool,
             job.slot.capture_stream,
             capture_error_mode="thread_local",
+            quiet=True,
         )
         # Warm-up and compile inside the forward's first calls run under the lock too: the
         # capture that follows them is the one that must not overlap another.
-        with CAPTURE_LOCK:
+        with CAPTURE_LOCK, self._compile_guard():
             return self.backend.capture(request)

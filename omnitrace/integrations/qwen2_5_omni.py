@@ -354,6 +354,12 @@ class _AudioForward:
         pool_indices = seam.get_pool_indices(feature_lens)
         cu_seqlens = seam.get_audio_cu_seqlens(chunk_lengths)
         max_seqlen = seam.get_max_seqlen(cu_seqlens, tower.config)
+        # The forward reads these beside the features on the device; some transformers
+        # releases compute them on the host.
+        chunk_lengths, valid_indices, pool_indices, cu_seqlens = (
+            t.to(padded.device) if isinstance(t, torch.Tensor) else t
+            for t in (chunk_lengths, valid_indices, pool_indices, cu_seqlens)
+        )
         inputs = (padded, chunk_lengths, valid_indices, pool_indices, cu_seqlens)
         if max_seqlen is None:
             if _captures_on(graph, padded.device):

@@ -71,7 +71,9 @@ def test_compiled_graphs_match_eager_within_the_documented_tolerance(bus: EventB
 def test_background_capture_replays_correctly_under_concurrent_calls(bus: EventBus) -> None:
     """Three threads on their own streams call two shapes while graphs are prepared."""
     model = vision()
-    graph = EncoderCudaGraph(model, name="v", config=CFG.replace(background_capture=True), bus=bus)
+    graph = EncoderCudaGraph(
+        model, name="v", config=CFG.replace(background_capture=True, max_graphs=8), bus=bus
+    )
     inputs = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (128, 256)]
     references = [model(x) for x in inputs]
     torch.cuda.synchronize()
@@ -103,6 +105,9 @@ def test_background_capture_replays_correctly_under_concurrent_calls(bus: EventB
     print(f"\n{len(preparing)} calls served eagerly while their graph was prepared")
 
 
+# torch.compile's CUDA-graph trees capture an empty graph when they start (PyTorch's own
+# warning, which the test run's filterwarnings=error would turn into a failure).
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_background_compiled_capture_beside_reduce_overhead() -> None:
     """Background compiled captures while a reduce-overhead model records and replays."""
     torch.manual_seed(0)

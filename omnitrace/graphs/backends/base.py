@@ -67,6 +67,11 @@ class CaptureRequest:
     capture_error_mode: str = "global"
     """``torch.cuda.graph``'s: ``"thread_local"`` lets other threads keep running CUDA work
     during the capture (background capture)."""
+    quiet: bool = False
+    """Capture without settling the device first: no device synchronisation, garbage
+    collection or emptying of the allocator's cache (which frees memory with an implicit
+    device-wide sync). For background captures, so other threads' calls never stall on
+    them; ``bytes_reserved`` is then approximate."""
 
 
 @runtime_checkable

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,19 @@ class TorchCudaGraph(StaticBuffers):
         self._graph.replay()
         # Clones keep a caller's tensors valid after the next replay overwrites the buffers.
         return self.clone_out()
+
+
+@contextlib.contextmanager
+def _quiet_capture(
+    graph: torch.cuda.CUDAGraph, *, pool: Any, stream: Any, capture_error_mode: str
+) -> Iterator[None]:
+    """``torch.cuda.graph`` without its device synchronisation, gc and cache emptying."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 class CudaEventClock:
@@ -153,16 +167,19 @@ class TorchGraphBackend:
         del warm, leaves
         static_outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
 
-        # Measure pool growth only: settle the allocator first so the delta is the capture's.
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        if not request.quiet:
+            # Measure pool growth only: settle the allocator first so the delta is the
+            # capture's.
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
+        capture = _quiet_capture if request.quiet else torch.cuda.graph
         original: BaseException | None = None
         try:
             with (
                 capture_ordering(replay_stream, capture_stream, torch.cuda.stream),
-                torch.cuda.graph(
+                capture(
                     graph,
                     pool=pool,
                     stream=capture_stream,

@@ -1,0 +1,102 @@
+"""Profile: where the adapter's hit path spends host time, step by step, on a CUDA device.
+
+The latency benchmark compares whole calls; this splits one hit of the torch backend into its
+steps and times each alone (host time per call, no device synchronisation inside the timed
+loop, the device drained between loops), beside the bare copy-replay-clone it is held to.
+
+Usage (GPU): python3 -m benchmarks.hitpath_profile [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import BareGraph
+from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+from omnitrace.demo.encoders import AUDIO_FULL, AudioEncoder
+from omnitrace.events import Phase, replayed
+from omnitrace.graphs.eligibility import call_key, state_detail
+
+
+def _time(fn: Callable[[], Any], *, calls: int = 200, rounds: int = 15) -> float:
+    """Median over rounds of the mean host time per call, in microseconds."""
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    model = AudioEncoder(AUDIO_FULL).to("cuda", torch.bfloat16).eval()
+    mel = torch.randn(1, 80, 100, device="cuda", dtype=torch.bfloat16)
+    results: dict[str, float] = {}
+    with torch.no_grad():
+        bare = BareGraph(model, mel)
+        adapter = EncoderCudaGraph(model, name="a", config=EncoderGraphConfig(min_free_bytes=0))
+        bus = EventBus()
+        with_bus = EncoderCudaGraph(
+            model, name="b", config=EncoderGraphConfig(min_free_bytes=0), bus=bus
+        )
+        for graph in (adapter, with_bus):
+            for _ in range(3):
+                graph(mel)
+        assert adapter.num_graphs == 1
+        (entry,) = adapter._graphs.values()
+        device = mel.device
+        backend = adapter.backend
+        inputs = (mel,)
+        signature = entry.signature
+        results["bare copy-replay-clone"] = _time(lambda: bare(mel))
+        results["graph.replay(inputs) (copy-in, replay, clone)"] = _time(
+            lambda: entry.graph.replay(inputs)
+        )
+        results["adapter call, no bus"] = _time(lambda: adapter(mel))
+        results["adapter call, bus (stats + coverage folds)"] = _time(lambda: with_bus(mel))
+        results["call_key(inputs)"] = _time(lambda: call_key(inputs), calls=2000)
+        results["backend.stream_id(device)"] = _time(lambda: backend.stream_id(device), calls=2000)
+        results["state_detail(device, backend)"] = _time(
+            lambda: state_detail(device, backend), calls=2000
+        )
+        results["torch.cuda.is_current_stream_capturing()"] = _time(
+            torch.cuda.is_current_stream_capturing, calls=2000
+        )
+        results["torch.is_autocast_enabled('cuda')"] = _time(
+            lambda: torch.is_autocast_enabled("cuda"), calls=2000
+        )
+        results["replayed(...) event"] = _time(
+            lambda: replayed("a", signature, 1, 2, 0.1, Phase.SERVING), calls=2000
+        )
+        event = replayed("a", signature, 1, 2, 0.1, Phase.SERVING)
+        results["bus.emit(event)"] = _time(lambda: bus.emit(event), calls=2000)
+        bus.close()
+    width = max(map(len, results))
+    for name, value in results.items():
+        print(f"{name:<{width}}  {value:8.2f} us")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
