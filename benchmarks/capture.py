@@ -33,9 +33,12 @@ the modes ran; a relative error beyond the mode's tolerance counts as a wrong ou
 
 Co-tenancy: a ``torch.compile(mode="reduce-overhead")`` audio encoder at an input length the
 stream never draws (another model with CUDA-graph trees of its own) is compiled and recorded
-on client 0 before the first mode, and called by client 0 after every
-:data:`COTENANT_EVERY`-th request it serves, in every mode and pass; its outputs are checked
-against its eager output every call.
+on the main thread before the first mode, and called there, beside the clients, once per
+:data:`COTENANT_EVERY` requests they serve, in every mode and pass; its outputs are checked
+against its eager output every call. It stays on the main thread because PyTorch keeps its
+CUDA-graph trees in the state of the thread that first used them (any other thread fails an
+assertion in ``cudagraph_trees``), and the latency benchmark, run before this one in the same
+process, uses them on the main thread.
 
 Failures: an exception in a client thread stops that mode at once (every client), is
 recorded with its traceback, and fails the benchmark once every mode ran; so does a capture
@@ -87,8 +90,10 @@ CLIENTS = 2
 GRAPHS_PER_CLIENT = 4
 #: Requests whose index is a multiple of this are checked against eager.
 CHECK_EVERY = 5
-#: Client 0 calls the co-tenant after every this many requests it serves.
+#: The main thread calls the co-tenant once per this many requests the clients serve.
 COTENANT_EVERY = 5
+#: How often the main thread looks whether the co-tenant is due while the clients serve.
+COTENANT_POLL_S = 0.0005
 #: Audio frames of the co-tenant's input: half a second, which the stream never draws.
 COTENANT_FRAMES = 50
 #: Graphs replay the eager kernels; compiled graphs run inductor's fused kernels.
@@ -170,8 +175,8 @@ def tail(samples_s: list[float]) -> dict[str, float | int]:
 class Client(threading.Thread):
     """A client thread with a CUDA stream of its own that runs the jobs it is given, in order.
 
-    Threads live for the whole benchmark, so the co-tenant's CUDA-graph trees (kept per
-    thread) are recorded once, on client 0, before the first mode.
+    Threads live for the whole benchmark: per-thread state (grad mode, streams) is set
+    up once.
     """
 
     def __init__(self, index: int, on_cuda: bool) -> None:
@@ -230,6 +235,10 @@ class CoTenant:
         self.lock = threading.Lock()
 
     def call(self) -> None:
+        with torch.no_grad():
+            self._call()
+
+    def _call(self) -> None:
         if self.on_cuda:
             # A new inference step: CUDA-graph trees may reuse the previous call's outputs.
             torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
@@ -287,6 +296,7 @@ def serve(
     checked = [0]
     worst = [0.0]
     errors: list[dict[str, str]] = []
+    served_total = [0]  # pacing of the co-tenant only: an unlocked, approximate count
     perf = time.perf_counter
 
     def client_loop(client: Client) -> None:
@@ -315,8 +325,7 @@ def serve(
                             if err > tolerance:
                                 wrong.append(i)
                     served += 1
-                    if client.index == 0 and served % COTENANT_EVERY == 0:
-                        cotenant.call()
+                    served_total[0] += 1
             except Exception as exc:
                 stop.set()
                 with lock:
@@ -331,6 +340,27 @@ def serve(
     before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     start = perf()
     futures = [c.submit(functools.partial(client_loop, c)) for c in clients]
+    # The co-tenant runs here, on the thread that owns its CUDA-graph trees, beside the
+    # clients.
+    made = 0
+    while not all(f.done() for f in futures):
+        if served_total[0] // COTENANT_EVERY <= made:
+            time.sleep(COTENANT_POLL_S)
+            continue
+        made += 1
+        try:
+            cotenant.call()
+        except Exception as exc:
+            stop.set()
+            with lock:
+                errors.append(
+                    {
+                        "client": "co-tenant",
+                        "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS],
+                        "traceback": traceback.format_exc(),
+                    }
+                )
+            break
     for future in futures:
         future.result()
     wall = perf() - start
@@ -578,12 +608,9 @@ def run(ctx: Context) -> dict[str, Any]:
         with simulated_compile(ctx), _recompile_limit(8 * GRAPHS_PER_CLIENT * CLIENTS):
             x = torch.randn(1, 80, COTENANT_FRAMES, device=device, dtype=dtype)
             cotenant = CoTenant(cotenant_model, x, on_cuda)
-            # Its input and eager output were made on this thread's stream; client 0 reads
-            # them on its own.
-            ctx.sync()
             start = time.perf_counter()
-            # Compiled and recorded on client 0, which calls it during the modes.
-            clients[0].submit(functools.partial(_repeat, cotenant.call, 3)).result()
+            # Compiled and recorded on this thread, which calls it during the modes.
+            _repeat(cotenant.call, 3)
             cotenant_info = {
                 "model": "AudioEncoder, medium" if not ctx.simulate else "AudioEncoder, tiny",
                 "input": [1, 80, COTENANT_FRAMES],

@@ -254,7 +254,8 @@ def test_transformers_audio_tower_through_the_graph_equals_vllms_call(
             g = torch.Generator().manual_seed(seed)
             data = {
                 "input_features": torch.randn(128, sum(frames), generator=g).to(device, dtype),
-                "audio_feature_lengths": torch.tensor(frames),
+                # vLLM's runner moves every multimodal tensor to the model's device.
+                "audio_feature_lengths": torch.tensor(frames, device=device),
             }
             want = reference._process_audio_input(data)
             for _ in range(3):
