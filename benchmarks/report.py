@@ -451,8 +451,8 @@ def _capture(result: dict[str, Any]) -> list[Table]:
         "graphs still being prepared. Every "
         f"{stream['checked_every']}th request is checked against eager. Co-tenant: "
         f"{co.get('model', 'n/a')} under torch.compile(mode='reduce-overhead'), input "
-        f"{tuple(co.get('input', ()))}, called after every {co.get('every', 'n/a')}th request "
-        f"of client 0: {co.get('calls', 'n/a')} calls, {co.get('wrong', 'n/a')} beyond "
+        f"{tuple(co.get('input', ()))}, called once per {co.get('every', 'n/a')} requests "
+        f"served: {co.get('calls', 'n/a')} calls, {co.get('wrong', 'n/a')} beyond "
         "tolerance."
     )
     return [t]
@@ -675,6 +675,17 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
         f"- omnitrace {env.get('omnitrace')} at {env.get('git_commit') or 'unknown commit'}; "
         f"scale {env.get('scale')}",
     ]
+    runs: dict[tuple[Any, ...], list[str]] = {}
+    for name, payload in outputs.items():
+        e = payload.get("environment") or {}
+        runs.setdefault((e.get("date_utc"), e.get("command"), e.get("git_commit")), []).append(name)
+    if len(runs) > 1:
+        # Results gathered from several runs: say which run measured what.
+        parts[3] = f"- omnitrace {env.get('omnitrace')}; scale {env.get('scale')}"
+        parts[:2] = ["- Runs (the results below combine them):"] + [
+            f"  - {date}: `{command}` at {commit or 'unknown commit'}: {', '.join(names)}"
+            for (date, command, commit), names in runs.items()
+        ]
     if env.get("simulated"):
         parts.append("- SIMULATED on CPU: the numbers check the plumbing and mean nothing.")
     return "\n".join(parts)

@@ -515,7 +515,7 @@ def test_goals_table_lists_every_goal_with_its_checks_and_figures(
 def test_report_renders_results_of_an_earlier_benchmark_version(bench: Any) -> None:
     """Results committed by an earlier version still render; their goals read not measured."""
     _, report = bench
-    outputs = report.load(ROOT / "benchmarks" / "results" / "h200")
+    outputs = report.load(ROOT / "benchmarks" / "results" / "h200-2026-11-29")
     assert set(outputs) == {"overhead", "memory", "traffic", "observability", "latency"}
     sections = report.markdown_sections(outputs)
     assert "| adapter, torch (vs bare / compile) |" in sections["latency"].splitlines()[2]
@@ -809,3 +809,26 @@ def test_profiling_benchmark_counts_profiling_graphs_and_skip_keeps_them_out(ben
         assert skipped["serving_hits"] == one["serving_hits"]
         assert two["serving_hits"] <= one["serving_hits"]
     assert "prof. graphs" in profiling.table(result)
+
+
+def test_report_environment_names_every_run_of_combined_results(bench: Any) -> None:
+    """Results gathered from several runs say which run measured which benchmark."""
+    _, report = bench
+
+    def payload(date: str, command: str) -> dict[str, Any]:
+        env = {"date_utc": date, "command": command, "git_commit": "abc", "gpu": "G"}
+        return {"environment": env, "status": "ok", "error": None, "result": None}
+
+    one = report.markdown_sections({"overhead": payload("d1", "run a")})["environment"]
+    assert "Runs" not in one
+    assert "- Command: `run a`" in one
+    both = report.markdown_sections(
+        {
+            "overhead": payload("d1", "run a"),
+            "memory": payload("d1", "run a"),
+            "latency": payload("d2", "run b"),
+        }
+    )["environment"]
+    assert "- Command:" not in both
+    assert "  - d1: `run a` at abc: overhead, memory" in both
+    assert "  - d2: `run b` at abc: latency" in both
