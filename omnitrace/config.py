@@ -77,6 +77,10 @@ class EncoderGraphConfig:
             and a side stream while calls of its shape keep running eagerly (``warmup``
             misses, detail ``preparing``), then replay. Off by default: the call that
             reaches ``min_capture_calls`` captures synchronously and is served by the graph.
+            Only for processes with no other CUDA-graph or torch.compile user: another
+            thread that records a CUDA graph or synchronises the device while the capture
+            runs fails (``cudaErrorStreamCaptureUnsupported``), and with ``compile`` the
+            capture thread's compilation breaks other threads' compiled calls.
         device_timing: time eager and replayed calls on the device with CUDA events,
             recorded without a host sync and resolved off the call path into
             ``DeviceTimed`` events. Off by default (host time only).
