@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,9 +34,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from integrations.vllm_modules import SETUPS, equal, setup_for
 from omnitrace import EventBus, derive_stats
 from omnitrace.integrations.minicpmo import instrument
-from omnitrace.testing import SimulatedGraphBackend, capture_events
+from omnitrace.testing import capture_events
 
 pytestmark = [
     pytest.mark.vllm,
@@ -53,32 +52,6 @@ OVERRIDES = {"encoder_cuda_graph_max_graphs": 16, "encoder_cuda_graph_min_free_b
 
 
 # -- vLLM's modules on a host object ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[Any]:
-    """vLLM's config context and a one-process model-parallel group, as its loader has."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    config = VllmConfig()
-    with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield config
-        finally:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
 
 
 def _host_class() -> type[nn.Module]:
@@ -222,20 +195,6 @@ def audio_batch(
 
 # -- the runs -------------------------------------------------------------------------------
 
-SETUPS = [
-    pytest.param(
-        "cpu-simulated",
-        marks=pytest.mark.skipif(
-            torch.cuda.is_available(),
-            reason="vLLM's CUDA build registers its custom ops for CUDA only; on a CUDA machine "
-            "the cuda cases run vLLM's modules",
-        ),
-        id="cpu-simulated",
-    ),
-    pytest.param("cuda-torch", marks=pytest.mark.gpu, id="cuda-torch"),
-    pytest.param("cuda-vllm", marks=pytest.mark.gpu, id="cuda-vllm"),
-]
-
 IMAGE_CALLS = [
     [(448, 448)],  # one full slice, no padding
     [(1344, 896)],  # wide: overview + 3x2 grid, padded to the longest slice
@@ -243,20 +202,6 @@ IMAGE_CALLS = [
     [(448, 448), (900, 700)],  # two images in one call
 ]
 AUDIO_CALLS = [[1.0], [5.0], [30.0], [1.0, 3.0]]
-
-
-def _setup(name: str, vllm_config: Any) -> tuple[torch.device, torch.dtype, dict[str, Any]]:
-    if name == "cpu-simulated":
-        return torch.device("cpu"), torch.float32, {"backend": SimulatedGraphBackend()}
-    if name == "cuda-torch":
-        return torch.device("cuda"), torch.bfloat16, {}
-    return torch.device("cuda"), torch.bfloat16, {"vllm_config": vllm_config}
-
-
-def _equal(got: Any, want: Any) -> bool:
-    if isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
-    return len(got) == len(want) and all(_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -269,7 +214,7 @@ def test_instrumented_vllm_encoders_equal_vllms_forward_bitwise(
     from omnitrace.sinks.jsonl import JsonlSink, read_events
     from omnitrace.sinks.live import BusBoard, render
 
-    device, dtype, extra = _setup(setup, vllm_env)
+    device, dtype, extra = setup_for(setup, vllm_env)
     reference, model = _build(device, dtype), _build(device, dtype)
     bus = EventBus()
     log = tmp_path / "events.jsonl"
@@ -284,12 +229,12 @@ def test_instrumented_vllm_encoders_equal_vllms_forward_bitwise(
             data = vision_batch(images, device, dtype, seed)
             want = reference.get_vision_hidden_states(data)
             for _ in range(3):  # warm-up miss, capture, replay
-                assert _equal(model.get_vision_hidden_states(data), want), images
+                assert equal(model.get_vision_hidden_states(data), want), images
         for seed, seconds in enumerate(AUDIO_CALLS):
             data = audio_batch(seconds, device, dtype, seed)
             want = reference.get_audio_hidden_states(data)
             for _ in range(3):
-                assert _equal(model.get_audio_hidden_states(data), want), seconds
+                assert equal(model.get_audio_hidden_states(data), want), seconds
     stats = {
         "vision": result.vision.get_cumulative_stats(),
         "audio": result.audio.get_cumulative_stats(),

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,10 +38,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from integrations.vllm_modules import SETUPS, equal, setup_for
 from omnitrace import EventBus, GraphMissed, derive_stats
 from omnitrace.integrations import qwen2_5_omni
 from omnitrace.integrations.qwen2_5_omni import audio_seam, detect, instrument
-from omnitrace.testing import SimulatedGraphBackend, capture_events
+from omnitrace.testing import capture_events
 
 pytestmark = [
     pytest.mark.vllm,
@@ -71,32 +70,6 @@ def _import_thinker() -> Any:
     from vllm.model_executor.models import qwen2_5_omni_thinker
 
     return qwen2_5_omni_thinker
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[Any]:
-    """vLLM's config context and a one-process model-parallel group, as its loader has."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    config = VllmConfig()
-    with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield config
-        finally:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
 
 
 def _host(vllm_config: Any, *, vision: bool, audio: bool) -> nn.Module:
@@ -163,35 +136,6 @@ def _build(vllm_config: Any, device: torch.device, dtype: torch.dtype, **towers:
     return host.to(device).eval()
 
 
-SETUPS = [
-    pytest.param(
-        "cpu-simulated",
-        marks=pytest.mark.skipif(
-            torch.cuda.is_available(),
-            reason="vLLM's CUDA build registers its custom ops for CUDA only; on a CUDA machine "
-            "the cuda cases run vLLM's modules",
-        ),
-        id="cpu-simulated",
-    ),
-    pytest.param("cuda-torch", marks=pytest.mark.gpu, id="cuda-torch"),
-    pytest.param("cuda-vllm", marks=pytest.mark.gpu, id="cuda-vllm"),
-]
-
-
-def _setup(name: str, vllm_config: Any) -> tuple[torch.device, torch.dtype, dict[str, Any]]:
-    if name == "cpu-simulated":
-        return torch.device("cpu"), torch.float32, {"backend": SimulatedGraphBackend()}
-    if name == "cuda-torch":
-        return torch.device("cuda"), torch.bfloat16, {}
-    return torch.device("cuda"), torch.bfloat16, {"vllm_config": vllm_config}
-
-
-def _equal(got: Any, want: Any) -> bool:
-    return len(got) == len(want) and all(
-        g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want, strict=True)
-    )
-
-
 def _expect(stats: dict[str, Any], events: list[Any], calls: int, graphed: bool) -> None:
     """Three calls per shape: warm-up, capture, replay; or every call eager for its attention."""
     if graphed:
@@ -208,7 +152,7 @@ def test_vllm_vision_tower_through_the_graph_equals_its_own_forward(
     setup: str, vllm_env: Any
 ) -> None:
     """vLLM's Qwen2.5 vision tower gives bitwise vLLM's embeddings through the adapter."""
-    device, dtype, extra = _setup(setup, vllm_env)
+    device, dtype, extra = setup_for(setup, vllm_env)
     reference = _build(vllm_env, device, dtype, vision=True, audio=False)
     model = _build(vllm_env, device, dtype, vision=True, audio=False)
     bus = EventBus()
@@ -227,7 +171,7 @@ def test_vllm_vision_tower_through_the_graph_equals_its_own_forward(
             }
             want = reference._process_image_input(data)
             for _ in range(3):
-                assert _equal(model._process_image_input(data), want), grids
+                assert equal(model._process_image_input(data), want), grids
     stats = result.vision.get_cumulative_stats()
     graphed = setup == "cpu-simulated" or (
         qwen2_5_omni._attention_name(model.visual) in qwen2_5_omni.GRAPH_SAFE_VISION_ATTENTION
@@ -242,7 +186,7 @@ def test_transformers_audio_tower_through_the_graph_equals_vllms_call(
     setup: str, vllm_env: Any
 ) -> None:
     """transformers' Qwen2.5-Omni audio tower, called as vLLM calls it, is bitwise unchanged."""
-    device, dtype, extra = _setup(setup, vllm_env)
+    device, dtype, extra = setup_for(setup, vllm_env)
     reference = _build(vllm_env, device, dtype, vision=False, audio=True)
     model = _build(vllm_env, device, dtype, vision=False, audio=True)
     bus = EventBus()
@@ -259,7 +203,7 @@ def test_transformers_audio_tower_through_the_graph_equals_vllms_call(
             }
             want = reference._process_audio_input(data)
             for _ in range(3):
-                assert _equal(model._process_audio_input(data), want), frames
+                assert equal(model._process_audio_input(data), want), frames
     stats = result.audio.get_cumulative_stats()
     flash = "flash" in str(model.audio_tower.config._attn_implementation)
     _expect(stats, events, len(FRAMES), setup == "cpu-simulated" or flash)
