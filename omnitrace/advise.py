@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnitrace._units import format_bytes
 from omnitrace.config import HF_OVERRIDE_KEYS, MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import (
@@ -67,7 +68,6 @@ __all__ = [
     "advise",
     "advice_json",
     "default_grid",
-    "format_bytes",
     "format_seconds",
     "parse_size",
     "replay",
@@ -817,18 +817,6 @@ def _notes(recording: Recording) -> tuple[str, ...]:
         how = "given" if recording.free_source == "given" else "estimated from memory deferrals"
         notes.append(f"device-free memory at start: {format_bytes(low)} ({how})")
     return tuple(notes)
-
-
-def format_bytes(value: int | None) -> str:
-    """Format bytes with a binary unit: ``1.0 GiB``; ``—`` when unknown."""
-    if value is None:
-        return "—"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_seconds(value: float | None) -> str:

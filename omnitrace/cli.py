@@ -842,7 +842,8 @@ def _advise_table(advice: Any, top: int) -> Table:
     from rich import box
     from rich.table import Table
 
-    from omnitrace.advise import format_bytes, format_seconds
+    from omnitrace._units import format_bytes
+    from omnitrace.advise import format_seconds
 
     recording = advice.recording
     table = Table(

@@ -33,6 +33,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from omnitrace._units import format_bytes
 from omnitrace.bus import EventBus
 from omnitrace.coverage import AdapterCoverage, CoverageFold, KeyCoverage
 from omnitrace.eventlog import AdapterInfo, EventRecord
@@ -106,18 +107,6 @@ class Board(Protocol):
     """Something that can freeze the current state into a :class:`LiveSnapshot`."""
 
     def snapshot(self) -> LiveSnapshot: ...
-
-
-def format_bytes(value: int | None) -> str:
-    """Format bytes with a binary unit: ``1.0 GiB``; ``—`` when unknown."""
-    if value is None:
-        return "—"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def _clock(epoch_ns: int) -> str:
