@@ -322,6 +322,20 @@ def figure(
 # -- memory ------------------------------------------------------------------------------
 
 
+def sink_rows(sinks: Iterable[Any]) -> list[dict[str, Any]]:
+    """Each sink's delivery counters from ``EventBus.statistics().sinks``, as JSON rows."""
+    return [
+        {
+            "name": s.name,
+            "delivered": s.delivered,
+            "dropped": s.dropped,
+            "disabled": s.disabled,
+            "error": s.error,
+        }
+        for s in sinks
+    ]
+
+
 def free_cuda_memory() -> None:
     """Drop garbage and return cached device blocks so memory deltas start from a floor."""
     gc.collect()

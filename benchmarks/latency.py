@@ -84,6 +84,7 @@ from benchmarks.common import (
     free_cuda_memory,
     rotated,
     simulated_compile,
+    sink_rows,
     summarize,
     target,
     write_partial,
@@ -521,16 +522,7 @@ class Run:
             "flushed": self.flushed,
             "emitted": stats.emitted,
             "dropped": stats.dropped,
-            "per_sink": [
-                {
-                    "name": s.name,
-                    "delivered": s.delivered,
-                    "dropped": s.dropped,
-                    "disabled": s.disabled,
-                    "error": s.error,
-                }
-                for s in stats.sinks
-            ],
+            "per_sink": sink_rows(stats.sinks),
         }
 
     # -- compiling -------------------------------------------------------------------

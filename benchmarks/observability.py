@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Context, _quantile, free_cuda_memory, rotated, target
+from benchmarks.common import Context, _quantile, free_cuda_memory, rotated, sink_rows, target
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import (
     AUDIO_FULL,
@@ -453,18 +453,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "untimed_flush_s": flush_s[arm],
             "emitted": None if stats is None else stats.emitted,
             "dropped": None if stats is None else stats.dropped,
-            "sinks": []
-            if stats is None
-            else [
-                {
-                    "name": s.name,
-                    "delivered": s.delivered,
-                    "dropped": s.dropped,
-                    "disabled": s.disabled,
-                    "error": s.error,
-                }
-                for s in stats.sinks
-            ],
+            "sinks": [] if stats is None else sink_rows(stats.sinks),
             "adapter_stats": {enc: a.get_cumulative_stats() for enc, a in adapters[arm].items()},
             "spans_exported": None
             if sink_set is None or sink_set.spans_exported is None
