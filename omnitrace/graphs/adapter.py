@@ -473,7 +473,7 @@ class EncoderCudaGraph:
                 and state_detail(device, self.backend) is None
             ):
                 return self._replay(entry, inputs, device)
-        return self._call_slow(inputs)
+        return self._call_slow(inputs, found)
 
     def _replay(self, entry: _Entry, inputs: tuple[Any, ...], device: torch.device) -> Any:
         """Serve a hit; raise the terminal error if a capture failed meanwhile."""
@@ -499,8 +499,15 @@ class EncoderCudaGraph:
             bus.emit(event)
         return out
 
-    def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
-        """Every call that is not a plain hit: check, admit, capture or run eagerly."""
+    def _call_slow(
+        self,
+        inputs: tuple[Any, ...],
+        found: tuple[torch.device | None, tuple[Any, ...]] | None,
+    ) -> Any:
+        """Every call that is not a plain hit: check, admit, capture or run eagerly.
+
+        ``found`` is ``call_key(inputs)``, as the fast path computed it.
+        """
         call = examine(self.name, inputs)
         detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
         if detail is None and self._skip_profiling and self._phase is Phase.PROFILING:
@@ -511,7 +518,6 @@ class EncoderCudaGraph:
             if device is not None and (call.mixed or not self.backend.is_graph_device(device)):
                 device = None
             return self._eager(inputs, _INELIGIBLE, detail, signature_of(inputs), device)
-        found = call_key(inputs)
         device = call.device
         # An eligible call has tensor inputs, all of them read by examine() already.
         assert found is not None
