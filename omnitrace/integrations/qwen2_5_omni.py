@@ -354,8 +354,9 @@ class _AudioForward:
         pool_indices = seam.get_pool_indices(feature_lens)
         cu_seqlens = seam.get_audio_cu_seqlens(chunk_lengths)
         max_seqlen = seam.get_max_seqlen(cu_seqlens, tower.config)
-        # The forward reads these beside the features on the device; some transformers
-        # releases compute them on the host.
+        # The graph's inputs must share the features' device. vLLM passes the lengths on
+        # the device, so these are no-ops there; a caller passing them on the host gets
+        # them moved rather than a device mismatch inside the captured forward.
         chunk_lengths, valid_indices, pool_indices, cu_seqlens = (
             t.to(padded.device) if isinstance(t, torch.Tensor) else t
             for t in (chunk_lengths, valid_indices, pool_indices, cu_seqlens)
