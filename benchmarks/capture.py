@@ -11,15 +11,16 @@ mode gets fresh adapters (one per encoder, on one bus) and serves the stream twi
 * the warm pass serves the same stream again on the graphs now held (shapes seen once in the
   cold pass reach their second call and may be admitted now), then the benchmark waits again.
 
-The modes (:data:`MODES`): ``sync``, the default, where the call that admits a shape captures
-it and waits for the capture; ``background``, ``EncoderGraphConfig(background_capture=True)``,
-where a capture thread prepares the graph on a side stream while calls of that shape keep
-running eagerly; ``background_compiled``, the same with ``compile=True``, so the capture thread
-compiles the encoder for the shape first. ``sync_one_client``, synchronous capture served by
-client 0 alone, runs first as a reference: the setting the default is made for (one thread
-calling the encoders), measured even when synchronous capture fails under two clients. Graphs
-are per shape and replay stream, and each client has a stream of its own, so every mode allows
-:data:`GRAPHS_PER_CLIENT` graphs per encoder and client (the default four per stream).
+The modes (:data:`MODES`): ``sync``, the default, where the call that admits a shape captures it
+and waits for the capture; ``background``, ``EncoderGraphConfig(background_capture=True)``, where a
+preparation thread warms the shape up on a side stream while calls of that shape keep running
+eagerly, and the shape's next call captures it without the warm-up; ``background_compiled``, the
+same with ``compile=True``, so the preparation thread compiles the encoder for the shape, and the
+capturing call runs one compiled warm-up instead of compiling. ``sync_one_client``, synchronous
+capture served by client 0 alone, runs first as a reference: the setting the default is made for
+(one thread calling the encoders), measured even when synchronous capture fails under two clients.
+Graphs are per shape and replay stream, and each client has a stream of its own, so every mode
+allows :data:`GRAPHS_PER_CLIENT` graphs per encoder and client (the default four per stream).
 
 Timing: each request is timed on its client thread from the adapter call until the client's
 own CUDA stream has finished it (``stream.synchronize()``), so a request that captured, waited
@@ -45,9 +46,10 @@ recorded with its traceback, and fails the benchmark once every mode ran; so doe
 that failed, and a mode whose graphs are still being prepared :data:`PREPARE_TIMEOUT_S`
 after a pass. ``--quick`` skips the compiled mode (recorded as skipped).
 
-Simulated (``--simulate``): tiny encoders on CPU on the simulated backend, whose captures
-sleep :data:`SIMULATED_CAPTURE_S` to stand in for a capture; the compiles use the eager
-backend. The plumbing and the counts are real; the times mean nothing.
+Simulated (``--simulate``): tiny encoders on CPU on the simulated backend, whose captures sleep
+:data:`SIMULATED_CAPTURE_S` to stand in for a capture and :data:`SIMULATED_WARMUP_S` for a warm-up
+(a background preparation's step); the compiles use the eager backend. The plumbing and the counts
+are real; the times mean nothing.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ COMPILE_TOLERANCE = 1e-1
 PREPARE_TIMEOUT_S = {"full": 180.0, "quick": 60.0, "tiny": 30.0}
 #: What a simulated capture takes (it stands in for capture and compile).
 SIMULATED_CAPTURE_S = 0.02
+SIMULATED_WARMUP_S = 0.02
 #: The passes over the stream, in order: the cold start, then the same stream again.
 PASSES = ("cold", "warm")
 #: Characters of a client's exception message kept in the result.
@@ -145,7 +148,9 @@ MODES = (
 
 def _backend(ctx: Context, mode: Mode) -> SimulatedGraphBackend | None:
     """The graph backend of one adapter: the default (torch) one, or the simulated one."""
-    return SimulatedGraphBackend(capture_delay=SIMULATED_CAPTURE_S) if ctx.simulate else None
+    if not ctx.simulate:
+        return None
+    return SimulatedGraphBackend(capture_delay=SIMULATED_CAPTURE_S, warmup_delay=SIMULATED_WARMUP_S)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -733,7 +738,7 @@ def _targets(rows: list[dict[str, Any]], cotenant: dict[str, Any]) -> list[dict[
             "<=",
             0.0,
             "errors",
-            note="in client threads and capture threads; a failed mode stops at once",
+            note="in client threads and preparation threads; a failed mode stops at once",
             goal="background",
         ),
         target(

@@ -349,7 +349,7 @@ def simulated_compile(ctx: Context) -> Iterator[None]:
     """In a simulated run, make ``torch.compile`` default to ``backend="eager"``.
 
     Adapters with the ``compile`` switch call ``torch.compile`` themselves, possibly on their
-    capture thread; on CPU inductor would build C++ kernels for minutes, and the simulated
+    preparation thread; on CPU inductor would build C++ kernels for minutes, and the simulated
     numbers mean nothing anyway. Outside simulated runs this does nothing.
     """
     if not ctx.simulate:

@@ -73,14 +73,16 @@ class EncoderGraphConfig:
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
             per exact shape instead of the eager forward; misses still run the eager
             forward. Off by default.
-        background_capture: prepare a graph (compile and capture) on a background thread
-            and a side stream while calls of its shape keep running eagerly (``warmup``
-            misses, detail ``preparing``), then replay. Off by default: the call that
-            reaches ``min_capture_calls`` captures synchronously and is served by the graph.
-            Only for processes with no other CUDA-graph or torch.compile user: another
-            thread that records a CUDA graph or synchronises the device while the capture
-            runs fails (``cudaErrorStreamCaptureUnsupported``), and with ``compile`` the
-            capture thread's compilation breaks other threads' compiled calls.
+        background_capture: warm up (and, with ``compile``, compile) a graph's forward on a
+            background thread and a side stream while calls of its shape keep running
+            eagerly (``warmup`` misses, detail ``preparing``); the next call of the shape
+            then captures on its own thread, skipping the eager warm-up (one compiled call
+            with ``compile``), and is served by the graph. The stream capture stays on the
+            calling thread because CUDA forbids a device synchronisation or another graph
+            recording beside it in other threads. Off by default: the call that reaches
+            ``min_capture_calls`` warms up, captures and is served by the graph. Torch
+            backend only (vLLM's manager captures in CUDA's global mode, which the
+            preparation thread's allocations would break).
         device_timing: time eager and replayed calls on the device with CUDA events,
             recorded without a host sync and resolved off the call path into
             ``DeviceTimed`` events. Off by default (host time only).

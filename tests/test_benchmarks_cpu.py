@@ -429,7 +429,7 @@ def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
     for mode in ("background", "background_compiled"):
         for name in ("cold", "warm"):
             one = by[mode][name]
-            # The call that admits a shape hands it to the capture thread and runs eagerly.
+            # The call that admits a shape hands it to the preparation thread and runs eagerly.
             assert one["preparing_misses"] >= one["settle"]["graphs_after"] - one["graphs_before"]
         assert by[mode]["cold"]["preparing_misses"] > 0
     # Three calls compile and record the co-tenant before the first mode.
@@ -553,7 +553,8 @@ def test_simulated_compile_defaults_to_the_eager_backend_only_in_simulated_runs(
 def test_a_failed_background_capture_fails_the_suite_and_the_next_mode_still_runs(
     bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A capture that fails on the capture thread stops its mode, exits 1, and the next runs."""
+    """A prepared capture that fails in a client thread stops its mode, exits 1, and the next
+    runs."""
     from benchmarks import capture
     from omnitrace.testing import SimulatedGraphBackend
 

@@ -7,11 +7,15 @@ adapter's own stats and put on the bus. Opt-in variants, all off by default:
 * ``compile``: the captured forward is ``torch.compile(forward)`` (inductor's fused kernels);
   eager misses still run the plain forward.
 * ``background_capture``: the call that admits a key hands a copy of its inputs to this
-  adapter's capture thread and runs eagerly; the thread warms up (and compiles) on a side
-  stream, captures on the capture stream in CUDA's thread-local capture mode, so other
-  threads' calls keep running, and installs the graph. Until then calls of that key are
-  ``warmup`` misses with detail ``preparing``. A failed background capture makes the adapter
-  terminal like a synchronous one; the next call raises, chained to the original error.
+  adapter's preparation thread and runs eagerly; the thread warms up (and compiles) on a side
+  stream, never capturing, and marks the key ready. The next call of the key captures it on
+  its own thread, without the warm-up (eager forward) or with one quick compiled call
+  (compiled forward), and is served by the graph. Until then calls of that key are
+  ``warmup`` misses with detail ``preparing``. The stream capture itself stays on the
+  calling thread because it cannot run beside other threads' CUDA-graph recordings or
+  device synchronisations (``cudaErrorStreamCaptureUnsupported`` in whichever thread hits
+  it). A failed background preparation makes the adapter terminal like a failed capture;
+  the next call raises, chained to the original error.
 * ``device_timing``: CUDA events around eager and replayed calls, resolved off the call path
   (``timing.py``) into DeviceTimed events.
 """
@@ -26,7 +30,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +53,8 @@ from omnitrace.graphs.backends.base import (
     CapturedGraph,
     CaptureRequest,
     GraphBackend,
+    OutputLayout,
+    static_copies,
 )
 from omnitrace.graphs.eligibility import (
     call_key,
@@ -68,6 +74,13 @@ logger = logging.getLogger(__name__)
 
 _INELIGIBLE = MissReason.INELIGIBLE
 _WARMUP = MissReason.WARMUP
+_NOT_READY = object()
+
+# Set while a call found a prepared key but the capture lock taken (by a compiling
+# preparation); cleared by the next capture of a prepared key. A preparation thread about to
+# compile defers to it for up to _DEFER_S, so back-to-back compiles never starve captures.
+_CAPTURE_WANTED = threading.Event()
+_DEFER_S = 0.25
 _SERVING = Phase.SERVING
 #: Longest capture-failure message put in events, logs and spans.
 MESSAGE_MAX_CHARS = 300
@@ -152,19 +165,19 @@ class _Entry:
 
 
 class _Job:
-    """A background capture: what the capture thread needs, taken on the call path."""
+    """A background preparation: what the preparation thread needs, taken on the call path."""
 
-    __slots__ = ("device", "inputs", "key", "replay_stream", "signature", "slot", "stream")
+    __slots__ = ("device", "inference", "inputs", "key", "replay_stream", "signature", "stream")
 
     def __init__(
         self,
         key: Hashable,
-        inputs: tuple[Any, ...],
+        inputs: list[torch.Tensor | None],
         device: torch.device,
         stream: int,
         replay_stream: Any,
         signature: Signature,
-        slot: PoolSlot,
+        inference: bool,
     ) -> None:
         self.key = key
         self.inputs = inputs
@@ -172,7 +185,7 @@ class _Job:
         self.stream = stream
         self.replay_stream = replay_stream
         self.signature = signature
-        self.slot = slot
+        self.inference = inference
 
 
 class EncoderCudaGraph:
@@ -245,6 +258,8 @@ class EncoderCudaGraph:
         self._pools = PoolRegistry(backend, share=config.share_pools)
         self._graphs: dict[Hashable, _Entry] = {}
         self._preparing: set[Hashable] = set()
+        # Keys whose background preparation finished: the next call captures them.
+        self._ready: dict[Hashable, OutputLayout | None] = {}
         self._fold = StatsFold()
         self._lock = threading.RLock()
         self._failure: str | None = None
@@ -290,8 +305,13 @@ class EncoderCudaGraph:
 
     @property
     def preparing(self) -> int:
-        """Graphs being prepared by the background capture thread."""
+        """Keys being warmed up (and compiled) by the background preparation thread."""
         return len(self._preparing)
+
+    @property
+    def ready(self) -> int:
+        """Keys prepared in the background whose next call captures their graph."""
+        return len(self._ready)
 
     @property
     def phase(self) -> Phase:
@@ -359,7 +379,9 @@ class EncoderCudaGraph:
         )
 
     def wait_prepared(self, timeout: float = 60.0) -> bool:
-        """Wait until no background capture is pending; True when none is left.
+        """Wait until no background preparation is running; True when none is left.
+
+        Prepared keys are then ``ready``: each is captured by its next call.
 
         For tests, benchmarks and shutdown; the call path never waits.
         """
@@ -554,6 +576,8 @@ class EncoderCudaGraph:
         signature = signature_of(inputs, stream)
         if key in self._preparing:
             return None, (_WARMUP, "preparing", signature)
+        if key in self._ready:
+            return self._capture_ready(key, inputs, device, stream, signature)
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
@@ -677,6 +701,7 @@ class EncoderCudaGraph:
         device: torch.device,
         stream: int,
         signature: Signature,
+        layout: OutputLayout | None = None,
     ) -> Any:
         slot = self._pools.slot_for(device, stream)
         start = (_mono(), _epoch(), _perf())
@@ -688,13 +713,18 @@ class EncoderCudaGraph:
                 slot.pool,
                 slot.capture_stream,
                 capture_error_mode=self._error_mode,
+                # A prepared key: the device was settled by the preparation, and a call
+                # must not stall on a device-wide sync.
+                quiet=layout is not None or key in self._ready,
+                layout=layout,
             )
             with CAPTURE_LOCK, self._compile_guard():
                 graph = self.backend.capture(request)
         except BaseException as exc:
             self._fail(exc, signature, device, stream)
             raise
-        self._admission.captured(key)
+        if self._ready.pop(key, _NOT_READY) is _NOT_READY:
+            self._admission.captured(key)  # a prepared key took its slot at admission
         self._install(key, graph, signature, slot, device, stream, start)
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
@@ -704,7 +734,29 @@ class EncoderCudaGraph:
         )
         return out
 
-    # -- background capture -----------------------------------------------------------------
+    def _capture_ready(
+        self,
+        key: Hashable,
+        inputs: tuple[Any, ...],
+        device: torch.device,
+        stream: int,
+        signature: Signature,
+    ) -> tuple[Any, tuple[MissReason, str, Signature] | None]:
+        """Capture a key prepared in the background, on this call's thread (lock held).
+
+        Never waits for another capture or preparation: while one holds the capture lock,
+        the call runs eagerly as ``preparing`` and a later call captures.
+        """
+        if not CAPTURE_LOCK.acquire(blocking=False):
+            _CAPTURE_WANTED.set()
+            return None, (_WARMUP, "preparing", signature)
+        try:
+            return self._capture(key, inputs, device, stream, signature, self._ready[key]), None
+        finally:
+            _CAPTURE_WANTED.clear()
+            CAPTURE_LOCK.release()
+
+    # -- background preparation -------------------------------------------------------------
 
     def _submit(
         self,
@@ -714,28 +766,27 @@ class EncoderCudaGraph:
         stream: int,
         signature: Signature,
     ) -> None:
-        """Reserve the key's slot and hand a copy of the inputs to the capture thread."""
+        """Reserve the key's slot and hand a copy of the inputs to the preparation thread."""
         self._admission.captured(key)  # the slot is taken now: no other key may claim it
         self._preparing.add(key)
         # The caller may reuse its tensors once this call returns: the thread gets copies,
-        # made on the caller's stream.
-        copies = tuple(None if x is None else x.detach().clone() for x in inputs)
-        replay_stream = self.backend_stream(device)
+        # made on the caller's stream, laid out as the capture's static inputs will be (so a
+        # compiled forward's guards match at capture).
         job = _Job(
             key,
-            copies,
+            static_copies(inputs),
             device,
             stream,
-            replay_stream,
+            self.backend_stream(device),
             signature,
-            self._pools.slot_for(device, stream),
+            torch.is_inference_mode_enabled(),
         )
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             self._worker = threading.Thread(
                 target=self._capture_loop,
                 args=(self._jobs,),
-                name=f"omnitrace-capture-{self.name}",
+                name=f"omnitrace-prepare-{self.name}",
                 daemon=True,
             )
             self._worker.start()
@@ -757,30 +808,27 @@ class EncoderCudaGraph:
             self._prepare(job, side)
 
     def _prepare(self, job: _Job, side: dict[torch.device, Any]) -> None:
-        """Warm up (and compile) on a side stream, capture thread-locally, install."""
-        start = (_mono(), _epoch(), _perf())
+        """Warm up (and compile) on a side stream, then mark the key ready for capture."""
         try:
-            if job.device.type == "cuda":
-                with torch.cuda.device(job.device):
-                    stream = side.get(job.device)
-                    if stream is None:
-                        stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
-                    # The copies were made on the caller's stream: the side stream waits.
-                    stream.wait_stream(job.replay_stream)
-                    with torch.no_grad(), torch.cuda.stream(stream):
-                        graph = self._capture_on_current_stream(job)
-                    # Static inputs are written on the side stream; the graph's first replay
-                    # on the caller's stream must see them: wait here, off the call path.
-                    stream.synchronize()
-            else:
-                with torch.no_grad():
-                    graph = self._capture_on_current_stream(job)
+            with self._preparation_scope(), self._grad_scope(job):
+                if job.device.type == "cuda":
+                    with torch.cuda.device(job.device):
+                        stream = side.get(job.device)
+                        if stream is None:
+                            stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
+                        # The copies were made on the caller's stream: the side stream waits.
+                        stream.wait_stream(job.replay_stream)
+                        with torch.cuda.stream(stream):
+                            layout = self.backend.warm_up(self._capture_forward(), job.inputs)
+                else:
+                    layout = self.backend.warm_up(self._capture_forward(), job.inputs)
         except BaseException as exc:
             with self._lock:
                 self._preparing.discard(job.key)
                 self._fail(exc, job.signature, job.device, job.stream)
             logger.error(
-                "omnitrace: background capture of %s for %r failed: %s; the adapter is terminal",
+                "omnitrace: background preparation of %s for %r failed: %s; "
+                "the adapter is terminal",
                 job.signature.text,
                 self.name,
                 self._failure,
@@ -788,24 +836,30 @@ class EncoderCudaGraph:
             return
         with self._lock:
             self._preparing.discard(job.key)
-            if self._failure is None:
-                self._install(
-                    job.key, graph, job.signature, job.slot, job.device, job.stream, start
-                )
+            # A compiled forward warms up once more at capture, on the caller's thread: a
+            # guard that differs there (a thread-local mode) recompiles outside the capture.
+            self._ready[job.key] = None if self.config.compile else layout
 
-    def _capture_on_current_stream(self, job: _Job) -> CapturedGraph:
-        # no_grad, not inference_mode: the static buffers must stay ordinary tensors that
-        # callers outside inference mode can copy into.
-        request = CaptureRequest(
-            self._capture_forward(),
-            job.inputs,
-            job.device,
-            job.slot.pool,
-            job.slot.capture_stream,
-            capture_error_mode="thread_local",
-            quiet=True,
-        )
-        # Warm-up and compile inside the forward's first calls run under the lock too: the
-        # capture that follows them is the one that must not overlap another.
+    @contextlib.contextmanager
+    def _preparation_scope(self) -> Iterator[None]:
+        """What a preparation holds while it warms up.
+
+        An eager warm-up holds nothing: its kernels and allocations on a side stream are
+        allowed beside a thread-local capture on another thread. A compiled one holds the
+        capture lock and torch.compile's own lock: compiling may synchronise the device
+        (autotuning), which no capture may overlap. A call whose key is ready then runs
+        eagerly rather than wait, and the next compile defers to it for a moment.
+        """
+        if not self.config.compile:
+            yield
+            return
+        deadline = time.monotonic() + _DEFER_S
+        while _CAPTURE_WANTED.is_set() and time.monotonic() < deadline:
+            time.sleep(0.002)
         with CAPTURE_LOCK, self._compile_guard():
-            return self.backend.capture(request)
+            yield
+
+    @staticmethod
+    def _grad_scope(job: _Job) -> contextlib.AbstractContextManager[Any]:
+        """The admitting call's autograd mode (calls with grad enabled are never graphed)."""
+        return torch.inference_mode() if job.inference else torch.no_grad()

@@ -3,6 +3,7 @@ capture (alone, under concurrent calls, and beside a reduce-overhead model)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -79,10 +80,16 @@ def test_background_capture_replays_correctly_under_concurrent_calls(bus: EventB
     torch.cuda.synchronize()
     errors: list[str] = []
 
+    deadline = time.monotonic() + 60
+
     def client(seed: int) -> None:
         stream = torch.cuda.Stream()
         with torch.no_grad(), torch.cuda.stream(stream):
-            for i in range(40):
+            # 40 calls, then on until every key's graph is captured (a prepared key is
+            # captured by its next call).
+            for i in itertools.count():
+                if i >= 40 and (graph.num_graphs == 6 or time.monotonic() > deadline):
+                    break
                 which = (i + seed) % 2
                 out = graph(inputs[which])
                 if not torch.allclose(out, references[which], rtol=GRAPH_TOL, atol=GRAPH_TOL):

@@ -186,13 +186,26 @@ def test_compile_captures_the_compiled_forward_and_misses_stay_eager(
     assert graph.get_cumulative_stats()["graph_hits"] == 2
 
 
+def _on_prepare_thread() -> bool:
+    return threading.current_thread().name.startswith("omnitrace-prepare-")
+
+
 def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
     bus: EventBus,
 ) -> None:
-    """The admitting call returns at once, later calls miss as 'preparing', then replay."""
-    backend = SimulatedGraphBackend(capture_delay=0.3)
+    """The admitting call returns at once, later calls miss as 'preparing'; the thread only
+    warms up, and the first call after it captures on its own thread and is a hit."""
+    backend = SimulatedGraphBackend()
+    runs: list[tuple[str, bool]] = []
+
+    def slow_to_prepare(x: torch.Tensor) -> torch.Tensor:
+        runs.append((threading.current_thread().name, backend.is_capturing(x.device)))
+        if _on_prepare_thread():
+            time.sleep(0.3)
+        return encoder(x)
+
     graph = EncoderCudaGraph(
-        encoder,
+        slow_to_prepare,
         name="v",
         config=CFG.replace(background_capture=True),
         bus=bus,
@@ -200,15 +213,18 @@ def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
     )
     x = torch.randn(1, 4, 3)
     expected = encoder(x)
+    main = threading.current_thread().name
     with capture_events(bus) as events:
         graph(x)  # warm-up
         start = time.perf_counter()
-        assert torch.equal(graph(x), expected)  # admitted: handed to the capture thread
+        assert torch.equal(graph(x), expected)  # admitted: handed to the preparation thread
         assert torch.equal(graph(x), expected)  # still preparing
         assert time.perf_counter() - start < 0.25
-        assert graph.preparing == 1
+        assert (graph.preparing, graph.ready, graph.num_graphs) == (1, 0, 0)
         assert graph.wait_prepared(10)
-        assert torch.equal(graph(x), expected)
+        assert (graph.preparing, graph.ready, graph.num_graphs) == (0, 1, 0)
+        assert torch.equal(graph(x), expected)  # captured on this thread, served by it
+        assert (graph.ready, graph.num_graphs) == (0, 1)
     kinds = [(type(e).__name__, getattr(e, "detail", None)) for e in events]
     assert kinds == [
         ("GraphMissed", "call 1 of 2"),
@@ -218,6 +234,13 @@ def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
         ("GraphReplayed", None),
     ]
     assert backend.capture_modes == ["thread_local"]
+    # Three eager calls, one warm-up on the preparation thread (never capturing), then the
+    # capture on the calling thread with no second warm-up, then the simulated replay.
+    assert [run for run in runs if run[0] != main] == [("omnitrace-prepare-v", False)]
+    assert [run for run in runs if run[0] == main] == [(main, False)] * 3 + [
+        (main, True),
+        (main, False),
+    ]
     assert graph.get_cumulative_stats()["warmup_misses"] == 3
     assert graph.close(5)
     assert derive_stats(events)["v"] == graph.get_cumulative_stats()
@@ -238,13 +261,17 @@ def test_background_capture_takes_its_slot_at_admission(bus: EventBus) -> None:
         graph(a)
         graph(a)
         graph(b)
-        graph.wait_prepared(10)
+        assert graph.wait_prepared(10)
+        graph(b)
+        graph(a)  # the prepared key's next call captures it
     assert [e.reason for e in events if isinstance(e, GraphMissed)] == [
         MissReason.WARMUP,
         MissReason.WARMUP,
         MissReason.CAPACITY,
+        MissReason.CAPACITY,
     ]
     assert backend.captures == 1
+    assert graph.get_cumulative_stats()["graph_hits"] == 1
 
 
 def test_concurrent_calls_during_background_capture_are_all_correct(bus: EventBus) -> None:
@@ -280,11 +307,17 @@ def test_concurrent_calls_during_background_capture_are_all_correct(bus: EventBu
     assert backend.captures == 2
 
 
-def test_a_failed_background_capture_makes_the_adapter_terminal(bus: EventBus) -> None:
+def test_a_failed_background_preparation_makes_the_adapter_terminal(bus: EventBus) -> None:
     """One CaptureFailed; the next call raises EncoderGraphFailedError chained to the cause."""
-    backend = SimulatedGraphBackend(fail_on_capture=RuntimeError("capture broke"))
+    backend = SimulatedGraphBackend()
+
+    def breaks_when_prepared(x: torch.Tensor) -> torch.Tensor:
+        if _on_prepare_thread():
+            raise RuntimeError("capture broke")
+        return encoder(x)
+
     graph = EncoderCudaGraph(
-        encoder,
+        breaks_when_prepared,
         name="v",
         config=CFG.replace(background_capture=True),
         bus=bus,
@@ -302,6 +335,98 @@ def test_a_failed_background_capture_makes_the_adapter_terminal(bus: EventBus) -
     assert isinstance(raised.value.__cause__, RuntimeError)
     assert sum(isinstance(e, CaptureFailed) for e in events) == 1
     assert graph.get_cumulative_stats()["capture_failures"] == 1
+    assert backend.captures == 0
+
+
+def test_a_prepared_keys_failed_capture_raises_to_its_caller_then_is_terminal(
+    bus: EventBus,
+) -> None:
+    """The capture runs on the calling thread: that call sees the original error."""
+    backend = SimulatedGraphBackend(fail_on_capture=RuntimeError("capture broke"))
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=CFG.replace(background_capture=True), bus=bus, backend=backend
+    )
+    x = torch.randn(1, 4, 3)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+        assert graph.wait_prepared(10)
+        with pytest.raises(RuntimeError, match=r"^capture broke$"):
+            graph(x)
+        with pytest.raises(EncoderGraphFailedError, match="capture broke"):
+            graph(x)
+    assert sum(isinstance(e, CaptureFailed) for e in events) == 1
+    assert graph.terminal
+
+
+def test_a_prepared_key_runs_eagerly_while_another_capture_holds_the_lock(
+    bus: EventBus,
+) -> None:
+    """A call never waits for someone else's capture or preparation to capture its own."""
+    from omnitrace.graphs.backends.base import CAPTURE_LOCK
+
+    backend = SimulatedGraphBackend()
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=CFG.replace(background_capture=True), bus=bus, backend=backend
+    )
+    x = torch.randn(1, 4, 3)
+    graph(x)
+    graph(x)
+    assert graph.wait_prepared(10)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with CAPTURE_LOCK:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        with capture_events(bus) as events:
+            start = time.perf_counter()
+            assert torch.equal(graph(x), encoder(x))
+            assert time.perf_counter() - start < 1.0
+        assert [(type(e), getattr(e, "detail", None)) for e in events] == [
+            (GraphMissed, "preparing")
+        ]
+        assert graph.ready == 1
+    finally:
+        release.set()
+        holder.join(10)
+    with capture_events(bus) as events:
+        graph(x)
+    assert [type(e) for e in events] == [GraphCaptured, GraphReplayed]
+
+
+def test_background_preparation_runs_in_the_admitting_calls_autograd_mode(
+    bus: EventBus,
+) -> None:
+    """Under inference mode the warm-up is too (a compiled forward's guards then match at
+    capture), and the static buffers stay ordinary tensors a later no_grad call can fill."""
+    modes: list[tuple[bool, bool]] = []
+
+    def noting(x: torch.Tensor) -> torch.Tensor:
+        modes.append((_on_prepare_thread(), torch.is_inference_mode_enabled()))
+        return encoder(x)
+
+    graph = EncoderCudaGraph(
+        noting,
+        name="v",
+        config=CFG.replace(background_capture=True),
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    x = torch.randn(1, 4, 3)
+    with torch.inference_mode():
+        graph(x)
+        graph(x)
+        assert graph.wait_prepared(10)
+        graph(x)  # captured here, under inference mode
+    assert (True, True) in modes
+    assert torch.equal(graph(x), encoder(x))  # a no_grad hit copies into the static inputs
+    assert graph.get_cumulative_stats()["graph_hits"] == 2
 
 
 def test_background_capture_refuses_a_backend_without_thread_local_capture() -> None:
@@ -342,7 +467,8 @@ def test_synchronous_captures_are_thread_local_where_the_backend_allows() -> Non
 
 
 def test_close_waits_for_preparations_then_captures_synchronously(bus: EventBus) -> None:
-    """close() lets a background capture finish; a shape admitted afterwards captures inline."""
+    """close() lets a background preparation finish; its key's next call captures it, and a
+    shape admitted afterwards captures inline."""
     backend = SimulatedGraphBackend(capture_delay=0.1)
     graph = EncoderCudaGraph(
         encoder,
@@ -353,12 +479,19 @@ def test_close_waits_for_preparations_then_captures_synchronously(bus: EventBus)
     )
     a, b = torch.randn(1, 4, 3), torch.randn(1, 5, 3)
     graph(a)
-    graph(a)  # handed to the capture thread
+    graph(a)  # handed to the preparation thread
     assert graph.close(5)
-    assert graph.num_graphs == 1
-    assert not any(t.name == "omnitrace-capture-closing" for t in threading.enumerate())
+    assert (graph.ready, graph.num_graphs) == (1, 0)
+    assert not any(t.name == "omnitrace-prepare-closing" for t in threading.enumerate())
     with capture_events(bus) as events:
+        graph(a)  # prepared before close: captured now
         graph(b)
         graph(b)  # admitted after close: captured synchronously, served by its graph
-    assert [type(e) for e in events] == [GraphMissed, GraphCaptured, GraphReplayed]
+    assert [type(e) for e in events] == [
+        GraphCaptured,
+        GraphReplayed,
+        GraphMissed,
+        GraphCaptured,
+        GraphReplayed,
+    ]
     assert graph.close(1)

@@ -36,12 +36,14 @@ __all__ = [
     "CaptureRequest",
     "CapturedGraph",
     "GraphBackend",
+    "OutputLayout",
     "OutputSpec",
     "StaticBuffers",
     "capture_ordering",
     "flatten_outputs",
     "static_copies",
     "unflatten_outputs",
+    "warm_up",
 ]
 
 
@@ -72,6 +74,10 @@ class CaptureRequest:
     collection or emptying of the allocator's cache (which frees memory with an implicit
     device-wide sync). For background captures, so other threads' calls never stall on
     them; ``bytes_reserved`` is then approximate."""
+    layout: OutputLayout | None = None
+    """The output layout of warm-ups already run for this key (a background preparation):
+    the backend skips its own warm-up and sizes the static outputs from it. A backend that
+    warms up on its own terms (vLLM's manager) may ignore it."""
 
 
 @runtime_checkable
@@ -125,6 +131,13 @@ class GraphBackend(Protocol):
         """Create a side stream for captures on ``device``; return it and its id."""
         ...
 
+    def warm_up(
+        self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
+    ) -> OutputLayout:
+        """Run ``forward`` eagerly on the current stream as this backend warms up before a
+        capture, and return the output layout (a background preparation's step)."""
+        ...
+
     def capture(self, request: CaptureRequest) -> CapturedGraph:
         """Warm up and capture ``request.forward(*request.inputs)``.
 
@@ -142,12 +155,54 @@ def static_copies(inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | 
     """Copy ``inputs`` into fresh contiguous buffers on the current (replay) stream.
 
     Called before capture, so the buffers are ordinary allocations outside every graph pool;
-    the graph object holds them, and replays copy new inputs into them.
+    the graph object holds them, and replays copy new inputs into them. They are never
+    inference tensors, even under ``torch.inference_mode``: a later call outside inference
+    mode (under ``no_grad``) must still be able to copy into them.
     """
-    return [
-        None if x is None else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-        for x in inputs
-    ]
+    with torch.inference_mode(False):
+        return [
+            None
+            if x is None
+            else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+            for x in inputs
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLayout:
+    """What a warm-up tells a capture about the forward's outputs: leaf shapes and dtypes,
+    and the tree they form."""
+
+    leaves: tuple[tuple[torch.Size, torch.dtype], ...]
+    spec: OutputSpec
+
+    def empty(self, device: torch.device) -> list[torch.Tensor]:
+        """Allocate static outputs of this layout on ``device`` (outside inference mode)."""
+        with torch.inference_mode(False):
+            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.leaves]
+
+    def check(self, leaves: Sequence[torch.Tensor]) -> None:
+        """Raise unless a captured forward returned leaves of this layout."""
+        if [(t.shape, t.dtype) for t in leaves] != list(self.leaves):
+            raise RuntimeError(
+                "encoder returned different outputs during capture than during warm-up "
+                f"({len(leaves)} leaves against {len(self.leaves)}, or other shapes or dtypes)"
+            )
+
+
+def warm_up(
+    forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None], iters: int = 1
+) -> OutputLayout:
+    """Run ``forward`` eagerly ``iters`` times (at least once) and return its output layout.
+
+    Lazy initialisation and autotuning happen here, outside any capture; run it on the
+    replay stream or on a side stream, never on a capture stream (module docstring).
+    """
+    out = None
+    for _ in range(max(1, iters)):
+        out = forward(*inputs)
+    leaves, spec = flatten_outputs(out)
+    return OutputLayout(tuple((t.shape, t.dtype) for t in leaves), spec)
 
 
 @contextlib.contextmanager

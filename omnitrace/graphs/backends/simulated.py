@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from omnitrace._validate import check_int, check_number
-from omnitrace.graphs.backends.base import CaptureRequest, StaticBuffers, flatten_outputs
+from omnitrace.graphs.backends.base import (
+    CaptureRequest,
+    OutputLayout,
+    StaticBuffers,
+    flatten_outputs,
+    static_copies,
+    warm_up,
+)
 from omnitrace.graphs.timing import HostClock
 
 __all__ = ["SimulatedGraph", "SimulatedGraphBackend"]
@@ -79,11 +86,13 @@ class SimulatedGraphBackend:
         graph_bytes: int = 64 << 20,
         fail_on_capture: bool | BaseException | type[BaseException] = False,
         capture_delay: float = 0.0,
+        warmup_delay: float = 0.0,
     ) -> None:
         self.free_bytes = check_int("free_bytes", free_bytes)
         self.graph_bytes = check_int("graph_bytes", graph_bytes)
         self.fail_on_capture = fail_on_capture
         self.capture_delay = check_number("capture_delay", capture_delay, positive=False)
+        self.warmup_delay = check_number("warmup_delay", warmup_delay, positive=False)
         self.captures = 0
         self.replays = 0
         self.pools_created = 0
@@ -140,6 +149,13 @@ class SimulatedGraphBackend:
         stream_id = next(_stream_ids)
         return ("simulated-stream", stream_id), stream_id
 
+    def warm_up(
+        self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
+    ) -> OutputLayout:
+        if self.warmup_delay:
+            time.sleep(self.warmup_delay)
+        return warm_up(forward, inputs)
+
     def capture(self, request: CaptureRequest) -> SimulatedGraph:
         forward, inputs, capture_error_mode = (
             request.forward,
@@ -147,9 +163,11 @@ class SimulatedGraphBackend:
             request.capture_error_mode,
         )
         self.capture_modes.append(capture_error_mode)
-        static_inputs = [None if x is None else x.detach().clone() for x in inputs]
-        leaves, spec = flatten_outputs(forward(*static_inputs))  # warm-up
-        static_outputs = [torch.empty_like(t) for t in leaves]
+        static_inputs = static_copies(inputs)
+        layout = request.layout
+        if layout is None:
+            layout = self.warm_up(forward, static_inputs)
+        static_outputs = layout.empty(request.device)
         with self.capturing():
             if self.capture_delay:
                 time.sleep(self.capture_delay)
@@ -161,8 +179,11 @@ class SimulatedGraphBackend:
             if isinstance(failure, type) and issubclass(failure, BaseException):
                 raise failure("simulated CUDA graph capture failure")
             captured, _ = flatten_outputs(forward(*static_inputs))
+            layout.check(captured)
             for dst, src in zip(static_outputs, captured, strict=True):
                 dst.copy_(src)
         self.captures += 1
         self.free_bytes = max(0, self.free_bytes - self.graph_bytes)
-        return SimulatedGraph(self, forward, static_inputs, static_outputs, spec, self.graph_bytes)
+        return SimulatedGraph(
+            self, forward, static_inputs, static_outputs, layout.spec, self.graph_bytes
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,10 +12,12 @@ import torch
 from omnitrace._validate import check_int
 from omnitrace.graphs.backends.base import (
     CaptureRequest,
+    OutputLayout,
     StaticBuffers,
     capture_ordering,
     flatten_outputs,
     static_copies,
+    warm_up,
 )
 
 __all__ = ["CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
@@ -149,6 +151,11 @@ class TorchGraphBackend:
     def device_clock(self, device: torch.device) -> CudaEventClock:
         return CudaEventClock(device)
 
+    def warm_up(
+        self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
+    ) -> OutputLayout:
+        return warm_up(forward, inputs, self.warmup_iters)
+
     def capture(self, request: CaptureRequest) -> TorchCudaGraph:
         with torch.cuda.device(request.device):
             return self._capture(request)
@@ -158,14 +165,12 @@ class TorchGraphBackend:
         capture_stream = request.capture_stream
         replay_stream = torch.cuda.current_stream(device)
         static_inputs = static_copies(request.inputs)
-        # Warm up on the replay stream, where eager calls of this encoder already run.
-        warm = None
-        for _ in range(max(1, self.warmup_iters)):
-            warm = forward(*static_inputs)
-        leaves, spec = flatten_outputs(warm)
-        shapes = [(t.shape, t.dtype) for t in leaves]
-        del warm, leaves
-        static_outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        # Warm up on the replay stream, where eager calls of this encoder already run,
+        # unless a background preparation did already (on a side stream).
+        layout = request.layout
+        if layout is None:
+            layout = self.warm_up(forward, static_inputs)
+        static_outputs = layout.empty(device)
 
         if not request.quiet:
             # Measure pool growth only: settle the allocator first so the delta is the
@@ -189,11 +194,7 @@ class TorchGraphBackend:
                 try:
                     out = forward(*static_inputs)
                     out_leaves, _ = flatten_outputs(out)
-                    if len(out_leaves) != len(static_outputs):
-                        raise RuntimeError(
-                            "encoder returned a different output structure during capture "
-                            "than during warm-up"
-                        )
+                    layout.check(out_leaves)
                     for dst, src in zip(static_outputs, out_leaves, strict=True):
                         dst.copy_(src)
                     del out, out_leaves
@@ -208,4 +209,6 @@ class TorchGraphBackend:
             raise
         bytes_reserved = max(0, torch.cuda.memory_reserved(device) - reserved_before)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return TorchCudaGraph(graph, static_inputs, static_outputs, spec, index, bytes_reserved)
+        return TorchCudaGraph(
+            graph, static_inputs, static_outputs, layout.spec, index, bytes_reserved
+        )

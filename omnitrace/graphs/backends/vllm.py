@@ -63,10 +63,12 @@ from omnitrace.config import ConfigError, OmnitraceError
 from omnitrace.events import MissReason
 from omnitrace.graphs.backends.base import (
     CaptureRequest,
+    OutputLayout,
     capture_ordering,
     flatten_outputs,
     static_copies,
     unflatten_outputs,
+    warm_up,
 )
 from omnitrace.graphs.backends.torch import TorchGraphBackend
 from omnitrace.stats import STATS_KEYS
@@ -629,6 +631,13 @@ class VllmGraphBackend:
         return device.index if device.index is not None else torch.cuda.current_device()
 
     # -- GraphBackend: capture ---------------------------------------------------------------
+
+    def warm_up(
+        self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
+    ) -> OutputLayout:
+        # The manager warms up inside its own capture (request.layout is not used); this
+        # only serves the protocol: adapters refuse background preparation for this backend.
+        return warm_up(forward, inputs)
 
     def capture(self, request: CaptureRequest) -> VllmCapturedGraph:
         if request.capture_error_mode != "global":
