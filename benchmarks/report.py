@@ -421,7 +421,8 @@ def _capture(result: dict[str, Any]) -> list[Table]:
                     _us(lat.get("p99"), 0),
                     _us(lat.get("max"), 0),
                     f"{one['hit_rate'] * 100:.1f} %",
-                    f"{one['graphs_before']} -> {settle.get('graphs_after', 'n/a')}",
+                    f"{one['graphs_before']} -> {settle.get('graphs_after', 'n/a')}"
+                    + (f" (+{settle['ready_after']} ready)" if settle.get("ready_after") else ""),
                     str(one["preparing_misses"]),
                     _us(settle.get("wait_s"), 2),
                     f"{one['wrong']} / {one['checked']}",
@@ -448,14 +449,25 @@ def _capture(result: dict[str, Any]) -> list[Table]:
         f"{result['timing']}. Cold: the first pass, shapes admitted and captured while "
         "requests run; warm: the same stream again (shapes seen once in the cold pass may be "
         "admitted now). Graphs: held before the pass -> after it and the untimed wait for "
-        "graphs still being prepared. Every "
+        "graphs still being prepared (+N ready: prepared, captured by the key's next call). Every "
         f"{stream['checked_every']}th request is checked against eager. Co-tenant: "
         f"{co.get('model', 'n/a')} under torch.compile(mode='reduce-overhead'), input "
         f"{tuple(co.get('input', ()))}, called once per {co.get('every', 'n/a')} requests "
         f"served: {co.get('calls', 'n/a')} calls, {co.get('wrong', 'n/a')} beyond "
-        "tolerance."
+        "tolerance" + _without_cotenant(result) + "."
     )
     return [t]
+
+
+def _without_cotenant(result: dict[str, Any]) -> str:
+    """Name the modes served without the co-tenant (rows record ``cotenant: false``)."""
+    titles = [r["title"] for r in result["rows"] if r.get("cotenant") is False]
+    if not titles:
+        return ""
+    return (
+        "; not called in " + ", ".join(titles) + " (PyTorch's FX-tracing flag is process-wide: "
+        "a compiled call on another thread during the preparation's compile raises)"
+    )
 
 
 def _graphs_allowed(result: dict[str, Any]) -> str:

@@ -82,7 +82,9 @@ class EncoderGraphConfig:
             recording beside it in other threads. Off by default: the call that reaches
             ``min_capture_calls`` warms up, captures and is served by the graph. Torch
             backend only (vLLM's manager captures in CUDA's global mode, which the
-            preparation thread's allocations would break).
+            preparation thread's allocations would break). With ``compile`` too, only where
+            no other thread calls torch.compile'd code: PyTorch's FX tracing flag is
+            process-wide, so such a call raises while the preparation thread compiles.
         device_timing: time eager and replayed calls on the device with CUDA events,
             recorded without a host sync and resolved off the call path into
             ``DeviceTimed`` events. Off by default (host time only).

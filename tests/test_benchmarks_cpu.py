@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -410,7 +411,9 @@ def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
         assert row["errors"] == []
         assert row["stats_agree_with_bus"] is True
         assert row["capture_failures"] == 0
-        assert row["cotenant_calls"] > 0
+        # The compiled background mode runs without the co-tenant (see benchmarks.capture).
+        assert row["cotenant"] is (row["mode"] != "background_compiled")
+        assert (row["cotenant_calls"] > 0) is row["cotenant"]
         assert row["cotenant_wrong"] == 0
         for name in ("cold", "warm"):
             one = row[name]
@@ -421,7 +424,12 @@ def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
             assert one["settle"]["prepared"] is True
             assert one["settle"]["terminal"] == []
         assert row["cold"]["settle"]["graphs_after"] == row["warm"]["graphs_before"]
-        assert row["warm"]["settle"]["graphs_after"] == row["graphs"] > 0
+        assert row["warm"]["settle"]["graphs_after"] == row["graphs"]
+        # A background mode's prepared keys are captured by their next call: in this short
+        # stream some may be left ready.
+        assert row["graphs"] + row["warm"]["settle"]["ready_after"] > 0
+        if not row["mode"].startswith("background"):
+            assert row["warm"]["settle"]["ready_after"] == 0
         assert row["graphs"] <= 2 * row["max_graphs"]  # two encoders
     by = {r["mode"]: r for r in capture["rows"]}
     for mode in ("sync_one_client", "sync"):
@@ -453,6 +461,12 @@ def test_capture_targets_read_the_cold_pass_p99_and_count_every_failure(
         cut = by_name.pop(f"{title}: cold-pass p99 vs synchronous capture")
         assert (cut["op"], cut["limit"], cut["unit"], cut["goal"]) == ("<", 0.0, "%", "background")
         assert cut["value"] == pytest.approx(p99[mode] / p99["sync"] * 100 - 100)
+    waited = by_name.pop(
+        "background capture: median time a call spends capturing vs synchronous capture"
+    )
+    medians = {r["mode"]: statistics.median(r["capture_seconds"]) for r in capture["rows"]}
+    assert (waited["op"], waited["limit"], waited["goal"]) == ("<", 0.0, "background")
+    assert waited["value"] == pytest.approx(medians["background"] / medians["sync"] * 100 - 100)
     assert set(by_name) == {
         "requests whose output is beyond tolerance of eager, every mode",
         "exceptions and failed preparations, every mode",

@@ -76,11 +76,12 @@ _INELIGIBLE = MissReason.INELIGIBLE
 _WARMUP = MissReason.WARMUP
 _NOT_READY = object()
 
-# Set while a call found a prepared key but the capture lock taken (by a compiling
-# preparation); cleared by the next capture of a prepared key. A preparation thread about to
-# compile defers to it for up to _DEFER_S, so back-to-back compiles never starve captures.
-_CAPTURE_WANTED = threading.Event()
-_DEFER_S = 0.25
+# A compiling preparation holds the capture lock, so a prepared key's call meanwhile runs
+# eagerly. Before it starts compiling, a preparation thread waits up to this long while any
+# adapter holds a key that became ready less than this long ago or whose call found the lock
+# taken since the last such wait: back-to-back compiles never starve the captures of shapes
+# that recur, and a shape that never recurs holds nobody up for long.
+_DEFER_S = 1.0
 _SERVING = Phase.SERVING
 #: Longest capture-failure message put in events, logs and spans.
 MESSAGE_MAX_CHARS = 300
@@ -143,6 +144,18 @@ def _recompile_limit() -> int | None:
 # interpreter tears down.
 _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0
+
+
+def _waiting_ready_keys() -> bool:
+    """Whether any adapter holds a ready key that a compile should let be captured first:
+    one ready less than ``_DEFER_S`` ago, or one whose call found the lock taken."""
+    since = time.monotonic() - _DEFER_S
+    for adapter in list(_THREADED):
+        if adapter._failure is not None:
+            continue
+        if adapter._wanted or any(at > since for _, at in list(adapter._ready.values())):
+            return True
+    return False
 
 
 def _close_at_exit() -> None:
@@ -242,6 +255,14 @@ class EncoderCudaGraph:
                 "itself), which other threads' CUDA work would break; use it with the torch "
                 "backend, or capture synchronously"
             )
+        if config.background_capture and config.compile:
+            logger.warning(
+                "omnitrace: %r compiles on its preparation thread; while it does, a "
+                "torch.compile'd function called on another thread raises (PyTorch's FX "
+                "tracing flag is process-wide). Use background compiled capture only where no "
+                "other thread calls compiled code.",
+                name,
+            )
         self._forward = forward
         self.name = name
         self.config = config
@@ -258,8 +279,11 @@ class EncoderCudaGraph:
         self._pools = PoolRegistry(backend, share=config.share_pools)
         self._graphs: dict[Hashable, _Entry] = {}
         self._preparing: set[Hashable] = set()
-        # Keys whose background preparation finished: the next call captures them.
-        self._ready: dict[Hashable, OutputLayout | None] = {}
+        # Keys whose background preparation finished: the next call captures them. Values:
+        # the warm-up's output layout (None: warm up again at capture) and when it was ready.
+        self._ready: dict[Hashable, tuple[OutputLayout | None, float]] = {}
+        # Ready keys whose call found the capture lock taken by a compiling preparation.
+        self._wanted: set[Hashable] = set()
         self._fold = StatsFold()
         self._lock = threading.RLock()
         self._failure: str | None = None
@@ -748,12 +772,13 @@ class EncoderCudaGraph:
         the call runs eagerly as ``preparing`` and a later call captures.
         """
         if not CAPTURE_LOCK.acquire(blocking=False):
-            _CAPTURE_WANTED.set()
+            self._wanted.add(key)
             return None, (_WARMUP, "preparing", signature)
         try:
-            return self._capture(key, inputs, device, stream, signature, self._ready[key]), None
+            layout = self._ready[key][0]
+            return self._capture(key, inputs, device, stream, signature, layout), None
         finally:
-            _CAPTURE_WANTED.clear()
+            self._wanted.discard(key)
             CAPTURE_LOCK.release()
 
     # -- background preparation -------------------------------------------------------------
@@ -838,7 +863,7 @@ class EncoderCudaGraph:
             self._preparing.discard(job.key)
             # A compiled forward warms up once more at capture, on the caller's thread: a
             # guard that differs there (a thread-local mode) recompiles outside the capture.
-            self._ready[job.key] = None if self.config.compile else layout
+            self._ready[job.key] = (None if self.config.compile else layout, time.monotonic())
 
     @contextlib.contextmanager
     def _preparation_scope(self) -> Iterator[None]:
@@ -848,14 +873,17 @@ class EncoderCudaGraph:
         allowed beside a thread-local capture on another thread. A compiled one holds the
         capture lock and torch.compile's own lock: compiling may synchronise the device
         (autotuning), which no capture may overlap. A call whose key is ready then runs
-        eagerly rather than wait, and the next compile defers to it for a moment.
+        eagerly rather than wait, and the next compile first gives fresh ready keys a
+        moment to be captured (``_DEFER_S``).
         """
         if not self.config.compile:
             yield
             return
         deadline = time.monotonic() + _DEFER_S
-        while _CAPTURE_WANTED.is_set() and time.monotonic() < deadline:
+        while time.monotonic() < deadline and _waiting_ready_keys():
             time.sleep(0.002)
+        for adapter in list(_THREADED):
+            adapter._wanted.clear()  # each wait is earned once; a later miss earns another
         with CAPTURE_LOCK, self._compile_guard():
             yield
 

@@ -495,3 +495,26 @@ def test_close_waits_for_preparations_then_captures_synchronously(bus: EventBus)
         GraphReplayed,
     ]
     assert graph.close(1)
+
+
+def test_background_compiled_capture_warns_about_other_compiled_callers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The one hazard left to the user is said when the adapter is built, not discovered."""
+    with caplog.at_level("WARNING", logger="omnitrace.graphs.adapter"):
+        EncoderCudaGraph(
+            encoder,
+            name="v",
+            config=CFG.replace(background_capture=True, compile=True),
+            backend=SimulatedGraphBackend(),
+        )
+        EncoderCudaGraph(
+            encoder,
+            name="w",
+            config=CFG.replace(background_capture=True),
+            backend=SimulatedGraphBackend(),
+        )
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1
+    assert "'v' compiles on its preparation thread" in warned[0]
+    assert "FX tracing flag is process-wide" in warned[0]
