@@ -43,18 +43,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnitrace import events as ev
 from omnitrace._units import format_bytes
 from omnitrace.config import HF_OVERRIDE_KEYS, MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
 from omnitrace.eventlog import AdapterInfo, EventRecord
-from omnitrace.events import (
-    DeviceTimed,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    MissReason,
-    Phase,
-)
+from omnitrace.events import MissReason, Phase
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.signature import Signature
 
@@ -242,10 +235,10 @@ class _Builder:
         adapter = item.adapter
         signature = item.signature
         ident = (adapter, signature)
-        if isinstance(item, (GraphReplayed, GraphMissed)):
+        if isinstance(item, (ev.GraphReplayed, ev.GraphMissed)):
             profiling = item.phase is Phase.PROFILING
             self.profiling = self.profiling or profiling
-            if isinstance(item, GraphReplayed):
+            if isinstance(item, ev.GraphReplayed):
                 eligible, skipped = True, False
                 self.replay.setdefault(ident, []).append(item.duration_s)
             else:
@@ -261,16 +254,16 @@ class _Builder:
             self.calls.setdefault(worker, []).append(
                 (adapter, signature, eligible, profiling, skipped)
             )
-        elif isinstance(item, DeviceTimed):
+        elif isinstance(item, ev.DeviceTimed):
             self.device_timed.add(adapter)
             target = self.replay_dev if item.kind == "replay" else self.eager_dev
             target.setdefault(ident, []).append(item.device_s)
-        elif isinstance(item, GraphCaptured):
+        elif isinstance(item, ev.GraphCaptured):
             size = item.bytes_reserved + item.static_bytes
             self.sizes.setdefault(ident, []).append(size)
             place = (worker, item.device)
             self.captured_bytes[place] = self.captured_bytes.get(place, 0) + size
-        elif isinstance(item, MemoryDeferred):
+        elif isinstance(item, ev.MemoryDeferred):
             place = (worker, item.device)
             start = item.free_bytes + self.captured_bytes.get(place, 0)
             self.deferral_starts.setdefault(place, []).append(start)

@@ -119,6 +119,21 @@ def _size_list(text: str) -> list[int]:
     return [_size(part) for part in text.split(",")]
 
 
+def _log_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Add a command that reads JSONL event logs, given as its positional arguments."""
+    command = commands.add_parser(
+        name, help=help, description=description, formatter_class=_HelpFormatter
+    )
+    command.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
+    return command
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -257,7 +272,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also write the final stats as JSON",
     )
 
-    top = commands.add_parser(
+    top = _log_command(
+        commands,
         "top",
         help="show the stats of event logs, or follow logs a serving process writes",
         description=(
@@ -265,9 +281,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "side by side). With --follow, keep reading as the writers append; q or Ctrl-C "
             "quits."
         ),
-        formatter_class=_HelpFormatter,
     )
-    top.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
     top.add_argument("--follow", "-f", action="store_true", help="follow the logs as they grow")
     top.add_argument(
         "--duration",
@@ -281,7 +295,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the stats as JSON instead (not with --follow)"
     )
 
-    replay = commands.add_parser(
+    replay = _log_command(
+        commands,
         "replay",
         help="replay recorded event logs into the live view or into OTLP",
         description=(
@@ -290,9 +305,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "(--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT). When exporting, a failed "
             "export makes the exit status 1."
         ),
-        formatter_class=_HelpFormatter,
     )
-    replay.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
     replay.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -310,7 +323,8 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--json", action="store_true", help="print the replayed stats as JSON instead of a table"
     )
-    advise = commands.add_parser(
+    advise = _log_command(
+        commands,
         "advise",
         help="replay event logs under other graph settings and recommend the best",
         description=(
@@ -320,9 +334,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "pool memory and estimated time saved, then the recommended --hf-overrides JSON "
             "and why."
         ),
-        formatter_class=_HelpFormatter,
     )
-    advise.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
     advise.add_argument(
         "--max-graphs",
         type=_int_list(0, MAX_GRAPHS_CAP),

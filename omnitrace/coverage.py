@@ -25,18 +25,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from omnitrace import events as ev
 from omnitrace._validate import check_int
-from omnitrace.events import (
-    CaptureFailed,
-    DeviceTimed,
-    Event,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    MissReason,
-    Phase,
-)
+from omnitrace.events import Event, MissReason, Phase
 from omnitrace.signature import Signature
 from omnitrace.stats import StatsFold
 
@@ -558,7 +549,7 @@ class CoverageFold:
         if table is None:
             table = self._table(event.adapter)
         # Hits first: they are nearly every event of a serving encoder.
-        if type(event) is GraphReplayed:
+        if type(event) is ev.GraphReplayed:
             tally = table.tally
             if tally is not None:
                 # What StatsFold.fold does for a hit, without a second call.
@@ -575,7 +566,7 @@ class CoverageFold:
             return
         if self._stats is not None:
             self._stats.fold(event)
-        if isinstance(event, GraphMissed):
+        if isinstance(event, ev.GraphMissed):
             row = table.rows.get(event.signature)
             if row is None:
                 row = table.call_row(event.signature)
@@ -586,7 +577,7 @@ class CoverageFold:
             if duration is not None:
                 counts.eager_n += 1
                 counts.eager_s += duration
-        elif isinstance(event, DeviceTimed):
+        elif isinstance(event, ev.DeviceTimed):
             # A measurement of a call already counted: it never takes a row of its own.
             counts = table.rows.get(event.signature, table.other).counts(event.phase)
             # The adapter times two kinds of call, and the event log refuses any other.
@@ -596,13 +587,13 @@ class CoverageFold:
             else:
                 counts.eager_dn += 1
                 counts.eager_ds += event.device_s
-        elif isinstance(event, GraphCaptured):
+        elif isinstance(event, ev.GraphCaptured):
             row = table.capture_row(event.signature)
             row.captured = True
             row.capture_bytes += event.bytes_reserved + event.static_bytes
             row.capture_phase = event.phase
             row.counts(event.phase).captures += 1
-        elif not isinstance(event, (MemoryDeferred, CaptureFailed)):
+        elif not isinstance(event, (ev.MemoryDeferred, ev.CaptureFailed)):
             raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 
     def extend(self, events: Iterable[Event]) -> None:

@@ -12,16 +12,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from omnitrace.events import (
-    CaptureFailed,
-    DeviceTimed,
-    Event,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    MissReason,
-)
+from omnitrace import events as ev
+from omnitrace.events import Event, MissReason
 from omnitrace.signature import Signature
 
 __all__ = [
@@ -269,11 +261,11 @@ class StatsFold:
             tally = self._tallies[event.adapter] = _Tally()
         tally.last_epoch_ns = event.epoch_ns
         match event:
-            case GraphReplayed():
+            case ev.GraphReplayed():
                 tally.hits += 1
-            case GraphMissed():
+            case ev.GraphMissed():
                 tally.misses[event.reason] += 1
-            case GraphCaptured():
+            case ev.GraphCaptured():
                 tally.graphs.append(
                     CapturedGraphInfo(
                         key=event.signature.text,
@@ -287,15 +279,15 @@ class StatsFold:
                         signature=event.signature,
                     )
                 )
-            case MemoryDeferred():
+            case ev.MemoryDeferred():
                 tally.deferrals += 1
                 tally.last_free = event.free_bytes
                 tally.floor = event.floor_bytes
-            case CaptureFailed():
+            case ev.CaptureFailed():
                 tally.failures += 1
                 if tally.failure is None:
                     tally.failure = f"{event.error_type}: {event.message}"
-            case DeviceTimed():
+            case ev.DeviceTimed():
                 pass  # a measurement of a call already counted, not a call
             case _:
                 raise TypeError(f"not an omnitrace event: {type(event).__name__}")

@@ -315,35 +315,25 @@ class OTLPReceiver:
             if not receiver._accept(request):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rejected by the test receiver")
 
-        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(
-                self, request: ExportTraceServiceRequest, context: Any
-            ) -> ExportTraceServiceResponse:
-                accept(request, context)
-                return ExportTraceServiceResponse()
+        def servicer(base: Any, response: Callable[[], Any]) -> Any:
+            """A ``base`` servicer whose Export keeps the request and answers ``response()``."""
 
-        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-            def Export(
-                self, request: ExportMetricsServiceRequest, context: Any
-            ) -> ExportMetricsServiceResponse:
-                accept(request, context)
-                return ExportMetricsServiceResponse()
+            class Servicer(base):  # type: ignore[misc]
+                def Export(self, request: _Request, context: Any) -> Any:
+                    accept(request, context)
+                    return response()
 
-        class Logs(logs_service_pb2_grpc.LogsServiceServicer):
-            def Export(
-                self, request: ExportLogsServiceRequest, context: Any
-            ) -> ExportLogsServiceResponse:
-                accept(request, context)
-                return ExportLogsServiceResponse()
+            return Servicer()
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        # The generated *_pb2_grpc modules are untyped.
-        add_traces = trace_service_pb2_grpc.add_TraceServiceServicer_to_server
-        add_metrics = metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server
-        add_logs = logs_service_pb2_grpc.add_LogsServiceServicer_to_server
-        add_traces(Traces(), server)  # type: ignore[no-untyped-call]
-        add_metrics(Metrics(), server)  # type: ignore[no-untyped-call]
-        add_logs(Logs(), server)  # type: ignore[no-untyped-call]
+        # The generated *_pb2_grpc modules are untyped: their names are looked up.
+        for module, service, response in (
+            (trace_service_pb2_grpc, "TraceService", ExportTraceServiceResponse),
+            (metrics_service_pb2_grpc, "MetricsService", ExportMetricsServiceResponse),
+            (logs_service_pb2_grpc, "LogsService", ExportLogsServiceResponse),
+        ):
+            add = getattr(module, f"add_{service}Servicer_to_server")
+            add(servicer(getattr(module, f"{service}Servicer"), response), server)
         port = server.add_insecure_port(f"{self.host}:0")
         if not port:
             raise OSError(f"cannot bind a gRPC port on {self.host}")

@@ -221,20 +221,14 @@ class _Encoders:
         audio_geometry = _geometry(options.hidden, options.heads, options.audio_layers)
         self.vision_model = VisionEncoder(vision_geometry).to(device, dtype).eval()
         self.audio_model = AudioEncoder(audio_geometry).to(device, dtype).eval()
-        self.vision = EncoderCudaGraph(
-            self.vision_model,
-            name="vision",
-            config=options.config,
-            bus=bus,
-            backend=backends["vision"],
-        )
-        self.audio = EncoderCudaGraph(
-            self.audio_model,
-            name="audio",
-            config=options.config,
-            bus=bus,
-            backend=backends["audio"],
-        )
+
+        def adapter(model: torch.nn.Module, name: str) -> EncoderCudaGraph:
+            return EncoderCudaGraph(
+                model, name=name, config=options.config, bus=bus, backend=backends[name]
+            )
+
+        self.vision = adapter(self.vision_model, "vision")
+        self.audio = adapter(self.audio_model, "audio")
         self.streaming_calls = 0
         self.after_failure = 0
         self._generator = torch.Generator(device="cpu").manual_seed(options.seed)

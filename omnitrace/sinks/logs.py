@@ -22,6 +22,7 @@ They come from the bus's folds, so they count every event, even ones a full queu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -31,19 +32,11 @@ from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import structlog
 
+from omnitrace import events as ev
 from omnitrace._env import env_seconds
 from omnitrace._validate import check_int, check_number
 from omnitrace.config import ConfigError
-from omnitrace.events import (
-    CaptureFailed,
-    DeviceTimed,
-    Event,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    Phase,
-)
+from omnitrace.events import Event, MissReason, Phase
 from omnitrace.sinks.names import LOG_EVENTS
 
 if TYPE_CHECKING:
@@ -349,50 +342,37 @@ def summary_fields(
 
 
 #: Events of which there is one (or, with device timing, two) per encoder call: debug lines.
-_PER_CALL = (GraphReplayed, GraphMissed, DeviceTimed)
+_PER_CALL = (ev.GraphReplayed, ev.GraphMissed, ev.DeviceTimed)
+
+#: The log event name of each event type (one of :data:`names.LOG_EVENTS`).
+_LOG_NAMES: dict[type[Event], str] = {
+    ev.GraphCaptured: "graph_captured",
+    ev.GraphReplayed: "graph_replayed",
+    ev.GraphMissed: "graph_missed",
+    ev.DeviceTimed: "device_timed",
+    ev.MemoryDeferred: "memory_deferred",
+    ev.CaptureFailed: "capture_failed",
+}
+# Fields every event has: the line names the encoder and key instead, the phase only off
+# serving, and the epoch as event_epoch_ns.
+_COMMON_FIELDS = frozenset({"adapter", "signature", "monotonic_ns", "epoch_ns", "phase"})
+#: The fields of its own each event type logs, in the event's field order.
+_OWN_FIELDS: dict[type[Event], tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.name not in _COMMON_FIELDS)
+    for cls in _LOG_NAMES
+}
 
 
 def _describe(event: Event) -> tuple[str, dict[str, Any]]:
     """Return the log event name and fields of ``event``."""
     fields: dict[str, Any] = {"encoder": event.adapter, "key": event.key}
-    match event:
-        case GraphCaptured():
-            fields.update(
-                duration_s=event.duration_s,
-                pool_id=event.pool_id,
-                device=event.device,
-                stream=event.stream,
-                capture_stream=event.capture_stream,
-                bytes_reserved=event.bytes_reserved,
-                static_bytes=event.static_bytes,
-                graph_index=event.graph_index,
-            )
-            name = "graph_captured"
-        case GraphReplayed():
-            fields["duration_s"] = event.duration_s
-            name = "graph_replayed"
-        case GraphMissed():
-            fields.update(reason=event.reason.value, detail=event.detail)
-            if event.duration_s is not None:
-                fields["duration_s"] = event.duration_s
-            name = "graph_missed"
-        case DeviceTimed():
-            fields.update(kind=event.kind, device_s=event.device_s)
-            name = "device_timed"
-        case MemoryDeferred():
-            fields.update(
-                free_bytes=event.free_bytes, floor_bytes=event.floor_bytes, device=event.device
-            )
-            name = "memory_deferred"
-        case CaptureFailed():
-            fields.update(
-                error_type=event.error_type,
-                message=event.message,
-                device=event.device,
-                stream=event.stream,
-            )
-            name = "capture_failed"
+    cls = type(event)
+    for name in _OWN_FIELDS[cls]:
+        value = getattr(event, name)
+        # None: a miss's duration when the adapter did not run the forward; left out.
+        if value is not None:
+            fields[name] = value.value if isinstance(value, MissReason) else value
     if event.phase is not Phase.SERVING:
         fields["phase"] = event.phase.value
     fields["event_epoch_ns"] = event.epoch_ns
-    return name, fields
+    return _LOG_NAMES[cls], fields

@@ -20,7 +20,7 @@ from omnitrace.graphs.backends.base import (
     warm_up,
 )
 
-__all__ = ["CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
+__all__ = ["CudaDeviceQuestions", "CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -107,21 +107,12 @@ class CudaEventClock:
         self._free.append(marker)
 
 
-class TorchGraphBackend:
-    """Capture with ``torch.cuda.graph`` on a side stream into a given pool.
+class CudaDeviceQuestions:
+    """The device questions of a :class:`~omnitrace.graphs.backends.base.GraphBackend`,
+    answered by ``torch.cuda``.
 
-    Args:
-        warmup_iters: eager runs before capture, as PyTorch documents (lazy initialisation
-            and autotuning stay out of the graph). They run on the replay stream, never on
-            the capture stream: see :mod:`omnitrace.graphs.backends.base` for why.
+    Shared by the backends that capture CUDA graphs (this module's and the vLLM one).
     """
-
-    name = "torch"
-    error_modes: tuple[str, ...] = ("thread_local", "global")
-    simulated = False
-
-    def __init__(self, *, warmup_iters: int = 1) -> None:
-        self.warmup_iters = check_int("warmup_iters", warmup_iters)
 
     def is_graph_device(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -150,6 +141,23 @@ class TorchGraphBackend:
 
     def device_clock(self, device: torch.device) -> CudaEventClock:
         return CudaEventClock(device)
+
+
+class TorchGraphBackend(CudaDeviceQuestions):
+    """Capture with ``torch.cuda.graph`` on a side stream into a given pool.
+
+    Args:
+        warmup_iters: eager runs before capture, as PyTorch documents (lazy initialisation
+            and autotuning stay out of the graph). They run on the replay stream, never on
+            the capture stream: see :mod:`omnitrace.graphs.backends.base` for why.
+    """
+
+    name = "torch"
+    error_modes: tuple[str, ...] = ("thread_local", "global")
+    simulated = False
+
+    def __init__(self, *, warmup_iters: int = 1) -> None:
+        self.warmup_iters = check_int("warmup_iters", warmup_iters)
 
     def warm_up(
         self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]

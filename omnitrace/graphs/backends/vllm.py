@@ -70,7 +70,7 @@ from omnitrace.graphs.backends.base import (
     unflatten_outputs,
     warm_up,
 )
-from omnitrace.graphs.backends.torch import TorchGraphBackend
+from omnitrace.graphs.backends.torch import CudaDeviceQuestions
 from omnitrace.stats import STATS_KEYS
 
 __all__ = [
@@ -555,7 +555,7 @@ def default_capture_stream(stream: Any) -> Iterator[None]:
             graph_cls.default_capture_stream = saved
 
 
-class VllmGraphBackend:
+class VllmGraphBackend(CudaDeviceQuestions):
     """Capture and replay through vLLM's ``EncoderCudaGraphManager``, one per exact key.
 
     Args:
@@ -575,37 +575,12 @@ class VllmGraphBackend:
             raise TypeError("VllmGraphBackend needs a vllm_config (the engine's VllmConfig)")
         self.api = api if api is not None else load_vllm_api()
         self.vllm_config = vllm_config
-        # Device questions are the same as for the pure-torch backend.
-        self._device = TorchGraphBackend()
         self._graphs: list[VllmCapturedGraph] = []
         self._lock = threading.Lock()
 
     @property
     def vllm_version(self) -> str:
         return self.api.version
-
-    # -- GraphBackend: device questions ---------------------------------------------------
-
-    def is_graph_device(self, device: torch.device) -> bool:
-        return self._device.is_graph_device(device)
-
-    def is_capturing(self, device: torch.device) -> bool:
-        return self._device.is_capturing(device)
-
-    def stream_id(self, device: torch.device) -> int:
-        return self._device.stream_id(device)
-
-    def device_free_bytes(self, device: torch.device) -> int:
-        return self._device.device_free_bytes(device)
-
-    def new_pool(self, device: torch.device) -> Any:
-        return self._device.new_pool(device)
-
-    def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
-        return self._device.new_capture_stream(device)
-
-    def device_clock(self, device: torch.device) -> Any:
-        return self._device.device_clock(device)
 
     # -- hooks a CPU test double overrides --------------------------------------------------
 
