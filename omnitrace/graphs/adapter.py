@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -175,6 +175,16 @@ class _Entry:
     def __init__(self, graph: CapturedGraph, signature: Signature) -> None:
         self.graph = graph
         self.signature = signature
+
+
+class _Due(NamedTuple):
+    """A call whose key is due for a graph: what a capture or a preparation starts from."""
+
+    key: Hashable
+    inputs: tuple[Any, ...]
+    device: torch.device
+    stream: int
+    signature: Signature
 
 
 class _Job:
@@ -601,7 +611,18 @@ class EncoderCudaGraph:
         if key in self._preparing:
             return None, (_WARMUP, "preparing", signature)
         if key in self._ready:
-            return self._capture_ready(key, inputs, device, stream, signature)
+            # Prepared in the background: captured here, on this call's thread, but never
+            # waiting for another capture or a compiling preparation; while one holds the
+            # capture lock, the call runs eagerly as "preparing" and a later call captures.
+            if not CAPTURE_LOCK.acquire(blocking=False):
+                self._wanted.add(key)
+                return None, (_WARMUP, "preparing", signature)
+            try:
+                due = _Due(key, inputs, device, stream, signature)
+                return self._capture(due, self._ready[key][0]), None
+            finally:
+                self._wanted.discard(key)
+                CAPTURE_LOCK.release()
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
@@ -624,10 +645,11 @@ class EncoderCudaGraph:
                 )
             )
             return None, (MissReason.MEMORY, "floor", signature)
+        due = _Due(key, inputs, device, stream, signature)
         if self.config.background_capture and not self._closed:
-            self._submit(key, inputs, device, stream, signature)
+            self._submit(due)
             return None, (_WARMUP, "preparing", signature)
-        return self._capture(key, inputs, device, stream, signature), None
+        return self._capture(due), None
 
     def _compile_guard(self) -> contextlib.AbstractContextManager[Any]:
         """With compile on, hold torch.compile's own lock around warm-up and capture.
@@ -718,15 +740,8 @@ class EncoderCudaGraph:
             )
         )
 
-    def _capture(
-        self,
-        key: Hashable,
-        inputs: tuple[Any, ...],
-        device: torch.device,
-        stream: int,
-        signature: Signature,
-        layout: OutputLayout | None = None,
-    ) -> Any:
+    def _capture(self, due: _Due, layout: OutputLayout | None = None) -> Any:
+        key, inputs, device, stream, signature = due
         slot = self._pools.slot_for(device, stream)
         start = (_mono(), _epoch(), _perf())
         try:
@@ -758,40 +773,11 @@ class EncoderCudaGraph:
         )
         return out
 
-    def _capture_ready(
-        self,
-        key: Hashable,
-        inputs: tuple[Any, ...],
-        device: torch.device,
-        stream: int,
-        signature: Signature,
-    ) -> tuple[Any, tuple[MissReason, str, Signature] | None]:
-        """Capture a key prepared in the background, on this call's thread (lock held).
-
-        Never waits for another capture or preparation: while one holds the capture lock,
-        the call runs eagerly as ``preparing`` and a later call captures.
-        """
-        if not CAPTURE_LOCK.acquire(blocking=False):
-            self._wanted.add(key)
-            return None, (_WARMUP, "preparing", signature)
-        try:
-            layout = self._ready[key][0]
-            return self._capture(key, inputs, device, stream, signature, layout), None
-        finally:
-            self._wanted.discard(key)
-            CAPTURE_LOCK.release()
-
     # -- background preparation -------------------------------------------------------------
 
-    def _submit(
-        self,
-        key: Hashable,
-        inputs: tuple[Any, ...],
-        device: torch.device,
-        stream: int,
-        signature: Signature,
-    ) -> None:
+    def _submit(self, due: _Due) -> None:
         """Reserve the key's slot and hand a copy of the inputs to the preparation thread."""
+        key, inputs, device, stream, signature = due
         self._admission.captured(key)  # the slot is taken now: no other key may claim it
         self._preparing.add(key)
         # The caller may reuse its tensors once this call returns: the thread gets copies,

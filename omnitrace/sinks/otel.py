@@ -30,17 +30,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from omnitrace.events import (
-    CaptureFailed,
-    DeviceTimed,
-    Event,
-    GraphCaptured,
-    GraphMissed,
-    GraphReplayed,
-    MemoryDeferred,
-    MissReason,
-    Phase,
-)
+from omnitrace import events as ev
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 
@@ -62,40 +52,21 @@ OTLPProtocol = Literal["http/protobuf", "grpc"]
 _PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")
 _DEFAULT_ENDPOINTS = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
 
+
+def _ladder(low: float, high: float) -> tuple[float, ...]:
+    """Bucket bounds 1, 2.5 and 5 times each power of ten, from ``low`` to ``high``."""
+    # Parsed from decimal text, so every bound is exactly the float its literal would be.
+    bounds = (float(f"{m}e{e}") for e in range(-6, 4) for m in (1, 2.5, 5))
+    return tuple(b for b in bounds if low <= b <= high)
+
+
 #: Bucket bounds (seconds) of the capture-duration histogram. The SDK's default bounds are
 #: sized for milliseconds and would put every capture (tens of ms to seconds) in one bucket.
-CAPTURE_DURATION_BUCKETS: tuple[float, ...] = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+CAPTURE_DURATION_BUCKETS: tuple[float, ...] = (*_ladder(0.005, 10.0), 30.0)
 
 #: Bucket bounds (seconds) of the call-time histograms: an encoder call takes from a tenth of
 #: a millisecond (a small replay) to a few hundred (a long eager clip).
-CALL_DURATION_BUCKETS: tuple[float, ...] = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-)
+CALL_DURATION_BUCKETS: tuple[float, ...] = _ladder(0.0001, 1.0)
 
 _SCOPE = "omnitrace"
 # An empty context: spans made after the fact must be roots, never children of whatever span
@@ -190,11 +161,11 @@ class OTelSink:
             return [self._safe_callback(key, read)]
 
         for key, read in (
-            ("hits", self._observe_hits),
+            ("hits", self._per_encoder(lambda stats: stats.graph_hits)),
             ("misses", self._observe_misses),
-            ("captures", self._observe_captures),
-            ("capture_failures", self._observe_failures),
-            ("memory_deferrals", self._observe_deferrals),
+            ("captures", self._per_encoder(lambda stats: stats.num_graphs)),
+            ("capture_failures", self._per_encoder(lambda stats: stats.capture_failures)),
+            ("memory_deferrals", self._per_encoder(lambda stats: stats.memory_deferrals)),
             ("phase_calls", self._observe_phase_calls),
             ("phase_captures", self._observe_phase_captures),
             ("bus_dropped", self._observe_dropped),
@@ -204,9 +175,9 @@ class OTelSink:
                 spec.otel, observable(key, read), unit=spec.unit, description=spec.description
             )
         for key, read in (
-            ("graphs", self._observe_graphs),
+            ("graphs", self._per_encoder(lambda stats: stats.num_graphs)),
             ("max_graphs", self._observe_cap),
-            ("pool_memory", self._observe_pool_memory),
+            ("pool_memory", self._per_encoder(_pool_bytes)),
         ):
             spec = METRICS[key]
             meter.create_observable_gauge(
@@ -233,7 +204,7 @@ class OTelSink:
             explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
         )
         # One attribute dict per (encoder, kind, phase): a call's record builds none.
-        self._call_attributes: dict[tuple[str, str, Phase], dict[str, str]] = {}
+        self._call_attributes: dict[tuple[str, str, ev.Phase], dict[str, str]] = {}
 
     # -- introspection --------------------------------------------------------------------
 
@@ -252,12 +223,12 @@ class OTelSink:
 
     # -- Sink protocol --------------------------------------------------------------------
 
-    def handle(self, events: Sequence[Event]) -> None:
+    def handle(self, events: Sequence[ev.Event]) -> None:
         """Make the spans of ``events``, record their call times, and record new captures
         in the duration histogram."""
         for event in events:
             try:
-                if isinstance(event, (GraphReplayed, GraphMissed, DeviceTimed)):
+                if isinstance(event, (ev.GraphReplayed, ev.GraphMissed, ev.DeviceTimed)):
                     self._record_call(event)
                 else:
                     self._span_for(event)
@@ -273,7 +244,7 @@ class OTelSink:
 
     # -- call times -----------------------------------------------------------------------
 
-    def _attributes(self, adapter: str, kind: str, phase: Phase) -> dict[str, str]:
+    def _attributes(self, adapter: str, kind: str, phase: ev.Phase) -> dict[str, str]:
         key = (adapter, kind, phase)
         attributes = self._call_attributes.get(key)
         if attributes is None:
@@ -284,22 +255,22 @@ class OTelSink:
             }
         return attributes
 
-    def _record_call(self, event: GraphReplayed | GraphMissed | DeviceTimed) -> None:
-        if isinstance(event, DeviceTimed):
+    def _record_call(self, event: ev.GraphReplayed | ev.GraphMissed | ev.DeviceTimed) -> None:
+        if isinstance(event, ev.DeviceTimed):
             attributes = self._attributes(event.adapter, event.kind, event.phase)
             self._call_device_duration.record(event.device_s, attributes)
             return
         duration = event.duration_s
         if duration is None:  # a model-level fallback: the adapter did not run it
             return
-        kind = "replay" if isinstance(event, GraphReplayed) else "eager"
+        kind = "replay" if isinstance(event, ev.GraphReplayed) else "eager"
         self._call_duration.record(duration, self._attributes(event.adapter, kind, event.phase))
 
     # -- spans ----------------------------------------------------------------------------
 
-    def _span_for(self, event: Event) -> None:
+    def _span_for(self, event: ev.Event) -> None:
         match event:
-            case GraphCaptured():
+            case ev.GraphCaptured():
                 attributes: dict[str, Any] = {
                     ATTR.ENCODER: event.adapter,
                     **_key_attributes(event.signature),
@@ -315,7 +286,7 @@ class OTelSink:
                 }
                 end_ns = event.epoch_ns + max(0, round(event.duration_s * 1e9))
                 self._emit_span(SPANS.CAPTURE, event.epoch_ns, end_ns, attributes)
-            case MemoryDeferred():
+            case ev.MemoryDeferred():
                 attributes = {
                     ATTR.ENCODER: event.adapter,
                     **_key_attributes(event.signature),
@@ -325,7 +296,7 @@ class OTelSink:
                     ATTR.PHASE: event.phase.value,
                 }
                 self._emit_span(SPANS.MEMORY_DEFERRAL, event.epoch_ns, event.epoch_ns, attributes)
-            case CaptureFailed():
+            case ev.CaptureFailed():
                 # The event marks the moment the capture raised; its start is not recorded,
                 # so the failure is an instant on the timeline.
                 attributes = {
@@ -350,7 +321,7 @@ class OTelSink:
         start_ns: int,
         end_ns: int,
         attributes: Mapping[str, Any],
-        failure: CaptureFailed | None = None,
+        failure: ev.CaptureFailed | None = None,
     ) -> None:
         span = self._tracer.start_span(
             name,
@@ -405,36 +376,22 @@ class OTelSink:
         for name in (*stats, *(n for n in self._bus.adapters() if n not in stats)):
             yield name, stats.get(name)
 
-    def _observe_hits(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            yield Observation(stats.graph_hits if stats else 0, {ATTR.ENCODER: name})
+    def _per_encoder(
+        self, value: Callable[[AdapterStats], int]
+    ) -> Callable[[], Iterator[Observation]]:
+        """One observation per encoder of ``value(stats)``, 0 for one that has no stats yet."""
+
+        def read() -> Iterator[Observation]:
+            for name, stats in self._adapters():
+                yield Observation(value(stats) if stats else 0, {ATTR.ENCODER: name})
+
+        return read
 
     def _observe_misses(self) -> Iterator[Observation]:
         for name, stats in self._adapters():
-            for reason in MissReason:
+            for reason in ev.MissReason:
                 value = stats.misses[reason] if stats else 0
                 yield Observation(value, {ATTR.ENCODER: name, ATTR.MISS_REASON: reason.value})
-
-    def _observe_captures(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            yield Observation(stats.num_graphs if stats else 0, {ATTR.ENCODER: name})
-
-    def _observe_failures(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            yield Observation(stats.capture_failures if stats else 0, {ATTR.ENCODER: name})
-
-    def _observe_deferrals(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            yield Observation(stats.memory_deferrals if stats else 0, {ATTR.ENCODER: name})
-
-    def _observe_graphs(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            yield Observation(stats.num_graphs if stats else 0, {ATTR.ENCODER: name})
-
-    def _observe_pool_memory(self) -> Iterator[Observation]:
-        for name, stats in self._adapters():
-            held = sum(g.bytes_reserved + g.static_bytes for g in stats.graphs) if stats else 0
-            yield Observation(held, {ATTR.ENCODER: name})
 
     def _coverage(self) -> Iterator[tuple[str, AdapterCoverage | None]]:
         coverage = self._bus.coverage()
@@ -443,13 +400,13 @@ class OTelSink:
 
     def _observe_phase_calls(self) -> Iterator[Observation]:
         for name, coverage in self._coverage():
-            for phase in Phase:
+            for phase in ev.Phase:
                 calls = coverage.in_phase(phase).calls if coverage else 0
                 yield Observation(calls, {ATTR.ENCODER: name, ATTR.PHASE: phase.value})
 
     def _observe_phase_captures(self) -> Iterator[Observation]:
         for name, coverage in self._coverage():
-            for phase in Phase:
+            for phase in ev.Phase:
                 captures = coverage.in_phase(phase).captures if coverage else 0
                 yield Observation(captures, {ATTR.ENCODER: name, ATTR.PHASE: phase.value})
 
@@ -470,6 +427,11 @@ class OTelSink:
 
 def _name(obj: object) -> str:
     return type(obj).__name__
+
+
+def _pool_bytes(stats: AdapterStats) -> int:
+    """Device memory an adapter's graphs hold: pool growth plus static buffers."""
+    return sum(g.bytes_reserved + g.static_bytes for g in stats.graphs)
 
 
 # -- the app edge: SDK, exporters, Prometheus ----------------------------------------------
