@@ -187,28 +187,16 @@ class _Due(NamedTuple):
     signature: Signature
 
 
-class _Job:
+class _Job(NamedTuple):
     """A background preparation: what the preparation thread needs, taken on the call path."""
 
-    __slots__ = ("device", "inference", "inputs", "key", "replay_stream", "signature", "stream")
-
-    def __init__(
-        self,
-        key: Hashable,
-        inputs: list[torch.Tensor | None],
-        device: torch.device,
-        stream: int,
-        replay_stream: Any,
-        signature: Signature,
-        inference: bool,
-    ) -> None:
-        self.key = key
-        self.inputs = inputs
-        self.device = device
-        self.stream = stream
-        self.replay_stream = replay_stream
-        self.signature = signature
-        self.inference = inference
+    key: Hashable
+    inputs: list[torch.Tensor | None]
+    device: torch.device
+    stream: int
+    replay_stream: Any
+    signature: Signature
+    inference: bool
 
 
 class EncoderCudaGraph:
