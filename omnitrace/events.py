@@ -107,11 +107,18 @@ def now() -> tuple[int, int]:
     return time.monotonic_ns(), time.time_ns()
 
 
+@dataclass(frozen=True, slots=True)
 class _Keyed:
-    """What every event has beside its fields: the signature's text form as ``key``."""
+    """The fields every event starts with, and the signature's text form as ``key``."""
 
-    __slots__ = ()
+    adapter: str
+    """Name of the adapter (encoder) the event is about."""
     signature: Signature
+    """The call's inputs and replay stream."""
+    monotonic_ns: int
+    """``time.monotonic_ns()`` when the event was made."""
+    epoch_ns: int
+    """``time.time_ns()`` at the same moment (for spans and logs)."""
 
     @property
     def key(self) -> str:
@@ -123,10 +130,6 @@ class _Keyed:
 class GraphCaptured(_Keyed):
     """A CUDA graph was captured for its signature (the capturing call then counts as a hit)."""
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     duration_s: float
     """Wall time of warm-up plus capture, on the host."""
     pool_id: int
@@ -147,10 +150,6 @@ class GraphCaptured(_Keyed):
 class GraphReplayed(_Keyed):
     """A call was served by replaying the graph for its signature."""
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     duration_s: float
     """Host-side time of copy-in, replay launch and output clones."""
     phase: Phase = Phase.SERVING
@@ -160,10 +159,6 @@ class GraphReplayed(_Keyed):
 class GraphMissed(_Keyed):
     """A call ran the encoder eagerly."""
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     reason: MissReason
     detail: str
     """Finer cause: ``cpu``, ``grad``, ``autocast``, ``capturing``, ``disabled``, ``cap`` ..."""
@@ -177,10 +172,6 @@ class GraphMissed(_Keyed):
 class MemoryDeferred(_Keyed):
     """Admission wanted to capture its signature but device-free memory was under the floor."""
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     free_bytes: int
     floor_bytes: int
     device: str
@@ -191,10 +182,6 @@ class MemoryDeferred(_Keyed):
 class CaptureFailed(_Keyed):
     """Capturing its signature raised; the adapter is terminal from now on."""
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     error_type: str
     message: str
     """First line of the exception's message, at most 300 characters (the cut counted as
@@ -213,10 +200,6 @@ class DeviceTimed(_Keyed):
     once the device finished the work; not a call of its own (stats ignore it).
     """
 
-    adapter: str
-    signature: Signature
-    monotonic_ns: int
-    epoch_ns: int
     kind: str
     """``"replay"`` or ``"eager"``."""
     device_s: float

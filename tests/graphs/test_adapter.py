@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -645,7 +646,7 @@ def test_events_carry_plain_data_only(bus: EventBus) -> None:
         graph(x)
     assert {type(e) for e in events} == {GraphMissed, MemoryDeferred, GraphCaptured, GraphReplayed}
     for event in events:
-        for name in event.__slots__:
+        for name in (f.name for f in dataclasses.fields(event)):
             value = getattr(event, name)
             if isinstance(value, Signature):
                 # The structured signature is plain data too: strings, ints and tuples.
