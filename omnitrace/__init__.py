@@ -7,9 +7,9 @@ the modules that only need events, stats or the event log (the ``omnitrace`` com
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from omnitrace._lazy import lazy_getattr
 from omnitrace._version import __version__
 
 if TYPE_CHECKING:
@@ -90,14 +90,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'omnitrace' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    # Cached in the module's namespace, so the next access is a plain attribute lookup.
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _MODULE_OF)
 
 
 def __dir__() -> list[str]:

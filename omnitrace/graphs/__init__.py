@@ -6,8 +6,9 @@ The names below load on first access (PEP 562): the admission policy is pure Pyt
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omnitrace._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from omnitrace.graphs.adapter import EncoderCudaGraph
@@ -22,10 +23,4 @@ _MODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'omnitrace.graphs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _MODULE_OF)
