@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.abc
 import importlib.machinery
 import pkgutil
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
 
 __all__ = ["Declaration", "declarations"]
 
@@ -47,17 +50,25 @@ def declarations(package: str, name: str) -> list[Declaration]:
         # PathFinder looks on the package's path only: a module already imported, or blocked
         # in sys.modules, is found all the same.
         spec = importlib.machinery.PathFinder.find_spec(info.name, path)
-        loader = spec.loader if spec is not None else None
-        if spec is None or not isinstance(loader, importlib.abc.InspectLoader):
+        if spec is None:
             continue
-        source = loader.get_source(info.name)
+        source = _source(spec)
         if source is None or not marker.search(source):
             continue
-        node = _assignment(ast.parse(source, filename=spec.origin or info.name), name)
+        filename = spec.origin or info.name
+        node = _assignment(ast.parse(source, filename=filename), name)
         if node is not None and node.value is not None:
-            where = f"{spec.origin or info.name}:{node.lineno}"
+            where = f"{filename}:{node.lineno}"
             found.append(Declaration(module=info.name, value=node.value, where=where))
     return found
+
+
+def _source(spec: ModuleSpec) -> str | None:
+    # A loader that can show source has get_source (importlib.abc, whose types say so, costs
+    # more to import than the whole search).
+    get_source = getattr(spec.loader, "get_source", None)
+    source = get_source(spec.name) if callable(get_source) else None
+    return source if isinstance(source, str) else None
 
 
 def _assignment(tree: ast.Module, name: str) -> ast.Assign | ast.AnnAssign | None:
