@@ -3,8 +3,9 @@
 A model integration (omnitrace's own, such as ``omnitrace.integrations.minicpmo``, or a
 third party's) holds only knowledge of its model: which encoder stack a graph can serve,
 where the eager boundary lies, and which calls must stay eager. It publishes a
-:class:`ModelIntegration` under the ``omnitrace.models`` entry-point group (see
-:mod:`omnitrace.integrations.registry`) and builds on the helpers here:
+:class:`ModelIntegration` as its module's ``INTEGRATION`` (a third party's also under the
+``omnitrace.models`` entry-point group; see :mod:`omnitrace.integrations.registry`) and
+builds on the helpers here:
 
 * :func:`config_from_model`: the ``encoder_cuda_graph*`` keys from the model's hf config
   (or vLLM's ``model_config.hf_config``) and vLLM's ``enforce_eager``;

@@ -454,7 +454,7 @@ def instrument(
     return Instrumented(vision=vision, audio=audio, audio_method=audio_method)
 
 
-#: The entry of this integration in the ``omnitrace.models`` entry-point group.
+#: This model's integration, which omnitrace.integrations.registry finds in this module.
 INTEGRATION = ModelIntegration(
     name="minicpmo",
     detect=detect,

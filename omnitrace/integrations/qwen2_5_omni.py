@@ -443,7 +443,7 @@ def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | No
     return graph
 
 
-#: The entry of this integration in the ``omnitrace.models`` entry-point group.
+#: This model's integration, which omnitrace.integrations.registry finds in this module.
 INTEGRATION = ModelIntegration(
     name="qwen2_5_omni",
     detect=detect,

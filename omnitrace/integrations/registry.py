@@ -1,18 +1,22 @@
 """Find the model integration for a loaded model: detector, then instrument.
 
-Integrations are registered as entry points of the ``omnitrace.models`` group, each naming a
-:class:`~omnitrace.integrations.base.ModelIntegration`. omnitrace declares its own in
-``pyproject.toml``, one line per model::
+A model integration is a :class:`~omnitrace.integrations.base.ModelIntegration` published as
+a module-level ``INTEGRATION``. omnitrace's own are the modules of this package that assign
+one (:func:`builtin_entry_points` finds them from their source, so adding a model is adding
+its module); another package adds a model without changing omnitrace, as an entry point of
+the ``omnitrace.models`` group in its own metadata::
 
     [project.entry-points."omnitrace.models"]
-    minicpmo = "omnitrace.integrations.minicpmo:INTEGRATION"
+    mymodel = "mypackage.mymodel:INTEGRATION"
 
-and another package adds a model the same way, in its own metadata, without changing
-omnitrace. The vLLM plugin asks :func:`find_integration` for every model vLLM loads; the
-first integration (by name) whose detector accepts the model instruments it.
+The vLLM plugin asks :func:`find_integration` for every model vLLM loads; the first
+integration (by name: an in-tree module's name, another package's entry-point name) whose
+detector accepts the model instruments it. An in-tree module counts as the entry point that
+would declare it (``minicpmo = omnitrace.integrations.minicpmo:INTEGRATION``), so an
+installed distribution that still declares it loads it once.
 
-Entry points are read from the installed metadata: after adding one to ``pyproject.toml``,
-reinstall (``pip install -e .``) so the environment sees it.
+Entry points are read from the installed metadata: after adding one to a package's
+metadata, reinstall that package so the environment sees it.
 """
 
 from __future__ import annotations
@@ -22,15 +26,25 @@ from collections.abc import Iterable, Sequence
 from importlib import metadata
 from typing import Any
 
+from omnitrace._discover import declarations
 from omnitrace.config import OmnitraceError
 from omnitrace.integrations.base import ModelIntegration
 
-__all__ = ["ENTRY_POINT_GROUP", "IntegrationLoadError", "find_integration", "model_integrations"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "IntegrationLoadError",
+    "builtin_entry_points",
+    "find_integration",
+    "model_integrations",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The entry-point group model integrations are registered under.
 ENTRY_POINT_GROUP = "omnitrace.models"
+
+#: The module-level name a model integration is published under.
+_DECLARATION = "INTEGRATION"
 
 
 class IntegrationLoadError(OmnitraceError, RuntimeError):
@@ -54,20 +68,44 @@ def _load(entry_point: metadata.EntryPoint) -> ModelIntegration:
     return integration
 
 
+def builtin_entry_points(
+    package: str = "omnitrace.integrations",
+) -> tuple[metadata.EntryPoint, ...]:
+    """Return the integrations the modules of ``package`` publish, as entry points.
+
+    A module that assigns ``INTEGRATION`` at top level publishes one, named after the module
+    (``minicpmo = omnitrace.integrations.minicpmo:INTEGRATION``). The modules are read from
+    their source: none is imported here.
+    """
+    return tuple(
+        metadata.EntryPoint(
+            name=declaration.module.rpartition(".")[2],
+            value=f"{declaration.module}:{_DECLARATION}",
+            group=ENTRY_POINT_GROUP,
+        )
+        for declaration in declarations(package, _DECLARATION)
+    )
+
+
 def model_integrations(
     entry_points: Iterable[metadata.EntryPoint] | None = None,
 ) -> tuple[ModelIntegration, ...]:
     """Load the registered model integrations, sorted by entry-point name.
 
     Args:
-        entry_points: where to load from (default: the installed ``omnitrace.models`` group).
+        entry_points: where to load from (default: omnitrace's own integrations, then the
+            installed ``omnitrace.models`` group).
 
     Raises:
         IntegrationLoadError: an entry point cannot be loaded or names something else.
     """
     if entry_points is None:
-        entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
-    # The same declaration can be seen twice (an editable install beside a stale one).
+        entry_points = [
+            *builtin_entry_points(),
+            *metadata.entry_points(group=ENTRY_POINT_GROUP),
+        ]
+    # The same declaration can be seen twice (an in-tree module an installed distribution
+    # still declares, an editable install beside a stale one).
     unique = {(ep.name, ep.value): ep for ep in entry_points}
     return tuple(_load(unique[key]) for key in sorted(unique))
 

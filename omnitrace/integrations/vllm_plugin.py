@@ -3,10 +3,10 @@
 Installed with omnitrace's ``vllm`` extra (``pip install '.[vllm]'`` from a checkout), the
 ``vllm.general_plugins`` entry point ``omnitrace = omnitrace.integrations.vllm_plugin:register``
 makes vLLM call :func:`register` in every process it starts. ``register`` wraps vLLM's model
-loader so that every loaded model is offered to the model integrations of the
-``omnitrace.models`` entry-point group (:mod:`omnitrace.integrations.registry`): the first
-whose detector accepts it attaches its adapters (omnitrace's own models are listed in
-``docs/vllm.md``). vLLM itself is not edited.
+loader so that every loaded model is offered to the model integrations
+(:mod:`omnitrace.integrations.registry`: omnitrace's own modules and the ``omnitrace.models``
+entry-point group): the first whose detector accepts it attaches its adapters (omnitrace's
+own models are listed in ``docs/vllm.md``). vLLM itself is not edited.
 
 Each worker process gets one event bus of its own (created on first use in that process,
 so a forked worker never shares its parent's). ``OMNITRACE_PLUGIN=0`` keeps the plugin

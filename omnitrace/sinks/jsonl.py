@@ -53,6 +53,7 @@ from omnitrace.eventlog import (
     segment_of,
 )
 from omnitrace.events import Event
+from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -304,3 +305,21 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _build_sink(request: SinkRequest) -> JsonlSink:
+    # The sink finds the worker's rank in the environment itself.
+    return JsonlSink(request.value, bus=request.bus)
+
+
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
+SINK = SinkDeclaration(
+    name="jsonl",
+    env="OMNITRACE_EVENTS_LOG",
+    order=10,
+    build=_build_sink,
+    description=(
+        "JSONL event log at this path; {pid} and {rank} are filled in per worker "
+        "(omnitrace top follows it)"
+    ),
+)

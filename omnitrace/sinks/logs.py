@@ -38,6 +38,7 @@ from omnitrace._validate import check_int, check_number
 from omnitrace.config import ConfigError
 from omnitrace.events import Event, MissReason, Phase
 from omnitrace.sinks.names import LOG_EVENTS
+from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 if TYPE_CHECKING:
     from omnitrace.bus import EventBus
@@ -376,3 +377,25 @@ def _describe(event: Event) -> tuple[str, dict[str, Any]]:
         fields["phase"] = event.phase.value
     fields["event_epoch_ns"] = event.epoch_ns
     return _LOG_NAMES[cls], fields
+
+
+def _build_sink(request: SinkRequest) -> LogSink:
+    # A host that configured structlog keeps its own rendering; otherwise JSON lines go to
+    # stderr at info level (captures, deferrals, failures and graph_summary lines).
+    if not structlog.is_configured():
+        configure_logging(level="info", json=True)
+    return LogSink(bus=request.bus, environ=request.environ)
+
+
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
+SINK = SinkDeclaration(
+    name="logs",
+    env="OMNITRACE_LOGS",
+    order=30,
+    build=_build_sink,
+    switch=True,
+    description=(
+        "structlog JSON lines of captures, deferrals and failures, and a graph_summary "
+        "line per encoder every OMNITRACE_SUMMARY_INTERVAL seconds and at exit"
+    ),
+)

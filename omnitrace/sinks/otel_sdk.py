@@ -38,6 +38,7 @@ from omnitrace.sinks.otel import (
     OTLPProtocol,
     _name,
 )
+from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
@@ -681,3 +682,31 @@ def _guarded_exporters(
                 logger.debug("OTLP metric exporter raised on shutdown", exc_info=True)
 
     return GuardedSpanExporter(), GuardedMetricExporter()
+
+
+def _build_sink(request: SinkRequest) -> OTelSink:
+    attributes: dict[str, str | int | float | bool] = {"process.pid": request.pid}
+    if request.rank is not None:
+        attributes["omnitrace.worker.rank"] = request.rank
+    # OTEL_SERVICE_NAME is read from the request's environment (the worker's); the other
+    # OTEL_* variables are read by configure_sdk and the SDK. The SDK shuts down at exit.
+    return sdk_sink(
+        request.bus,
+        service_name=request.environ.get("OTEL_SERVICE_NAME", "").strip() or None,
+        default_service_name="omnitrace",
+        resource_attributes=attributes,
+    ).sink
+
+
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
+SINK = SinkDeclaration(
+    name="otlp",
+    env="OMNITRACE_OTLP",
+    order=20,
+    build=_build_sink,
+    switch=True,
+    description=(
+        "OpenTelemetry spans and metrics, configured by OpenTelemetry's OTEL_* variables "
+        "(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...)"
+    ),
+)

@@ -1,37 +1,55 @@
-"""The sinks a setting can ask for: one table, read by the vLLM plugin and the command line.
+"""The sinks a setting can ask for, each declared by its own module.
 
-Each :class:`SinkSpec` names a sink, the environment variable that asks for it, the module
-that implements it (imported only when the sink is asked for, so a missing optional
-dependency costs nothing until then) and a factory that builds the sink from the variable's
-value. The vLLM plugin attaches every sink its worker's environment asks for;
-``omnitrace demo`` and ``omnitrace replay`` attach the ones they do not already wire from
-their own options (the event log and OpenTelemetry).
+A sink module declares its sink with a module-level ``SINK``, a :class:`SinkDeclaration`: its
+name, the environment variable that asks for it, its place in the attach order, a
+description and the factory that builds it. :func:`discover_sinks` reads these declarations
+from the source of the modules of :mod:`omnitrace.sinks` without importing them, so a sink's
+optional dependency (OpenTelemetry, structlog, ...) is imported only when its variable is
+set, and a missing one fails only then. :data:`SINKS` is the resulting table, one
+:class:`SinkSpec` per sink in attach order, read on first use. The vLLM plugin attaches
+every sink its worker's environment asks for; ``omnitrace demo`` and ``omnitrace replay``
+attach the ones they do not already wire from their own options (the event log and
+OpenTelemetry).
 
-Adding a sink is its module, one entry in :data:`SINKS`, its test and a line of docs::
+Adding a sink is its module, its test and a line of docs; nothing else changes. The module
+ends with its declaration, every field of which but ``build`` is written as a literal (the
+registry reads them without running the module)::
 
-    SinkSpec(
+    import kafka  # the sink's library: imported with the module, when OMNITRACE_KAFKA is set
+
+    from omnitrace.sinks.registry import SinkDeclaration
+
+
+    class KafkaSink:
+        def __init__(self, topic, *, bus): ...
+        def handle(self, events): ...
+
+
+    SINK = SinkDeclaration(
         name="kafka",
         env="OMNITRACE_KAFKA",
-        module="omnitrace.sinks.kafka",
-        build=lambda kafka, request: kafka.KafkaSink(request.value, bus=request.bus),
+        order=40,
+        build=lambda request: KafkaSink(request.value, bus=request.bus),
         description="events to this Kafka topic (broker:port/topic)",
     )
 
 Errors: a variable a sink cannot use raises :class:`~omnitrace.config.ConfigError` naming
 it; a sink whose module cannot be imported raises :class:`SinkUnavailableError` naming the
-variable that asked for it.
+variable that asked for it; a declaration that cannot be read from the source raises
+:class:`SinkDeclarationError` naming its module and line.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
-import inspect
 import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from omnitrace._discover import Declaration, declarations
 from omnitrace._env import env_flag
 from omnitrace.config import OmnitraceError
 
@@ -40,17 +58,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SINKS",
+    "SinkDeclaration",
+    "SinkDeclarationError",
     "SinkRequest",
     "SinkSpec",
     "SinkUnavailableError",
     "build_sink",
     "build_sinks",
+    "discover_sinks",
     "requested",
 ]
+
+#: The module-level name a sink module declares its sink under.
+_DECLARATION = "SINK"
 
 
 class SinkUnavailableError(OmnitraceError, RuntimeError):
     """A sink was asked for, but its module cannot be imported."""
+
+
+class SinkDeclarationError(OmnitraceError, TypeError):
+    """A sink module's declaration cannot be read from its source, or repeats another's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +93,26 @@ class SinkRequest:
     pid: int
     rank: int | None
     """The serving worker's rank, when the caller knows it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkDeclaration:
+    """A sink module's ``SINK``: how the registry offers the module's sink.
+
+    Every field but ``build`` must be a literal in the module's source, where the registry
+    reads it without importing the module.
+    """
+
+    name: str
+    env: str
+    """The environment variable that asks for the sink."""
+    order: int
+    """The sink's place among the others: sinks are attached by ascending order, then name."""
+    build: Callable[[SinkRequest], Sink]
+    """Build the sink for the request (called once the module is imported)."""
+    description: str
+    switch: bool = False
+    """A 1/0 variable; otherwise any non-empty value asks for the sink and is passed on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,77 +141,118 @@ class SinkSpec:
         return environ.get(self.env, "").strip() or None
 
 
-def _jsonl(module: ModuleType, request: SinkRequest) -> Sink:
-    kwargs: dict[str, Any] = {"bus": request.bus}
-    # The worker's rank is passed on to a JsonlSink that takes one; one that does not
-    # finds the rank in the environment itself.
-    if request.rank is not None and "rank" in inspect.signature(module.JsonlSink).parameters:
-        kwargs["rank"] = request.rank
-    sink: Sink = module.JsonlSink(request.value, **kwargs)
-    return sink
+# -- reading the declarations ------------------------------------------------------------------
+
+#: The declaration's fields read from the source, with their types; ``build`` is not read.
+_LITERAL_FIELDS: dict[str, type] = {
+    "name": str,
+    "env": str,
+    "order": int,
+    "description": str,
+    "switch": bool,
+}
+_REQUIRED_FIELDS = ("name", "env", "order", "build", "description")
 
 
-def _otlp(module: ModuleType, request: SinkRequest) -> Sink:
-    attributes: dict[str, str | int | float | bool] = {"process.pid": request.pid}
-    if request.rank is not None:
-        attributes["omnitrace.worker.rank"] = request.rank
-    # OTEL_SERVICE_NAME is read from the request's environment (the worker's); the other
-    # OTEL_* variables are read by configure_sdk and the SDK. The SDK shuts down at exit.
-    sink: Sink = module.sdk_sink(
-        request.bus,
-        service_name=request.environ.get("OTEL_SERVICE_NAME", "").strip() or None,
-        default_service_name="omnitrace",
-        resource_attributes=attributes,
-    ).sink
-    return sink
+def _build_declared(module: ModuleType, request: SinkRequest) -> Sink:
+    declaration = getattr(module, _DECLARATION, None)
+    if not isinstance(declaration, SinkDeclaration):
+        raise SinkDeclarationError(
+            f"{module.__name__}.{_DECLARATION} is a {type(declaration).__name__}, not a "
+            "SinkDeclaration"
+        )
+    return declaration.build(request)
 
 
-def _logs(module: ModuleType, request: SinkRequest) -> Sink:
-    # A host that configured structlog keeps its own rendering; otherwise JSON lines go to
-    # stderr at info level (captures, deferrals, failures and graph_summary lines).
-    import structlog
+def _read(declaration: Declaration) -> tuple[int, SinkSpec]:
+    """Return the attach order and the spec a ``SINK = SinkDeclaration(...)`` declares."""
+    where = f"{_DECLARATION} in {declaration.module} ({declaration.where})"
+    call = declaration.value
+    callee = call.func if isinstance(call, ast.Call) else None
+    named = isinstance(callee, ast.Name) and callee.id == SinkDeclaration.__name__
+    qualified = isinstance(callee, ast.Attribute) and callee.attr == SinkDeclaration.__name__
+    if not isinstance(call, ast.Call) or not (named or qualified) or call.args:
+        raise SinkDeclarationError(
+            f"{where}: write it as SinkDeclaration(name=..., env=..., ...) with keyword arguments"
+        )
+    fields: dict[str, Any] = {}
+    for keyword in call.keywords:
+        field = keyword.arg
+        if field == "build":
+            fields[field] = None
+            continue
+        if field is None or field not in _LITERAL_FIELDS:
+            raise SinkDeclarationError(f"{where}: unexpected argument {field or '**'}")
+        kind = _LITERAL_FIELDS[field]
+        try:
+            value = ast.literal_eval(keyword.value)
+        except ValueError:
+            value = None
+        if type(value) is not kind:
+            raise SinkDeclarationError(
+                f"{where}: {field} must be a {kind.__name__} literal (the registry reads it "
+                "without importing the module)"
+            )
+        fields[field] = value
+    missing = [name for name in _REQUIRED_FIELDS if name not in fields]
+    if missing:
+        raise SinkDeclarationError(f"{where}: missing {', '.join(missing)}")
+    spec = SinkSpec(
+        name=fields["name"],
+        env=fields["env"],
+        module=declaration.module,
+        build=_build_declared,
+        description=fields["description"],
+        switch=fields.get("switch", False),
+    )
+    return fields["order"], spec
 
-    if not structlog.is_configured():
-        module.configure_logging(level="info", json=True)
-    sink: Sink = module.LogSink(bus=request.bus, environ=request.environ)
-    return sink
+
+def discover_sinks(package: str = "omnitrace.sinks") -> tuple[SinkSpec, ...]:
+    """Return the sinks the modules of ``package`` declare, in attach order.
+
+    The declarations are read from the modules' source: no sink module is imported.
+
+    Raises:
+        SinkDeclarationError: a declaration cannot be read from its source, or two modules
+            declare the same name or variable.
+    """
+    ordered = sorted(
+        (_read(declaration) for declaration in declarations(package, _DECLARATION)),
+        key=lambda item: (item[0], item[1].name),
+    )
+    specs = tuple(spec for _, spec in ordered)
+    for field in ("name", "env"):
+        seen: dict[str, str] = {}
+        for spec in specs:
+            key = getattr(spec, field)
+            if key in seen:
+                raise SinkDeclarationError(
+                    f"{seen[key]} and {spec.module} both declare a sink with {field} {key!r}"
+                )
+            seen[key] = spec.module
+    return specs
 
 
-#: Every sink a setting can ask for, in the order they are attached.
-SINKS: tuple[SinkSpec, ...] = (
-    SinkSpec(
-        name="jsonl",
-        env="OMNITRACE_EVENTS_LOG",
-        module="omnitrace.sinks.jsonl",
-        build=_jsonl,
-        description=(
-            "JSONL event log at this path; {pid} and {rank} are filled in per worker "
-            "(omnitrace top follows it)"
-        ),
-    ),
-    SinkSpec(
-        name="otlp",
-        env="OMNITRACE_OTLP",
-        module="omnitrace.sinks.otel_sdk",
-        build=_otlp,
-        switch=True,
-        description=(
-            "OpenTelemetry spans and metrics, configured by OpenTelemetry's OTEL_* variables "
-            "(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...)"
-        ),
-    ),
-    SinkSpec(
-        name="logs",
-        env="OMNITRACE_LOGS",
-        module="omnitrace.sinks.logs",
-        build=_logs,
-        switch=True,
-        description=(
-            "structlog JSON lines of captures, deferrals and failures, and a graph_summary "
-            "line per encoder every OMNITRACE_SUMMARY_INTERVAL seconds and at exit"
-        ),
-    ),
-)
+#: Every sink a setting can ask for, in the order they are attached: the declarations of
+#: the modules of :mod:`omnitrace.sinks`, read on first use (a sink module imports this one).
+SINKS: tuple[SinkSpec, ...]
+
+
+def _table() -> tuple[SinkSpec, ...]:
+    """Return :data:`SINKS`, discovering it on first use."""
+    table: tuple[SinkSpec, ...] | None = globals().get("SINKS")
+    if table is None:
+        table = globals()["SINKS"] = discover_sinks()
+    return table
+
+
+if not TYPE_CHECKING:  # to mypy, a module __getattr__ would make every unknown name Any
+
+    def __getattr__(name: str) -> Any:
+        if name == "SINKS":
+            return _table()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def requested(
@@ -179,7 +268,7 @@ def requested(
         ConfigError: a variable has an invalid value (the message names it).
     """
     asked = []
-    for spec in SINKS:
+    for spec in _table():
         if spec.name in exclude:
             continue
         value = spec.value(environ)

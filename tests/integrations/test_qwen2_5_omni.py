@@ -60,7 +60,7 @@ def test_detect_claims_qwen_thinkers_only() -> None:
 
 
 def test_registry_finds_this_integration_for_a_thinker() -> None:
-    """The omnitrace.models entry point makes the plugin pick this integration."""
+    """The registry finds this module's INTEGRATION, so the plugin picks it."""
     assert find_integration(build()) is INTEGRATION
     assert INTEGRATION.instrument is instrument
 

@@ -1,9 +1,11 @@
-"""Model integrations from the omnitrace.models entry-point group, and the plugin using them."""
+"""Model integrations: omnitrace's own modules, the omnitrace.models group, and the plugin."""
 
 from __future__ import annotations
 
 import logging
 import re
+import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,12 @@ import pytest
 from torch import nn
 
 from integrations.standins import build
-from omnitrace.integrations import minicpmo, vllm_plugin
+from omnitrace.integrations import minicpmo, qwen2_5_omni, vllm_plugin
 from omnitrace.integrations.base import ModelIntegration
 from omnitrace.integrations.registry import (
     ENTRY_POINT_GROUP,
     IntegrationLoadError,
+    builtin_entry_points,
     find_integration,
     model_integrations,
 )
@@ -58,12 +61,34 @@ def _fresh() -> None:
     instrumented.clear()
 
 
-def test_installed_metadata_registers_the_builtin_integrations() -> None:
-    """omnitrace's own metadata declares MiniCPM-o in the omnitrace.models group."""
-    points = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def test_builtin_integrations_are_found_from_their_modules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """omnitrace's own models are the modules here that publish INTEGRATION, with no metadata."""
+    points = {ep.name: ep.value for ep in builtin_entry_points()}
     assert points["minicpmo"] == "omnitrace.integrations.minicpmo:INTEGRATION"
+    assert points == {
+        "minicpmo": "omnitrace.integrations.minicpmo:INTEGRATION",
+        "qwen2_5_omni": "omnitrace.integrations.qwen2_5_omni:INTEGRATION",
+    }
+    assert {ep.group for ep in builtin_entry_points()} == {ENTRY_POINT_GROUP}
+    monkeypatch.setattr(metadata, "entry_points", lambda **kwargs: metadata.EntryPoints())
     loaded = {integration.name: integration for integration in model_integrations()}
     assert loaded["minicpmo"] is minicpmo.INTEGRATION
+    assert loaded == {"minicpmo": minicpmo.INTEGRATION, "qwen2_5_omni": qwen2_5_omni.INTEGRATION}
+
+
+def test_metadata_still_declaring_a_builtin_loads_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An installed distribution that still declares omnitrace's own entry points (an older
+    omnitrace's metadata) adds no second copy."""
+    stale = metadata.EntryPoints(
+        metadata.EntryPoint(name=ep.name, value=ep.value, group=ep.group)
+        for ep in builtin_entry_points()
+    )
+    monkeypatch.setattr(metadata, "entry_points", lambda **kwargs: stale)
+    assert model_integrations() == (minicpmo.INTEGRATION, qwen2_5_omni.INTEGRATION)
 
 
 def test_integrations_load_in_entry_point_name_order_once_each() -> None:
@@ -192,3 +217,58 @@ def test_plugin_reports_an_unloadable_integration_as_a_plugin_error(
         vllm_plugin.PluginError, match=r"ghost = no_such_module_xyz:X.*OMNITRACE_PLUGIN=0"
     ):
         vllm_plugin._after_load(ProbeModel(), None)
+
+
+# -- discovery ---------------------------------------------------------------------------------
+
+_GAMMA = """
+from omnitrace.integrations.base import ModelIntegration
+
+INTEGRATION = ModelIntegration(
+    name="gamma",
+    detect=lambda model: getattr(model, "gamma", False),
+    instrument=lambda model, vllm_config, *, bus=None: None,
+    description="a model in a package of integrations",
+)
+"""
+
+
+@pytest.fixture
+def models_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A package of integration modules: one model, a helper that must not be imported."""
+    name = f"probe_models_{tmp_path.name}".replace("-", "_")
+    root = tmp_path / name
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "gamma.py").write_text(_GAMMA)
+    (root / "helpers.py").write_text(
+        '"""INTEGRATION = in a docstring."""\nraise ImportError("helpers was imported")\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    for module in (name, f"{name}.gamma", f"{name}.helpers"):
+        sys.modules.pop(module, None)
+
+
+def test_a_module_publishing_integration_is_found_and_loaded(models_package: str) -> None:
+    """A new module that assigns INTEGRATION is an integration, named after the module;
+    modules that do not are never imported."""
+    (point,) = builtin_entry_points(models_package)
+    assert (point.name, point.value, point.group) == (
+        "gamma",
+        f"{models_package}.gamma:INTEGRATION",
+        ENTRY_POINT_GROUP,
+    )
+    assert f"{models_package}.gamma" not in sys.modules
+    (gamma,) = model_integrations([point])
+    assert gamma.name == "gamma"
+    model = nn.Linear(2, 2)
+    model.gamma = True
+    assert find_integration(model, (gamma,)) is gamma
+    assert f"{models_package}.helpers" not in sys.modules
+
+
+def test_third_party_and_builtin_integrations_share_one_name_order(third_party: None) -> None:
+    """Another package's entry point joins omnitrace's own modules, sorted by name."""
+    names = [integration.name for integration in model_integrations()]
+    assert names == ["alpha", "minicpmo", "qwen2_5_omni"]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
+import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import textwrap
+import types
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import structlog
 
+import omnitrace.sinks
 from omnitrace import ConfigError, Event, EventBus, GraphMissed, GraphReplayed
 from omnitrace.cli import main
 from omnitrace.integrations import vllm_plugin
@@ -21,6 +25,8 @@ from omnitrace.sinks.jsonl import JsonlSink, read_events
 from omnitrace.sinks.logs import LogSink
 from omnitrace.sinks.registry import (
     SINKS,
+    SinkDeclaration,
+    SinkDeclarationError,
     SinkRequest,
     SinkSpec,
     SinkUnavailableError,
@@ -196,10 +202,186 @@ def test_replay_never_writes_the_event_log_variable(
     structlog.reset_defaults()
 
 
-def test_module_docstring_example_is_a_valid_entry() -> None:
-    """The Kafka example in the module docstring constructs a SinkSpec as written."""
-    doc = registry.__doc__ or ""
-    example = doc[doc.index("SinkSpec(") : doc.index("\n\nErrors")]
-    spec: Any = eval(example, {"SinkSpec": SinkSpec})
+def test_module_docstring_example_is_a_valid_entry(kafka_example: str) -> None:
+    """The Kafka module in the module docstring, put in omnitrace.sinks, declares its sink."""
+    spec = {spec.name: spec for spec in registry.discover_sinks()}["kafka"]
     assert (spec.name, spec.env) == ("kafka", "OMNITRACE_KAFKA")
     assert spec.module == "omnitrace.sinks.kafka"
+
+
+# -- discovery ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kafka_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The docstring's omnitrace/sinks/kafka.py, added to the package; its library missing."""
+    doc = registry.__doc__ or ""
+    example = doc[doc.index("    import kafka") : doc.index("\n\nErrors")]
+    (tmp_path / "kafka.py").write_text(textwrap.dedent(example))
+    monkeypatch.setattr(omnitrace.sinks, "__path__", [*omnitrace.sinks.__path__, str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "kafka", None)
+    for name in ("OMNITRACE_EVENTS_LOG", "OMNITRACE_OTLP", "OMNITRACE_LOGS"):
+        monkeypatch.delenv(name, raising=False)
+    yield "omnitrace.sinks.kafka"
+    sys.modules.pop("omnitrace.sinks.kafka", None)
+    vars(omnitrace.sinks).pop("kafka", None)
+
+
+def test_sinks_are_found_without_importing_a_sink_module() -> None:
+    """Reading the table in a fresh interpreter imports no sink module and no sink library."""
+    code = (
+        "import sys\n"
+        "from omnitrace.sinks.registry import SINKS\n"
+        "print(' '.join(spec.name for spec in SINKS))\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('omnitrace.sinks.')"
+        " or m.split('.')[0] in {'opentelemetry', 'structlog', 'orjson', 'rich', 'torch'})))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["jsonl otlp logs", "omnitrace.sinks.registry"]
+
+
+def test_each_entry_is_what_its_module_declares() -> None:
+    """The fields read from each module's source are those of its SINK once imported."""
+    for spec in SINKS:
+        declared = importlib.import_module(spec.module).SINK
+        assert isinstance(declared, SinkDeclaration)
+        assert (declared.name, declared.env, declared.description, declared.switch) == (
+            spec.name,
+            spec.env,
+            spec.description,
+            spec.switch,
+        )
+    orders = [importlib.import_module(spec.module).SINK.order for spec in SINKS]
+    assert orders == sorted(orders)
+
+
+def test_a_new_module_is_discovered_and_ordered_by_its_declaration(
+    kafka_example: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module added to omnitrace.sinks joins the table at its order, without being imported."""
+    table = registry.discover_sinks()
+    assert [spec.name for spec in table] == ["jsonl", "otlp", "logs", "kafka"]
+    assert table[:3] == SINKS
+    assert kafka_example not in sys.modules
+    monkeypatch.setattr(registry, "SINKS", table)
+    assert [
+        spec.name for spec, _ in requested({"OMNITRACE_KAFKA": "t", "OMNITRACE_LOGS": "1"})
+    ] == [
+        "logs",
+        "kafka",
+    ]
+
+
+def test_a_sink_whose_library_is_missing_fails_only_when_asked_for(
+    kafka_example: str, bus: EventBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other sinks build as before; asking for it is a SinkUnavailableError naming the variable,
+    and in the vLLM plugin a PluginError."""
+    monkeypatch.setattr(registry, "SINKS", registry.discover_sinks())
+    (sink,) = build_sinks(bus, {"OMNITRACE_EVENTS_LOG": str(tmp_path / "e.jsonl")})
+    assert isinstance(sink, JsonlSink)
+    sink.close()
+    assert kafka_example not in sys.modules
+    message = (
+        re.escape("OMNITRACE_KAFKA is set but omnitrace.sinks.kafka cannot be imported (")
+        + r".*\bkafka\b.*"
+        + re.escape("); install omnitrace with its telemetry dependencies or unset the variable")
+    )
+    with pytest.raises(SinkUnavailableError, match=message):
+        build_sinks(bus, {"OMNITRACE_KAFKA": "events"})
+    with pytest.raises(vllm_plugin.PluginError, match=message):
+        vllm_plugin._build_sinks(bus, {"OMNITRACE_KAFKA": "events"})
+
+
+def test_a_discovered_sink_is_built_by_its_declared_factory(
+    kafka_example: str, bus: EventBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its library installed, the module is imported and its SINK.build makes the sink."""
+    monkeypatch.setitem(sys.modules, "kafka", types.ModuleType("kafka"))
+    monkeypatch.setattr(registry, "SINKS", registry.discover_sinks())
+    (sink,) = build_sinks(bus, {"OMNITRACE_KAFKA": " events "})
+    assert type(sink).__module__ == kafka_example
+    assert type(sink).__name__ == "KafkaSink"
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
+    """Write a uniquely named package of sink modules on sys.path; return its name."""
+    made: list[str] = []
+
+    def make(**modules: str) -> str:
+        name = f"probe_sinks_{len(made)}_{tmp_path.name}".replace("-", "_")
+        root = tmp_path / name
+        root.mkdir()
+        (root / "__init__.py").write_text("")
+        for module, source in modules.items():
+            (root / f"{module}.py").write_text(textwrap.dedent(source))
+        made.append(name)
+        return name
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+_PROBE = """
+    from omnitrace.sinks.registry import SinkDeclaration
+
+    SINK = SinkDeclaration(name={name!r}, env={env!r}, order=1, build=print, description="p")
+"""
+
+
+def test_only_modules_assigning_sink_at_top_level_are_entries(
+    package: Callable[..., str],
+) -> None:
+    """A SINK in a docstring, a function or under another name declares nothing."""
+    name = package(
+        probe=_PROBE.format(name="probe", env="PROBE_ENV"),
+        quoted='"""\nSINK = SinkDeclaration(name="no")\n"""\nraise ImportError("imported")\n',
+        nested="def f():\n    SINK = 1\nSINKS = ()\n",
+    )
+    (spec,) = registry.discover_sinks(name)
+    assert (spec.name, spec.env, spec.module, spec.switch) == (
+        "probe",
+        "PROBE_ENV",
+        f"{name}.probe",
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        (
+            "ENV = 'X'\nSINK = SinkDeclaration(name='a', env=ENV, order=1, build=f, "
+            "description='d')\n",
+            "env must be a str literal (the registry reads it without importing the module)",
+        ),
+        ("SINK = make_sink()\n", "write it as SinkDeclaration(name=..., env=..., ...)"),
+        ("SINK = SinkDeclaration(name='a', env='X', build=f, description='d')\n", "missing order"),
+        (
+            "SINK = SinkDeclaration(name='a', env='X', order=1, build=f, description='d', x=1)\n",
+            "unexpected argument x",
+        ),
+    ],
+)
+def test_a_declaration_the_registry_cannot_read_names_its_module_and_line(
+    package: Callable[..., str], source: str, error: str
+) -> None:
+    """A SINK whose fields are not literals is a SinkDeclarationError naming where it is."""
+    name = package(bad=source)
+    pattern = rf"SINK in {name}\.bad \(.*bad\.py:\d+\): {re.escape(error)}"
+    with pytest.raises(SinkDeclarationError, match=pattern):
+        registry.discover_sinks(name)
+
+
+def test_two_modules_declaring_one_variable_is_an_error(package: Callable[..., str]) -> None:
+    """Two sinks cannot share a variable (or a name): the error names both modules."""
+    name = package(
+        a=_PROBE.format(name="a", env="SAME_ENV"), b=_PROBE.format(name="b", env="SAME_ENV")
+    )
+    message = f"{name}.a and {name}.b both declare a sink with env 'SAME_ENV'"
+    with pytest.raises(SinkDeclarationError, match=re.escape(message)):
+        registry.discover_sinks(name)

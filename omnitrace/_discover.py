@@ -1,0 +1,85 @@
+"""Find the modules of a package that declare something, without importing them.
+
+A registry whose entries live in modules it must not all import (a sink's module imports
+its optional library) reads their source instead. A module declares its entry with one
+top-level assignment, ``SINK = ...`` or ``INTEGRATION = ...``; :func:`declarations` returns
+the assigned expression as written, for the registry to read. Only the package is imported,
+and only modules with a line starting with the name are parsed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.machinery
+import pkgutil
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+
+__all__ = ["Declaration", "declarations"]
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One module's top-level assignment of the declared name."""
+
+    module: str
+    """The module's full name."""
+    value: ast.expr
+    """The assigned expression, unevaluated."""
+    where: str
+    """``path:line`` of the assignment, for messages."""
+
+
+def declarations(package: str, name: str) -> list[Declaration]:
+    """Return the modules directly in ``package`` that assign ``name`` at top level.
+
+    Modules are listed with :mod:`pkgutil` from the package's ``__path__`` and read from
+    their source, sorted by module name; the last top-level assignment counts, as it would
+    when the module runs. A module whose source is not installed (bytecode only) is not
+    found.
+    """
+    path = importlib.import_module(package).__path__
+    marker = re.compile(rf"^{re.escape(name)}\b", re.MULTILINE)
+    found = []
+    for info in sorted(pkgutil.iter_modules(path, f"{package}."), key=lambda info: info.name):
+        # PathFinder looks on the package's path only: a module already imported, or blocked
+        # in sys.modules, is found all the same.
+        spec = importlib.machinery.PathFinder.find_spec(info.name, path)
+        if spec is None:
+            continue
+        source = _source(spec)
+        if source is None or not marker.search(source):
+            continue
+        filename = spec.origin or info.name
+        node = _assignment(ast.parse(source, filename=filename), name)
+        if node is not None and node.value is not None:
+            where = f"{filename}:{node.lineno}"
+            found.append(Declaration(module=info.name, value=node.value, where=where))
+    return found
+
+
+def _source(spec: ModuleSpec) -> str | None:
+    # A loader that can show source has get_source (importlib.abc, whose types say so, costs
+    # more to import than the whole search).
+    get_source = getattr(spec.loader, "get_source", None)
+    source = get_source(spec.name) if callable(get_source) else None
+    return source if isinstance(source, str) else None
+
+
+def _assignment(tree: ast.Module, name: str) -> ast.Assign | ast.AnnAssign | None:
+    last: ast.Assign | ast.AnnAssign | None = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+            last = node
+    return last
