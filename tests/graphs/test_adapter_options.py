@@ -190,6 +190,19 @@ def _on_prepare_thread() -> bool:
     return threading.current_thread().name.startswith("omnitrace-prepare-")
 
 
+def _background(
+    forward: Any, bus: EventBus, backend: SimulatedGraphBackend | None = None, **options: Any
+) -> EncoderCudaGraph:
+    """An adapter with background capture on the simulated backend."""
+    return EncoderCudaGraph(
+        forward,
+        name="v",
+        config=CFG.replace(background_capture=True, **options),
+        bus=bus,
+        backend=backend if backend is not None else SimulatedGraphBackend(),
+    )
+
+
 def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
     bus: EventBus,
 ) -> None:
@@ -204,13 +217,7 @@ def test_background_capture_serves_calls_eagerly_until_the_graph_is_ready(
             time.sleep(0.3)
         return encoder(x)
 
-    graph = EncoderCudaGraph(
-        slow_to_prepare,
-        name="v",
-        config=CFG.replace(background_capture=True),
-        bus=bus,
-        backend=backend,
-    )
+    graph = _background(slow_to_prepare, bus, backend)
     x = torch.randn(1, 4, 3)
     expected = encoder(x)
     main = threading.current_thread().name
@@ -277,13 +284,7 @@ def test_background_capture_takes_its_slot_at_admission(bus: EventBus) -> None:
 def test_concurrent_calls_during_background_capture_are_all_correct(bus: EventBus) -> None:
     """Eight threads calling two shapes while graphs are prepared all get eager's result."""
     backend = SimulatedGraphBackend(capture_delay=0.05)
-    graph = EncoderCudaGraph(
-        encoder,
-        name="v",
-        config=CFG.replace(background_capture=True),
-        bus=bus,
-        backend=backend,
-    )
+    graph = _background(encoder, bus, backend)
     inputs = [torch.randn(1, n, 3) for n in (4, 6)]
     wrong: list[int] = []
 
@@ -316,13 +317,7 @@ def test_a_failed_background_preparation_makes_the_adapter_terminal(bus: EventBu
             raise RuntimeError("capture broke")
         return encoder(x)
 
-    graph = EncoderCudaGraph(
-        breaks_when_prepared,
-        name="v",
-        config=CFG.replace(background_capture=True),
-        bus=bus,
-        backend=backend,
-    )
+    graph = _background(breaks_when_prepared, bus, backend)
     x = torch.randn(1, 4, 3)
     with capture_events(bus) as events:
         graph(x)
@@ -343,9 +338,7 @@ def test_a_prepared_keys_failed_capture_raises_to_its_caller_then_is_terminal(
 ) -> None:
     """The capture runs on the calling thread: that call sees the original error."""
     backend = SimulatedGraphBackend(fail_on_capture=RuntimeError("capture broke"))
-    graph = EncoderCudaGraph(
-        encoder, name="v", config=CFG.replace(background_capture=True), bus=bus, backend=backend
-    )
+    graph = _background(encoder, bus, backend)
     x = torch.randn(1, 4, 3)
     with capture_events(bus) as events:
         graph(x)
@@ -366,9 +359,7 @@ def test_a_prepared_key_runs_eagerly_while_another_capture_holds_the_lock(
     from omnitrace.graphs.backends.base import CAPTURE_LOCK
 
     backend = SimulatedGraphBackend()
-    graph = EncoderCudaGraph(
-        encoder, name="v", config=CFG.replace(background_capture=True), bus=bus, backend=backend
-    )
+    graph = _background(encoder, bus, backend)
     x = torch.randn(1, 4, 3)
     graph(x)
     graph(x)
@@ -411,13 +402,7 @@ def test_background_preparation_runs_in_the_admitting_calls_autograd_mode(
         modes.append((_on_prepare_thread(), torch.is_inference_mode_enabled()))
         return encoder(x)
 
-    graph = EncoderCudaGraph(
-        noting,
-        name="v",
-        config=CFG.replace(background_capture=True),
-        bus=bus,
-        backend=SimulatedGraphBackend(),
-    )
+    graph = _background(noting, bus)
     x = torch.randn(1, 4, 3)
     with torch.inference_mode():
         graph(x)
