@@ -503,3 +503,29 @@ def test_background_compiled_capture_warns_about_other_compiled_callers(
     assert len(warned) == 1
     assert "'v' compiles on its preparation thread" in warned[0]
     assert "FX tracing flag is process-wide" in warned[0]
+
+
+def test_a_compiling_preparation_first_lets_fresh_ready_keys_be_captured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compile holds the capture lock for long: before starting one, a preparation thread
+    waits (a bounded while) for another adapter's freshly ready key to be captured."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # compiling is not the point
+    config = CFG.replace(background_capture=True, compile=True)
+    a = EncoderCudaGraph(encoder, name="a", config=config, backend=SimulatedGraphBackend())
+    b = EncoderCudaGraph(encoder, name="b", config=config, backend=SimulatedGraphBackend())
+    x = torch.randn(1, 4, 3)
+    a(x)
+    a(x)
+    assert a.wait_prepared(10)
+    assert a.ready == 1
+    b(x)
+    b(x)  # admitted: its preparation waits for a's ready key
+    time.sleep(0.2)
+    assert (b.preparing, b.ready) == (1, 0)
+    a(x)  # a's key is captured; b's preparation may go on
+    assert a.num_graphs == 1
+    assert b.wait_prepared(10)
+    assert b.ready == 1
+    assert a.close(5)
+    assert b.close(5)
