@@ -3,6 +3,8 @@
 The latency benchmark compares whole calls; this splits one hit of the torch backend into its
 steps and times each alone (host time per call, no device synchronisation inside the timed
 loop, the device drained between loops), beside the bare copy-replay-clone it is held to.
+The ``idle device:`` rows time single calls each started on an idle device, as the latency
+benchmark does, arms taking turns call by call.
 
 Usage (GPU): python3 -m benchmarks.hitpath_profile [--json PATH]
 """
@@ -37,6 +39,23 @@ def _time(fn: Callable[[], Any], *, calls: int = 200, rounds: int = 15) -> float
         samples.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def _time_idle(arms: dict[str, Callable[[], Any]], *, calls: int = 400) -> dict[str, float]:
+    """Median host time per call, in microseconds, each call started on an idle device.
+
+    As the latency benchmark times a call: synchronise, then time one call. Arms take turns
+    call by call, so drift of the machine reaches them all alike.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(calls):
+        for name, fn in arms.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> int:
@@ -88,6 +107,33 @@ def main() -> int:
         )
         event = replayed("a", signature, 1, 2, 0.1, Phase.SERVING)
         results["bus.emit(event)"] = _time(lambda: bus.emit(event), calls=2000)
+
+        def checks() -> Any:
+            # The hit path's steps before the replay: key, lookup, process state.
+            found = call_key(inputs)
+            assert found is not None
+            adapter._graphs.get((found[0], backend.stream_id(found[0]), found[1]))
+            return state_detail(device, backend)
+
+        idle = _time_idle(
+            {
+                "bare copy-replay-clone": lambda: bare(mel),
+                "graph.replay(inputs) (copy-in, replay, clone)": lambda: entry.graph.replay(inputs),
+                "adapter call, no bus": lambda: adapter(mel),
+                "adapter call, bus (stats + coverage folds)": lambda: with_bus(mel),
+                "key, lookup and state checks": checks,
+                "call_key(inputs)": lambda: call_key(inputs),
+                "backend.stream_id(device)": lambda: backend.stream_id(device),
+                "state_detail(device, backend)": lambda: state_detail(device, backend),
+                "torch.cuda.is_current_stream_capturing()": (
+                    torch.cuda.is_current_stream_capturing
+                ),
+                "torch.is_grad_enabled()": torch.is_grad_enabled,
+                "replayed(...) event": lambda: replayed("a", signature, 1, 2, 0.1, Phase.SERVING),
+            }
+        )
+        for name, value in idle.items():
+            results[f"idle device: {name}"] = value
         bus.close()
     width = max(map(len, results))
     for name, value in results.items():
