@@ -139,8 +139,8 @@ def _recompile_limit() -> int | None:
     return None
 
 
-# Adapters that started a thread of their own (background capture, device timing): closed
-# at exit within a bound, so no capture thread is still inside a forward when the
+# Adapters that started a thread of their own (background preparation, device timing):
+# closed at exit within a bound, so no preparation thread is still inside a forward when the
 # interpreter tears down.
 _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0

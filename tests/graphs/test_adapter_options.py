@@ -321,7 +321,7 @@ def test_a_failed_background_preparation_makes_the_adapter_terminal(bus: EventBu
     x = torch.randn(1, 4, 3)
     with capture_events(bus) as events:
         graph(x)
-        graph(x)  # admitted; the capture thread fails
+        graph(x)  # admitted; the preparation thread fails
         deadline = time.monotonic() + 10
         while not graph.terminal and time.monotonic() < deadline:
             time.sleep(0.01)
