@@ -74,7 +74,6 @@ logger = logging.getLogger(__name__)
 
 _INELIGIBLE = MissReason.INELIGIBLE
 _WARMUP = MissReason.WARMUP
-_NOT_READY = object()
 
 # A compiling preparation holds the capture lock, so a prepared key's call meanwhile runs
 # eagerly. Before it starts compiling, a preparation thread waits up to this long while any
@@ -598,6 +597,7 @@ class EncoderCudaGraph:
         signature = signature_of(inputs, stream)
         if key in self._preparing:
             return None, (_WARMUP, "preparing", signature)
+        due = _Due(key, inputs, device, stream, signature)
         if key in self._ready:
             # Prepared in the background: captured here, on this call's thread, but never
             # waiting for another capture or a compiling preparation; while one holds the
@@ -606,8 +606,7 @@ class EncoderCudaGraph:
                 self._wanted.add(key)
                 return None, (_WARMUP, "preparing", signature)
             try:
-                due = _Due(key, inputs, device, stream, signature)
-                return self._capture(due, self._ready[key][0]), None
+                return self._capture(due), None
             finally:
                 self._wanted.discard(key)
                 CAPTURE_LOCK.release()
@@ -633,7 +632,6 @@ class EncoderCudaGraph:
                 )
             )
             return None, (MissReason.MEMORY, "floor", signature)
-        due = _Due(key, inputs, device, stream, signature)
         if self.config.background_capture and not self._closed:
             self._submit(due)
             return None, (_WARMUP, "preparing", signature)
@@ -728,8 +726,10 @@ class EncoderCudaGraph:
             )
         )
 
-    def _capture(self, due: _Due, layout: OutputLayout | None = None) -> Any:
+    def _capture(self, due: _Due) -> Any:
         key, inputs, device, stream, signature = due
+        # A key prepared in the background took its slot at admission and was warmed up.
+        ready = self._ready.pop(key, None)
         slot = self._pools.slot_for(device, stream)
         start = (_mono(), _epoch(), _perf())
         try:
@@ -742,16 +742,16 @@ class EncoderCudaGraph:
                 capture_error_mode=self._error_mode,
                 # A prepared key: the device was settled by the preparation, and a call
                 # must not stall on a device-wide sync.
-                quiet=layout is not None or key in self._ready,
-                layout=layout,
+                quiet=ready is not None,
+                layout=None if ready is None else ready[0],
             )
             with CAPTURE_LOCK, self._compile_guard():
                 graph = self.backend.capture(request)
         except BaseException as exc:
             self._fail(exc, signature, device, stream)
             raise
-        if self._ready.pop(key, _NOT_READY) is _NOT_READY:
-            self._admission.captured(key)  # a prepared key took its slot at admission
+        if ready is None:
+            self._admission.captured(key)
         self._install(key, graph, signature, slot, device, stream, start)
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
