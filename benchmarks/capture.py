@@ -699,31 +699,38 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def _mode_change(
+    rows: list[dict[str, Any]],
+    mode: str,
+    versus: str,
+    read: Callable[[dict[str, Any]], float | None],
+) -> float | None:
+    """Return ``read(row)`` of ``mode`` against ``versus``'s in percent, if both modes ran
+    without errors and ``read`` has a figure for each."""
+    by = {r["mode"]: r for r in rows}
+
+    def value(name: str) -> float | None:
+        row = by.get(name)
+        return None if row is None or row["errors"] else read(row)
+
+    mine, theirs = value(mode), value(versus)
+    return mine / theirs * 100 - 100 if mine is not None and theirs else None
+
+
+def _cold_p99(row: dict[str, Any]) -> float | None:
+    lat = (row.get("cold") or {}).get("latency_us")
+    return None if lat is None else float(lat["p99"])
+
+
+def _median_capture_s(row: dict[str, Any]) -> float | None:
+    """Median ``GraphCaptured`` duration: the time a capturing call spent capturing."""
+    seconds = sorted(row.get("capture_seconds") or [])
+    return float(_quantile(seconds, 0.5)) if seconds else None
+
+
 def _cold_p99_change(rows: list[dict[str, Any]], mode: str, versus: str) -> float | None:
     """Return the cold-pass p99 of ``mode`` against ``versus``'s in percent, if both ran."""
-    by = {r["mode"]: r for r in rows}
-
-    def p99(name: str) -> float | None:
-        lat = (by.get(name, {}).get("cold") or {}).get("latency_us")
-        return None if lat is None or by[name]["errors"] else float(lat["p99"])
-
-    mine, theirs = p99(mode), p99(versus)
-    return mine / theirs * 100 - 100 if mine is not None and theirs else None
-
-
-def _capture_time_change(rows: list[dict[str, Any]], mode: str, versus: str) -> float | None:
-    """Return the median capture time of ``mode`` against ``versus``'s in percent, if both
-    captured (``GraphCaptured`` durations: the time the capturing call spent capturing)."""
-    by = {r["mode"]: r for r in rows}
-
-    def median(name: str) -> float | None:
-        seconds = sorted(by.get(name, {}).get("capture_seconds") or [])
-        if not seconds or by[name]["errors"]:
-            return None
-        return float(_quantile(seconds, 0.5))
-
-    mine, theirs = median(mode), median(versus)
-    return mine / theirs * 100 - 100 if mine is not None and theirs else None
+    return _mode_change(rows, mode, versus, _cold_p99)
 
 
 def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -759,7 +766,7 @@ def _targets(rows: list[dict[str, Any]], cotenant: dict[str, Any]) -> list[dict[
 
     passes = [r[p] for r in rows for p in ("cold", "warm") if p in r]
     complete = len(rows) == len(MODES)
-    waited = _capture_time_change(rows, "background", "sync")
+    waited = _mode_change(rows, "background", "sync", _median_capture_s)
     return [
         cut("background", "background capture"),
         cut("background_compiled", "background compiled capture"),
