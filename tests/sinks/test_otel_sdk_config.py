@@ -98,6 +98,34 @@ def test_resource_attributes_variable_overrides_defaults_not_arguments(
     assert resource["team"] == "graphs"  # the argument beats the variable
 
 
+def _serve_vision(bus: EventBus, calls: int) -> None:
+    """Make ``calls`` calls of one shape on a simulated vision adapter, then flush the bus."""
+    graph = EncoderCudaGraph(
+        torch.tanh,
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=0),
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    with torch.no_grad():
+        for _ in range(calls):
+            graph(torch.ones(2))
+    assert bus.flush(5.0)
+
+
+def _record_setups(monkeypatch: pytest.MonkeyPatch) -> list[OTelSetup]:
+    """Wrap ``otel_sdk.configure_sdk`` so every setup it makes is listed."""
+    created: list[OTelSetup] = []
+    real = otel_sdk.configure_sdk
+
+    def recording(**kwargs: Any) -> OTelSetup:
+        created.append(real(**kwargs))
+        return created[-1]
+
+    monkeypatch.setattr(otel_sdk, "configure_sdk", recording)
+    return created
+
+
 def _hits_metric_arrives_within(receiver: OTLPReceiver, seconds: float, **kwargs: Any) -> bool:
     setup = configure_sdk(endpoint=receiver.endpoint, **kwargs)
     bus = EventBus()
@@ -160,30 +188,13 @@ def test_vllm_plugin_takes_its_service_name_from_otel_service_name(
 ) -> None:
     """The plugin's OTLP sink exports with OTEL_SERVICE_NAME from the worker's environment."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
-    created: list[OTelSetup] = []
-    real = otel_sdk.configure_sdk
-
-    def recording(**kwargs: Any) -> OTelSetup:
-        created.append(real(**kwargs))
-        return created[-1]
-
-    monkeypatch.setattr(otel_sdk, "configure_sdk", recording)
+    created = _record_setups(monkeypatch)
     bus = EventBus()
     try:
         environ = {"OMNITRACE_OTLP": "1", "OTEL_SERVICE_NAME": "minicpmo-worker"}
         for sink in vllm_plugin._build_sinks(bus, environ):
             bus.add_sink(sink)
-        graph = EncoderCudaGraph(
-            torch.tanh,
-            name="vision",
-            config=EncoderGraphConfig(min_free_bytes=0),
-            bus=bus,
-            backend=SimulatedGraphBackend(),
-        )
-        with torch.no_grad():
-            for _ in range(3):
-                graph(torch.ones(2))
-        assert bus.flush(5.0)
+        _serve_vision(bus, 3)
         (setup,) = created
         assert setup.force_flush()
         assert receiver.wait_for(lambda r: r.spans())
@@ -262,17 +273,7 @@ def test_sdk_sink_exports_the_bus_through_the_sdk_it_wired(receiver: OTLPReceive
         assert isinstance(sink, OTelSink)
         assert isinstance(setup, OTelSetup)
         bus.add_sink(sink)
-        graph = EncoderCudaGraph(
-            torch.tanh,
-            name="vision",
-            config=EncoderGraphConfig(min_free_bytes=0),
-            bus=bus,
-            backend=SimulatedGraphBackend(),
-        )
-        with torch.no_grad():
-            for _ in range(2):
-                graph(torch.ones(2))
-        assert bus.flush(5.0)
+        _serve_vision(bus, 2)
         assert setup.force_flush()
         assert receiver.wait_for(lambda r: r.spans())
         resource = attributes(receiver.resource_spans()[0].resource.attributes)
@@ -288,17 +289,11 @@ def test_sdk_sink_stops_the_sdk_when_the_sink_cannot_be_made(
     """If OTelSink raises, the scrape endpoint configure_sdk started is closed again."""
     from prometheus_client import CollectorRegistry
 
-    created: list[OTelSetup] = []
-    real = otel_sdk.configure_sdk
-
-    def recording(**kwargs: Any) -> OTelSetup:
-        created.append(real(**kwargs))
-        return created[-1]
+    created = _record_setups(monkeypatch)
 
     def broken(*args: Any, **kwargs: Any) -> OTelSink:
         raise RuntimeError("no sink today")
 
-    monkeypatch.setattr(otel_sdk, "configure_sdk", recording)
     monkeypatch.setattr(otel_sdk, "OTelSink", broken)
     bus = EventBus()
     try:
