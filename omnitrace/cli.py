@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import heapq
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
@@ -31,10 +32,14 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from omnitrace.eventlog import EventRecord
+    from omnitrace.events import Event
 
 __all__ = ["main", "stats_table"]
 
 PROG = "omnitrace"
+
+#: Seconds between two reads of a followed log (``top --follow``, ``replay --follow``).
+FOLLOW_POLL_S = 0.1
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -298,12 +303,15 @@ def _build_parser() -> argparse.ArgumentParser:
     replay = _log_command(
         commands,
         "replay",
-        help="replay recorded event logs into the live view or into OTLP",
+        help="replay event logs into the live view, OTLP or Prometheus (--follow: live)",
         description=(
             "Feed the events of recorded JSONL logs (several workers' logs are merged in "
             "time order) through a fresh bus, into the live view (--tui) and/or OTLP "
-            "(--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT). When exporting, a failed "
-            "export makes the exit status 1."
+            "(--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT). With --follow, keep relaying "
+            "what the serving processes append, until q, Ctrl-C or SIGTERM: the exporter "
+            "then runs beside the server instead of inside it, and can also serve "
+            "Prometheus (--prometheus-port). A failed export, or an event that did not "
+            "reach a sink, makes the exit status 1."
         ),
     )
     replay.add_argument(
@@ -322,6 +330,32 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument(
         "--json", action="store_true", help="print the replayed stats as JSON instead of a table"
+    )
+    replay.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep relaying the logs as their writers append to them",
+    )
+    replay.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
+    )
+    replay.add_argument(
+        "--prometheus-port",
+        type=_int_range(0, 65535, "a port"),
+        default=None,
+        metavar="PORT",
+        help="with --follow: serve /metrics for Prometheus on this port (0: a free one)",
+    )
+    replay.add_argument(
+        "--prometheus-host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address the /metrics endpoint binds",
     )
     advise = _log_command(
         commands,
@@ -528,7 +562,7 @@ def _read_logs(command: str, paths: Sequence[Path]) -> list[list[EventRecord]] |
     return logs
 
 
-def _merged(logs: Sequence[Sequence[EventRecord]]) -> Iterable[EventRecord]:
+def _merged(logs: Sequence[Sequence[EventRecord]]) -> list[EventRecord]:
     """Merge several logs in time order (adapter facts first), each log's order kept."""
     from omnitrace.eventlog import AdapterInfo
 
@@ -720,7 +754,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
             while deadline is None or time.monotonic() < deadline:
                 for follower in followers:
                     board.add(follower.poll())
-                if "q" in wait(0.1).lower():
+                if "q" in wait(FOLLOW_POLL_S).lower():
                     break
             for follower in followers:
                 board.add(follower.poll())
@@ -740,16 +774,23 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    if args.follow:
+        if args.speed is not None:
+            return _error("replay", "--speed paces a recorded log; --follow relays as written")
+        for path in args.paths:
+            if path.is_dir():
+                return _error("replay", f"{path}: is a directory, not an event log")
+            if not path.exists():
+                _say(f"waiting for {path} to appear")
+        return _replay(args, None)
+    if args.prometheus_port is not None or args.duration is not None:
+        option = "--prometheus-port" if args.prometheus_port is not None else "--duration"
+        return _error("replay", f"{option} needs --follow (a recorded log replays at once)")
     logs = _read_logs("replay", args.paths)
     if isinstance(logs, int):
         return logs
-    from omnitrace.bus import EventBus
-    from omnitrace.eventlog import AdapterInfo, log_gap
-    from omnitrace.sinks.live import BusBoard, LiveView
-    from omnitrace.sinks.registry import build_sinks
+    from omnitrace.eventlog import log_gap
 
-    records = _merged(logs)
-    sources = {record.source for log in logs for record in log}
     for path in args.paths:
         gap = log_gap(path)
         if gap is not None:
@@ -758,11 +799,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 f"are not in the log ({gap.events_deleted} deleted by rotation); the replayed "
                 "stats do not include them"
             )
+    return _replay(args, _merged(logs))
 
-    def adapter_name(adapter: str, source: tuple[int, int]) -> str:
-        # Several workers' logs merged: keep their adapters apart in one bus.
-        return adapter if len(sources) == 1 else f"{adapter}@rank{source[0]}.pid{source[1]}"
 
+def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> int:
+    """Feed recorded ``records`` (None: follow ``args.paths``) through a bus with sinks."""
+    from omnitrace.bus import EventBus
+    from omnitrace.eventlog import EventLogError
+    from omnitrace.relay import LogRelay, feed
+    from omnitrace.sinks.live import BusBoard, LiveView
+    from omnitrace.sinks.registry import build_sinks
+
+    follow = records is None
     endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     console = _stdout_console()
     speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
@@ -773,40 +821,57 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     setup: Any = None
     replayed = 0
     exported = True
-    with _export_reported_by_the_cli():
+    drained = True
+    # A recorded replay reports a failed export once, at the end; a follow runs for long,
+    # so the SDK wiring's outage warnings are printed as they happen.
+    quiet = contextlib.nullcontext() if follow else _export_reported_by_the_cli()
+    with quiet:
         try:
-            if endpoint is not None:
+            prometheus = args.prometheus_port is not None
+            if endpoint is not None or prometheus:
                 from omnitrace.sinks.otel_sdk import sdk_sink
 
                 sink, setup = sdk_sink(
-                    bus, default_service_name="omnitrace-replay", endpoint=endpoint
+                    bus,
+                    default_service_name="omnitrace-replay",
+                    endpoint=endpoint,
+                    otlp=endpoint is not None,
+                    prometheus=prometheus,
+                    prometheus_port=args.prometheus_port,
+                    prometheus_host=args.prometheus_host,
                 )
                 bus.add_sink(sink)
-                _say(f"replaying into OTLP at {endpoint}")
+                if endpoint is not None:
+                    _say(f"{'relaying' if follow else 'replaying'} into OTLP at {endpoint}")
+                if setup.prometheus_port is not None:
+                    _say(
+                        f"serving Prometheus metrics at "
+                        f"http://{args.prometheus_host}:{setup.prometheus_port}/metrics"
+                    )
             # Sinks the environment asks for, as in the vLLM plugin; never the event log
             # (it could be the log being replayed) nor a second OpenTelemetry export.
-            for extra in build_sinks(bus, os.environ, exclude=("jsonl", "otlp")):
+            extras = build_sinks(bus, os.environ, exclude=("jsonl", "otlp"))
+            for extra in extras:
                 bus.add_sink(extra)
-            board = BusBoard(bus, title=f"omnitrace replay · {names}")
+            if follow and setup is None and not extras and not args.tui:
+                return _error(
+                    "replay",
+                    "--follow has nowhere to send the events: give --otlp-endpoint (or set "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT), --prometheus-port or --tui",
+                )
+            title = f"omnitrace replay · {'following ' if follow else ''}{names}"
+            board = BusBoard(bus, title=title)
             view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
-            previous_ns: int | None = None
             with view:
-                for record in records:
-                    item = record.item
-                    if isinstance(item, AdapterInfo):
-                        bus.register_adapter(adapter_name(item.adapter, record.source), item.info)
-                        continue
-                    if speed and previous_ns is not None:
-                        # Recorded gaps, sped up, and capped so an idle hour does not stall.
-                        time.sleep(min(max(item.epoch_ns - previous_ns, 0) / 1e9 / speed, 2.0))
-                    previous_ns = item.epoch_ns
-                    if len(sources) > 1:
-                        item = dataclasses.replace(
-                            item, adapter=adapter_name(item.adapter, record.source)
-                        )
-                    bus.emit(item)
-                    replayed += 1
-                bus.flush()
+                if records is None:
+                    relay = LogRelay(bus, args.paths)
+                    try:
+                        _follow(relay, args.duration, keys=args.tui)
+                    finally:
+                        drained = relay.finish()
+                        replayed = relay.events
+                else:
+                    replayed = feed(bus, records, pace=_pacer(speed))
             encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
             caps = {
                 name: info["max_graphs"]
@@ -816,13 +881,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             _say("interrupted")
             return 130
+        except EventLogError as exc:
+            return _error("replay", str(exc))
         finally:
             bus.close()
+            dropped = bus.statistics().dropped
             if setup is not None:
                 exported = setup.shutdown()
     if not exported:
         # Exporting was what this run was for: a failed export fails the command.
         return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
+    if dropped or not drained:
+        return _error(
+            "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
+        )
     if args.json:
         _print_json(
             {
@@ -844,6 +916,44 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _pacer(speed: float) -> Callable[[Event], None] | None:
+    """Return a hook that sleeps the recorded gaps, sped up ``speed`` times (0: no pacing)."""
+    if not speed:
+        return None
+    previous: list[int] = []
+
+    def pace(event: Event) -> None:
+        if previous:
+            # Recorded gaps, sped up, and capped so an idle hour does not stall.
+            time.sleep(min(max(event.epoch_ns - previous[0], 0) / 1e9 / speed, 2.0))
+            previous[0] = event.epoch_ns
+        else:
+            previous.append(event.epoch_ns)
+
+    return pace
+
+
+def _follow(relay: Any, duration: float | None, *, keys: bool) -> None:
+    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C or SIGTERM."""
+    deadline = None if duration is None else time.monotonic() + duration
+    stop = threading.Event()
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        # A sidecar is stopped with SIGTERM: end the follow as Ctrl-C does, then flush.
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with _keys() if keys else contextlib.nullcontext(_keys_off) as wait:
+            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                relay.poll()
+                if "q" in wait(FOLLOW_POLL_S).lower():
+                    break
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is one way a follow ends.
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 # -- advise ---------------------------------------------------------------------------------

@@ -382,6 +382,171 @@ def test_replay_into_otlp_posts_the_recorded_captures(
     assert {"/v1/traces", "/v1/metrics"} <= set(collector.paths)
 
 
+# -- replay --follow: the exporter beside the server ---------------------------------------
+
+
+def _write_slowly(path: Path, log: Path, delay: float = 0.3) -> None:
+    """Append the lines of ``log`` to ``path`` as its writer did: in batches, over time."""
+    time.sleep(delay)
+    lines = log.read_bytes().splitlines(keepends=True)
+    with path.open("ab") as out:
+        for start in range(0, len(lines), 25):
+            out.write(b"".join(lines[start : start + 25]))
+            out.flush()
+            time.sleep(0.01)
+
+
+def _hits(receiver: OTLPReceiver) -> dict[str, int]:
+    """The latest cumulative graph-hit counts the receiver got, by encoder."""
+    metric = receiver.latest_metric("omnitrace.encoder.graph.hits")
+    if metric is None:
+        return {}
+    return {
+        attributes(point.attributes)["omnitrace.encoder"]: point.as_int
+        for point in metric.sum.data_points
+    }
+
+
+def test_replay_follow_relays_what_a_writer_appends_into_otlp(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A follow started before the log exists exports every appended event, then exits 0."""
+    summary, log = recorded
+    events = list(read_events(log))
+    path = tmp_path / "live.jsonl"
+    writer = threading.Thread(target=_write_slowly, args=(path, log))
+    with OTLPReceiver() as receiver:
+        writer.start()
+        try:
+            follow = ["replay", "--follow", "--duration", "2.5", "--json", str(path)]
+            code = main([*follow, "--otlp-endpoint", receiver.endpoint])
+        finally:
+            writer.join()
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert f"waiting for {path} to appear" in err
+        data = json.loads(out)
+        assert data["events"] == len(events)
+        assert {name: s for name, s in data["encoders"].items()} == {
+            name: {**s, "max_graphs": 4} for name, s in summary["encoders"].items()
+        }
+        # The final export at the end of the follow carries the whole run.
+        captures = sum(s["num_graphs"] for s in summary["encoders"].values())
+        assert len(receiver.spans("omnitrace.graph.capture")) == captures
+        assert _hits(receiver) == {name: s["graph_hits"] for name, s in summary["encoders"].items()}
+
+
+def test_replay_follow_serves_prometheus_while_it_follows(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--prometheus-port serves the relayed counters while the follow runs."""
+    import urllib.request
+
+    summary, log = recorded
+    path = tmp_path / "live.jsonl"
+    _write_slowly(path, log, delay=0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    scraped: list[str] = []
+    hits = summary["encoders"]["vision"]["graph_hits"]
+    line = re.compile(
+        r'^omnitrace_encoder_graph_hits_total\{omnitrace_encoder="vision"[^}]*\} '
+        + re.escape(str(float(hits)))
+        + "$",
+        re.MULTILINE,
+    )
+
+    def scrape() -> None:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = ""
+            if line.search(text):
+                scraped.append(text)
+                return
+            time.sleep(0.1)
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        code = main(
+            ["replay", "--follow", "--duration", "3.5", "--prometheus-port", str(port), str(path)]
+        )
+    finally:
+        scraper.join()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"serving Prometheus metrics at http://127.0.0.1:{port}/metrics" in err
+    assert scraped, f"no scrape of {port} matched {line.pattern!r}"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")
+def test_replay_follow_ends_on_sigterm_with_a_final_export(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """A sidecar told to stop (SIGTERM) exports what it relayed and exits 0."""
+    summary, log = recorded
+    path = tmp_path / "live.jsonl"
+    _write_slowly(path, log, delay=0)
+    with OTLPReceiver() as receiver:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "omnitrace", "replay", "--follow", str(path)),
+                "--otlp-endpoint",
+                receiver.endpoint,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OTEL_METRIC_EXPORT_INTERVAL": "600000"},
+        )
+        try:
+            assert process.stderr is not None
+            assert "relaying into OTLP" in process.stderr.readline()
+            time.sleep(1.5)  # a few polls: the whole log is relayed
+            process.send_signal(signal.SIGTERM)
+            out, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.returncode == 0, err
+        assert f"replayed {len(list(read_events(log)))} events" in out
+        # Metrics are exported only at shutdown here (the interval is ten minutes).
+        assert _hits(receiver) == {name: s["graph_hits"] for name, s in summary["encoders"].items()}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--follow", "--speed", "2"], "--speed paces a recorded log; --follow relays as written"),
+        (["--prometheus-port", "0"], "--prometheus-port needs --follow"),
+        (["--duration", "1"], "--duration needs --follow"),
+        (["--follow"], "--follow has nowhere to send the events"),
+    ],
+)
+def test_replay_follow_usage_errors_are_one_line(
+    options: list[str],
+    message: str,
+    recorded: tuple[dict[str, Any], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, log = recorded
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    for name in ("OMNITRACE_LOGS", "OMNITRACE_EVENTS_LOG", "OMNITRACE_OTLP"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["replay", *options, str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnitrace replay: error: ")
+    assert message in err
+    assert err.count("\n") == 1
+
+
 # -- first-run conveniences ------------------------------------------------------------------
 
 

@@ -183,6 +183,11 @@ class EventBus:
         with self._lock:
             return self._folds.coverage.snapshots()
 
+    @property
+    def queue_size(self) -> int:
+        """Capacity of the pending queue and of each sink's queue."""
+        return self._queue_size
+
     def register_adapter(self, name: str, info: Mapping[str, Any]) -> None:
         """Record static facts about an adapter (its cap, floor ...) for consumers."""
         with self._lock:

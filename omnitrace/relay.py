@@ -1,0 +1,178 @@
+"""Feed event logs into a bus: a recorded log at once, or a log its writer still appends.
+
+This is what lets the OpenTelemetry export run outside the serving process: the server
+writes only the JSONL event log (``OMNITRACE_EVENTS_LOG``), and ``omnitrace replay
+--follow`` relays the log into a bus of its own with the OTel sink attached, so the
+SDK's per-measurement Python runs under another process's GIL. The stats the relayed bus
+folds equal the writer's (they are a fold of the same events).
+
+Nothing is dropped on the way: the relay emits in chunks and waits for the bus's sinks to
+drain between them, so a log of any length fits through a bounded bus queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+from omnitrace.bus import EventBus
+from omnitrace.eventlog import AdapterInfo, EventLogFollower, EventRecord
+from omnitrace.events import Event
+
+__all__ = ["CHUNK", "LogRelay", "feed", "qualified_name"]
+
+#: Events emitted between two waits for the sinks (well below the bus's default queue).
+CHUNK = 1_000
+
+#: Seconds one wait for the sinks may take before the relay goes on (what a sink still
+#: could not take is then counted as dropped by the bus, never lost without a count).
+DRAIN_TIMEOUT_S = 30.0
+
+
+def qualified_name(adapter: str, source: tuple[int, int]) -> str:
+    """Return ``adapter@rankR.pidP``: one writer's adapter among several writers'."""
+    rank, pid = source
+    return f"{adapter}@rank{rank}.pid{pid}"
+
+
+class _Emitter:
+    """Emit records into a bus under their (possibly qualified) adapter names, in chunks."""
+
+    def __init__(
+        self, bus: EventBus, chunk: int, pace: Callable[[Event], None] | None = None
+    ) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk: expected a positive number of events, got {chunk!r}")
+        self.bus = bus
+        # Half the bus's queue at most, so a chunk always fits beside what the pump holds.
+        self.chunk = min(chunk, max(1, bus.queue_size // 2))
+        self.pace = pace
+        self.events = 0
+        self.drained = True
+        self._since_drain = 0
+
+    def emit(self, records: Iterable[EventRecord], name_of: dict[tuple[int, int], bool]) -> int:
+        emitted = 0
+        for record in records:
+            item = record.item
+            qualify = name_of[record.source]
+            if isinstance(item, AdapterInfo):
+                adapter = qualified_name(item.adapter, record.source) if qualify else item.adapter
+                self.bus.register_adapter(adapter, item.info)
+                continue
+            if self.pace is not None:
+                self.pace(item)
+            if qualify:
+                item = dataclasses.replace(
+                    item, adapter=qualified_name(item.adapter, record.source)
+                )
+            self.bus.emit(item)
+            emitted += 1
+            self._since_drain += 1
+            if self._since_drain >= self.chunk:
+                self.drain()
+        self.events += emitted
+        return emitted
+
+    def drain(self) -> None:
+        self._since_drain = 0
+        self.drained &= self.bus.flush(timeout=DRAIN_TIMEOUT_S)
+
+
+def feed(
+    bus: EventBus,
+    records: Sequence[EventRecord],
+    *,
+    pace: Callable[[Event], None] | None = None,
+    chunk: int = CHUNK,
+) -> int:
+    """Emit recorded ``records`` into ``bus`` in their order; return the events emitted.
+
+    With records of more than one writer, every adapter is named after its writer
+    (:func:`qualified_name`), so each worker's stats stay apart. Waits for the sinks after
+    every ``chunk`` events and at the end; ``pace(event)``, if given, runs before each
+    event is emitted (to replay at the recorded pace).
+    """
+    sources = {record.source for record in records}
+    emitter = _Emitter(bus, chunk, pace)
+    emitter.emit(records, dict.fromkeys(sources, len(sources) > 1))
+    emitter.drain()
+    return emitter.events
+
+
+class LogRelay:
+    """Relay event logs that other processes are still writing into a bus, like ``tail -F``.
+
+    ``poll()`` emits the records appended since the last poll and never blocks on a writer
+    (it may wait for the bus's sinks, see the module). The first writer seen keeps its
+    adapter names when one log is followed; any other writer's adapters (and every
+    writer's, when several logs are followed) are named :func:`qualified_name`, so two
+    workers' stats never merge.
+
+    Args:
+        bus: the bus to emit into (its folds and sinks see every relayed event).
+        paths: the logs to follow; a log that does not exist yet is waited for.
+        from_start: relay what the logs already hold first (True), or only what is appended
+            after the relay started.
+        chunk: events between two waits for the sinks.
+    """
+
+    def __init__(
+        self,
+        bus: EventBus,
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        from_start: bool = True,
+        chunk: int = CHUNK,
+    ) -> None:
+        if not paths:
+            raise ValueError("LogRelay needs at least one log to follow")
+        self._followers = [EventLogFollower(path, from_start=from_start) for path in paths]
+        self._emitter = _Emitter(bus, chunk)
+        self._several = len(paths) > 1
+        self._qualify: dict[tuple[int, int], bool] = {}
+
+    @property
+    def events(self) -> int:
+        """Events relayed so far."""
+        return self._emitter.events
+
+    @property
+    def sources(self) -> list[tuple[int, int]]:
+        """``(rank, pid)`` of every writer seen so far, in the order they were seen."""
+        return list(self._qualify)
+
+    @property
+    def drained(self) -> bool:
+        """False once a wait for the sinks timed out (the bus counted what it dropped)."""
+        return self._emitter.drained
+
+    def poll(self) -> int:
+        """Emit what the logs gained since the last poll; return the number of events.
+
+        Raises:
+            EventLogError: a log is not an omnitrace event log (or a newer schema).
+        """
+        emitted = 0
+        for follower in self._followers:
+            records = follower.poll()
+            for record in records:
+                if record.source not in self._qualify:
+                    self._qualify[record.source] = self._several or bool(self._qualify)
+            emitted += self._emitter.emit(records, self._qualify)
+        return emitted
+
+    def finish(self) -> bool:
+        """Relay what is left, wait for the sinks, and close the logs; True if all drained."""
+        try:
+            self.poll()
+            self._emitter.drain()
+        finally:
+            self.close()
+        return self._emitter.drained
+
+    def close(self) -> None:
+        """Close the followed files (idempotent)."""
+        for follower in self._followers:
+            follower.close()
