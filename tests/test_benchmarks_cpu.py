@@ -236,8 +236,17 @@ def test_every_suite_runs_simulated_on_cpu(simulated: tuple[Path, Any]) -> None:
         "jsonl",
         "live",
         "production",
+        "production_relayed",
         "all_sinks",
     ]
+    relayed = obs["arms"]["production_relayed"]
+    assert relayed["sinks_on"] == ["logs", "jsonl", "relay"]
+    # The relay process relayed every event of its arm's log and scraped its /metrics.
+    assert relayed["relay"]["exit_code"] == 0
+    assert relayed["relay"]["relayed_events"] == relayed["emitted"] > 0
+    assert relayed["relay"]["scrapes"] >= 1
+    (check,) = obs["targets"]
+    assert check["value"] is not None
     assert obs["same_counts_in_every_arm"] is True
     assert obs["flushed"] is True
     for arm in obs["arms"].values():
