@@ -831,15 +831,21 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
             if endpoint is not None or prometheus:
                 from omnitrace.sinks.otel_sdk import sdk_sink
 
-                sink, setup = sdk_sink(
-                    bus,
-                    default_service_name="omnitrace-replay",
-                    endpoint=endpoint,
-                    otlp=endpoint is not None,
-                    prometheus=prometheus,
-                    prometheus_port=args.prometheus_port,
-                    prometheus_host=args.prometheus_host,
-                )
+                try:
+                    sink, setup = sdk_sink(
+                        bus,
+                        default_service_name="omnitrace-replay",
+                        endpoint=endpoint,
+                        otlp=endpoint is not None,
+                        prometheus=prometheus,
+                        prometheus_port=args.prometheus_port,
+                        prometheus_host=args.prometheus_host,
+                    )
+                except OSError as exc:  # the scrape port is taken, or the address is bad
+                    where = f"{args.prometheus_host}:{args.prometheus_port}"
+                    return _error("replay", f"cannot serve /metrics on {where}: {exc}", status=1)
+                except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
+                    return _error("replay", str(exc))
                 bus.add_sink(sink)
                 if endpoint is not None:
                     _say(f"{'relaying' if follow else 'replaying'} into OTLP at {endpoint}")

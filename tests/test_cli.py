@@ -520,6 +520,21 @@ def test_replay_follow_ends_on_sigterm_with_a_final_export(
         assert _hits(receiver) == {name: s["graph_hits"] for name, s in summary["encoders"].items()}
 
 
+def test_replay_follow_on_a_taken_port_is_a_one_line_error(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, log = recorded
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["replay", "--follow", "--prometheus-port", str(port), str(log)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"omnitrace replay: error: cannot serve /metrics on 127.0.0.1:{port}: ")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
