@@ -526,12 +526,14 @@ def test_goals_table_lists_every_goal_with_its_checks_and_figures(
         "adapter (torch) vs bare copy-replay-clone, worst shape",
         "compiled adapter vs reduce-overhead, worst audio shape",
         "background capture: cold-pass p99 vs synchronous capture",
-        "throughput loss with the production sinks (OTel, logs, JSONL)",
+        "throughput loss with the production sinks (OTel relayed from the event log by "
+        "another process; logs and JSONL in process)",
+        "throughput loss with OTel, logs and JSONL all in the serving process",
         "hit-path cost of device timing (adapter + device timing - adapter): host time, "
         "worst shape",
     ):
         assert f"| {check} |" in section
-    assert section.count("| reported |") == 6
+    assert section.count("| reported |") == 7
     assert "\nGoals\n" in done.stdout
 
 
