@@ -50,6 +50,7 @@ from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import MissReason, Phase
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.signature import Signature
+from omnitrace.stats import HitRate
 
 __all__ = [
     "Advice",
@@ -399,7 +400,7 @@ def _numel(signature: Signature) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class EncoderOutcome:
+class EncoderOutcome(HitRate):
     """One encoder's calls under one setting (all workers together)."""
 
     adapter: str
@@ -414,13 +415,9 @@ class EncoderOutcome:
     estimated_sizes: int
     """Graphs captured whose size is an estimate."""
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.calls if self.calls else 0.0
-
 
 @dataclass(frozen=True, slots=True)
-class Result:
+class Result(HitRate):
     """What one setting would have done with the recorded traffic."""
 
     setting: Setting
@@ -443,11 +440,6 @@ class Result:
     @property
     def hits(self) -> int:
         return sum(e.hits for e in self.encoders)
-
-    @property
-    def hit_rate(self) -> float:
-        calls = self.calls
-        return self.hits / calls if calls else 0.0
 
     @property
     def graphs(self) -> int:

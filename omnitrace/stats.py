@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from omnitrace import events as ev
 from omnitrace.events import Event, MissReason
@@ -35,6 +35,25 @@ STATS_KEYS: tuple[str, ...] = (
     "capture_failures",
 )
 _MISS_KEYS = {reason.stats_key: reason for reason in MissReason}
+
+
+class _Counted(Protocol):
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def calls(self) -> int: ...
+
+
+class HitRate:
+    """Mixin: ``hit_rate``, the share of ``calls`` that were ``hits`` (0.0 without calls)."""
+
+    __slots__ = ()
+
+    @property
+    def hit_rate(self: _Counted) -> float:
+        calls = self.calls
+        return self.hits / calls if calls else 0.0
 
 
 @dataclass(frozen=True, slots=True)
