@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omnitrace import events as ev
@@ -50,6 +50,7 @@ from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import MissReason, Phase
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.signature import Signature
+from omnitrace.stats import HitRate
 
 __all__ = [
     "Advice",
@@ -93,24 +94,15 @@ class Setting:
 
     def config(self) -> EncoderGraphConfig:
         """Return the config this setting stands for (other fields at their defaults)."""
-        return EncoderGraphConfig(
-            max_graphs=self.max_graphs,
-            min_capture_calls=self.min_capture_calls,
-            min_free_bytes=self.min_free_bytes,
-            skip_profiling=self.skip_profiling,
-        )
+        return EncoderGraphConfig(**asdict(self))
 
     def overrides(self, *, profiling: bool = True) -> dict[str, int | bool]:
         """Return the ``--hf-overrides`` keys of this setting (``skip_profiling`` only when
         ``profiling``, i.e. when the grid varied it)."""
-        keys: dict[str, int | bool] = {
-            _KEYS["max_graphs"]: self.max_graphs,
-            _KEYS["min_capture_calls"]: self.min_capture_calls,
-            _KEYS["min_free_bytes"]: self.min_free_bytes,
-        }
-        if profiling:
-            keys[_KEYS["skip_profiling"]] = self.skip_profiling
-        return keys
+        values = asdict(self)
+        if not profiling:
+            del values["skip_profiling"]
+        return {_KEYS[name]: value for name, value in values.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,16 +304,14 @@ class _Builder:
             free_source = "estimated"
         else:
             free, free_source = {}, "unknown"
-        logged = {adapter: self._logged(adapter) for adapter in keys}
-        simulated = any(bool(info.get("simulated")) for info in self.infos.values())
         return Recording(
             calls=calls,
             costs=costs,
-            logged=logged,
+            logged={adapter: self._logged(adapter) for adapter in keys},
             free_bytes=free,
             free_source=free_source,
             time_source=time_source,
-            simulated=simulated,
+            simulated=any(bool(info.get("simulated")) for info in self.infos.values()),
             profiling=self.profiling or bool(self.skipped_profiling),
         )
 
@@ -399,7 +389,7 @@ def _numel(signature: Signature) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class EncoderOutcome:
+class EncoderOutcome(HitRate):
     """One encoder's calls under one setting (all workers together)."""
 
     adapter: str
@@ -414,13 +404,9 @@ class EncoderOutcome:
     estimated_sizes: int
     """Graphs captured whose size is an estimate."""
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.calls if self.calls else 0.0
-
 
 @dataclass(frozen=True, slots=True)
-class Result:
+class Result(HitRate):
     """What one setting would have done with the recorded traffic."""
 
     setting: Setting
@@ -443,11 +429,6 @@ class Result:
     @property
     def hits(self) -> int:
         return sum(e.hits for e in self.encoders)
-
-    @property
-    def hit_rate(self) -> float:
-        calls = self.calls
-        return self.hits / calls if calls else 0.0
 
     @property
     def graphs(self) -> int:
@@ -756,23 +737,26 @@ def advise(
     if best is not None:
         top = _score(best, objective)
         ties = sum(1 for r in ranked[1:] if fits(r) and _score(r, objective) == top)
-    settings = {s for s in recording.logged.values()}
-    logged = None
-    if len(settings) == 1:
-        (setting,) = settings
-        logged = next((r for r in results if r.setting == setting), None)
-        if logged is None:
-            logged = replay(recording, setting)
     return Advice(
         results=tuple(ranked),
         best=best,
-        logged=logged,
+        logged=_logged_result(recording, results),
         objective=objective,
         recording=recording,
         memory_budget=memory_budget,
         ties=ties,
         notes=_notes(recording),
     )
+
+
+def _logged_result(recording: Recording, results: Sequence[Result]) -> Result | None:
+    """The result of the setting the log ran with, when every encoder ran the same one."""
+    settings = {s for s in recording.logged.values()}
+    if len(settings) != 1:
+        return None
+    (setting,) = settings
+    logged = next((r for r in results if r.setting == setting), None)
+    return replay(recording, setting) if logged is None else logged
 
 
 def _notes(recording: Recording) -> tuple[str, ...]:

@@ -580,6 +580,8 @@ def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str,
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from omnitrace._files import check_regular
     from omnitrace.demo.run import DemoOptions, run_demo
 
@@ -598,25 +600,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
     rate = args.rate if args.rate is not None else (60.0 if tui else None)
+    # These fields are worked out above or named otherwise; each other one is an option's value.
+    given = dict(config=config, duration_s=args.duration, tui=tui, rate=rate, force_cpu=args.cpu)
     options = DemoOptions(
-        config=config,
-        requests=args.requests,
-        duration_s=args.duration,
-        seed=args.seed,
-        hidden=args.hidden,
-        heads=args.heads,
-        vision_layers=args.vision_layers,
-        audio_layers=args.audio_layers,
-        events_log=args.events_log,
-        tui=tui,
-        rate=rate,
-        log_sample_every=args.log_sample_every,
-        sim_free_mib=args.sim_free_mib,
-        sim_graph_mib=args.sim_graph_mib,
-        fail_capture=args.fail_capture,
-        force_cpu=args.cpu,
-        prometheus_port=args.prometheus_port,
-        profiling_runs=args.profiling_runs,
+        **{
+            f.name: given[f.name] if f.name in given else getattr(args, f.name)
+            for f in fields(DemoOptions)
+        }
     )
     # Checked before the run, so a bad path does not cost the run's results.
     if args.json_summary is not None:

@@ -29,7 +29,7 @@ from omnitrace import events as ev
 from omnitrace._validate import check_int
 from omnitrace.events import Event, MissReason, Phase
 from omnitrace.signature import Signature
-from omnitrace.stats import StatsFold
+from omnitrace.stats import HitRate, StatsFold
 
 __all__ = [
     "DEFAULT_COVERAGE_KEYS",
@@ -80,7 +80,7 @@ _NO_TIME = Timing()
 
 
 @dataclass(frozen=True, slots=True)
-class CallCounts:
+class CallCounts(HitRate):
     """Calls of one signature (or bucket, or adapter) in one phase or in all of them.
 
     ``eager`` and ``replay`` are host times from the call events (eager calls a model
@@ -115,11 +115,6 @@ class CallCounts:
     @property
     def calls(self) -> int:
         return self.hits + self.graph_misses
-
-    @property
-    def hit_rate(self) -> float:
-        calls = self.calls
-        return self.hits / calls if calls else 0.0
 
     def eager_time(self, source: str) -> Timing:
         """Return the eager calls' ``"host"`` or ``"device"`` timing."""
@@ -180,15 +175,15 @@ class KeyCoverage:
 
     @property
     def calls(self) -> int:
-        return sum(counts.calls for counts in self.by_phase)
+        return self.total.calls
 
     @property
     def hits(self) -> int:
-        return sum(counts.hits for counts in self.by_phase)
+        return self.total.hits
 
     @property
     def graph_misses(self) -> int:
-        return sum(counts.graph_misses for counts in self.by_phase)
+        return self.total.graph_misses
 
     @property
     def main_reason(self) -> MissReason | None:

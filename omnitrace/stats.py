@@ -8,9 +8,10 @@ exactly.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from omnitrace import events as ev
 from omnitrace.events import Event, MissReason
@@ -37,6 +38,25 @@ STATS_KEYS: tuple[str, ...] = (
 _MISS_KEYS = {reason.stats_key: reason for reason in MissReason}
 
 
+class _Counted(Protocol):
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def calls(self) -> int: ...
+
+
+class HitRate:
+    """Mixin: ``hit_rate``, the share of ``calls`` that were ``hits`` (0.0 without calls)."""
+
+    __slots__ = ()
+
+    @property
+    def hit_rate(self: _Counted) -> float:
+        calls = self.calls
+        return self.hits / calls if calls else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class CapturedGraphInfo:
     """One graph an adapter holds, as its GraphCaptured event described it."""
@@ -51,6 +71,22 @@ class CapturedGraphInfo:
     static_bytes: int
     signature: Signature | None = None
     """The captured signature (None only for infos built by hand)."""
+
+
+#: The fields of a CapturedGraphInfo, read from the GraphCaptured event it describes (whose
+#: ``key`` is its signature's text).
+_graph_info_fields = attrgetter(*(f.name for f in fields(CapturedGraphInfo)))
+#: AdapterStats' keyword-only fields: what pickling passes back and what a fold's tally fills.
+_KEYWORDS = (
+    "misses",
+    "capture_failures",
+    "graphs",
+    "memory_deferrals",
+    "last_free_bytes",
+    "floor_bytes",
+    "failure",
+    "last_epoch_ns",
+)
 
 
 class AdapterStats:
@@ -131,16 +167,9 @@ class AdapterStats:
         return (_rebuild_stats, (self.adapter, self.graph_hits, self._keywords()))
 
     def _keywords(self) -> dict[str, object]:
-        return {
-            "misses": dict(self.misses),
-            "capture_failures": self.capture_failures,
-            "graphs": self.graphs,
-            "memory_deferrals": self.memory_deferrals,
-            "last_free_bytes": self.last_free_bytes,
-            "floor_bytes": self.floor_bytes,
-            "failure": self.failure,
-            "last_epoch_ns": self.last_epoch_ns,
-        }
+        keywords = {name: getattr(self, name) for name in _KEYWORDS}
+        keywords["misses"] = dict(self.misses)  # the read-only view does not pickle
+        return keywords
 
     def __getattr__(self, name: str) -> int:
         # Only reached for names that are not slots: <reason>_misses of any MissReason.
@@ -218,26 +247,16 @@ class _Tally:
     hits: int = 0
     misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
     graphs: list[CapturedGraphInfo] = field(default_factory=list)
-    failures: int = 0
-    deferrals: int = 0
-    last_free: int | None = None
-    floor: int | None = None
+    capture_failures: int = 0
+    memory_deferrals: int = 0
+    last_free_bytes: int | None = None
+    floor_bytes: int | None = None
     failure: str | None = None
     last_epoch_ns: int = 0
 
     def snapshot(self, adapter: str) -> AdapterStats:
-        return AdapterStats(
-            adapter,
-            self.hits,
-            misses=self.misses,
-            capture_failures=self.failures,
-            graphs=tuple(self.graphs),
-            memory_deferrals=self.deferrals,
-            last_free_bytes=self.last_free,
-            floor_bytes=self.floor,
-            failure=self.failure,
-            last_epoch_ns=self.last_epoch_ns,
-        )
+        # AdapterStats copies the misses and makes the graphs a tuple.
+        return AdapterStats(adapter, self.hits, **{name: getattr(self, name) for name in _KEYWORDS})
 
 
 class StatsFold:
@@ -266,25 +285,13 @@ class StatsFold:
             case ev.GraphMissed():
                 tally.misses[event.reason] += 1
             case ev.GraphCaptured():
-                tally.graphs.append(
-                    CapturedGraphInfo(
-                        key=event.signature.text,
-                        epoch_ns=event.epoch_ns,
-                        duration_s=event.duration_s,
-                        pool_id=event.pool_id,
-                        device=event.device,
-                        stream=event.stream,
-                        bytes_reserved=event.bytes_reserved,
-                        static_bytes=event.static_bytes,
-                        signature=event.signature,
-                    )
-                )
+                tally.graphs.append(CapturedGraphInfo(*_graph_info_fields(event)))
             case ev.MemoryDeferred():
-                tally.deferrals += 1
-                tally.last_free = event.free_bytes
-                tally.floor = event.floor_bytes
+                tally.memory_deferrals += 1
+                tally.last_free_bytes = event.free_bytes
+                tally.floor_bytes = event.floor_bytes
             case ev.CaptureFailed():
-                tally.failures += 1
+                tally.capture_failures += 1
                 if tally.failure is None:
                     tally.failure = f"{event.error_type}: {event.message}"
             case ev.DeviceTimed():

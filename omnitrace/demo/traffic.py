@@ -21,9 +21,9 @@ Kind = Literal["vision", "audio", "streaming"]
 #: Patch grids (rows, cols) of slices that recur: a full 448x448 slice, two other aspect
 #: ratios MiniCPM-o's slicing produces, and the 16x16 thumbnail.
 RECURRING_GRIDS: tuple[tuple[int, int], ...] = ((32, 32), (28, 36), (16, 16), (24, 40))
-#: Audio clip lengths in mel frames (100 per second): 1 s chunks, then 3 s and 10 s clips.
-RECURRING_FRAMES: tuple[int, ...] = (100, 300, 1000)
 FRAMES_PER_SECOND = 100
+#: Audio clip lengths in mel frames: 1 s chunks, then 3 s and 10 s clips.
+RECURRING_FRAMES: tuple[int, ...] = tuple(s * FRAMES_PER_SECOND for s in (1, 3, 10))
 
 
 @dataclass(frozen=True, slots=True)

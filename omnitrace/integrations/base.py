@@ -16,12 +16,14 @@ builds on the helpers here:
   instance only (the class, shared with every other instance, stays untouched);
 * :func:`record_ineligible`: count a call the model runs eagerly before reaching its
   adapter, so stats and event logs still cover every encoder call;
+* :func:`warn_unsupported`: say which part of a model runs without graphs, and why;
 * :data:`attach_lock`: held while attaching, so two threads never attach twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ __all__ = [
     "output_tensor",
     "record_ineligible",
     "route_method",
+    "warn_unsupported",
 ]
 
 #: Held while any integration attaches adapters (attaching is rare; one lock is enough).
@@ -215,6 +218,15 @@ def record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> Non
     # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
     # derive_stats() over a recorded log agree on calls that never reached the graph.
     graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
+
+
+def warn_unsupported(logger: logging.Logger, module: object, problem: str, *args: object) -> None:
+    """Warn ``"omnitrace: <module's type name><problem>"``, ``problem`` formatted with ``args``.
+
+    For a module an integration leaves (partly) without graphs because it lacks what the
+    graph path needs; ``problem`` says what and what runs instead.
+    """
+    logger.warning("omnitrace: %s" + problem, type(module).__name__, *args)
 
 
 def output_tensor(result: Any) -> torch.Tensor:

@@ -50,6 +50,7 @@ from omnitrace.integrations.base import (
     output_tensor,
     record_ineligible,
     route_method,
+    warn_unsupported,
 )
 
 if TYPE_CHECKING:
@@ -388,11 +389,13 @@ def _batch_arguments(features: Any, lens_raw: Any) -> bool:
 def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None:
     name = audio_batch_method(model)
     if name is None:
-        logger.warning(
-            "omnitrace: %s has no recognised batch audio method (%s); audio graphs are used "
-            "only through omnitrace.integrations.minicpmo.encode_audio",
-            type(model).__name__,
-            ", ".join(AUDIO_BATCH_METHODS),
+        methods = ", ".join(AUDIO_BATCH_METHODS)
+        warn_unsupported(
+            logger,
+            model,
+            " has no recognised batch audio method (%s); audio graphs are used only through "
+            "omnitrace.integrations.minicpmo.encode_audio",
+            methods,
         )
         return None
     # vLLM's self.<name>(data) finds the instance attribute first; the class is untouched.

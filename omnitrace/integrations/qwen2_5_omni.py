@@ -87,6 +87,7 @@ from omnitrace.integrations.base import (
     output_tensor,
     record_ineligible,
     route_method,
+    warn_unsupported,
 )
 
 if TYPE_CHECKING:
@@ -431,10 +432,11 @@ def _attach_vision(adapters: Adapters, visual: nn.Module) -> EncoderCudaGraph:
 def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | None:
     seam = audio_seam(tower)
     if seam is None:
-        logger.warning(
-            "omnitrace: %s's module lacks the metadata functions its forward accepts "
-            "precomputed (transformers 5); the audio tower runs without graphs",
-            type(tower).__name__,
+        warn_unsupported(
+            logger,
+            tower,
+            "'s module lacks the metadata functions its forward accepts precomputed "
+            "(transformers 5); the audio tower runs without graphs",
         )
         return None
     graph, made = adapters.attach(tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward))

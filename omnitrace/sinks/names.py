@@ -86,135 +86,83 @@ class SPANS:
 # names follow the exporter's translation (a unit in braces is an annotation and adds no
 # suffix, counters gain _total, seconds gain _seconds, bytes _bytes) and a test scrapes a real
 # exporter to hold them to it.
-METRICS: dict[str, MetricName] = {
-    "hits": MetricName(
-        otel="omnitrace.encoder.graph.hits",
-        kind="counter",
-        unit="{call}",
-        description="Encoder calls served by a CUDA graph replay (capturing calls included).",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_hits_total",
+_UNIT_SUFFIXES = {"s": "_seconds", "By": "_bytes"}
+
+_ENCODER = (ATTR.ENCODER,)
+_BY_REASON = (ATTR.ENCODER, ATTR.MISS_REASON)
+_BY_PHASE = (ATTR.ENCODER, ATTR.PHASE)
+_BY_CALL = (ATTR.ENCODER, ATTR.CALL_KIND, ATTR.PHASE)
+
+#: Each metric's OTel name, kind, unit and attributes, by its key in :data:`METRICS`.
+_INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "hits": ("omnitrace.encoder.graph.hits", "counter", "{call}", _ENCODER),
+    "misses": ("omnitrace.encoder.graph.misses", "counter", "{call}", _BY_REASON),
+    "captures": ("omnitrace.encoder.graph.captures", "counter", "{graph}", _ENCODER),
+    "capture_failures": (
+        "omnitrace.encoder.graph.capture_failures",
+        "counter",
+        "{failure}",
+        _ENCODER,
     ),
-    "misses": MetricName(
-        otel="omnitrace.encoder.graph.misses",
-        kind="counter",
-        unit="{call}",
-        description=(
-            "Encoder calls that ran eagerly, by reason "
-            f"({', '.join(reason.value for reason in MissReason)})."
-        ),
-        attributes=(ATTR.ENCODER, ATTR.MISS_REASON),
-        prometheus="omnitrace_encoder_graph_misses_total",
+    "memory_deferrals": (
+        "omnitrace.encoder.graph.memory_deferrals",
+        "counter",
+        "{deferral}",
+        _ENCODER,
     ),
-    "captures": MetricName(
-        otel="omnitrace.encoder.graph.captures",
-        kind="counter",
-        unit="{graph}",
-        description="CUDA graphs captured.",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_captures_total",
-    ),
-    "capture_failures": MetricName(
-        otel="omnitrace.encoder.graph.capture_failures",
-        kind="counter",
-        unit="{failure}",
-        description="CUDA graph captures that failed; the adapter is terminal after one.",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_capture_failures_total",
-    ),
-    "memory_deferrals": MetricName(
-        otel="omnitrace.encoder.graph.memory_deferrals",
-        kind="counter",
-        unit="{deferral}",
-        description="Captures deferred because device-free memory was under the floor.",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_memory_deferrals_total",
-    ),
-    "graphs": MetricName(
-        otel="omnitrace.encoder.graph.graphs",
-        kind="gauge",
-        unit="{graph}",
-        description="CUDA graphs held by the encoder adapter.",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_graphs",
-    ),
-    "max_graphs": MetricName(
-        otel="omnitrace.encoder.graph.max_graphs",
-        kind="gauge",
-        unit="{graph}",
-        description="Graph cap of the encoder adapter (max_graphs).",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_max_graphs",
-    ),
-    "capture_duration": MetricName(
-        otel="omnitrace.encoder.graph.capture.duration",
-        kind="histogram",
-        unit="s",
-        description="Host wall time of warm-up plus capture.",
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_capture_duration_seconds",
-    ),
-    "phase_calls": MetricName(
-        otel="omnitrace.encoder.calls",
-        kind="counter",
-        unit="{call}",
-        description=(
-            "Encoder calls by phase (serving, or profiling during vLLM's start-up profiling "
-            "run); hits plus misses of each encoder."
-        ),
-        attributes=(ATTR.ENCODER, ATTR.PHASE),
-        prometheus="omnitrace_encoder_calls_total",
-    ),
-    "phase_captures": MetricName(
-        otel="omnitrace.encoder.graph.phase_captures",
-        kind="counter",
-        unit="{graph}",
-        description="CUDA graphs captured, by the phase they were captured in.",
-        attributes=(ATTR.ENCODER, ATTR.PHASE),
-        prometheus="omnitrace_encoder_graph_phase_captures_total",
-    ),
-    "pool_memory": MetricName(
-        otel="omnitrace.encoder.graph.pool_memory",
-        kind="gauge",
-        unit="By",
-        description=(
-            "Device memory the encoder's graphs took at capture: allocator growth across "
-            "each capture plus its static input and output buffers."
-        ),
-        attributes=(ATTR.ENCODER,),
-        prometheus="omnitrace_encoder_graph_pool_memory_bytes",
-    ),
-    "call_duration": MetricName(
-        otel="omnitrace.encoder.call.duration",
-        kind="histogram",
-        unit="s",
-        description=(
-            "Host time of encoder calls: replays (copy-in, replay launch, clone-out) and the "
-            "eager runs of misses, by kind and phase."
-        ),
-        attributes=(ATTR.ENCODER, ATTR.CALL_KIND, ATTR.PHASE),
-        prometheus="omnitrace_encoder_call_duration_seconds",
-    ),
-    "call_device_duration": MetricName(
-        otel="omnitrace.encoder.call.device_duration",
-        kind="histogram",
-        unit="s",
-        description=(
-            "Device time of encoder calls (CUDA events, with encoder_cuda_graph_device_timing), "
-            "by kind and phase."
-        ),
-        attributes=(ATTR.ENCODER, ATTR.CALL_KIND, ATTR.PHASE),
-        prometheus="omnitrace_encoder_call_device_duration_seconds",
-    ),
-    "bus_dropped": MetricName(
-        otel="omnitrace.bus.dropped",
-        kind="counter",
-        unit="{event}",
-        description="Events a sink lost because its queue was full or it was disabled.",
-        attributes=(ATTR.SINK,),
-        prometheus="omnitrace_bus_dropped_total",
-    ),
+    "graphs": ("omnitrace.encoder.graph.graphs", "gauge", "{graph}", _ENCODER),
+    "max_graphs": ("omnitrace.encoder.graph.max_graphs", "gauge", "{graph}", _ENCODER),
+    "capture_duration": ("omnitrace.encoder.graph.capture.duration", "histogram", "s", _ENCODER),
+    "phase_calls": ("omnitrace.encoder.calls", "counter", "{call}", _BY_PHASE),
+    "phase_captures": ("omnitrace.encoder.graph.phase_captures", "counter", "{graph}", _BY_PHASE),
+    "pool_memory": ("omnitrace.encoder.graph.pool_memory", "gauge", "By", _ENCODER),
+    "call_duration": ("omnitrace.encoder.call.duration", "histogram", "s", _BY_CALL),
+    "call_device_duration": ("omnitrace.encoder.call.device_duration", "histogram", "s", _BY_CALL),
+    "bus_dropped": ("omnitrace.bus.dropped", "counter", "{event}", (ATTR.SINK,)),
 }
+
+#: Each metric's description, by its key in :data:`METRICS`.
+_DESCRIPTIONS: dict[str, str] = {
+    "hits": "Encoder calls served by a CUDA graph replay (capturing calls included).",
+    "misses": (
+        "Encoder calls that ran eagerly, by reason "
+        f"({', '.join(reason.value for reason in MissReason)})."
+    ),
+    "captures": "CUDA graphs captured.",
+    "capture_failures": "CUDA graph captures that failed; the adapter is terminal after one.",
+    "memory_deferrals": "Captures deferred because device-free memory was under the floor.",
+    "graphs": "CUDA graphs held by the encoder adapter.",
+    "max_graphs": "Graph cap of the encoder adapter (max_graphs).",
+    "capture_duration": "Host wall time of warm-up plus capture.",
+    "phase_calls": (
+        "Encoder calls by phase (serving, or profiling during vLLM's start-up profiling "
+        "run); hits plus misses of each encoder."
+    ),
+    "phase_captures": "CUDA graphs captured, by the phase they were captured in.",
+    "pool_memory": (
+        "Device memory the encoder's graphs took at capture: allocator growth across "
+        "each capture plus its static input and output buffers."
+    ),
+    "call_duration": (
+        "Host time of encoder calls: replays (copy-in, replay launch, clone-out) and the "
+        "eager runs of misses, by kind and phase."
+    ),
+    "call_device_duration": (
+        "Device time of encoder calls (CUDA events, with encoder_cuda_graph_device_timing), "
+        "by kind and phase."
+    ),
+    "bus_dropped": "Events a sink lost because its queue was full or it was disabled.",
+}
+
+
+def _metric(key: str) -> MetricName:
+    otel, kind, unit, attributes = _INSTRUMENTS[key]
+    suffix = _UNIT_SUFFIXES.get(unit, "") + ("_total" if kind == "counter" else "")
+    prometheus = otel.replace(".", "_") + suffix
+    return MetricName(otel, kind, unit, _DESCRIPTIONS[key], attributes, prometheus)
+
+
+METRICS: dict[str, MetricName] = {key: _metric(key) for key in _INSTRUMENTS}
 
 #: structlog ``event`` names, with the level each is logged at.
 LOG_EVENTS: dict[str, str] = {

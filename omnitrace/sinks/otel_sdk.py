@@ -497,21 +497,17 @@ def configure_sdk(
 
     # OTelSetup.shutdown (bounded) replaces the providers' own exit hooks (unbounded).
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    # The batch processor and the periodic reader export under the same deadline.
+    deadline: dict[str, Any] = {"export_timeout_millis": timeout * 1000}
     if span_exporter is not None:
         delay = span_delay if span_delay is not None else min(5.0, interval)
         tracer_provider.add_span_processor(
-            BatchSpanProcessor(
-                span_exporter,
-                schedule_delay_millis=delay * 1000,
-                export_timeout_millis=timeout * 1000,
-            )
+            BatchSpanProcessor(span_exporter, schedule_delay_millis=delay * 1000, **deadline)
         )
     if metric_exporter is not None:
         readers.append(
             PeriodicExportingMetricReader(
-                metric_exporter,
-                export_interval_millis=interval * 1000,
-                export_timeout_millis=timeout * 1000,
+                metric_exporter, export_interval_millis=interval * 1000, **deadline
             )
         )
     if monitor is not None:
