@@ -425,7 +425,7 @@ def run(ctx: Context) -> dict[str, Any]:
     dtype = torch.bfloat16 if on_cuda else torch.float32
     sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
     arm_names = list(ARMS)
-    rounds = len(arm_names) * ctx.pick(10, 2, 1)
+    rounds = len(arm_names) * ctx.pick(20, 2, 1)
     per_round = ctx.pick(48, 48, 12)
     if ctx.simulate:
         geoms = {"vision": VISION_TINY, "audio": AUDIO_TINY}
