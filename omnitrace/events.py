@@ -133,10 +133,13 @@ class GraphCaptured(_Keyed):
     duration_s: float
     """Wall time of warm-up plus capture, on the host."""
     pool_id: int
+    """Memory pool the graph was captured into (shared per encoder, device and stream)."""
     device: str
+    """Device of the graph, ``cuda:0`` (``cpu`` on the simulated backend)."""
     stream: int
     """Replay stream the graph belongs to (the stream current at the call)."""
     capture_stream: int
+    """Side stream the capture ran on."""
     bytes_reserved: int
     """Growth of the device allocator's reserved memory across the capture."""
     static_bytes: int
@@ -160,6 +163,7 @@ class GraphMissed(_Keyed):
     """A call ran the encoder eagerly."""
 
     reason: MissReason
+    """Why no graph served the call."""
     detail: str
     """Finer cause: ``cpu``, ``grad``, ``autocast``, ``capturing``, ``disabled``, ``cap`` ..."""
     duration_s: float | None = None
@@ -173,8 +177,11 @@ class MemoryDeferred(_Keyed):
     """Admission wanted to capture its signature but device-free memory was under the floor."""
 
     free_bytes: int
+    """Device-free memory when admission looked."""
     floor_bytes: int
+    """The floor a capture must leave free (``min_free_bytes``)."""
     device: str
+    """Device whose memory was read."""
     phase: Phase = Phase.SERVING
 
 
@@ -183,12 +190,15 @@ class CaptureFailed(_Keyed):
     """Capturing its signature raised; the adapter is terminal from now on."""
 
     error_type: str
+    """Class name of the exception the capture raised."""
     message: str
     """First line of the exception's message, at most 300 characters (the cut counted as
     ``... [+N chars]``), tensor and array contents replaced with ``...``: it goes to logs,
     spans and event logs, and the exception may carry model values."""
     device: str
+    """Device the capture ran on."""
     stream: int
+    """Replay stream of the failed capture."""
     phase: Phase = Phase.SERVING
 
 

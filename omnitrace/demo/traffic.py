@@ -31,7 +31,9 @@ class Request:
     """One encoder call of the demo."""
 
     kind: Kind
+    """Which encoder the call goes to (vision slices, audio clips, streaming chunks)."""
     batch: int
+    """Slices or clips in the call."""
     length: int
     """Tokens per vision slice, or mel frames of an audio clip."""
     masked: bool = False
