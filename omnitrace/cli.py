@@ -345,6 +345,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
     )
     replay.add_argument(
+        "--until-exit",
+        type=_int_range(1, 2**31 - 1, "a process id"),
+        default=None,
+        metavar="PID",
+        help="with --follow: stop, and export what is left, once process PID has exited",
+    )
+    replay.add_argument(
+        "--until-stdin-closes",
+        action="store_true",
+        help="with --follow: stop, and export what is left, once standard input closes (for "
+        "a parent that runs the follow as its child: its exit closes the pipe)",
+    )
+    replay.add_argument(
         "--prometheus-port",
         type=_int_range(0, 65535, "a port"),
         default=None,
@@ -705,6 +718,16 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
     }
 
 
+def _followable(command: str, paths: Sequence[Path]) -> int | None:
+    """Refuse a directory (return the exit status); say which logs are waited for."""
+    for path in paths:
+        if path.is_dir():
+            return _error(command, f"{path}: is a directory, not an event log")
+        if not path.exists():
+            _say(f"waiting for {path} to appear")
+    return None
+
+
 def _cmd_top(args: argparse.Namespace) -> int:
     from omnitrace.eventlog import EventLogError, EventLogFollower
     from omnitrace.sinks.live import LiveView, RecordBoard, render
@@ -724,11 +747,9 @@ def _cmd_top(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         return _error("top", "--json prints one snapshot; it cannot be combined with --follow")
-    for path in args.paths:
-        if path.is_dir():
-            return _error("top", f"{path}: is a directory, not an event log")
-        if not path.exists():
-            _say(f"waiting for {path} to appear")
+    refused = _followable("top", args.paths)
+    if refused is not None:
+        return refused
 
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
@@ -767,15 +788,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.follow:
         if args.speed is not None:
             return _error("replay", "--speed paces a recorded log; --follow relays as written")
-        for path in args.paths:
-            if path.is_dir():
-                return _error("replay", f"{path}: is a directory, not an event log")
-            if not path.exists():
-                _say(f"waiting for {path} to appear")
-        return _replay(args, None)
-    if args.prometheus_port is not None or args.duration is not None:
-        option = "--prometheus-port" if args.prometheus_port is not None else "--duration"
-        return _error("replay", f"{option} needs --follow (a recorded log replays at once)")
+        refused = _followable("replay", args.paths)
+        return _replay(args, None) if refused is None else refused
+    for option in ("prometheus_port", "duration", "until_exit", "until_stdin_closes"):
+        if getattr(args, option) is not None and getattr(args, option) is not False:
+            flag = "--" + option.replace("_", "-")
+            return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
     logs = _read_logs("replay", args.paths)
     if isinstance(logs, int):
         return logs
@@ -846,7 +864,7 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
                     )
             # Sinks the environment asks for, as in the vLLM plugin; never the event log
             # (it could be the log being replayed) nor a second OpenTelemetry export.
-            extras = build_sinks(bus, os.environ, exclude=("jsonl", "otlp"))
+            extras = build_sinks(bus, os.environ, exclude=("jsonl", "otlp", "otlp-relay"))
             for extra in extras:
                 bus.add_sink(extra)
             if follow and setup is None and not extras and not args.tui:
@@ -862,7 +880,13 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
                 if records is None:
                     relay = LogRelay(bus, args.paths)
                     try:
-                        _follow(relay, args.duration, keys=args.tui)
+                        _follow(
+                            relay,
+                            args.duration,
+                            keys=args.tui,
+                            until_exit=args.until_exit,
+                            stdin_stops=args.until_stdin_closes,
+                        )
                     finally:
                         drained = relay.finish()
                         replayed = relay.events
@@ -914,6 +938,36 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
     return 0
 
 
+def _exited(pid: int, parent: int) -> bool:
+    """Whether process ``pid`` is gone (for our parent: whether we were handed to another)."""
+    if pid == parent and os.getppid() != parent:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    try:  # Linux: an exited process its parent has not reaped yet is a zombie
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _closed(stream: IO[str]) -> bool:
+    """Whether the pipe behind ``stream`` reached its end (without blocking)."""
+    import select
+
+    try:
+        fd = stream.fileno()
+        if not select.select([fd], [], [], 0)[0]:
+            return False
+        return os.read(fd, 4096) == b""
+    except (OSError, ValueError):
+        return True  # no standard input at all
+
+
 def _pacer(speed: float) -> Callable[[Event], None] | None:
     """Return a hook that sleeps the recorded gaps, sped up ``speed`` times (0: no pacing)."""
     if not speed:
@@ -931,10 +985,19 @@ def _pacer(speed: float) -> Callable[[Event], None] | None:
     return pace
 
 
-def _follow(relay: Any, duration: float | None, *, keys: bool) -> None:
-    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C or SIGTERM."""
+def _follow(
+    relay: Any,
+    duration: float | None,
+    *,
+    keys: bool,
+    until_exit: int | None,
+    stdin_stops: bool,
+) -> None:
+    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C, SIGTERM,
+    process ``until_exit`` ended or (``stdin_stops``) standard input closed."""
     deadline = None if duration is None else time.monotonic() + duration
     stop = threading.Event()
+    parent = os.getppid()
     previous: Any = None
     if threading.current_thread() is threading.main_thread():
         # A sidecar is stopped with SIGTERM: end the follow as Ctrl-C does, then flush.
@@ -944,6 +1007,10 @@ def _follow(relay: Any, duration: float | None, *, keys: bool) -> None:
             while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 relay.poll()
                 if "q" in wait(FOLLOW_POLL_S).lower():
+                    break
+                if until_exit is not None and _exited(until_exit, parent):
+                    break
+                if stdin_stops and _closed(sys.stdin):
                     break
     except KeyboardInterrupt:
         pass  # Ctrl-C is one way a follow ends.

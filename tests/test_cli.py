@@ -541,6 +541,8 @@ def test_replay_follow_on_a_taken_port_is_a_one_line_error(
         (["--follow", "--speed", "2"], "--speed paces a recorded log; --follow relays as written"),
         (["--prometheus-port", "0"], "--prometheus-port needs --follow"),
         (["--duration", "1"], "--duration needs --follow"),
+        (["--until-exit", "1"], "--until-exit needs --follow"),
+        (["--until-stdin-closes"], "--until-stdin-closes needs --follow"),
         (["--follow"], "--follow has nowhere to send the events"),
     ],
 )

@@ -39,8 +39,9 @@ __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
 MiB = 1 << 20
 # Sinks of omnitrace.sinks.registry the demo wires from its own options (the event log from
-# events_log, OpenTelemetry from OTEL_EXPORTER_OTLP_ENDPOINT and prometheus_port).
-_OWN_SINKS = frozenset({"jsonl", "otlp", "logs"})
+# events_log, OpenTelemetry from OTEL_EXPORTER_OTLP_ENDPOINT and prometheus_port, in process;
+# `omnitrace replay --follow` on its --events-log relays it from outside).
+_OWN_SINKS = frozenset({"jsonl", "otlp", "otlp-relay", "logs"})
 #: Share of the run after which the burst of new shapes starts.
 BURST_AT = 0.85
 #: The dummy inputs of a profiling run: a batch of ten full 1024-token image slices (nine

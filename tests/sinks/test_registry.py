@@ -74,11 +74,12 @@ def with_recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_table_names_each_sink_once_with_its_variable() -> None:
     """Every entry has a unique name and variable, and its module is importable."""
-    assert [spec.name for spec in SINKS] == ["jsonl", "otlp", "logs"]
+    assert [spec.name for spec in SINKS] == ["jsonl", "otlp", "logs", "otlp-relay"]
     assert [spec.env for spec in SINKS] == [
         "OMNITRACE_EVENTS_LOG",
         "OMNITRACE_OTLP",
         "OMNITRACE_LOGS",
+        "OMNITRACE_OTLP_RELAY",
     ]
     assert all(spec.description for spec in SINKS)
 
@@ -238,7 +239,7 @@ def test_sinks_are_found_without_importing_a_sink_module() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["jsonl otlp logs", "omnitrace.sinks.registry"]
+    assert proc.stdout.splitlines() == ["jsonl otlp logs otlp-relay", "omnitrace.sinks.registry"]
 
 
 def test_each_entry_is_what_its_module_declares() -> None:
@@ -261,8 +262,8 @@ def test_a_new_module_is_discovered_and_ordered_by_its_declaration(
 ) -> None:
     """A module added to omnitrace.sinks joins the table at its order, without being imported."""
     table = registry.discover_sinks()
-    assert [spec.name for spec in table] == ["jsonl", "otlp", "logs", "kafka"]
-    assert table[:3] == SINKS
+    assert [spec.name for spec in table] == ["jsonl", "otlp", "logs", "otlp-relay", "kafka"]
+    assert table[:4] == SINKS
     assert kafka_example not in sys.modules
     monkeypatch.setattr(registry, "SINKS", table)
     assert [

@@ -1,0 +1,169 @@
+"""OpenTelemetry export beside the worker: ``omnitrace replay --follow`` on its event log.
+
+The OTel SDK does several microseconds of Python per measurement, and on a sink thread that
+work takes the GIL from the serving thread. ``OMNITRACE_OTLP_RELAY=1`` keeps it out of the
+worker: the worker writes only its JSONL event log (``OMNITRACE_EVENTS_LOG``, required), and
+this sink starts one child process that follows that log and exports what it reads through
+the same OTel sink, configured by the worker's ``OTEL_*`` variables. The spans and metrics
+are those ``OMNITRACE_OTLP=1`` would export from inside the worker.
+
+The sink itself does nothing per event (the child reads the log). When the bus closes it
+closes the child's standard input, which tells the child to stop: it relays what is left,
+exports it and exits. The pipe also closes when the worker exits, however it ends, and the
+child watches the worker's pid as well. A child that dies
+early is logged as an error once, with its exit status; the worker serves on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omnitrace._env import env_flag
+from omnitrace._worker import worker_rank
+from omnitrace.config import ConfigError
+from omnitrace.sinks.names import ATTR
+from omnitrace.sinks.otel import _DEFAULT_ENDPOINTS
+from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
+
+if TYPE_CHECKING:
+    from omnitrace.events import Event
+
+__all__ = ["SINK", "RelayedExport"]
+
+logger = logging.getLogger(__name__)
+
+#: The variables of the worker the child does not get: it must not write, log or relay
+#: again what the worker already does.
+_WORKER_ONLY = "OMNITRACE_"
+
+
+class RelayedExport:
+    """Run ``omnitrace replay --follow LOG`` in a child process for as long as the bus runs.
+
+    Args:
+        log: the worker's event log (its ``{pid}``/``{rank}`` already filled in).
+        environ: the worker's environment; the child gets its ``OTEL_*`` variables and
+            none of its ``OMNITRACE_*`` ones.
+        pid: the worker's process id (the child stops once it has exited).
+        command: how to run omnitrace's command line (this interpreter's ``-m omnitrace``).
+
+    Raises:
+        OSError: the child could not be started.
+    """
+
+    name = "otlp-relay"
+
+    def __init__(
+        self,
+        log: str | os.PathLike[str],
+        *,
+        environ: Mapping[str, str],
+        pid: int,
+        command: Sequence[str] = (sys.executable, "-m", "omnitrace"),
+    ) -> None:
+        self.log = Path(os.fspath(log))
+        protocol = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or "http/protobuf"
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINTS.get(
+            protocol, _DEFAULT_ENDPOINTS["http/protobuf"]
+        )
+        self.argv = [
+            *command,
+            "replay",
+            "--follow",
+            str(self.log),
+            "--otlp-endpoint",
+            endpoint,
+            "--until-exit",
+            str(pid),
+            "--until-stdin-closes",
+        ]
+        child_env = {k: v for k, v in environ.items() if not k.startswith(_WORKER_ONLY)}
+        # The worker's identity, as OMNITRACE_OTLP=1 would have exported it from inside:
+        # its service name (default "omnitrace"), its pid and rank as resource attributes.
+        child_env["OTEL_SERVICE_NAME"] = environ.get("OTEL_SERVICE_NAME", "").strip() or "omnitrace"
+        identity = f"{ATTR.PROCESS_PID}={pid},{ATTR.RANK}={worker_rank(environ)}"
+        given = environ.get("OTEL_RESOURCE_ATTRIBUTES", "").strip()
+        child_env["OTEL_RESOURCE_ATTRIBUTES"] = f"{given},{identity}" if given else identity
+        self._process = subprocess.Popen(
+            self.argv,
+            # Closing this pipe tells it to stop: close() does, and so does the worker's
+            # exit, however it ends (the relay also watches the worker's pid).
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,  # the final stats table; the worker has its own
+            env=child_env,
+            # A session of its own: a Ctrl-C at the server's terminal does not cut its final
+            # export short; the worker's close or its exit ends the child.
+            start_new_session=True,
+        )
+        self._reported = False
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The child's exit status, None while it runs."""
+        return self._process.poll()
+
+    def __repr__(self) -> str:
+        state = "running" if self.returncode is None else f"exited {self.returncode}"
+        return f"<RelayedExport {str(self.log)!r} pid={self.pid} {state}>"
+
+    def handle(self, events: Sequence[Event]) -> None:
+        """Check the child is still there (the events reach it through the log)."""
+        if not self._reported and self._process.poll() is not None:
+            self._reported = True
+            logger.error(
+                "the OpenTelemetry relay of %s (pid %d) exited with status %s; spans and "
+                "metrics are no longer exported (its error is on this process's stderr)",
+                self.log,
+                self._process.pid,
+                self._process.returncode,
+            )
+
+    def close(self) -> None:
+        """Tell the child to relay what is left, export it and exit; do not wait for it."""
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+
+
+def _build_sink(request: SinkRequest) -> RelayedExport:
+    environ = request.environ
+    log = environ.get("OMNITRACE_EVENTS_LOG", "").strip()
+    if not log:
+        raise ConfigError(
+            "OMNITRACE_OTLP_RELAY: the relay follows the worker's event log; set "
+            "OMNITRACE_EVENTS_LOG too"
+        )
+    if env_flag(environ, "OMNITRACE_OTLP", False):
+        raise ConfigError(
+            "OMNITRACE_OTLP_RELAY: OMNITRACE_OTLP is set too, and every span and metric would "
+            "be exported twice; set one of them"
+        )
+    # The path the worker's JSONL sink writes: the same substitution, the same rank.
+    path = log.format(pid=request.pid, rank=worker_rank(environ))
+    return RelayedExport(path, environ=environ, pid=request.pid)
+
+
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
+SINK = SinkDeclaration(
+    name="otlp-relay",
+    env="OMNITRACE_OTLP_RELAY",
+    order=30,
+    build=_build_sink,
+    switch=True,
+    description=(
+        "OpenTelemetry spans and metrics exported by a child process that follows the "
+        "worker's event log (needs OMNITRACE_EVENTS_LOG), off the serving process's GIL"
+    ),
+)
