@@ -27,6 +27,7 @@ import contextlib
 import logging
 import queue
 import re
+import sys
 import threading
 import time
 import weakref
@@ -143,6 +144,50 @@ def _recompile_limit() -> int | None:
 # interpreter tears down.
 _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0
+
+
+class _SwitchInterval:
+    """Shorten the interpreter's GIL switch interval while any compiling preparation runs.
+
+    Compiling is Python-heavy (dynamo, AOTAutograd, inductor) and holds the GIL for whole
+    switch intervals (5 ms by default). A serving thread that drops the GIL many times per
+    call (each kernel launch, each device wait) then waits for it again each time, and its
+    calls stall behind the compile (the convoy effect). A short interval hands the GIL back
+    to the serving threads within it, at the cost of a slower compile. The interval is a
+    process-wide setting: it is restored once the last compiling preparation ends, unless
+    someone else changed it meanwhile.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: float | None = None
+
+    @contextlib.contextmanager
+    def short(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                current = sys.getswitchinterval()
+                self._saved = current if current > self.seconds else None
+                if self._saved is not None:
+                    sys.setswitchinterval(self.seconds)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                saved = self._saved
+                if self._depth == 0 and saved is not None:
+                    self._saved = None
+                    # Another setting made meanwhile is the host's: leave it.
+                    if abs(sys.getswitchinterval() - self.seconds) < 1e-9:
+                        sys.setswitchinterval(saved)
+
+
+#: The GIL switch interval while a background compile runs (see _SwitchInterval).
+COMPILE_SWITCH_INTERVAL = _SwitchInterval(0.0005)
 
 
 def _waiting_ready_keys() -> bool:
@@ -858,7 +903,7 @@ class EncoderCudaGraph:
             time.sleep(0.002)
         for adapter in list(_THREADED):
             adapter._wanted.clear()  # each wait is earned once; a later miss earns another
-        with CAPTURE_LOCK, self._compile_guard():
+        with CAPTURE_LOCK, self._compile_guard(), COMPILE_SWITCH_INTERVAL.short():
             yield
 
     @staticmethod

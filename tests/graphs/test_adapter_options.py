@@ -3,6 +3,7 @@ background capture, on the simulated backend."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from omnitrace import (
     derive_stats,
 )
 from omnitrace.events import DeviceTimed, Phase
+from omnitrace.graphs.adapter import COMPILE_SWITCH_INTERVAL, _SwitchInterval
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 
 CFG = EncoderGraphConfig(min_free_bytes=0)
@@ -529,3 +531,55 @@ def test_a_compiling_preparation_first_lets_fresh_ready_keys_be_captured(
     assert b.ready == 1
     assert a.close(5)
     assert b.close(5)
+
+
+def test_a_compiling_preparation_shortens_the_gil_switch_interval_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serving threads get the GIL back within 0.5 ms while a background compile runs; the
+    interval is the host's again once no compile runs."""
+    seen: list[tuple[str, float]] = []
+
+    def compile_(fn: Any, **_: Any) -> Any:
+        def compiled(*args: Any) -> Any:
+            seen.append((threading.current_thread().name, sys.getswitchinterval()))
+            return fn(*args)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    host = sys.getswitchinterval()
+    config = CFG.replace(background_capture=True, compile=True)
+    adapter = EncoderCudaGraph(encoder, name="a", config=config, backend=SimulatedGraphBackend())
+    try:
+        x = torch.randn(1, 4, 3)
+        adapter(x)
+        adapter(x)
+        assert adapter.wait_prepared(10)
+    finally:
+        assert adapter.close(5)
+    preparing = [interval for thread, interval in seen if thread.startswith("omnitrace-prepare")]
+    assert preparing
+    assert set(preparing) == {COMPILE_SWITCH_INTERVAL.seconds}
+    assert sys.getswitchinterval() == host
+
+
+def test_the_switch_interval_is_restored_only_by_the_last_compile_and_never_over_the_hosts() -> (
+    None
+):
+    host = sys.getswitchinterval()
+    interval = _SwitchInterval(host / 10)
+    with interval.short():
+        with interval.short():
+            assert sys.getswitchinterval() == pytest.approx(host / 10)
+        assert sys.getswitchinterval() == pytest.approx(host / 10)  # one compile still runs
+    assert sys.getswitchinterval() == host
+    try:
+        with interval.short():
+            sys.setswitchinterval(host * 2)  # the host changes it meanwhile: its choice stays
+        assert sys.getswitchinterval() == pytest.approx(host * 2)
+    finally:
+        sys.setswitchinterval(host)
+    longer = _SwitchInterval(host * 10)  # never lengthens the host's interval
+    with longer.short():
+        assert sys.getswitchinterval() == host
