@@ -16,7 +16,7 @@ import pytest
 from omnitrace import ConfigError, EventBus, GraphCaptured, GraphReplayed
 from omnitrace.events import Event
 from omnitrace.sinks.registry import build_sinks
-from omnitrace.sinks.relay import RelayedExport
+from omnitrace.sinks.otlp_relay import RelayedExport
 from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
@@ -97,7 +97,7 @@ def test_a_worker_that_dies_without_closing_still_gets_its_log_exported(tmp_path
         """
         import os, sys, time
         sys.path[:0] = [{tests!r}]
-        from sinks.test_relay import events
+        from sinks.test_otlp_relay import events
         from omnitrace import EventBus
         from omnitrace.sinks.registry import build_sinks
 
@@ -166,7 +166,7 @@ def test_a_child_that_dies_is_logged_once_and_the_worker_goes_on(
         command=(sys.executable, "-c", "raise SystemExit(3)", "--"),
     )
     assert relay._process.wait(timeout=30) == 3
-    with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.relay"):
+    with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otlp_relay"):
         relay.handle([])
         relay.handle([])
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
