@@ -15,8 +15,8 @@ import pytest
 
 from omnitrace import ConfigError, EventBus, GraphCaptured, GraphReplayed
 from omnitrace.events import Event
-from omnitrace.sinks.registry import build_sinks
 from omnitrace.sinks.otlp_relay import RelayedExport
+from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
