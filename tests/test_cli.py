@@ -523,6 +523,26 @@ def test_replay_follow_ends_on_sigterm_with_a_final_export(
         assert _hits(receiver) == {name: s["graph_hits"] for name, s in summary["encoders"].items()}
 
 
+def test_replay_follow_until_exit_ends_when_the_writer_is_gone_even_unreaped(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--until-exit PID ends the follow once PID exited, also while it is still a zombie."""
+    _, log = recorded
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        start = time.monotonic()
+        follow = ["replay", "--follow", "--json", "--duration", "30", "--prometheus-port", "0"]
+        # Nobody reaps the writer until the follow ended: it is a zombie meanwhile.
+        code = main([*follow, "--until-exit", str(writer.pid), str(log)])
+        took = time.monotonic() - start
+    finally:
+        writer.kill()
+        writer.wait()
+    assert code == 0, capsys.readouterr().err
+    assert took < 15
+    assert json.loads(capsys.readouterr().out)["events"] == len(list(read_events(log)))
+
+
 def test_replay_follow_on_a_taken_port_is_a_one_line_error(
     recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
