@@ -485,24 +485,47 @@ class EventLogFollower:
     """Read a log that another process is still writing, like ``tail -F``.
 
     ``poll()`` returns the records completed since the last poll, never blocks, holds back
-    a half-written last line until its newline arrives, and follows the writer across a
-    rotation (it finishes the renamed file, then opens the new one).
+    a half-written last line until its newline arrives, and follows the writer across
+    rotations: it finishes the renamed file, reads the files rotated after it (several
+    rotations between two polls), then opens the new one. A log truncated in place starts
+    over at its top, also when it grew past the old position before the poll.
+
+    Args:
+        path: the log.
+        from_start: read what the first file already holds (True), or join it at its end.
+        start_offset: join the first file at this byte instead (a writer's size when the
+            follow was started for it); the top when the file is shorter by then.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, from_start: bool = True) -> None:
+    #: Most rotated files looked at to find where a renamed file went.
+    _BACKUPS_SEARCHED = 10_000
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        from_start: bool = True,
+        start_offset: int | None = None,
+    ) -> None:
         self.path = Path(os.fspath(path))
         self._file: IO[bytes] | None = None
         self._inode: int | None = None
         self._pending = b""
         self._line = 0
         self._from_start = from_start
+        self._start_offset = start_offset
 
     def _try_open(self) -> bool:
         try:
             file = open(self.path, "rb")  # noqa: SIM115 -- kept open between polls
         except FileNotFoundError:
             return False
-        if not self._from_start:
+        if self._start_offset is not None:
+            if self._start_offset <= os.fstat(file.fileno()).st_size:
+                file.seek(self._start_offset)
+            self._start_offset = None
+            self._from_start = True
+        elif not self._from_start:
             file.seek(0, os.SEEK_END)
             self._from_start = True  # only the first file is joined at its end
         self._file = file
@@ -515,25 +538,66 @@ class EventLogFollower:
         """Return the records written since the last call (possibly none)."""
         if self._file is None and not self._try_open():
             return []
-        out = self._drain()
+        assert self._file is not None
+        out: list[EventRecord] = []
+        if self._replaced_in_place():
+            self._restart()
+        out.extend(self._drain())
         try:
             current = os.stat(self.path)
         except FileNotFoundError:
             return out  # mid-rotation: the new file appears on a later poll
-        assert self._file is not None
         if current.st_ino != self._inode:
             out.extend(self._drain(final=True))
             self._file.close()
             self._file = None
+            for newer in self._rotated_since(current.st_ino):
+                out.extend(_read_whole(newer))
             if self._try_open():
                 out.extend(self._drain())
         elif current.st_size < self._file.tell():
             # Truncated in place (backups=0): start over at the top.
-            self._file.seek(0)
-            self._pending = b""
-            self._line = 0
+            self._restart()
             out.extend(self._drain())
         return out
+
+    def _replaced_in_place(self) -> bool:
+        """Whether the open file was truncated since the last read (and maybe grew again)."""
+        assert self._file is not None
+        fd = self._file.fileno()
+        end = self._file.tell() - len(self._pending)  # just after the last complete line
+        if os.fstat(fd).st_size < self._file.tell():
+            return True
+        # The byte before the next line was a newline; rewritten content moves it.
+        return end > 0 and os.pread(fd, 1, end - 1) != b"\n"
+
+    def _restart(self) -> None:
+        assert self._file is not None
+        self._file.seek(0)
+        self._pending = b""
+        self._line = 0
+
+    def _rotated_since(self, new_inode: int) -> list[Path]:
+        """The rotated files newer than the one just finished, oldest first."""
+        newer: list[Path] = []
+        for index in range(1, self._BACKUPS_SEARCHED + 1):
+            backup = self.path.with_name(f"{self.path.name}.{index}")
+            try:
+                inode = os.stat(backup).st_ino
+            except FileNotFoundError:
+                break
+            if inode == self._inode:
+                return newer[::-1]
+            if inode != new_inode:
+                newer.append(backup)
+        # The finished file was rotated out of the backups: every rotated file left is
+        # newer than it, and what rotation deleted in between is gone (the writer counted it).
+        logger.warning(
+            "%s: the log rotated past its backups since it was last read; the files deleted "
+            "in between are not relayed (the writer logs how many events rotation deleted)",
+            self.path,
+        )
+        return newer[::-1]
 
     def _drain(self, *, final: bool = False) -> list[EventRecord]:
         assert self._file is not None
@@ -554,6 +618,15 @@ class EventLogFollower:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_whole(path: Path) -> list[EventRecord]:
+    """The records of a finished (rotated) file; none if it is gone meanwhile."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return _parse_lines(data, path, 0, final=True)[0]
 
 
 def follow(

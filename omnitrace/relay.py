@@ -115,6 +115,8 @@ class LogRelay:
         paths: the logs to follow; a log that does not exist yet is waited for.
         from_start: relay what the logs already hold first (True), or only what is appended
             after the relay started.
+        offsets: per log, the byte to join it at (None: as ``from_start`` says); a writer
+            that starts the relay passes its log's size, so an older run's lines stay out.
         chunk: events between two waits for the sinks.
     """
 
@@ -124,11 +126,19 @@ class LogRelay:
         paths: Sequence[str | os.PathLike[str]],
         *,
         from_start: bool = True,
+        offsets: Sequence[int | None] | None = None,
         chunk: int = CHUNK,
     ) -> None:
         if not paths:
             raise ValueError("LogRelay needs at least one log to follow")
-        self._followers = [EventLogFollower(path, from_start=from_start) for path in paths]
+        if offsets is None:
+            offsets = [None] * len(paths)
+        if len(offsets) != len(paths):
+            raise ValueError(f"LogRelay: {len(offsets)} offsets for {len(paths)} logs")
+        self._followers = [
+            EventLogFollower(path, from_start=from_start, start_offset=offset)
+            for path, offset in zip(paths, offsets, strict=True)
+        ]
         self._emitter = _Emitter(bus, chunk)
         self._several = len(paths) > 1
         self._qualify: dict[tuple[int, int], bool] = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from omnitrace import EventBus, GraphCaptured, GraphReplayed, derive_stats
-from omnitrace.eventlog import EventRecord
+from omnitrace.eventlog import AdapterInfo, EventRecord, LineEncoder, read_records
 from omnitrace.events import Event
 from omnitrace.relay import LogRelay, feed, qualified_name
 from omnitrace.sinks.jsonl import JsonlSink
@@ -189,3 +189,96 @@ def test_a_relay_needs_a_log() -> None:
             LogRelay(bus, [])
     finally:
         bus.close()
+
+
+def test_several_rotations_between_two_polls_lose_nothing(tmp_path: Path) -> None:
+    """The files rotated after the one being read are read too, in order."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=20_000, backups=10)
+    bus = EventBus()
+    relay = LogRelay(bus, [path])
+    recorded = events("vision", 600)
+    try:
+        sink.handle(recorded[:50])
+        assert relay.poll() == 50
+        sink.handle(recorded[50:])
+        assert sink.rotations >= 3
+        assert sink.deleted_events == 0
+        relay.finish()
+    finally:
+        sink.close()
+        bus.close()
+    assert relay.events == len(recorded)
+    assert bus.adapter_stats()["vision"].as_dict() == derive_stats(recorded)["vision"]
+
+
+def test_rotations_past_the_backups_relay_every_file_left(tmp_path: Path) -> None:
+    """The file being read was rotated out and deleted: it is finished from its open handle,
+    then every rotated file left is relayed, oldest first."""
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=20_000, backups=2)
+    seen = SlowSink()
+    bus = EventBus(sinks=[seen])
+    relay = LogRelay(bus, [path])
+    first = events("vision", 48)
+    try:
+        sink.handle(first)
+        relay.poll()
+        sink.handle(events("vision", 600, start=100))
+        assert sink.deleted_events > 0
+        relay.finish()
+    finally:
+        sink.close()
+        bus.close()
+    on_disk = [r.item for r in read_records(path) if not isinstance(r.item, AdapterInfo)]
+    assert seen.events[: len(first)] == first
+    assert seen.events[-len(on_disk) :] == on_disk
+    assert len(seen.events) < sink.written  # rotation deleted files the relay never had open
+
+
+def test_a_log_truncated_and_grown_again_before_a_poll_is_read_from_its_top(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    first, second = events("vision", 20), events("audio", 60, start=100)
+    with open(path, "wb") as log:
+        for item in first:
+            log.write(encode_line(item))
+    bus = EventBus()
+    relay = LogRelay(bus, [path])
+    try:
+        assert relay.poll() == len(first)
+        with open(path, "wb") as log:  # truncated in place, then longer than before
+            for item in second:
+                log.write(encode_line(item))
+        assert relay.poll() == len(second)
+    finally:
+        relay.close()
+        bus.close()
+    assert bus.adapter_stats()["audio"].graph_hits == 60
+
+
+def test_a_relay_can_join_its_log_at_a_writers_offset(tmp_path: Path) -> None:
+    """A worker restarted on its old log relays only its own run (the size it started at)."""
+    path = tmp_path / "events.jsonl"
+    old = events("vision", 30)
+    with open(path, "wb") as log:
+        for item in old:
+            log.write(encode_line(item))
+    offset = path.stat().st_size
+    new = events("vision", 7, start=100)[2:]
+    with open(path, "ab") as log:
+        for item in new:
+            log.write(encode_line(item))
+    bus = EventBus()
+    relay = LogRelay(bus, [path], offsets=[offset])
+    try:
+        relay.finish()
+    finally:
+        bus.close()
+    assert relay.events == len(new)
+    assert set(bus.adapter_stats()) == {"vision"}
+
+
+def encode_line(item: Event) -> bytes:
+    return LineEncoder(pid=7, rank=0)(item)
