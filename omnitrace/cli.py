@@ -345,6 +345,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
     )
     replay.add_argument(
+        "--otlp",
+        action="store_true",
+        help="export over OTLP where OpenTelemetry's variables say (per-signal endpoints "
+        "too), else to the protocol's localhost port, without naming an endpoint",
+    )
+    replay.add_argument(
+        "--from-offset",
+        type=_int_range(0, 2**62, "a byte offset"),
+        default=None,
+        metavar="BYTES",
+        help="with --follow and one log: join it at this byte (a server that starts the "
+        "follow passes its log's size, so an earlier run's lines are not exported again)",
+    )
+    replay.add_argument(
         "--until-exit",
         type=_int_range(1, 2**31 - 1, "a process id"),
         default=None,
@@ -788,9 +802,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.follow:
         if args.speed is not None:
             return _error("replay", "--speed paces a recorded log; --follow relays as written")
-        refused = _followable("replay", args.paths)
+        refused = _followable("replay", args.paths) or _stoppable(args)
         return _replay(args, None) if refused is None else refused
-    for option in ("prometheus_port", "duration", "until_exit", "until_stdin_closes"):
+    for option in (
+        "prometheus_port",
+        "duration",
+        "until_exit",
+        "until_stdin_closes",
+        "from_offset",
+    ):
         if getattr(args, option) is not None and getattr(args, option) is not False:
             flag = "--" + option.replace("_", "-")
             return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
@@ -810,8 +830,52 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return _replay(args, _merged(logs))
 
 
+def _stoppable(args: argparse.Namespace) -> int | None:
+    """Refuse a follow that would stop at once for no reason (exit status 2)."""
+    if args.from_offset is not None and len(args.paths) != 1:
+        return _error("replay", "--from-offset joins one log; give exactly one")
+    if args.until_exit is not None and _exited(args.until_exit, os.getppid()):
+        # Not refused: a server that died before its exporter started still gets its log
+        # exported.
+        _say(
+            f"warning: process {args.until_exit} is not running: relaying what the logs "
+            "hold, then stopping"
+        )
+    if args.until_stdin_closes:
+        import stat
+
+        try:
+            mode = os.fstat(sys.stdin.fileno()).st_mode
+            piped = stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or sys.stdin.isatty()
+        except (AttributeError, OSError, ValueError):
+            piped = False
+        if not piped:
+            return _error(
+                "replay",
+                "--until-stdin-closes: standard input is not a pipe (closed, /dev/null or "
+                "a file), so the follow would stop at once",
+            )
+    return None
+
+
 def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> int:
     """Feed recorded ``records`` (None: follow ``args.paths``) through a bus with sinks."""
+    stop = threading.Event()
+    previous: Any = None
+    if records is None and threading.current_thread() is threading.main_thread():
+        # A sidecar is stopped with SIGTERM: it ends the follow as Ctrl-C does, and one that
+        # arrives during the final export does not cut it short.
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        return _replay_into_sinks(args, records, stop)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _replay_into_sinks(
+    args: argparse.Namespace, records: Sequence[EventRecord] | None, stop: threading.Event
+) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
     from omnitrace.relay import LogRelay, feed
@@ -836,7 +900,8 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
     with quiet:
         try:
             prometheus = args.prometheus_port is not None
-            if endpoint is not None or prometheus:
+            otlp = endpoint is not None or args.otlp
+            if otlp or prometheus:
                 from omnitrace.sinks.otel_sdk import sdk_sink
 
                 try:
@@ -844,7 +909,7 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
                         bus,
                         default_service_name="omnitrace-replay",
                         endpoint=endpoint,
-                        otlp=endpoint is not None,
+                        otlp=otlp,
                         prometheus=prometheus,
                         prometheus_port=args.prometheus_port,
                         prometheus_host=args.prometheus_host,
@@ -855,8 +920,9 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
                 except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
                     return _error("replay", str(exc))
                 bus.add_sink(sink)
-                if endpoint is not None:
-                    _say(f"{'relaying' if follow else 'replaying'} into OTLP at {endpoint}")
+                if otlp:
+                    where = endpoint or setup.endpoint
+                    _say(f"{'relaying' if follow else 'replaying'} into OTLP at {where}")
                 if setup.prometheus_port is not None:
                     _say(
                         f"serving Prometheus metrics at "
@@ -871,18 +937,20 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
                 return _error(
                     "replay",
                     "--follow has nowhere to send the events: give --otlp-endpoint (or set "
-                    "OTEL_EXPORTER_OTLP_ENDPOINT), --prometheus-port or --tui",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT), --otlp, --prometheus-port or --tui",
                 )
             title = f"omnitrace replay · {'following ' if follow else ''}{names}"
             board = BusBoard(bus, title=title)
             view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
             with view:
                 if records is None:
-                    relay = LogRelay(bus, args.paths)
+                    offsets = [args.from_offset] * len(args.paths)
+                    relay = LogRelay(bus, args.paths, offsets=offsets)
                     try:
                         _follow(
                             relay,
                             args.duration,
+                            stop,
                             keys=args.tui,
                             until_exit=args.until_exit,
                             stdin_stops=args.until_stdin_closes,
@@ -911,10 +979,13 @@ def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> 
     if not exported:
         # Exporting was what this run was for: a failed export fails the command.
         return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
-    if dropped or not drained:
+    if dropped:
         return _error(
             "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
         )
+    if not drained:
+        message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
+        return _error("replay", message, status=1)
     if args.json:
         _print_json(
             {
@@ -955,10 +1026,12 @@ def _exited(pid: int, parent: int) -> bool:
         return False
 
 
-def _closed(stream: IO[str]) -> bool:
+def _closed(stream: IO[str] | None) -> bool:
     """Whether the pipe behind ``stream`` reached its end (without blocking)."""
     import select
 
+    if stream is None:
+        return True  # no standard input at all
     try:
         fd = stream.fileno()
         if not select.select([fd], [], [], 0)[0]:
@@ -988,20 +1061,16 @@ def _pacer(speed: float) -> Callable[[Event], None] | None:
 def _follow(
     relay: Any,
     duration: float | None,
+    stop: threading.Event,
     *,
     keys: bool,
     until_exit: int | None,
     stdin_stops: bool,
 ) -> None:
-    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C, SIGTERM,
-    process ``until_exit`` ended or (``stdin_stops``) standard input closed."""
+    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C, ``stop`` is
+    set (SIGTERM), process ``until_exit`` ended or (``stdin_stops``) standard input closed."""
     deadline = None if duration is None else time.monotonic() + duration
-    stop = threading.Event()
     parent = os.getppid()
-    previous: Any = None
-    if threading.current_thread() is threading.main_thread():
-        # A sidecar is stopped with SIGTERM: end the follow as Ctrl-C does, then flush.
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         with _keys() if keys else contextlib.nullcontext(_keys_off) as wait:
             while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -1014,9 +1083,6 @@ def _follow(
                     break
     except KeyboardInterrupt:
         pass  # Ctrl-C is one way a follow ends.
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 # -- advise ---------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ CHUNK = 1_000
 DRAIN_TIMEOUT_S = 30.0
 
 
+#: Seconds each later wait may take once one timed out.
+STUCK_DRAIN_TIMEOUT_S = 0.5
+
+
 def qualified_name(adapter: str, source: tuple[int, int]) -> str:
     """Return ``adapter@rankR.pidP``: one writer's adapter among several writers'."""
     rank, pid = source
@@ -77,7 +81,10 @@ class _Emitter:
 
     def drain(self) -> None:
         self._since_drain = 0
-        self.drained &= self.bus.flush(timeout=DRAIN_TIMEOUT_S)
+        # After one wait timed out, a sink is stuck or far behind: the rest goes on without
+        # long waits (what its queue cannot take is counted as dropped by the bus).
+        timeout = DRAIN_TIMEOUT_S if self.drained else STUCK_DRAIN_TIMEOUT_S
+        self.drained &= self.bus.flush(timeout=timeout)
 
 
 def feed(

@@ -543,6 +543,69 @@ def test_replay_follow_until_exit_ends_when_the_writer_is_gone_even_unreaped(
     assert json.loads(capsys.readouterr().out)["events"] == len(list(read_events(log)))
 
 
+def _follow_process(log: Path, *extra: str, stdin: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "omnitrace", "replay", "--follow", "--json", str(log), *extra],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_replay_follow_until_stdin_closes_exports_when_its_parent_closes_the_pipe(
+    recorded: tuple[dict[str, Any], Path],
+) -> None:
+    _, log = recorded
+    follow = _follow_process(
+        log, "--until-stdin-closes", "--prometheus-port", "0", stdin=subprocess.PIPE
+    )
+    try:
+        assert follow.stderr is not None
+        assert "serving Prometheus" in follow.stderr.readline()
+        time.sleep(0.5)
+        assert follow.poll() is None  # an open pipe keeps it following
+        out, err = follow.communicate(timeout=30)  # closes its standard input
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    assert follow.returncode == 0, err
+    assert json.loads(out)["events"] == len(list(read_events(log)))
+
+
+@pytest.mark.parametrize("stdin", ["devnull", "closed"])
+def test_replay_follow_until_stdin_closes_refuses_a_stdin_that_is_no_pipe(
+    stdin: str, recorded: tuple[dict[str, Any], Path]
+) -> None:
+    """/dev/null, or no standard input at all, would end the follow at once: exit 2."""
+    _, log = recorded
+    argv = [sys.executable, "-m", "omnitrace", "replay", "--follow", str(log)]
+    argv += ["--until-stdin-closes", "--prometheus-port", "0"]
+    if stdin == "devnull":
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    else:
+        command = " ".join(f"'{a}'" for a in argv) + " 0<&-"
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("omnitrace replay: error: --until-stdin-closes: standard input")
+    assert "Traceback" not in done.stderr
+
+
+def test_replay_follow_until_exit_of_a_process_already_gone_relays_the_log_once(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, log = recorded
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    follow = ["replay", "--follow", "--json", "--prometheus-port", "0", "--duration", "30"]
+    code = main([*follow, "--until-exit", str(gone.pid), str(log)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"warning: process {gone.pid} is not running" in err
+    assert json.loads(out)["events"] == len(list(read_events(log)))
+
+
 def test_replay_follow_on_a_taken_port_is_a_one_line_error(
     recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -566,6 +629,7 @@ def test_replay_follow_on_a_taken_port_is_a_one_line_error(
         (["--duration", "1"], "--duration needs --follow"),
         (["--until-exit", "1"], "--until-exit needs --follow"),
         (["--until-stdin-closes"], "--until-stdin-closes needs --follow"),
+        (["--from-offset", "5"], "--from-offset needs --follow"),
         (["--follow"], "--follow has nowhere to send the events"),
     ],
 )

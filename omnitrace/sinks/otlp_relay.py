@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +30,6 @@ from omnitrace._env import env_flag
 from omnitrace._worker import worker_rank
 from omnitrace.config import ConfigError
 from omnitrace.sinks.names import ATTR
-from omnitrace.sinks.otel import _DEFAULT_ENDPOINTS
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 if TYPE_CHECKING:
@@ -66,20 +66,24 @@ class RelayedExport:
         *,
         environ: Mapping[str, str],
         pid: int,
+        rank: int | None = None,
         command: Sequence[str] = (sys.executable, "-m", "omnitrace"),
     ) -> None:
         self.log = Path(os.fspath(log))
-        protocol = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or "http/protobuf"
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINTS.get(
-            protocol, _DEFAULT_ENDPOINTS["http/protobuf"]
-        )
+        try:
+            # This worker's lines start here: an earlier run's, above, were exported then.
+            offset = os.path.getsize(self.log)
+        except OSError:
+            offset = 0
         self.argv = [
             *command,
             "replay",
             "--follow",
             str(self.log),
-            "--otlp-endpoint",
-            endpoint,
+            "--from-offset",
+            str(offset),
+            # OpenTelemetry's own variables say where (per-signal endpoints too).
+            "--otlp",
             "--until-exit",
             str(pid),
             "--until-stdin-closes",
@@ -88,7 +92,9 @@ class RelayedExport:
         # The worker's identity, as OMNITRACE_OTLP=1 would have exported it from inside:
         # its service name (default "omnitrace"), its pid and rank as resource attributes.
         child_env["OTEL_SERVICE_NAME"] = environ.get("OTEL_SERVICE_NAME", "").strip() or "omnitrace"
-        identity = f"{ATTR.PROCESS_PID}={pid},{ATTR.RANK}={worker_rank(environ)}"
+        identity = f"{ATTR.PROCESS_PID}={pid}"
+        if rank is not None:
+            identity += f",{ATTR.RANK}={rank}"
         given = environ.get("OTEL_RESOURCE_ATTRIBUTES", "").strip()
         child_env["OTEL_RESOURCE_ATTRIBUTES"] = f"{given},{identity}" if given else identity
         self._process = subprocess.Popen(
@@ -103,6 +109,8 @@ class RelayedExport:
             start_new_session=True,
         )
         self._reported = False
+        # A forked child of the worker inherits this object, not the relay: it leaves it be.
+        self._owner = os.getpid()
 
     @property
     def pid(self) -> int:
@@ -120,6 +128,8 @@ class RelayedExport:
 
     def handle(self, events: Sequence[Event]) -> None:
         """Check the child is still there (the events reach it through the log)."""
+        if os.getpid() != self._owner:
+            return
         if not self._reported and self._process.poll() is not None:
             self._reported = True
             logger.error(
@@ -132,9 +142,14 @@ class RelayedExport:
 
     def close(self) -> None:
         """Tell the child to relay what is left, export it and exit; do not wait for it."""
-        if self._process.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._process.stdin.close()
+        if os.getpid() != self._owner or self._process.stdin is None:
+            return
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()
+        # Reaped when it is done, so it never lingers as a zombie of a long-lived worker.
+        threading.Thread(
+            target=self._process.wait, name="omnitrace-relay-reaper", daemon=True
+        ).start()
 
 
 def _build_sink(request: SinkRequest) -> RelayedExport:
@@ -152,7 +167,7 @@ def _build_sink(request: SinkRequest) -> RelayedExport:
         )
     # The path the worker's JSONL sink writes: the same substitution, the same rank.
     path = log.format(pid=request.pid, rank=worker_rank(environ))
-    return RelayedExport(path, environ=environ, pid=request.pid)
+    return RelayedExport(path, environ=environ, pid=request.pid, rank=request.rank)
 
 
 #: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.

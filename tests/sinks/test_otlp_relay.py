@@ -15,6 +15,7 @@ import pytest
 
 from omnitrace import ConfigError, EventBus, GraphCaptured, GraphReplayed
 from omnitrace.events import Event
+from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.sinks.otlp_relay import RelayedExport
 from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import sig
@@ -70,7 +71,7 @@ def test_the_worker_writes_the_log_and_a_child_exports_it_as_the_worker(
     with OTLPReceiver() as receiver:
         env = environ(tmp_path, receiver, OTEL_SERVICE_NAME="minicpmo-serve", RANK="3")
         bus = EventBus()
-        sinks = build_sinks(bus, env)
+        sinks = build_sinks(bus, env, rank=3)
         assert [type(s).__name__ for s in sinks] == ["JsonlSink", "RelayedExport"]
         relay = sinks[1]
         assert isinstance(relay, RelayedExport)
@@ -182,8 +183,9 @@ def test_the_child_gets_none_of_the_workers_omnitrace_variables(tmp_path: Path) 
     worker_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     relay = RelayedExport(
         tmp_path / "e.jsonl",
-        environ={**worker_env, "OMNITRACE_LOGS": "1", "OMNITRACE_EVENTS_LOG": "x", "RANK": "2"},
+        environ={**worker_env, "OMNITRACE_LOGS": "1", "OMNITRACE_EVENTS_LOG": "x"},
         pid=4242,
+        rank=2,
         command=(sys.executable, "-c", script, "--"),
     )
     assert relay._process.wait(timeout=30) == 0
@@ -192,12 +194,70 @@ def test_the_child_gets_none_of_the_workers_omnitrace_variables(tmp_path: Path) 
     assert not [k for k in child if k.startswith("OMNITRACE_")]
     assert child["OTEL_SERVICE_NAME"] == "omnitrace"
     assert child["OTEL_RESOURCE_ATTRIBUTES"] == "process.pid=4242,omnitrace.worker.rank=2"
-    assert relay.argv[-7:] == [
+    assert relay.argv[-9:] == [
+        "replay",
         "--follow",
         str(tmp_path / "e.jsonl"),
-        "--otlp-endpoint",
-        "http://localhost:4318",
+        "--from-offset",
+        "0",
+        "--otlp",
         "--until-exit",
         "4242",
         "--until-stdin-closes",
     ]
+
+
+def test_a_restarted_worker_exports_only_its_own_run(tmp_path: Path) -> None:
+    """The log already holds an earlier run: the relay joins it where this worker starts."""
+    path = tmp_path / "events.jsonl"
+    earlier = JsonlSink(path)
+    earlier.handle(events(30))
+    earlier.close()
+    with OTLPReceiver() as receiver:
+        env = environ(tmp_path, receiver, OMNITRACE_EVENTS_LOG=str(path))
+        bus = EventBus()
+        sinks = build_sinks(bus, env)
+        for sink in sinks:
+            bus.add_sink(sink)
+        for event in events(4):
+            bus.emit(event)
+        bus.close()
+        assert receiver.wait_for(lambda r: hits(r) is not None, timeout=30)
+        assert hits(receiver) == 4
+        assert len(receiver.spans("omnitrace.graph.capture")) == 1
+
+
+def test_per_signal_endpoints_are_the_childs_to_read(tmp_path: Path) -> None:
+    """No endpoint is named on the child's command line: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT and
+    the like reach its exporters as they would the worker's."""
+    relay = RelayedExport(
+        tmp_path / "e.jsonl",
+        environ={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4318/v1/traces"},
+        pid=os.getpid(),
+        command=(sys.executable, "-c", "pass", "--"),
+    )
+    assert relay._process.wait(timeout=30) == 0
+    relay.close()
+    assert "--otlp" in relay.argv
+    assert "--otlp-endpoint" not in relay.argv
+
+
+def test_a_forked_child_of_the_worker_leaves_the_relay_alone(tmp_path: Path) -> None:
+    relay = RelayedExport(
+        tmp_path / "e.jsonl",
+        environ=dict(os.environ),
+        pid=os.getpid(),
+        command=(sys.executable, "-c", "import sys; sys.stdin.read()", "--"),
+    )
+    try:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the forked child
+            relay.handle([])
+            relay.close()  # must not close the pipe the parent's relay listens on
+            os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        time.sleep(0.2)
+        assert relay.returncode is None  # still running: the fork did not stop it
+    finally:
+        relay.close()
+    assert relay._process.wait(timeout=30) == 0
