@@ -894,6 +894,7 @@ def _replay_into_sinks(
     replayed = 0
     exported = True
     drained = True
+    bad_lines = 0
     # A recorded replay reports a failed export once, at the end; a follow runs for long,
     # so the SDK wiring's outage warnings are printed as they happen.
     quiet = contextlib.nullcontext() if follow else _export_reported_by_the_cli()
@@ -958,6 +959,7 @@ def _replay_into_sinks(
                     finally:
                         drained = relay.finish()
                         replayed = relay.events
+                        bad_lines = relay.bad_lines
                 else:
                     replayed = feed(bus, records, pace=_pacer(speed))
             encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
@@ -983,6 +985,10 @@ def _replay_into_sinks(
         return _error(
             "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
         )
+    if bad_lines:
+        lines = "1 line of the logs is" if bad_lines == 1 else f"{bad_lines} lines of the logs are"
+        message = f"{lines} no record this version reads (skipped)"
+        return _error("replay", f"{message}; {replayed} events relayed", status=1)
     if not drained:
         message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
         return _error("replay", message, status=1)

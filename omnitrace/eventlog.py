@@ -383,12 +383,15 @@ def _parse_lines(
     *,
     final: bool,
     torn: list[int] | None = None,
+    bad: list[EventLogError] | None = None,
 ) -> tuple[list[EventRecord], int]:
     """Decode the complete lines of ``data``; return the records and bytes consumed.
 
     A trailing piece without a newline is a batch still being written: it is left
     unconsumed, unless ``final`` (a finished file), where it is a torn line and skipped.
     Skipped lines are logged, or, with ``torn``, their numbers are appended to it instead.
+    A line that is no record this reader knows raises :class:`EventLogError`, or, with
+    ``bad``, is appended to it as one and skipped.
     """
     records: list[EventRecord] = []
     consumed = 0
@@ -418,11 +421,16 @@ def _parse_lines(
             else:
                 torn.append(line_no)
             continue
-        if not isinstance(parsed, dict):
-            raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
-        if parsed.get("type") == SEGMENT_TYPE:
-            continue  # describes the file, not an event: see log_gap()
-        records.append(decode_record(parsed, where=f"{path}:{line_no}"))
+        try:
+            if not isinstance(parsed, dict):
+                raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
+            if parsed.get("type") == SEGMENT_TYPE:
+                continue  # describes the file, not an event: see log_gap()
+            records.append(decode_record(parsed, where=f"{path}:{line_no}"))
+        except EventLogError as exc:
+            if bad is None:
+                raise
+            bad.append(exc)
     return records, consumed
 
 
@@ -506,8 +514,12 @@ class EventLogFollower:
         *,
         from_start: bool = True,
         start_offset: int | None = None,
+        skip_bad_lines: bool = False,
     ) -> None:
         self.path = Path(os.fspath(path))
+        self.bad_lines = 0
+        """Lines skipped because they are no record this reader knows (``skip_bad_lines``)."""
+        self._bad: list[EventLogError] | None = [] if skip_bad_lines else None
         self._file: IO[bytes] | None = None
         self._inode: int | None = None
         self._pending = b""
@@ -552,7 +564,8 @@ class EventLogFollower:
             self._file.close()
             self._file = None
             for newer in self._rotated_since(current.st_ino):
-                out.extend(_read_whole(newer))
+                out.extend(_read_whole(newer, self._bad))
+                self._count_bad()
             if self._try_open():
                 out.extend(self._drain())
         elif current.st_size < self._file.tell():
@@ -602,10 +615,18 @@ class EventLogFollower:
     def _drain(self, *, final: bool = False) -> list[EventRecord]:
         assert self._file is not None
         data = self._pending + self._file.read()
-        records, consumed = _parse_lines(data, self.path, self._line, final=final)
+        records, consumed = _parse_lines(data, self.path, self._line, final=final, bad=self._bad)
         self._line += data.count(b"\n", 0, consumed)
         self._pending = data[consumed:]
+        self._count_bad()
         return records
+
+    def _count_bad(self) -> None:
+        if self._bad:
+            for error in self._bad:
+                logger.warning("skipping a line: %s", error)
+            self.bad_lines += len(self._bad)
+            self._bad.clear()
 
     def close(self) -> None:
         """Close the file being followed (idempotent)."""
@@ -620,13 +641,13 @@ class EventLogFollower:
         self.close()
 
 
-def _read_whole(path: Path) -> list[EventRecord]:
+def _read_whole(path: Path, bad: list[EventLogError] | None) -> list[EventRecord]:
     """The records of a finished (rotated) file; none if it is gone meanwhile."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
-    return _parse_lines(data, path, 0, final=True)[0]
+    return _parse_lines(data, path, 0, final=True, bad=bad)[0]
 
 
 def follow(

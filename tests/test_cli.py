@@ -606,6 +606,24 @@ def test_replay_follow_until_exit_of_a_process_already_gone_relays_the_log_once(
     assert json.loads(out)["events"] == len(list(read_events(log)))
 
 
+def test_replay_follow_goes_on_past_a_line_of_a_newer_schema_and_says_so(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The records around it are relayed; the line is logged, and the exit status is 1."""
+    _, log = recorded
+    lines = log.read_bytes().splitlines(keepends=True)
+    middle = len(lines) // 2
+    newer = json.dumps({"v": 99, "type": "GraphReplayed", "pid": 1, "rank": 0}).encode()
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"".join([*lines[:middle], newer + b"\n", *lines[middle:]]))
+    follow = ["replay", "--follow", "--duration", "0.5", "--prometheus-port", "0"]
+    code = main([*follow, str(path)])
+    err = capsys.readouterr().err
+    events = len(list(read_events(log)))
+    assert code == 1
+    assert f"1 line of the logs is no record this version reads (skipped); {events} events" in err
+
+
 def test_replay_follow_on_a_taken_port_is_a_one_line_error(
     recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
