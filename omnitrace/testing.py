@@ -2,7 +2,7 @@
 
 ``SimulatedGraphBackend`` simulates a CUDA device on CPU tensors: it is for tests and the
 CPU demo, never for serving. ``capture_events`` records what a bus emits. ``sig`` builds the
-signature of a hand-made event from its text form.
+signature of a hand-made event from its text form, and ``captured`` a hand-made capture.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import contextlib
 from collections.abc import Iterator
 
 from omnitrace.bus import EventBus
-from omnitrace.events import Event
+from omnitrace.events import Event, GraphCaptured
 from omnitrace.graphs.backends.simulated import SimulatedGraph, SimulatedGraphBackend
 from omnitrace.signature import Signature
 
-__all__ = ["SimulatedGraph", "SimulatedGraphBackend", "capture_events", "sig"]
+__all__ = ["SimulatedGraph", "SimulatedGraphBackend", "capture_events", "captured", "sig"]
 
 
 def sig(text: str) -> Signature:
@@ -27,6 +27,27 @@ def sig(text: str) -> Signature:
         SignatureParseError: ``text`` is not a signature's text form.
     """
     return Signature.parse(text)
+
+
+def captured(
+    adapter: str, signature: str, *, epoch_ns: int = 0, graph_index: int = 0
+) -> GraphCaptured:
+    """Return a hand-made ``GraphCaptured`` of ``signature`` (its text form) on the CPU:
+    10 ms of capture, 1 KiB reserved, 64 static bytes."""
+    return GraphCaptured(
+        adapter,
+        sig(signature),
+        monotonic_ns=epoch_ns,
+        epoch_ns=epoch_ns,
+        duration_s=0.01,
+        pool_id=0,
+        device="cpu",
+        stream=0,
+        capture_stream=1,
+        bytes_reserved=1024,
+        static_bytes=64,
+        graph_index=graph_index,
+    )
 
 
 @contextlib.contextmanager

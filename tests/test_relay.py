@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace import EventBus, GraphCaptured, GraphReplayed, derive_stats
+from omnitrace import EventBus, GraphReplayed, derive_stats
 from omnitrace.eventlog import AdapterInfo, EventRecord, LineEncoder, read_records
 from omnitrace.events import Event
 from omnitrace.relay import LogRelay, feed, qualified_name
 from omnitrace.sinks.jsonl import JsonlSink
-from omnitrace.testing import sig
+from omnitrace.testing import captured, sig
 
 
 class SlowSink:
@@ -32,20 +32,7 @@ class SlowSink:
 def events(adapter: str, n: int, start: int = 0) -> list[Event]:
     """``n`` hits of two signatures, after one capture of each."""
     out: list[Event] = [
-        GraphCaptured(
-            adapter,
-            sig(f"float32[1,{k}] @cpu s=0"),
-            monotonic_ns=start,
-            epoch_ns=start,
-            duration_s=0.01,
-            pool_id=0,
-            device="cpu",
-            stream=0,
-            capture_stream=1,
-            bytes_reserved=1024,
-            static_bytes=64,
-            graph_index=k - 1,
-        )
+        captured(adapter, f"float32[1,{k}] @cpu s=0", epoch_ns=start, graph_index=k - 1)
         for k in (1, 2)
     ]
     out += [

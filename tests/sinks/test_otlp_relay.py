@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace import ConfigError, EventBus, GraphCaptured, GraphReplayed
+from omnitrace import ConfigError, EventBus, GraphReplayed
 from omnitrace.events import Event
 from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.sinks.otlp_relay import RelayedExport
 from omnitrace.sinks.registry import build_sinks
-from omnitrace.testing import sig
+from omnitrace.testing import captured, sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 HITS = "omnitrace.encoder.graph.hits"
@@ -28,21 +28,8 @@ def events(n: int) -> list[Event]:
     """One capture, then ``n`` hits of its signature."""
     key = sig("float32[1,8] @cpu s=0")
     now = time.time_ns()
-    captured = GraphCaptured(
-        "audio",
-        key,
-        monotonic_ns=1,
-        epoch_ns=now,
-        duration_s=0.01,
-        pool_id=0,
-        device="cpu",
-        stream=0,
-        capture_stream=1,
-        bytes_reserved=1024,
-        static_bytes=64,
-        graph_index=0,
-    )
-    return [captured, *(GraphReplayed("audio", key, 2 + i, now + i, 1e-4) for i in range(n))]
+    first = captured("audio", "float32[1,8] @cpu s=0", epoch_ns=now)
+    return [first, *(GraphReplayed("audio", key, 2 + i, now + i, 1e-4) for i in range(n))]
 
 
 def hits(receiver: OTLPReceiver) -> int | None:
