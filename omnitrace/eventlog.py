@@ -576,13 +576,19 @@ class EventLogFollower:
 
     def _replaced_in_place(self) -> bool:
         """Whether the open file was truncated since the last read (and maybe grew again)."""
-        assert self._file is not None
-        fd = self._file.fileno()
-        end = self._file.tell() - len(self._pending)  # just after the last complete line
-        if os.fstat(fd).st_size < self._file.tell():
+        file = self._file
+        assert file is not None
+        position = file.tell()
+        end = position - len(self._pending)  # just after the last complete line
+        if os.fstat(file.fileno()).st_size < position:
             return True
+        if end <= 0:
+            return False
         # The byte before the next line was a newline; rewritten content moves it.
-        return end > 0 and os.pread(fd, 1, end - 1) != b"\n"
+        file.seek(end - 1)
+        before = file.read(1)
+        file.seek(position)
+        return before != b"\n"
 
     def _restart(self) -> None:
         assert self._file is not None
