@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from omnitrace.bus import EventBus
 from omnitrace.eventlog import AdapterInfo, EventLogFollower, EventRecord
@@ -36,8 +36,12 @@ STUCK_DRAIN_TIMEOUT_S = 0.5
 
 def qualified_name(adapter: str, source: tuple[int, int]) -> str:
     """Return ``adapter@rankR.pidP``: one writer's adapter among several writers'."""
+    return adapter + _suffix(source)
+
+
+def _suffix(source: tuple[int, int]) -> str:
     rank, pid = source
-    return f"{adapter}@rank{rank}.pid{pid}"
+    return f"@rank{rank}.pid{pid}"
 
 
 class _Emitter:
@@ -56,21 +60,19 @@ class _Emitter:
         self.drained = True
         self._since_drain = 0
 
-    def emit(self, records: Iterable[EventRecord], name_of: dict[tuple[int, int], bool]) -> int:
+    def emit(self, records: Iterable[EventRecord], suffix_of: Mapping[tuple[int, int], str]) -> int:
+        """Emit ``records``; each writer's adapters get ``suffix_of[source]`` appended."""
         emitted = 0
         for record in records:
             item = record.item
-            qualify = name_of[record.source]
+            suffix = suffix_of[record.source]
             if isinstance(item, AdapterInfo):
-                adapter = qualified_name(item.adapter, record.source) if qualify else item.adapter
-                self.bus.register_adapter(adapter, item.info)
+                self.bus.register_adapter(item.adapter + suffix, item.info)
                 continue
             if self.pace is not None:
                 self.pace(item)
-            if qualify:
-                item = dataclasses.replace(
-                    item, adapter=qualified_name(item.adapter, record.source)
-                )
+            if suffix:
+                item = dataclasses.replace(item, adapter=item.adapter + suffix)
             self.bus.emit(item)
             emitted += 1
             self._since_drain += 1
@@ -103,7 +105,8 @@ def feed(
     """
     sources = {record.source for record in records}
     emitter = _Emitter(bus, chunk, pace)
-    emitter.emit(records, dict.fromkeys(sources, len(sources) > 1))
+    several = len(sources) > 1
+    emitter.emit(records, {source: _suffix(source) if several else "" for source in sources})
     emitter.drain()
     return emitter.events
 
@@ -115,7 +118,9 @@ class LogRelay:
     (it may wait for the bus's sinks, see the module). The first writer seen keeps its
     adapter names when one log is followed; any other writer's adapters (and every
     writer's, when several logs are followed) are named :func:`qualified_name`, so two
-    workers' stats never merge.
+    workers' stats never merge; a writer whose rank and pid a writer of another log has
+    already (pids reused across hosts or containers) also gets ``.logN``, N counting the
+    logs from 1.
 
     Args:
         bus: the bus to emit into (its folds and sinks see every relayed event).
@@ -148,7 +153,7 @@ class LogRelay:
         ]
         self._emitter = _Emitter(bus, chunk)
         self._several = len(paths) > 1
-        self._qualify: dict[tuple[int, int], bool] = {}
+        self._suffixes: dict[tuple[int, tuple[int, int]], str] = {}
 
     @property
     def events(self) -> int:
@@ -158,7 +163,7 @@ class LogRelay:
     @property
     def sources(self) -> list[tuple[int, int]]:
         """``(rank, pid)`` of every writer seen so far, in the order they were seen."""
-        return list(self._qualify)
+        return list(dict.fromkeys(source for _, source in self._suffixes))
 
     @property
     def bad_lines(self) -> int:
@@ -174,13 +179,29 @@ class LogRelay:
     def poll(self) -> int:
         """Emit what the logs gained since the last poll; return the number of events."""
         emitted = 0
-        for follower in self._followers:
+        for index, follower in enumerate(self._followers):
             records = follower.poll()
-            for record in records:
-                if record.source not in self._qualify:
-                    self._qualify[record.source] = self._several or bool(self._qualify)
-            emitted += self._emitter.emit(records, self._qualify)
+            names: dict[tuple[int, int], str] = {}
+            for source in {record.source for record in records}:
+                names[source] = self._name(index, source)
+            emitted += self._emitter.emit(records, names)
         return emitted
+
+    def _name(self, log: int, source: tuple[int, int]) -> str:
+        """The suffix of a writer's adapter names, fixed when the writer is first seen."""
+        key = (log, source)
+        suffix = self._suffixes.get(key)
+        if suffix is None:
+            if not self._several and not self._suffixes:
+                suffix = ""  # the first writer of the one log keeps its names
+            else:
+                suffix = _suffix(source)
+                if suffix in self._suffixes.values():
+                    # The same rank and pid in another log (pids reused across hosts or
+                    # containers): told apart by the log.
+                    suffix += f".log{log + 1}"
+            self._suffixes[key] = suffix
+        return suffix
 
     def finish(self) -> bool:
         """Relay what is left, wait for the sinks, and close the logs; True if all drained."""

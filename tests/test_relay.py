@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -269,3 +270,21 @@ def test_a_relay_can_join_its_log_at_a_writers_offset(tmp_path: Path) -> None:
 
 def encode_line(item: Event) -> bytes:
     return LineEncoder(pid=7, rank=0)(item)
+
+
+def test_writers_of_two_logs_with_the_same_rank_and_pid_stay_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hosts or containers reuse pids: the second log's writer is told apart by its log."""
+    paths = [tmp_path / "host-a.jsonl", tmp_path / "host-b.jsonl"]
+    write(paths[0], events("vision", 5), "0", monkeypatch)
+    write(paths[1], events("vision", 9), "0", monkeypatch)
+    bus = EventBus()
+    relay = LogRelay(bus, paths)
+    try:
+        relay.finish()
+    finally:
+        bus.close()
+    name = qualified_name("vision", (0, os.getpid()))
+    hits = {n: s.graph_hits for n, s in bus.adapter_stats().items()}
+    assert hits == {name: 5, f"{name}.log2": 9}
