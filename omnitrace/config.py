@@ -85,7 +85,7 @@ class EncoderGraphConfig:
             preparation thread's allocations would break). With ``compile`` too, only where
             no other thread calls torch.compile'd code: PyTorch's FX tracing flag is
             process-wide, so such a call raises while the preparation thread compiles; and
-            while it compiles, the interpreter's GIL switch interval is 0.5 ms (restored
+            while it compiles, the interpreter's GIL switch interval is 0.1 ms (restored
             after), so serving threads are not starved behind the compile.
         device_timing: time eager and replayed calls on the device with CUDA events,
             recorded without a host sync and resolved off the call path into

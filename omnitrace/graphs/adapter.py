@@ -187,7 +187,7 @@ class _SwitchInterval:
 
 
 #: The GIL switch interval while a background compile runs (see _SwitchInterval).
-COMPILE_SWITCH_INTERVAL = _SwitchInterval(0.0005)
+COMPILE_SWITCH_INTERVAL = _SwitchInterval(0.0001)
 
 
 def _waiting_ready_keys() -> bool:
