@@ -16,6 +16,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from omnitrace._validate import check_int
 from omnitrace.bus import EventBus
 from omnitrace.eventlog import AdapterInfo, EventLogFollower, EventRecord
 from omnitrace.events import Event
@@ -50,11 +51,9 @@ class _Emitter:
     def __init__(
         self, bus: EventBus, chunk: int, pace: Callable[[Event], None] | None = None
     ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk: expected a positive number of events, got {chunk!r}")
         self.bus = bus
         # Half the bus's queue at most, so a chunk always fits beside what the pump holds.
-        self.chunk = min(chunk, max(1, bus.queue_size // 2))
+        self.chunk = min(check_int("chunk", chunk, minimum=1), max(1, bus.queue_size // 2))
         self.pace = pace
         self.events = 0
         self.drained = True
