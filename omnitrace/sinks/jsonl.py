@@ -69,6 +69,7 @@ __all__ = [
     "log_gap",
     "read_events",
     "read_records",
+    "worker_log_path",
     "worker_rank",
 ]
 
@@ -79,6 +80,12 @@ class _AdapterSource(Protocol):
     """What the sink needs from an EventBus: the registered adapter facts."""
 
     def adapters(self) -> Mapping[str, Mapping[str, Any]]: ...
+
+
+def worker_log_path(path: str | os.PathLike[str], *, pid: int, rank: int) -> Path:
+    """Return the file a worker writes for the log ``path``: ``{pid}`` and ``{rank}`` filled
+    in (the JSONL sink's path, and the one the OTLP relay follows)."""
+    return Path(os.fspath(path).format(pid=pid, rank=rank))
 
 
 class JsonlSink:
@@ -117,7 +124,7 @@ class JsonlSink:
         self.pid = os.getpid()
         self.rank = worker_rank()
         self._encode = LineEncoder(pid=self.pid, rank=self.rank)
-        self.path = Path(os.fspath(path).format(pid=self.pid, rank=self.rank))
+        self.path = worker_log_path(path, pid=self.pid, rank=self.rank)
         self.max_bytes = max_bytes
         self.backups = backups
         self.rotations = 0

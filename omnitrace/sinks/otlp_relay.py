@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from omnitrace._env import env_flag
 from omnitrace._worker import worker_rank
 from omnitrace.config import ConfigError
+from omnitrace.sinks.jsonl import worker_log_path
 from omnitrace.sinks.names import ATTR
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
@@ -52,6 +53,7 @@ class RelayedExport:
         environ: the worker's environment; the child gets its ``OTEL_*`` variables and
             none of its ``OMNITRACE_*`` ones.
         pid: the worker's process id (the child stops once it has exited).
+        rank: the worker's rank, when known (a resource attribute, as in-process).
         command: how to run omnitrace's command line (this interpreter's ``-m omnitrace``).
 
     Raises:
@@ -165,8 +167,8 @@ def _build_sink(request: SinkRequest) -> RelayedExport:
             "OMNITRACE_OTLP_RELAY: OMNITRACE_OTLP is set too, and every span and metric would "
             "be exported twice; set one of them"
         )
-    # The path the worker's JSONL sink writes: the same substitution, the same rank.
-    path = log.format(pid=request.pid, rank=worker_rank(environ))
+    # The path the worker's JSONL sink writes, with the same rank.
+    path = worker_log_path(log, pid=request.pid, rank=worker_rank(environ))
     return RelayedExport(path, environ=environ, pid=request.pid, rank=request.rank)
 
 
