@@ -505,9 +505,6 @@ class EventLogFollower:
             follow was started for it); the top when the file is shorter by then.
     """
 
-    #: Most rotated files looked at to find where a renamed file went.
-    _BACKUPS_SEARCHED = 10_000
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -599,12 +596,11 @@ class EventLogFollower:
     def _rotated_since(self, new_inode: int) -> list[Path]:
         """The rotated files newer than the one just finished, oldest first."""
         newer: list[Path] = []
-        for index in range(1, self._BACKUPS_SEARCHED + 1):
-            backup = self.path.with_name(f"{self.path.name}.{index}")
+        for backup in reversed(rotated_files(self.path)[:-1]):  # newest (path.1) first
             try:
                 inode = os.stat(backup).st_ino
             except FileNotFoundError:
-                break
+                continue
             if inode == self._inode:
                 return newer[::-1]
             if inode != new_inode:
