@@ -770,21 +770,17 @@ def _cmd_top(args: argparse.Namespace) -> int:
     board = RecordBoard(title=f"omnitrace top · following {names}")
     board.footer = ("q or Ctrl-C quits",) if tui else ()
     followers = [EventLogFollower(path) for path in args.paths]
-    deadline = None if args.duration is None else time.monotonic() + args.duration
+
+    def poll() -> None:
+        for follower in followers:
+            board.add(follower.poll())
+
     try:
-        with (
-            LiveView(board, console=console) if tui else contextlib.nullcontext(),
-            _keys() if tui else contextlib.nullcontext(_keys_off) as wait,
-        ):
-            while deadline is None or time.monotonic() < deadline:
-                for follower in followers:
-                    board.add(follower.poll())
-                if "q" in wait(FOLLOW_POLL_S).lower():
-                    break
-            for follower in followers:
-                board.add(follower.poll())
+        with LiveView(board, console=console) if tui else contextlib.nullcontext():
+            _follow(poll, args.duration, threading.Event(), keys=tui)
+            poll()
     except KeyboardInterrupt:
-        pass  # Ctrl-C is one way a follow ends.
+        pass  # Ctrl-C during the last read ends it too.
     except EventLogError as exc:
         return _error("top", str(exc))
     finally:
@@ -811,7 +807,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         "until_stdin_closes",
         "from_offset",
     ):
-        if getattr(args, option) is not None and getattr(args, option) is not False:
+        value = getattr(args, option)
+        if value is not None and value is not False:
             flag = "--" + option.replace("_", "-")
             return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
     logs = _read_logs("replay", args.paths)
@@ -949,7 +946,7 @@ def _replay_into_sinks(
                     relay = LogRelay(bus, args.paths, offsets=offsets)
                     try:
                         _follow(
-                            relay,
+                            relay.poll,
                             args.duration,
                             stop,
                             keys=args.tui,
@@ -1065,22 +1062,23 @@ def _pacer(speed: float) -> Callable[[Event], None] | None:
 
 
 def _follow(
-    relay: Any,
+    poll: Callable[[], object],
     duration: float | None,
     stop: threading.Event,
     *,
     keys: bool,
-    until_exit: int | None,
-    stdin_stops: bool,
+    until_exit: int | None = None,
+    stdin_stops: bool = False,
 ) -> None:
-    """Poll ``relay`` until ``duration`` passed, q is typed (``keys``), Ctrl-C, ``stop`` is
-    set (SIGTERM), process ``until_exit`` ended or (``stdin_stops``) standard input closed."""
+    """Call ``poll`` every FOLLOW_POLL_S until ``duration`` passed, q is typed (``keys``),
+    Ctrl-C, ``stop`` is set (SIGTERM), process ``until_exit`` ended or (``stdin_stops``)
+    standard input closed."""
     deadline = None if duration is None else time.monotonic() + duration
     parent = os.getppid()
     try:
         with _keys() if keys else contextlib.nullcontext(_keys_off) as wait:
             while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                relay.poll()
+                poll()
                 if "q" in wait(FOLLOW_POLL_S).lower():
                     break
                 if until_exit is not None and _exited(until_exit, parent):
