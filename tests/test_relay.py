@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,17 @@ def write(path: Path, items: Sequence[Event], rank: str, monkeypatch: pytest.Mon
         sink.handle(items)
     finally:
         sink.close()
+
+
+def relayed(paths: Sequence[Path], **options: Any) -> tuple[EventBus, LogRelay]:
+    """Relay the whole of ``paths`` into a fresh bus, then close it; return both."""
+    bus = EventBus()
+    relay = LogRelay(bus, paths, **options)
+    try:
+        relay.finish()
+    finally:
+        bus.close()
+    return bus, relay
 
 
 def test_feed_delivers_a_log_far_longer_than_the_bus_queue_without_a_drop() -> None:
@@ -140,12 +152,7 @@ def test_relay_of_several_logs_names_every_writer(
     paths = [tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"]
     for rank, path in enumerate(paths):
         write(path, events("audio", 3 + rank), str(rank), monkeypatch)
-    bus = EventBus()
-    relay = LogRelay(bus, paths)
-    try:
-        relay.finish()
-    finally:
-        bus.close()
+    bus, _ = relayed(paths)
     hits = {
         name.split("@")[1].split(".")[0]: s.graph_hits for name, s in bus.adapter_stats().items()
     }
@@ -258,12 +265,7 @@ def test_a_relay_can_join_its_log_at_a_writers_offset(tmp_path: Path) -> None:
     with open(path, "ab") as log:
         for item in new:
             log.write(encode_line(item))
-    bus = EventBus()
-    relay = LogRelay(bus, [path], offsets=[offset])
-    try:
-        relay.finish()
-    finally:
-        bus.close()
+    bus, relay = relayed([path], offsets=[offset])
     assert relay.events == len(new)
     assert set(bus.adapter_stats()) == {"vision"}
 
@@ -279,12 +281,7 @@ def test_writers_of_two_logs_with_the_same_rank_and_pid_stay_apart(
     paths = [tmp_path / "host-a.jsonl", tmp_path / "host-b.jsonl"]
     write(paths[0], events("vision", 5), "0", monkeypatch)
     write(paths[1], events("vision", 9), "0", monkeypatch)
-    bus = EventBus()
-    relay = LogRelay(bus, paths)
-    try:
-        relay.finish()
-    finally:
-        bus.close()
+    bus, _ = relayed(paths)
     name = qualified_name("vision", (0, os.getpid()))
     hits = {n: s.graph_hits for n, s in bus.adapter_stats().items()}
     assert hits == {name: 5, f"{name}.log2": 9}
