@@ -124,11 +124,12 @@ MISS_EVERY = 12
 _OMNITRACE = (sys.executable, "-m", "omnitrace")
 
 #: The scraper process of the relayed arm: GET the URL every INTERVAL seconds until SIGTERM,
-#: then print how many scrapes succeeded.
+#: then print how many scrapes succeeded and how many failed once one had succeeded (before
+#: that, the relay is still starting and refuses).
 _SCRAPER = """
 import signal, sys, time, urllib.request
 url, interval = sys.argv[1], float(sys.argv[2])
-ok = 0
+ok = failed = 0
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 while not stop:
@@ -136,10 +137,12 @@ while not stop:
         with urllib.request.urlopen(url, timeout=5) as response:
             response.read()
         ok += 1
-    except OSError:
-        pass
+    except OSError as exc:
+        if ok:
+            failed += 1
+            print(f"scrape failed: {exc}", file=sys.stderr)
     time.sleep(interval)
-print(ok)
+print(ok, failed)
 """
 
 
@@ -379,7 +382,7 @@ class Relay:
     def finish(self) -> dict[str, Any]:
         """SIGTERM both; the relay must exit 0 having relayed the whole log."""
         self.scraper.send_signal(signal.SIGTERM)
-        scrapes, _ = self.scraper.communicate(timeout=30)
+        counts, _ = self.scraper.communicate(timeout=30)
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
         out, err = self.out.read_text(), self.err.read_text()
@@ -389,7 +392,15 @@ class Relay:
             (int(line.split()[1]) for line in out.splitlines() if line.startswith("replayed ")),
             None,
         )
-        return {"exit_code": code, "relayed_events": relayed, "scrapes": int(scrapes or 0)}
+        scrapes, failed = (int(n) for n in counts.split())
+        if failed:
+            raise RuntimeError(f"{failed} scrapes of the relay's /metrics failed ({scrapes} ok)")
+        return {
+            "exit_code": code,
+            "relayed_events": relayed,
+            "scrapes": scrapes,
+            "scrape_failures": failed,
+        }
 
     def kill(self) -> None:
         for process in (self.scraper, self.process):

@@ -245,6 +245,7 @@ def test_every_suite_runs_simulated_on_cpu(simulated: tuple[Path, Any]) -> None:
     assert relayed["relay"]["exit_code"] == 0
     assert relayed["relay"]["relayed_events"] == relayed["emitted"] > 0
     assert relayed["relay"]["scrapes"] >= 1
+    assert relayed["relay"]["scrape_failures"] == 0
     (check,) = obs["targets"]
     assert check["value"] is not None
     assert obs["same_counts_in_every_arm"] is True
