@@ -84,6 +84,9 @@ class DeviceTimer:
         self._poll_interval = poll_interval
         self._pending: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
         self._lock = threading.Lock()
+        # Held by a resolve from taking pairs until it emitted their events, so a resolve that
+        # finds nothing left (a flush) returns only once the events taken are emitted.
+        self._resolving = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._closed = False
@@ -128,34 +131,40 @@ class DeviceTimer:
         """
         deadline = time.monotonic() + timeout
         while True:
-            ready: list[DeviceTimed] = []
-            with self._lock:
-                kept: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
-                while self._pending:
-                    item = self._pending.popleft()
-                    start, end, adapter, signature, kind, phase = item
-                    if not self.clock.passed(end):
-                        kept.append(item)
-                        continue
-                    seconds = self.clock.seconds(start, end)
-                    self.clock.release(start)
-                    self.clock.release(end)
-                    ready.append(
-                        DeviceTimed(adapter, signature, _mono(), _epoch(), kind, seconds, phase)
-                    )
-                # Pairs recorded meanwhile were appended behind the ones kept.
-                self._pending.extendleft(reversed(kept))
-                left = len(self._pending)
-                self.resolved += len(ready)
-            # Emitted outside the timer's lock: emitting takes the adapter's lock, which the
-            # call path holds while it queues pairs.
-            for event in ready:
-                self._emit(event)
+            with self._resolving:
+                left = self._resolve_passed()
             if not left:
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+    def _resolve_passed(self) -> int:
+        """Emit the events of the pairs the device has passed; return how many pairs are left."""
+        ready: list[DeviceTimed] = []
+        with self._lock:
+            kept: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
+            while self._pending:
+                item = self._pending.popleft()
+                start, end, adapter, signature, kind, phase = item
+                if not self.clock.passed(end):
+                    kept.append(item)
+                    continue
+                seconds = self.clock.seconds(start, end)
+                self.clock.release(start)
+                self.clock.release(end)
+                ready.append(
+                    DeviceTimed(adapter, signature, _mono(), _epoch(), kind, seconds, phase)
+                )
+            # Pairs recorded meanwhile were appended behind the ones kept.
+            self._pending.extendleft(reversed(kept))
+            left = len(self._pending)
+            self.resolved += len(ready)
+        # Emitted outside the timer's lock: emitting takes the adapter's lock, which the
+        # call path holds while it queues pairs.
+        for event in ready:
+            self._emit(event)
+        return left
 
     def close(self, timeout: float = 1.0) -> bool:
         """Resolve what the device finishes within ``timeout`` and stop the thread."""

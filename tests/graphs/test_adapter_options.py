@@ -26,7 +26,8 @@ from omnitrace import (
 )
 from omnitrace.events import DeviceTimed, Phase
 from omnitrace.graphs.adapter import COMPILE_SWITCH_INTERVAL, _SwitchInterval
-from omnitrace.testing import SimulatedGraphBackend, capture_events
+from omnitrace.graphs.timing import DeviceTimer, HostClock
+from omnitrace.testing import SimulatedGraphBackend, capture_events, sig
 
 CFG = EncoderGraphConfig(min_free_bytes=0)
 
@@ -583,3 +584,32 @@ def test_the_switch_interval_is_restored_only_by_the_last_compile_and_never_over
     longer = _SwitchInterval(host * 10)  # never lengthens the host's interval
     with longer.short():
         assert sys.getswitchinterval() == host
+
+
+def test_a_flush_returns_only_once_the_timings_another_resolve_took_are_emitted() -> None:
+    """The timer's thread may be emitting what it resolved when a flush finds nothing left:
+    the flush waits for those events, so a caller that flushed has seen every one."""
+    emitting, release = threading.Event(), threading.Event()
+    emitted: list[Any] = []
+
+    def slow_emit(event: Any) -> None:
+        emitting.set()
+        assert release.wait(10)
+        emitted.append(event)
+
+    timer = DeviceTimer(HostClock(), slow_emit, poll_interval=3600)
+    timer.stop(timer.start(), "a", sig("float32[1] @cpu s=0"), "eager", Phase.SERVING)
+    first = threading.Thread(target=timer.resolve)
+    first.start()
+    assert emitting.wait(10)  # the first resolve took the pair and is emitting it
+    flushed: list[bool] = []
+    flush = threading.Thread(target=lambda: flushed.append(timer.resolve(5.0)))
+    flush.start()
+    flush.join(0.3)
+    assert flush.is_alive()  # nothing is pending, but the event is not emitted yet
+    release.set()
+    first.join(10)
+    flush.join(10)
+    assert flushed == [True]
+    assert len(emitted) == 1
+    timer.close()
