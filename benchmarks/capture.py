@@ -84,6 +84,7 @@ from benchmarks.common import (
 from benchmarks.traffic import AUDIO_MEDIUM, VISION_MEDIUM, Request, make_stream
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, Event, EventBus, GraphMissed
 from omnitrace.demo.encoders import AUDIO_TINY, VISION_TINY, AudioEncoder, VisionEncoder
+from omnitrace.graphs.gil import COMPILE_YIELD
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "capture"
@@ -495,6 +496,7 @@ def run_mode(
         "tolerance": mode.tolerance,
     }
     calls_before = cotenant.counts()
+    yielded = COMPILE_YIELD.statistics()
     start = time.perf_counter()
     errors: list[dict[str, str]] = []
     try:
@@ -530,6 +532,13 @@ def run_mode(
                 "duration_s": time.perf_counter() - start,
             }
         )
+        # What the compiling preparations gave up to eager calls (graphs/gil.py).
+        now = COMPILE_YIELD.statistics()
+        row["compile_pauses"] = {
+            "pauses": now.pauses - yielded.pauses,
+            "paused_s": now.paused_s - yielded.paused_s,
+            "cut_short": now.cut_short - yielded.cut_short,
+        }
     finally:
         bus.close()
     return row
@@ -545,6 +554,12 @@ def _describe(row: dict[str, Any]) -> str:
                 f"{name} p50 {lat['p50']:,.0f} / p99 {lat['p99']:,.0f} / max {lat['max']:,.0f} us, "
                 f"hit rate {p['hit_rate'] * 100:.1f} %;"
             )
+    pauses = row.get("compile_pauses")
+    if pauses and pauses["pauses"]:
+        parts.append(
+            f"compiles paused {pauses['pauses']} times ({pauses['paused_s'] * 1e3:,.0f} ms, "
+            f"{pauses['cut_short']} cut short) for eager calls;"
+        )
     parts.append(
         f"{row.get('graphs', 0)} graphs, wrong outputs "
         f"{sum(row[p]['wrong'] for p in ('cold', 'warm') if p in row)}, "

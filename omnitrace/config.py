@@ -84,9 +84,11 @@ class EncoderGraphConfig:
             backend only (vLLM's manager captures in CUDA's global mode, which the
             preparation thread's allocations would break). With ``compile`` too, only where
             no other thread calls torch.compile'd code: PyTorch's FX tracing flag is
-            process-wide, so such a call raises while the preparation thread compiles; and
-            while it compiles, the interpreter's GIL switch interval is 0.1 ms (restored
-            after), so serving threads are not starved behind the compile.
+            process-wide, so such a call raises while the preparation thread compiles. While
+            it compiles, the interpreter's GIL switch interval is 0.1 ms (restored after),
+            and the compiling thread pauses while any adapter's eager call is in flight (at
+            most 20 ms at a time, then it runs 2 ms), so serving threads are not starved
+            behind the compile.
         device_timing: time eager and replayed calls on the device with CUDA events,
             recorded without a host sync and resolved off the call path into
             ``DeviceTimed`` events. Off by default (host time only).

@@ -92,10 +92,13 @@ def test_emit_cost_is_measured_without_drops(cpu_results: tuple[Path, dict[str, 
 
 
 def test_fold_counts_equal_events(cpu_results: tuple[Path, dict[str, Any]]) -> None:
-    """The stats fold counts exactly the hits and misses of the events it was given."""
+    """The stats fold, and the bus's coverage fold applying the stats, count exactly the hits
+    and misses of the events they were given."""
     fold = cpu_results[1]["result"]["fold"]
     assert _positive(fold["events_per_s"])
     assert fold["folded"] == fold["expected"]
+    assert _positive(fold["bus_fold"]["events_per_s"])
+    assert fold["bus_fold"]["folded"] == fold["expected"]
     total = sum(v["graph_hits"] + v["graph_misses"] for v in fold["folded"].values())
     assert total == fold["events"]
 

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import queue
 import re
-import sys
 import threading
 import time
 import weakref
@@ -64,6 +63,7 @@ from omnitrace.graphs.eligibility import (
     signature_of,
     state_detail,
 )
+from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
 from omnitrace.graphs.pools import PoolRegistry, PoolSlot
 from omnitrace.graphs.timing import DeviceTimer
 from omnitrace.signature import Signature
@@ -144,50 +144,6 @@ def _recompile_limit() -> int | None:
 # interpreter tears down.
 _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0
-
-
-class _SwitchInterval:
-    """Shorten the interpreter's GIL switch interval while any compiling preparation runs.
-
-    Compiling is Python-heavy (dynamo, AOTAutograd, inductor) and holds the GIL for whole
-    switch intervals (5 ms by default). A serving thread that drops the GIL many times per
-    call (each kernel launch, each device wait) then waits for it again each time, and its
-    calls stall behind the compile (the convoy effect). A short interval hands the GIL back
-    to the serving threads within it, at the cost of a slower compile. The interval is a
-    process-wide setting: it is restored once the last compiling preparation ends, unless
-    someone else changed it meanwhile.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._saved: float | None = None
-
-    @contextlib.contextmanager
-    def short(self) -> Iterator[None]:
-        with self._lock:
-            if self._depth == 0:
-                current = sys.getswitchinterval()
-                self._saved = current if current > self.seconds else None
-                if self._saved is not None:
-                    sys.setswitchinterval(self.seconds)
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                saved = self._saved
-                if self._depth == 0 and saved is not None:
-                    self._saved = None
-                    # Another setting made meanwhile is the host's: leave it.
-                    if abs(sys.getswitchinterval() - self.seconds) < 1e-9:
-                        sys.setswitchinterval(saved)
-
-
-#: The GIL switch interval while a background compile runs (see _SwitchInterval).
-COMPILE_SWITCH_INTERVAL = _SwitchInterval(0.0001)
 
 
 def _waiting_ready_keys() -> bool:
@@ -532,6 +488,8 @@ class EncoderCudaGraph:
         phase = self._phase
         timer = None if self._timers is None or device is None else self._timer(device)
         marker = timer.start() if timer is not None else None
+        # A compiling preparation pauses while eager calls are in flight (graphs/gil.py).
+        token = COMPILE_YIELD.begin()
         start = _perf()
         try:
             return self._forward(*inputs)
@@ -539,6 +497,7 @@ class EncoderCudaGraph:
             # Emitted after the eager run, with its host time; a forward that raised is still
             # a call that missed.
             duration = _perf() - start
+            COMPILE_YIELD.end(token)
             if timer is not None:
                 timer.stop(marker, self.name, signature, "eager", phase)
             self._emit(
@@ -853,6 +812,8 @@ class EncoderCudaGraph:
 
     def _prepare(self, job: _Job, side: dict[torch.device, Any]) -> None:
         """Warm up (and compile) on a side stream, then mark the key ready for capture."""
+        began = time.monotonic()
+        yielded = COMPILE_YIELD.statistics()
         try:
             with self._preparation_scope(), self._grad_scope(job):
                 if job.device.type == "cuda":
@@ -878,6 +839,17 @@ class EncoderCudaGraph:
                 self._failure,
             )
             return
+        if self.config.compile:
+            # Compiles hold the capture lock one at a time: the difference is this one's.
+            now = COMPILE_YIELD.statistics()
+            logger.debug(
+                "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
+                self.name,
+                job.signature.text,
+                time.monotonic() - began,
+                now.pauses - yielded.pauses,
+                (now.paused_s - yielded.paused_s) * 1e3,
+            )
         with self._lock:
             self._preparing.discard(job.key)
             # A compiled forward warms up once more at capture, on the caller's thread: a
@@ -903,7 +875,12 @@ class EncoderCudaGraph:
             time.sleep(0.002)
         for adapter in list(_THREADED):
             adapter._wanted.clear()  # each wait is earned once; a later miss earns another
-        with CAPTURE_LOCK, self._compile_guard(), COMPILE_SWITCH_INTERVAL.short():
+        with (
+            CAPTURE_LOCK,
+            self._compile_guard(),
+            COMPILE_SWITCH_INTERVAL.short(),
+            COMPILE_YIELD.yielding(),
+        ):
             yield
 
     @staticmethod

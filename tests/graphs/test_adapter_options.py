@@ -25,7 +25,7 @@ from omnitrace import (
     derive_stats,
 )
 from omnitrace.events import DeviceTimed, Phase
-from omnitrace.graphs.adapter import COMPILE_SWITCH_INTERVAL, _SwitchInterval
+from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
 from omnitrace.graphs.timing import DeviceTimer, HostClock
 from omnitrace.testing import SimulatedGraphBackend, capture_events, sig
 
@@ -565,25 +565,56 @@ def test_a_compiling_preparation_shortens_the_gil_switch_interval_while_it_runs(
     assert sys.getswitchinterval() == host
 
 
-def test_the_switch_interval_is_restored_only_by_the_last_compile_and_never_over_the_hosts() -> (
-    None
-):
-    host = sys.getswitchinterval()
-    interval = _SwitchInterval(host / 10)
-    with interval.short():
-        with interval.short():
-            assert sys.getswitchinterval() == pytest.approx(host / 10)
-        assert sys.getswitchinterval() == pytest.approx(host / 10)  # one compile still runs
-    assert sys.getswitchinterval() == host
+def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compile makes no progress during an eager call (one the key's preparation sends
+    to the encoder as "preparing"), and goes on once it returned."""
+    monkeypatch.setattr(COMPILE_YIELD, "max_pause_s", 30.0)
+    compiling = threading.Event()
+    release = threading.Event()
+    progress = [0]
+    during_eager: list[tuple[int, int]] = []
+
+    def compile_(fn: Any, **_: Any) -> Any:
+        def compiled(*args: Any) -> Any:
+            compiling.set()
+            while not release.is_set():  # the compile's Python, one call per step
+                time.sleep(0)
+                progress[0] += 1
+            return fn(*args)
+
+        return compiled
+
+    def watched(x: torch.Tensor) -> torch.Tensor:
+        if compiling.is_set() and not release.is_set():
+            # An eager call while the compile runs: it holds the compile still.
+            time.sleep(0.05)
+            before = progress[0]
+            time.sleep(0.3)
+            during_eager.append((COMPILE_YIELD.in_flight, progress[0] - before))
+        return encoder(x)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    config = CFG.replace(background_capture=True, compile=True)
+    adapter = EncoderCudaGraph(watched, name="a", config=config, backend=SimulatedGraphBackend())
     try:
-        with interval.short():
-            sys.setswitchinterval(host * 2)  # the host changes it meanwhile: its choice stays
-        assert sys.getswitchinterval() == pytest.approx(host * 2)
+        x = torch.randn(1, 4, 3)
+        adapter(x)
+        adapter(x)  # admitted: the preparation thread compiles
+        assert compiling.wait(10)
+        adapter(x)  # runs eagerly while the key is prepared
+        assert COMPILE_YIELD.in_flight == 0
+        before = progress[0]
+        time.sleep(0.3)
+        after_eager = progress[0] - before
+        release.set()
+        assert adapter.wait_prepared(10)
     finally:
-        sys.setswitchinterval(host)
-    longer = _SwitchInterval(host * 10)  # never lengthens the host's interval
-    with longer.short():
-        assert sys.getswitchinterval() == host
+        release.set()
+        assert adapter.close(5)
+    assert during_eager == [(1, 0)]
+    assert after_eager > 0
 
 
 def test_a_flush_returns_only_once_the_timings_another_resolve_took_are_emitted() -> None:

@@ -1,0 +1,186 @@
+"""Sharing the GIL between a compiling preparation and the calls that serve requests.
+
+Compiling (dynamo, AOTAutograd, inductor's lowering) is Python and holds the GIL. An encoder
+call that runs eagerly drops the GIL at every operator it dispatches and takes it back after,
+so while a compile runs on another thread it waits for the GIL hundreds of times per call, up
+to a switch interval each time: the request stalls behind the compile.
+
+Two measures, both only while a compiling preparation runs:
+
+* :class:`SwitchInterval` shortens the interpreter's switch interval, so each wait is short.
+* :class:`CompileYield` makes the compiling thread step aside: a profile function on that
+  thread alone pauses it, between two of its Python calls, while any eager encoder call is in
+  flight (from :meth:`CompileYield.begin` to :meth:`CompileYield.end`). So the compile
+  progresses between requests rather than inside them. A pause lasts at most
+  ``max_pause_s``; after one that long the compile runs for ``slice_s`` before it pauses
+  again, so it still finishes under a stream of eager calls with no gap.
+
+No events and no I/O here; the adapter reads :meth:`CompileYield.statistics` into its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "COMPILE_SWITCH_INTERVAL",
+    "COMPILE_YIELD",
+    "CompileYield",
+    "SwitchInterval",
+    "YieldStatistics",
+]
+
+
+class SwitchInterval:
+    """Shorten the interpreter's GIL switch interval while any compiling preparation runs.
+
+    Compiling is Python-heavy (dynamo, AOTAutograd, inductor) and holds the GIL for whole
+    switch intervals (5 ms by default). A serving thread that drops the GIL many times per
+    call (each kernel launch, each device wait) then waits for it again each time, and its
+    calls stall behind the compile (the convoy effect). A short interval hands the GIL back
+    to the serving threads within it, at the cost of a slower compile. The interval is a
+    process-wide setting: it is restored once the last compiling preparation ends, unless
+    someone else changed it meanwhile.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: float | None = None
+
+    @contextlib.contextmanager
+    def short(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                current = sys.getswitchinterval()
+                self._saved = current if current > self.seconds else None
+                if self._saved is not None:
+                    sys.setswitchinterval(self.seconds)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                saved = self._saved
+                if self._depth == 0 and saved is not None:
+                    self._saved = None
+                    # Another setting made meanwhile is the host's: leave it.
+                    if abs(sys.getswitchinterval() - self.seconds) < 1e-9:
+                        sys.setswitchinterval(saved)
+
+
+@dataclass(frozen=True, slots=True)
+class YieldStatistics:
+    """What the compiling threads gave up to eager calls, since the process started."""
+
+    pauses: int
+    """Times a compiling thread paused for eager calls in flight."""
+    paused_s: float
+    """Seconds the compiling threads spent paused."""
+    cut_short: int
+    """Pauses that reached ``max_pause_s`` with an eager call still in flight."""
+
+
+class CompileYield:
+    """Let a compiling thread pause while eager encoder calls are in flight.
+
+    Args:
+        max_pause_s: the longest pause; the compile then runs for ``slice_s`` whatever comes.
+        slice_s: how long the compile runs after a pause cut short.
+        step_s: how often a paused thread looks whether the eager calls ended.
+
+    Raises:
+        ValueError: a time is not positive.
+    """
+
+    def __init__(self, max_pause_s: float, slice_s: float, step_s: float) -> None:
+        for name, value in (("max_pause_s", max_pause_s), ("slice_s", slice_s), ("step_s", step_s)):
+            if not value > 0:
+                raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
+        self.max_pause_s = max_pause_s
+        self.slice_s = slice_s
+        self.step_s = step_s
+        # Tokens of the eager calls in flight: set.add and set.discard are atomic under the
+        # GIL, so the serving threads mark their calls without a lock.
+        self._in_flight: set[object] = set()
+        self._lock = threading.Lock()
+        self._pauses = 0
+        self._paused_s = 0.0
+        self._cut_short = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Eager calls marked in flight now."""
+        return len(self._in_flight)
+
+    def begin(self) -> object:
+        """Mark an eager encoder call in flight (any thread); pass the token to :meth:`end`."""
+        token = object()
+        self._in_flight.add(token)
+        return token
+
+    def end(self, token: object) -> None:
+        """Mark the eager call of ``token`` ended."""
+        self._in_flight.discard(token)
+
+    @contextlib.contextmanager
+    def yielding(self) -> Iterator[None]:
+        """Run the block with this thread pausing for eager calls (a compile's thread).
+
+        Installs a profile function on the calling thread only, restoring the previous one
+        after. The function runs at every Python call and return of the block, and pauses
+        there: never inside a C function, so no C-level lock is held while paused.
+        """
+        in_flight = self._in_flight
+        run_until = 0.0
+        pause = self._pause
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            nonlocal run_until
+            if in_flight and time.monotonic() >= run_until:
+                run_until = pause()
+
+        previous = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+
+    def _pause(self) -> float:
+        """Sleep while eager calls are in flight; return until when the compile runs on."""
+        in_flight = self._in_flight
+        start = time.monotonic()
+        deadline = start + self.max_pause_s
+        now = start
+        while in_flight and now < deadline:
+            time.sleep(self.step_s)
+            now = time.monotonic()
+        cut_short = bool(in_flight)
+        with self._lock:
+            self._pauses += 1
+            self._paused_s += now - start
+            self._cut_short += cut_short
+        return now + self.slice_s if cut_short else 0.0
+
+    def statistics(self) -> YieldStatistics:
+        """Return the totals since the process started."""
+        with self._lock:
+            return YieldStatistics(self._pauses, self._paused_s, self._cut_short)
+
+
+#: The GIL switch interval while a background compile runs (see SwitchInterval).
+COMPILE_SWITCH_INTERVAL = SwitchInterval(0.0001)
+
+#: Compiling preparations pause for eager calls up to 20 ms, then run 2 ms at least: under
+#: eager calls with no gap, a compile keeps at least a tenth of the time.
+COMPILE_YIELD = CompileYield(max_pause_s=0.02, slice_s=0.002, step_s=0.0001)

@@ -1,0 +1,150 @@
+"""Sharing the GIL with a compile: the switch interval, and a compiling thread that pauses
+while eager encoder calls are in flight."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from omnitrace.graphs.gil import CompileYield, SwitchInterval
+
+
+def test_the_switch_interval_is_restored_only_by_the_last_compile_and_never_over_the_hosts() -> (
+    None
+):
+    host = sys.getswitchinterval()
+    interval = SwitchInterval(host / 10)
+    with interval.short():
+        with interval.short():
+            assert sys.getswitchinterval() == pytest.approx(host / 10)
+        assert sys.getswitchinterval() == pytest.approx(host / 10)  # one compile still runs
+    assert sys.getswitchinterval() == host
+    try:
+        with interval.short():
+            sys.setswitchinterval(host * 2)  # the host changes it meanwhile: its choice stays
+        assert sys.getswitchinterval() == pytest.approx(host * 2)
+    finally:
+        sys.setswitchinterval(host)
+    longer = SwitchInterval(host * 10)  # never lengthens the host's interval
+    with longer.short():
+        assert sys.getswitchinterval() == host
+
+
+def _step() -> None:
+    """One Python call: a point where a yielding thread may pause."""
+
+
+class _Compiler:
+    """A thread that makes Python calls under ``yielding()``, counting them, until stopped."""
+
+    def __init__(self, gate: CompileYield) -> None:
+        self.calls = 0
+        self.profile_inside: Callable[..., Any] | None = None
+        self._stop = threading.Event()
+        self._gate = gate
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._gate.yielding():
+            self.profile_inside = sys.getprofile()
+            while not self._stop.is_set():
+                _step()
+                self.calls += 1
+
+    def progress(self, seconds: float) -> int:
+        """Calls made during ``seconds``."""
+        before = self.calls
+        time.sleep(seconds)
+        return self.calls - before
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+
+
+def test_a_yielding_thread_pauses_while_an_eager_call_is_in_flight() -> None:
+    gate = CompileYield(max_pause_s=30.0, slice_s=0.001, step_s=0.0005)
+    compiler = _Compiler(gate)
+    try:
+        assert compiler.progress(0.1) > 0  # no eager call: it runs
+        token = gate.begin()
+        time.sleep(0.05)  # let it reach its next call and pause there
+        assert gate.in_flight == 1
+        assert compiler.progress(0.3) == 0
+        gate.end(token)
+        assert gate.in_flight == 0
+        assert compiler.progress(0.3) > 0  # resumed
+    finally:
+        compiler.stop()
+    stats = gate.statistics()
+    assert stats.pauses >= 1
+    assert stats.paused_s >= 0.3
+    assert stats.cut_short == 0
+
+
+def test_a_pause_ends_at_its_limit_and_the_compile_then_runs_a_slice() -> None:
+    """Under eager calls that never end, the compile still gets its slices."""
+    gate = CompileYield(max_pause_s=0.05, slice_s=0.05, step_s=0.001)
+    token = gate.begin()
+    compiler = _Compiler(gate)
+    try:
+        assert compiler.progress(1.0) > 0
+    finally:
+        gate.end(token)
+        compiler.stop()
+    stats = gate.statistics()
+    assert stats.cut_short >= 2
+    assert stats.cut_short == stats.pauses
+    # Paused about half the time: no pause runs past its limit by much.
+    assert stats.paused_s <= stats.pauses * 0.05 + 0.5
+
+
+def test_yielding_holds_only_on_its_own_thread_and_restores_the_previous_profile() -> None:
+    gate = CompileYield(max_pause_s=30.0, slice_s=0.001, step_s=0.0005)
+    previous_calls: list[str] = []
+
+    def previous(frame: Any, event: str, arg: Any) -> None:
+        previous_calls.append(event)
+
+    seen_by_other: list[object] = []
+    sys.setprofile(previous)
+    try:
+        with gate.yielding():
+            inside = sys.getprofile()
+            # Another thread never pauses: the profile function is this thread's alone.
+            other = threading.Thread(target=lambda: seen_by_other.append(sys.getprofile()))
+            other.start()
+            other.join(5)
+        after = sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert seen_by_other == [None]
+    assert inside is not previous
+    assert after is previous
+
+
+def test_eager_calls_on_several_threads_each_hold_the_pause() -> None:
+    gate = CompileYield(max_pause_s=30.0, slice_s=0.001, step_s=0.0005)
+    first, second = gate.begin(), gate.begin()
+    assert gate.in_flight == 2
+    gate.end(first)
+    assert gate.in_flight == 1
+    gate.end(first)  # ending twice changes nothing
+    assert gate.in_flight == 1
+    gate.end(second)
+    assert gate.in_flight == 0
+
+
+@pytest.mark.parametrize("field", ["max_pause_s", "slice_s", "step_s"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_times_must_be_positive(field: str, value: float) -> None:
+    times = {"max_pause_s": 0.02, "slice_s": 0.002, "step_s": 0.0001, field: value}
+    with pytest.raises(ValueError, match=field):
+        CompileYield(**times)
