@@ -8,9 +8,9 @@ to a switch interval each time: the request stalls behind the compile.
 Two measures, both only while a compiling preparation runs:
 
 * :class:`SwitchInterval` shortens the interpreter's switch interval, so each wait is short.
-* :class:`CompileYield` makes the compiling thread step aside: a profile function on that
-  thread alone pauses it, between two of its Python calls, while any eager encoder call is in
-  flight (from :meth:`CompileYield.begin` to :meth:`CompileYield.end`). So the compile
+* :class:`CompileYield` makes the compiling thread step aside: it pauses, at the start of
+  one of its Python calls, while any eager encoder call is in flight (from
+  :meth:`CompileYield.begin` to :meth:`CompileYield.end`). So the compile
   progresses between requests rather than inside them. A pause lasts at most
   ``max_pause_s``; after one that long the compile runs for ``slice_s`` before it pauses
   again, so it still finishes under a stream of eager calls with no gap.
@@ -36,6 +36,13 @@ __all__ = [
     "SwitchInterval",
     "YieldStatistics",
 ]
+
+
+_MONITORING: Any = getattr(sys, "monitoring", None)
+_DISABLE: Any = None if _MONITORING is None else _MONITORING.DISABLE
+#: sys.monitoring tool ids a compile may take: the ones Python leaves unnamed (0, 1, 2 and 5
+#: are the debugger's, coverage's, the profiler's and the optimizer's).
+_TOOL_IDS = (3, 4)
 
 
 class SwitchInterval:
@@ -97,12 +104,15 @@ class CompileYield:
         max_pause_s: the longest pause; the compile then runs for ``slice_s`` whatever comes.
         slice_s: how long the compile runs after a pause cut short.
         step_s: how often a paused thread looks whether the eager calls ended.
+        use_monitoring: look through ``sys.monitoring`` where the interpreter has it.
 
     Raises:
         ValueError: a time is not positive.
     """
 
-    def __init__(self, max_pause_s: float, slice_s: float, step_s: float) -> None:
+    def __init__(
+        self, max_pause_s: float, slice_s: float, step_s: float, *, use_monitoring: bool = True
+    ) -> None:
         for name, value in (("max_pause_s", max_pause_s), ("slice_s", slice_s), ("step_s", step_s)):
             if not value > 0:
                 raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
@@ -116,6 +126,11 @@ class CompileYield:
         self._pauses = 0
         self._paused_s = 0.0
         self._cut_short = 0
+        self._use_monitoring = use_monitoring
+        # Compiling threads (by ident) and until when each runs without pausing.
+        self._run_until: dict[int, float] = {}
+        self._watched: set[int] = set()
+        self._tool: int | None = None
 
     @property
     def in_flight(self) -> int:
@@ -136,25 +151,91 @@ class CompileYield:
     def yielding(self) -> Iterator[None]:
         """Run the block with this thread pausing for eager calls (a compile's thread).
 
-        Installs a profile function on the calling thread only, restoring the previous one
-        after. The function runs at every Python call and return of the block, and pauses
-        there: never inside a C function, so no C-level lock is held while paused.
+        The thread looks at every start of a Python function in the block, and pauses there:
+        never inside a C function, so no C-level lock is held while paused. Where the
+        interpreter has ``sys.monitoring`` (3.12 on) and a tool id is free, it looks through
+        a ``PY_START`` callback: other threads' code locations are switched off at their
+        first start, and the compile pays one callback per Python call. Elsewhere, a profile
+        function on this thread alone (restored after), which also runs at returns and C
+        calls, and costs a compile more.
         """
-        in_flight = self._in_flight
-        run_until = 0.0
-        pause = self._pause
-
-        def profile(frame: FrameType, event: str, arg: Any) -> None:
-            nonlocal run_until
-            if in_flight and time.monotonic() >= run_until:
-                run_until = pause()
-
-        previous = sys.getprofile()
-        sys.setprofile(profile)
+        ident = threading.get_ident()
+        self._run_until[ident] = 0.0
         try:
-            yield
+            if self._watch(ident):
+                try:
+                    yield
+                finally:
+                    self._unwatch(ident)
+                return
+            pause_at = self._pause_at
+
+            def profile(frame: FrameType, event: str, arg: Any) -> None:
+                pause_at(ident)
+
+            previous = sys.getprofile()
+            sys.setprofile(profile)
+            try:
+                yield
+            finally:
+                sys.setprofile(previous)
         finally:
-            sys.setprofile(previous)
+            del self._run_until[ident]
+
+    @property
+    def mechanism(self) -> str:
+        """How compiling threads look for eager calls: ``"monitoring"`` or ``"profile"``."""
+        return "monitoring" if self._use_monitoring and _MONITORING is not None else "profile"
+
+    def _pause_at(self, ident: int) -> None:
+        """Pause compiling thread ``ident`` if eager calls are in flight and no slice runs."""
+        if self._in_flight and time.monotonic() >= self._run_until[ident]:
+            self._run_until[ident] = self._pause()
+
+    def _on_start(self, code: Any, offset: int) -> Any:
+        """The ``PY_START`` callback, in every thread while a compile is watched."""
+        ident = threading.get_ident()
+        if ident not in self._run_until:
+            return _DISABLE  # not a compiling thread: this location stays quiet for us
+        if self._in_flight:
+            self._pause_at(ident)
+        return None
+
+    def _watch(self, ident: int) -> bool:
+        """Start the ``PY_START`` callback for compiling thread ``ident``; False where this
+        interpreter cannot (no ``sys.monitoring``, or no free tool id)."""
+        monitoring = _MONITORING
+        if monitoring is None or not self._use_monitoring:
+            return False
+        with self._lock:
+            if self._tool is None:
+                for tool in _TOOL_IDS:
+                    if monitoring.get_tool(tool) is None:
+                        monitoring.use_tool_id(tool, "omnitrace")
+                        monitoring.register_callback(
+                            tool, monitoring.events.PY_START, self._on_start
+                        )
+                        monitoring.set_events(tool, monitoring.events.PY_START)
+                        self._tool = tool
+                        break
+                else:
+                    return False
+            self._watched.add(ident)
+        return True
+
+    def _unwatch(self, ident: int) -> None:
+        """Stop watching ``ident``; the last one gives the tool id back."""
+        monitoring = _MONITORING
+        assert monitoring is not None
+        with self._lock:
+            self._watched.discard(ident)
+            tool = self._tool
+            if self._watched or tool is None:
+                return
+            self._tool = None
+            monitoring.set_events(tool, 0)
+            monitoring.register_callback(tool, monitoring.events.PY_START, None)
+            monitoring.free_tool_id(tool)
 
     def _pause(self) -> float:
         """Sleep while eager calls are in flight; return until when the compile runs on."""

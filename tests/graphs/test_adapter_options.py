@@ -577,11 +577,14 @@ def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
     during_eager: list[tuple[int, int]] = []
 
     def compile_(fn: Any, **_: Any) -> Any:
+        def step() -> None:  # the compile's Python: a function only the compile calls
+            progress[0] += 1
+            time.sleep(0)
+
         def compiled(*args: Any) -> Any:
             compiling.set()
-            while not release.is_set():  # the compile's Python, one call per step
-                time.sleep(0)
-                progress[0] += 1
+            while not release.is_set():
+                step()
             return fn(*args)
 
         return compiled

@@ -39,6 +39,10 @@ def _step() -> None:
     """One Python call: a point where a yielding thread may pause."""
 
 
+def _serving_step() -> None:
+    """A serving thread's Python call (its own code: a location the compile never runs)."""
+
+
 class _Compiler:
     """A thread that makes Python calls under ``yielding()``, counting them, until stopped."""
 
@@ -69,8 +73,22 @@ class _Compiler:
         assert not self._thread.is_alive()
 
 
-def test_a_yielding_thread_pauses_while_an_eager_call_is_in_flight() -> None:
-    gate = CompileYield(max_pause_s=30.0, slice_s=0.001, step_s=0.0005)
+HAS_MONITORING = hasattr(sys, "monitoring")
+
+#: Each way a compiling thread looks for eager calls that this interpreter has.
+MECHANISMS = ["profile"] + (["monitoring"] if HAS_MONITORING else [])
+
+
+def _gate(mechanism: str, **times: float) -> CompileYield:
+    values = {"max_pause_s": 30.0, "slice_s": 0.001, "step_s": 0.0005, **times}
+    gate = CompileYield(**values, use_monitoring=mechanism == "monitoring")
+    assert gate.mechanism == mechanism
+    return gate
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_yielding_thread_pauses_while_an_eager_call_is_in_flight(mechanism: str) -> None:
+    gate = _gate(mechanism)
     compiler = _Compiler(gate)
     try:
         assert compiler.progress(0.1) > 0  # no eager call: it runs
@@ -89,16 +107,17 @@ def test_a_yielding_thread_pauses_while_an_eager_call_is_in_flight() -> None:
     assert stats.cut_short == 0
 
 
-def test_a_pause_ends_at_its_limit_and_the_compile_then_runs_a_slice() -> None:
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_pause_ends_at_its_limit_and_the_compile_then_runs_a_slice(mechanism: str) -> None:
     """Under eager calls that never end, the compile still gets its slices."""
-    gate = CompileYield(max_pause_s=0.05, slice_s=0.05, step_s=0.001)
+    gate = _gate(mechanism, max_pause_s=0.05, slice_s=0.05, step_s=0.001)
     token = gate.begin()
     compiler = _Compiler(gate)
     try:
         assert compiler.progress(1.0) > 0
     finally:
+        compiler.stop()  # first: a pause that the call's end cut off would not count as cut
         gate.end(token)
-        compiler.stop()
     stats = gate.statistics()
     assert stats.cut_short >= 2
     assert stats.cut_short == stats.pauses
@@ -106,8 +125,28 @@ def test_a_pause_ends_at_its_limit_and_the_compile_then_runs_a_slice() -> None:
     assert stats.paused_s <= stats.pauses * 0.05 + 0.5
 
 
-def test_yielding_holds_only_on_its_own_thread_and_restores_the_previous_profile() -> None:
-    gate = CompileYield(max_pause_s=30.0, slice_s=0.001, step_s=0.0005)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_only_the_compiling_thread_pauses(mechanism: str) -> None:
+    """A serving thread's own Python calls never wait, whatever is in flight."""
+    gate = _gate(mechanism)
+    compiler = _Compiler(gate)
+    token = gate.begin()
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        calls = 0
+        while time.monotonic() - started < 0.2:
+            _serving_step()
+            calls += 1
+        assert calls > 1000
+        assert compiler.progress(0.1) == 0  # while the compiling thread stays paused
+    finally:
+        gate.end(token)
+        compiler.stop()
+
+
+def test_the_profile_function_is_the_threads_own_and_the_previous_one_comes_back() -> None:
+    gate = _gate("profile")
     previous_calls: list[str] = []
 
     def previous(frame: Any, event: str, arg: Any) -> None:
@@ -128,6 +167,42 @@ def test_yielding_holds_only_on_its_own_thread_and_restores_the_previous_profile
     assert seen_by_other == [None]
     assert inside is not previous
     assert after is previous
+
+
+@pytest.mark.skipif(not HAS_MONITORING, reason="sys.monitoring needs Python 3.12")
+def test_monitoring_takes_a_free_tool_id_while_compiling_and_gives_it_back() -> None:
+    monitoring = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+    gate = _gate("monitoring")
+    free = [tool for tool in (3, 4) if monitoring.get_tool(tool) is None]
+    assert free
+    with gate.yielding():
+        assert monitoring.get_tool(free[0]) == "omnitrace"
+        assert sys.getprofile() is None
+    assert monitoring.get_tool(free[0]) is None
+
+
+@pytest.mark.skipif(not HAS_MONITORING, reason="sys.monitoring needs Python 3.12")
+def test_without_a_free_tool_id_the_profile_function_stands_in() -> None:
+    monitoring = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+    taken = [tool for tool in (3, 4) if monitoring.get_tool(tool) is None]
+    for tool in taken:
+        monitoring.use_tool_id(tool, "another tool")
+    try:
+        gate = _gate("monitoring")
+        with gate.yielding():
+            assert sys.getprofile() is not None
+        assert sys.getprofile() is None
+        compiler = _Compiler(gate)  # and it still pauses
+        token = gate.begin()
+        try:
+            time.sleep(0.05)
+            assert compiler.progress(0.2) == 0
+        finally:
+            gate.end(token)
+            compiler.stop()
+    finally:
+        for tool in taken:
+            monitoring.free_tool_id(tool)
 
 
 def test_eager_calls_on_several_threads_each_hold_the_pause() -> None:
