@@ -485,7 +485,8 @@ def _without_cotenant(result: dict[str, Any]) -> str:
         return ""
     return (
         "; not called in " + ", ".join(titles) + " (PyTorch's FX-tracing flag is process-wide: "
-        "a compiled call on another thread during the preparation's compile raises)"
+        "a compiled call on another thread during a compile raises; the compiled mode's "
+        "references run as it does)"
     )
 
 
