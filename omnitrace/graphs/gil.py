@@ -161,25 +161,23 @@ class CompileYield:
         """
         ident = threading.get_ident()
         self._run_until[ident] = 0.0
+        previous = sys.getprofile()
+        watched = False
         try:
-            if self._watch(ident):
-                try:
-                    yield
-                finally:
-                    self._unwatch(ident)
-                return
-            pause_at = self._pause_at
+            watched = self._watch(ident)
+            if not watched:
+                pause_at = self._pause_at
 
-            def profile(frame: FrameType, event: str, arg: Any) -> None:
-                pause_at(ident)
+                def profile(frame: FrameType, event: str, arg: Any) -> None:
+                    pause_at(ident)
 
-            previous = sys.getprofile()
-            sys.setprofile(profile)
-            try:
-                yield
-            finally:
-                sys.setprofile(previous)
+                sys.setprofile(profile)
+            yield
         finally:
+            if watched:
+                self._unwatch(ident)
+            else:
+                sys.setprofile(previous)
             del self._run_until[ident]
 
     @property
