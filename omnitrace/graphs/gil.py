@@ -100,6 +100,10 @@ class YieldStatistics:
 class CompileYield:
     """Let a compiling thread pause while eager encoder calls are in flight.
 
+    A pause can fall while the compile holds a Python lock (a logging handler's, say); an
+    eager call that needs the same lock then waits for the pause to reach ``max_pause_s``
+    and for the slice that follows, no longer.
+
     Args:
         max_pause_s: the longest pause; the compile then runs for ``slice_s`` whatever comes.
         slice_s: how long the compile runs after a pause cut short.
