@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import queue
 import threading
@@ -79,6 +80,7 @@ import torch
 from benchmarks.common import (
     BenchmarkFailedError,
     Context,
+    GcClock,
     _quantile,
     figure,
     free_cuda_memory,
@@ -455,16 +457,25 @@ def _pass(
 ) -> dict[str, Any]:
     """Serve one pass; add the graphs it captured and the calls made while preparing."""
     graphs, counted = sum(a.num_graphs for a in adapters.values()), preparing.count
-    out = serve(
-        clients[: mode.clients],
-        adapters,
-        traffic,
-        mode.tolerance,
-        cotenant if mode.cotenant else None,
-        simulated,
-    )
+    # Garbage collections stop every thread: count them and their time within the pass.
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    clock.armed = True
+    try:
+        out = serve(
+            clients[: mode.clients],
+            adapters,
+            traffic,
+            mode.tolerance,
+            cotenant if mode.cotenant else None,
+            simulated,
+        )
+    finally:
+        clock.armed = False
+        gc.callbacks.remove(clock)
     out["graphs_before"] = graphs
     out["preparing_misses"] = preparing.count - counted
+    out["gc"] = clock.as_dict()
     return out
 
 

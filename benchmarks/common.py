@@ -34,6 +34,7 @@ __all__ = [
     "BenchmarkFailedError",
     "Context",
     "CudaUnavailableError",
+    "GcClock",
     "cuda_status",
     "environment",
     "figure",
@@ -54,6 +55,42 @@ SCALES = ("full", "quick", "tiny")
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+class GcClock:
+    """Count the interpreter's garbage collections and their time while ``armed`` is set.
+
+    A ``gc.callbacks`` entry: append it around a timed window, remove it after.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.collections = 0
+        self.oldest = 0
+        """Collections of the oldest generation (2), which walk every tracked object."""
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.armed:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        took = time.perf_counter() - self._start
+        self.collections += 1
+        self.oldest += info.get("generation") == 2
+        self.seconds += took
+        self.longest_s = max(self.longest_s, took)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "collections": self.collections,
+            "oldest_generation": self.oldest,
+            "seconds": self.seconds,
+            "longest_s": self.longest_s,
+        }
 
 
 class CudaUnavailableError(RuntimeError):

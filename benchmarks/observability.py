@@ -62,6 +62,7 @@ import torch
 
 from benchmarks.common import (
     Context,
+    GcClock,
     _quantile,
     figure,
     free_cuda_memory,
@@ -198,25 +199,6 @@ class _ActiveTimer:
         finally:
             stop.set()
             thread.join()
-
-
-class _GcClock:
-    """Count garbage collections and their time while ``armed`` is set."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.collections = 0
-        self.seconds = 0.0
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if not self.armed:
-            return
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.collections += 1
-            self.seconds += time.perf_counter() - self._start
 
 
 class SinkSet:
@@ -506,7 +488,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     samples: dict[str, list[float]] = {arm: [] for arm in arm_names}
     flush_s = dict.fromkeys(arm_names, 0.0)
-    gc_clocks = {arm: _GcClock() for arm in arm_names}
+    gc_clocks = {arm: GcClock() for arm in arm_names}
     flushed = True
     perf = time.perf_counter
     with torch.no_grad():

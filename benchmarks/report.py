@@ -400,6 +400,15 @@ def _traffic(result: dict[str, Any]) -> list[Table]:
     return [t]
 
 
+def _gc(clock: dict[str, Any] | None) -> str:
+    """``collections (oldest generation) / longest ms`` of a timed window, if recorded."""
+    if clock is None:
+        return "n/a"
+    return (
+        f"{clock['collections']} ({clock['oldest_generation']}) / {clock['longest_s'] * 1e3:,.1f}"
+    )
+
+
 def _capture(result: dict[str, Any]) -> list[Table]:
     t = Table(
         f"Traffic mix by capture mode, {result['clients']} client threads, request latency us",
@@ -411,6 +420,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
             "p50",
             "p99",
             "max",
+            "GC: collections (gen 2) / longest ms",
             "hit rate",
             "graphs",
             "eager while preparing",
@@ -422,7 +432,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
     )
     for row in result["rows"]:
         if "skipped" in row:
-            t.rows.append([row["title"], "", f"skipped ({row['skipped']})", *([""] * 11)])
+            t.rows.append([row["title"], "", f"skipped ({row['skipped']})", *([""] * 12)])
             continue
         for name in ("cold", "warm"):
             one = row.get(name)
@@ -439,6 +449,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
                     _us(lat.get("p50"), 0),
                     _us(lat.get("p99"), 0),
                     _us(lat.get("max"), 0),
+                    _gc(one.get("gc")),
                     f"{one['hit_rate'] * 100:.1f} %",
                     f"{one['graphs_before']} -> {settle.get('graphs_after', 'n/a')}"
                     + (f" (+{settle['ready_after']} ready)" if settle.get("ready_after") else ""),
@@ -455,7 +466,7 @@ def _capture(result: dict[str, Any]) -> list[Table]:
                     row["title"],
                     str(row.get("clients", result["clients"])),
                     "FAILED",
-                    *([""] * 10),
+                    *([""] * 11),
                     "; ".join(e["error"] for e in row["errors"]),
                 ]
             )
@@ -467,7 +478,9 @@ def _capture(result: dict[str, Any]) -> list[Table]:
         f"{_graphs_allowed(result)}; fresh adapters per mode. Latency: "
         f"{result['timing']}. Cold: the first pass, shapes admitted and captured while "
         "requests run; warm: the same stream again (shapes seen once in the cold pass may be "
-        "admitted now). Graphs: held before the pass -> after it and the untimed wait for "
+        "admitted now). GC: the interpreter's garbage collections during the pass (they stop "
+        "every thread), those of the oldest generation, and the longest. "
+        "Graphs: held before the pass -> after it and the untimed wait for "
         "graphs still being prepared (+N ready: prepared, captured by the key's next call). Every "
         f"{stream['checked_every']}th request is checked against eager. Co-tenant: "
         f"{co.get('model', 'n/a')} under torch.compile(mode='reduce-overhead'), input "

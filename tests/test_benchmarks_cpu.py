@@ -450,6 +450,10 @@ def test_capture_serves_both_passes_in_every_mode_with_correct_outputs(
             assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
             assert (one["checked"], one["wrong"]) == (checked, 0)
             assert one["settle"]["prepared"] is True
+            clock = one["gc"]
+            assert clock["oldest_generation"] <= clock["collections"]
+            assert 0 <= clock["longest_s"] <= clock["seconds"]
+            assert (clock["collections"] > 0) is (clock["seconds"] > 0)
             assert one["settle"]["terminal"] == []
         assert row["cold"]["settle"]["graphs_after"] == row["warm"]["graphs_before"]
         assert row["warm"]["settle"]["graphs_after"] == row["graphs"]
