@@ -145,6 +145,54 @@ def test_only_the_compiling_thread_pauses(mechanism: str) -> None:
         compiler.stop()
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_compile_that_raises_leaves_nothing_installed(mechanism: str) -> None:
+    gate = _gate(mechanism)
+    tools = _free_tools()
+    with pytest.raises(RuntimeError, match="compile failed"), gate.yielding():
+        raise RuntimeError("compile failed")
+    assert sys.getprofile() is None
+    assert _free_tools() == tools
+    compiler = _Compiler(gate)  # and the next compile is watched again
+    token = gate.begin()
+    try:
+        time.sleep(0.05)
+        assert compiler.progress(0.2) == 0
+    finally:
+        gate.end(token)
+        compiler.stop()
+
+
+@pytest.mark.skipif(not HAS_MONITORING, reason="sys.monitoring needs Python 3.12")
+def test_two_compiling_threads_share_one_tool_id_until_the_last_ends() -> None:
+    gate = _gate("monitoring")
+    tools = _free_tools()
+    first, second = _Compiler(gate), _Compiler(gate)
+    try:
+        time.sleep(0.05)
+        assert len(_free_tools()) == len(tools) - 1
+        token = gate.begin()
+        time.sleep(0.05)
+        before = (first.calls, second.calls)
+        time.sleep(0.2)
+        assert (first.calls, second.calls) == before  # both paused
+        gate.end(token)
+        first.stop()
+        assert len(_free_tools()) == len(tools) - 1  # the second still compiles
+    finally:
+        second.stop()
+        first.stop()
+    assert _free_tools() == tools
+
+
+def _free_tools() -> list[int]:
+    """The sys.monitoring tool ids a compile may take that are free now."""
+    if not HAS_MONITORING:
+        return []
+    monitoring = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+    return [tool for tool in (3, 4) if monitoring.get_tool(tool) is None]
+
+
 def test_the_profile_function_is_the_threads_own_and_the_previous_one_comes_back() -> None:
     gate = _gate("profile")
     previous_calls: list[str] = []
