@@ -812,10 +812,8 @@ class EncoderCudaGraph:
 
     def _prepare(self, job: _Job, side: dict[torch.device, Any]) -> None:
         """Warm up (and compile) on a side stream, then mark the key ready for capture."""
-        began = time.monotonic()
-        yielded = COMPILE_YIELD.statistics()
         try:
-            with self._preparation_scope(), self._grad_scope(job):
+            with self._preparation_scope(job), self._grad_scope(job):
                 if job.device.type == "cuda":
                     with torch.cuda.device(job.device):
                         stream = side.get(job.device)
@@ -839,17 +837,6 @@ class EncoderCudaGraph:
                 self._failure,
             )
             return
-        if self.config.compile:
-            # Compiles hold the capture lock one at a time: the difference is this one's.
-            now = COMPILE_YIELD.statistics()
-            logger.debug(
-                "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
-                self.name,
-                job.signature.text,
-                time.monotonic() - began,
-                now.pauses - yielded.pauses,
-                (now.paused_s - yielded.paused_s) * 1e3,
-            )
         with self._lock:
             self._preparing.discard(job.key)
             # A compiled forward warms up once more at capture, on the caller's thread: a
@@ -857,7 +844,7 @@ class EncoderCudaGraph:
             self._ready[job.key] = (None if self.config.compile else layout, time.monotonic())
 
     @contextlib.contextmanager
-    def _preparation_scope(self) -> Iterator[None]:
+    def _preparation_scope(self, job: _Job) -> Iterator[None]:
         """What a preparation holds while it warms up.
 
         An eager warm-up holds nothing: its kernels and allocations on a side stream are
@@ -881,7 +868,18 @@ class EncoderCudaGraph:
             COMPILE_SWITCH_INTERVAL.short(),
             COMPILE_YIELD.yielding(),
         ):
+            # Compiles hold the capture lock one at a time: the difference is this one's.
+            began, yielded = time.monotonic(), COMPILE_YIELD.statistics()
             yield
+            took, now = time.monotonic() - began, COMPILE_YIELD.statistics()
+        logger.debug(
+            "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
+            self.name,
+            job.signature.text,
+            took,
+            now.pauses - yielded.pauses,
+            (now.paused_s - yielded.paused_s) * 1e3,
+        )
 
     @staticmethod
     def _grad_scope(job: _Job) -> contextlib.AbstractContextManager[Any]:

@@ -3,6 +3,7 @@ background capture, on the simulated backend."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -566,7 +567,7 @@ def test_a_compiling_preparation_shortens_the_gil_switch_interval_while_it_runs(
 
 
 def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The compile makes no progress during an eager call (one the key's preparation sends
     to the encoder as "preparing"), and goes on once it returned."""
@@ -599,6 +600,7 @@ def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
         return encoder(x)
 
     monkeypatch.setattr(torch, "compile", compile_)
+    caplog.set_level(logging.DEBUG, logger="omnitrace.graphs.adapter")
     config = CFG.replace(background_capture=True, compile=True)
     adapter = EncoderCudaGraph(watched, name="a", config=config, backend=SimulatedGraphBackend())
     try:
@@ -618,6 +620,9 @@ def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
         assert adapter.close(5)
     assert during_eager == [(1, 0)]
     assert after_eager > 0
+    # The preparation's log line counts that pause, and only this compile's.
+    (line,) = [r.getMessage() for r in caplog.records if "for eager calls" in r.getMessage()]
+    assert "it paused 1 times" in line
 
 
 def test_a_flush_returns_only_once_the_timings_another_resolve_took_are_emitted() -> None:
