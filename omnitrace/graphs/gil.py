@@ -170,10 +170,11 @@ class CompileYield:
         try:
             watched = self._watch(ident)
             if not watched:
-                pause_at = self._pause_at
+                in_flight, pause_at = self._in_flight, self._pause_at
 
                 def profile(frame: FrameType, event: str, arg: Any) -> None:
-                    pause_at(ident)
+                    if in_flight:
+                        pause_at(ident)
 
                 sys.setprofile(profile)
             yield
@@ -186,12 +187,15 @@ class CompileYield:
 
     @property
     def mechanism(self) -> str:
-        """How compiling threads look for eager calls: ``"monitoring"`` or ``"profile"``."""
+        """How compiling threads look for eager calls first: ``"monitoring"`` or
+        ``"profile"`` (with no free tool id, ``"monitoring"`` falls back to the profile
+        function)."""
         return "monitoring" if self._use_monitoring and _MONITORING is not None else "profile"
 
     def _pause_at(self, ident: int) -> None:
-        """Pause compiling thread ``ident`` if eager calls are in flight and no slice runs."""
-        if self._in_flight and time.monotonic() >= self._run_until[ident]:
+        """Pause compiling thread ``ident``, which saw eager calls in flight, unless its
+        slice runs (the callers look at ``_in_flight`` first: they run at every call)."""
+        if time.monotonic() >= self._run_until[ident]:
             self._run_until[ident] = self._pause()
 
     def _on_start(self, code: Any, offset: int) -> Any:
