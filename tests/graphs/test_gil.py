@@ -73,6 +73,18 @@ class _Compiler:
         assert not self._thread.is_alive()
 
 
+def _assert_an_eager_call_holds_a_compile(gate: CompileYield) -> None:
+    """A compiling thread under ``gate`` makes no progress while an eager call is in flight."""
+    compiler = _Compiler(gate)
+    token = gate.begin()
+    try:
+        time.sleep(0.05)  # let it reach its next call and pause there
+        assert compiler.progress(0.2) == 0
+    finally:
+        gate.end(token)
+        compiler.stop()
+
+
 HAS_MONITORING = hasattr(sys, "monitoring")
 
 #: Each way a compiling thread looks for eager calls that this interpreter has.
@@ -153,14 +165,7 @@ def test_a_compile_that_raises_leaves_nothing_installed(mechanism: str) -> None:
         raise RuntimeError("compile failed")
     assert sys.getprofile() is None
     assert _free_tools() == tools
-    compiler = _Compiler(gate)  # and the next compile is watched again
-    token = gate.begin()
-    try:
-        time.sleep(0.05)
-        assert compiler.progress(0.2) == 0
-    finally:
-        gate.end(token)
-        compiler.stop()
+    _assert_an_eager_call_holds_a_compile(gate)  # the next compile is watched again
 
 
 @pytest.mark.skipif(not HAS_MONITORING, reason="sys.monitoring needs Python 3.12")
@@ -240,14 +245,7 @@ def test_without_a_free_tool_id_the_profile_function_stands_in() -> None:
         with gate.yielding():
             assert sys.getprofile() is not None
         assert sys.getprofile() is None
-        compiler = _Compiler(gate)  # and it still pauses
-        token = gate.begin()
-        try:
-            time.sleep(0.05)
-            assert compiler.progress(0.2) == 0
-        finally:
-            gate.end(token)
-            compiler.stop()
+        _assert_an_eager_call_holds_a_compile(gate)  # it still pauses
     finally:
         for tool in taken:
             monitoring.free_tool_id(tool)
