@@ -38,7 +38,7 @@ from typing import IO, Any
 import orjson
 
 from omnitrace.errors import OmnitraceError
-from omnitrace.events import EVENT_TYPES, DeviceTimed, Event, MissReason, Phase
+from omnitrace.events import EVENT_TYPES, DeviceTimed, Event, MissReason, Phase, event_fields
 from omnitrace.signature import InputSpec, Signature, SignatureParseError
 
 __all__ = [
@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 _EVENT_CLASSES: dict[str, type[Event]] = {cls.__name__: cls for cls in EVENT_TYPES}
 _EVENT_FIELDS: dict[str, tuple[dataclasses.Field[Any], ...]] = {
-    cls.__name__: dataclasses.fields(cls) for cls in EVENT_TYPES
+    cls.__name__: event_fields(cls) for cls in EVENT_TYPES
 }
 _DEVICE_TIMED_KINDS = ("replay", "eager")
 INFO_TYPE = "AdapterInfo"

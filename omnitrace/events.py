@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeAlias, TypeVar
 
 from omnitrace.signature import Signature
@@ -34,6 +34,7 @@ __all__ = [
     "MemoryDeferred",
     "MissReason",
     "Phase",
+    "event_fields",
     "missed",
     "now",
     "replayed",
@@ -119,6 +120,9 @@ class _Keyed:
     """``time.monotonic_ns()`` when the event was made."""
     epoch_ns: int
     """``time.time_ns()`` at the same moment (for spans and logs)."""
+    phase: Phase = field(default=Phase.SERVING, kw_only=True)
+    """What the engine was doing. Keyword-only here, it comes last in every event's
+    constructor (after the event's own fields) and in :func:`event_fields`."""
 
     @property
     def key(self) -> str:
@@ -146,7 +150,6 @@ class GraphCaptured(_Keyed):
     """Bytes of the graph's static input and output buffers (outside the pool)."""
     graph_index: int
     """How many graphs the adapter held before this one (0 for the first)."""
-    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +158,6 @@ class GraphReplayed(_Keyed):
 
     duration_s: float
     """Host-side time of copy-in, replay launch and output clones."""
-    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +171,6 @@ class GraphMissed(_Keyed):
     duration_s: float | None = None
     """Host time of the eager forward (launch, not device, time); None when the adapter did
     not run it (a model-level fallback recorded with ``record_ineligible``)."""
-    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +183,6 @@ class MemoryDeferred(_Keyed):
     """The floor a capture must leave free (``min_free_bytes``)."""
     device: str
     """Device whose memory was read."""
-    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,6 @@ class CaptureFailed(_Keyed):
     """Device the capture ran on."""
     stream: int
     """Replay stream of the failed capture."""
-    phase: Phase = Phase.SERVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +213,6 @@ class DeviceTimed(_Keyed):
     """``"replay"`` or ``"eager"``."""
     device_s: float
     """Seconds between the events recorded before and after the call on its stream."""
-    phase: Phase = Phase.SERVING
 
 
 Event: TypeAlias = (
@@ -231,6 +229,13 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 )
 
 
+def event_fields(cls: type[Any]) -> tuple[Field[Any], ...]:
+    """Return an event class's fields in constructor order: its positional fields, then
+    the keyword-only ones (``phase``), as event logs write them."""
+    every = fields(cls)
+    return tuple(f for f in every if not f.kw_only) + tuple(f for f in every if f.kw_only)
+
+
 def _fast_constructor(cls: type[_E]) -> Callable[..., _E]:
     """Build ``cls`` from all its fields positionally, without dataclass __init__'s cost.
 
@@ -238,7 +243,7 @@ def _fast_constructor(cls: type[_E]) -> Callable[..., _E]:
     descriptors set them at half the cost. The result is the same frozen event (equal,
     hashable, immutable). For the adapter's per-call events only.
     """
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    names = [f.name for f in event_fields(cls)]
     namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
     namespace.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
     body = "".join(f"    _set_{n}(event, {n})\n" for n in names)

@@ -36,7 +36,7 @@ phases = st.sampled_from(list(Phase))
 durations = st.floats(0, 1)
 events = st.one_of(
     st.builds(
-        GraphReplayed, adapters, signatures, st.integers(0), st.integers(0), durations, phases
+        GraphReplayed, adapters, signatures, st.integers(0), st.integers(0), durations, phase=phases
     ),
     st.builds(
         GraphMissed,
@@ -47,7 +47,7 @@ events = st.one_of(
         st.sampled_from(list(MissReason)),
         st.just("d"),
         st.one_of(st.none(), durations),
-        phases,
+        phase=phases,
     ),
     st.builds(
         GraphCaptured,
@@ -63,7 +63,7 @@ events = st.one_of(
         st.integers(0, 1 << 30),
         st.integers(0, 1 << 20),
         st.integers(0),
-        phases,
+        phase=phases,
     ),
     st.builds(
         DeviceTimed,
@@ -73,7 +73,7 @@ events = st.one_of(
         st.integers(0),
         st.sampled_from(["replay", "eager"]),
         durations,
-        phases,
+        phase=phases,
     ),
     st.builds(
         MemoryDeferred,
@@ -84,7 +84,7 @@ events = st.one_of(
         st.integers(0),
         st.integers(0),
         st.just("cuda:0"),
-        phases,
+        phase=phases,
     ),
     st.builds(
         CaptureFailed,
@@ -96,7 +96,7 @@ events = st.one_of(
         st.just("boom"),
         st.just("cuda:0"),
         st.integers(0),
-        phases,
+        phase=phases,
     ),
 )
 limits = st.integers(1, 5)
@@ -281,9 +281,9 @@ def test_phases_are_counted_apart() -> None:
     """Profiling calls and captures count in the profiling phase, serving ones apart."""
     s = sig("float32[1,1024,1152] @cuda:0 s=0")
     stream = [
-        GraphMissed("v", s, 0, 0, MissReason.WARMUP, "w", 0.02, Phase.PROFILING),
-        GraphCaptured("v", s, 0, 0, 0.1, 1, "cuda:0", 0, 1, 1000, 24, 0, Phase.PROFILING),
-        GraphReplayed("v", s, 0, 0, 0.005, Phase.PROFILING),
+        GraphMissed("v", s, 0, 0, MissReason.WARMUP, "w", 0.02, phase=Phase.PROFILING),
+        GraphCaptured("v", s, 0, 0, 0.1, 1, "cuda:0", 0, 1, 1000, 24, 0, phase=Phase.PROFILING),
+        GraphReplayed("v", s, 0, 0, 0.005, phase=Phase.PROFILING),
         GraphReplayed("v", s, 0, 0, 0.004),
     ]
     row = derive_coverage(stream)["v"].keys[0]

@@ -632,7 +632,7 @@ class EncoderCudaGraph:
                     free,
                     self.config.min_free_bytes,
                     str(device),
-                    self._phase,
+                    phase=self._phase,
                 )
             )
             return None, (MissReason.MEMORY, "floor", signature)
@@ -694,7 +694,7 @@ class EncoderCudaGraph:
                 message,
                 str(device),
                 stream,
-                self._phase,
+                phase=self._phase,
             )
         )
 
@@ -726,7 +726,7 @@ class EncoderCudaGraph:
                 int(graph.bytes_reserved),
                 int(graph.static_bytes),
                 index,
-                self._phase,
+                phase=self._phase,
             )
         )
 

@@ -154,7 +154,7 @@ class DeviceTimer:
                 self.clock.release(start)
                 self.clock.release(end)
                 ready.append(
-                    DeviceTimed(adapter, signature, _mono(), _epoch(), kind, seconds, phase)
+                    DeviceTimed(adapter, signature, _mono(), _epoch(), kind, seconds, phase=phase)
                 )
             # Pairs recorded meanwhile were appended behind the ones kept.
             self._pending.extendleft(reversed(kept))

@@ -446,12 +446,12 @@ def _coverage_events() -> list[Event]:
     late = [sig(f"float32[1,{n},64], None @cpu s=0") for n in (960, 798)]
     events: list[Event] = [
         GraphMissed(
-            "vision", dummy, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.02, Phase.PROFILING
+            "vision", dummy, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.02, phase=Phase.PROFILING
         ),
         GraphCaptured(
-            "vision", dummy, 0, T0, 0.1, 1, "cpu", 0, 5, 64 * MiB, 1024, 0, Phase.PROFILING
+            "vision", dummy, 0, T0, 0.1, 1, "cpu", 0, 5, 64 * MiB, 1024, 0, phase=Phase.PROFILING
         ),
-        GraphReplayed("vision", dummy, 0, T0, 0.005, Phase.PROFILING),
+        GraphReplayed("vision", dummy, 0, T0, 0.005, phase=Phase.PROFILING),
         GraphMissed("vision", hot, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.010),
         GraphCaptured("vision", hot, 0, T0, 0.1, 1, "cpu", 0, 5, 64 * MiB, 1024, 1),
     ]
