@@ -56,12 +56,15 @@ from omnitrace.events import Event
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 __all__ = [
+    "JsonlSink",
+    "worker_log_path",
+    "worker_rank",
+    # Re-exported from omnitrace.eventlog, where the format and the reader live.
     "SCHEMA_VERSION",
     "AdapterInfo",
     "EventLogError",
     "EventLogFollower",
     "EventRecord",
-    "JsonlSink",
     "LogSegment",
     "decode_record",
     "encode_event",
@@ -69,8 +72,6 @@ __all__ = [
     "log_gap",
     "read_events",
     "read_records",
-    "worker_log_path",
-    "worker_rank",
 ]
 
 logger = logging.getLogger(__name__)
