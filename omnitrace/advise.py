@@ -85,16 +85,17 @@ _KEYS = {name: key for key, name in HF_OVERRIDE_KEYS.items()}
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One point of the grid: the admission settings every encoder runs with."""
+    """One point of the grid: the admission settings every encoder runs with.
+
+    Each field is the :class:`~omnitrace.config.EncoderGraphConfig` option of the same name
+    (documented there, set by its ``encoder_cuda_graph_*`` key); the other options keep
+    their defaults.
+    """
 
     max_graphs: int
-    """Graphs each encoder may hold (``encoder_cuda_graph_max_graphs``)."""
     min_capture_calls: int
-    """Calls of a signature before it is captured (``encoder_cuda_graph_min_capture_calls``)."""
     min_free_bytes: int
-    """Device-free memory a capture must leave (``encoder_cuda_graph_min_free_bytes``)."""
     skip_profiling: bool = False
-    """Whether calls of vLLM's profiling run stay out of admission."""
 
     def config(self) -> EncoderGraphConfig:
         """Return the config this setting stands for (other fields at their defaults)."""
