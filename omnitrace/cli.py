@@ -163,6 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--requests",
         type=_count,
         default=400,
+        metavar="N",
         help="encoder requests to send (0: no limit, stop with --duration)",
     )
     traffic.add_argument(
@@ -206,22 +207,30 @@ def _build_parser() -> argparse.ArgumentParser:
     sizes = demo.add_argument_group("model sizes (defaults are tiny, for a CPU)")
     sizes.add_argument("--hidden", type=_model_size, default=64, help="hidden size")
     sizes.add_argument("--heads", type=_layers, default=4, help="attention heads")
-    sizes.add_argument("--vision-layers", type=_layers, default=2, help="vision layers")
-    sizes.add_argument("--audio-layers", type=_layers, default=2, help="audio layers")
+    sizes.add_argument(
+        "--vision-layers", type=_layers, default=2, metavar="N", help="vision layers"
+    )
+    sizes.add_argument("--audio-layers", type=_layers, default=2, metavar="N", help="audio layers")
     sizes.add_argument(
         "--cpu", action="store_true", help="run on the CPU (simulated graphs) even with CUDA"
     )
-    sim = demo.add_argument_group("simulated device (CPU only)")
+    sim = demo.add_argument_group(
+        "simulated device (CPU only)",
+        "on the CPU, graphs and device memory are simulated: a replay runs the forward again, "
+        "and each capture takes its memory from a simulated free amount",
+    )
     sim.add_argument(
         "--sim-free-mib",
         type=_mib,
         default=1624,
+        metavar="MIB",
         help="simulated free device memory at start, MiB (so the 1 GiB floor bites late)",
     )
     sim.add_argument(
         "--sim-graph-mib",
         type=_mib,
         default=96,
+        metavar="MIB",
         help="simulated memory each capture takes, MiB",
     )
     sim.add_argument(
