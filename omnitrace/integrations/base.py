@@ -27,17 +27,15 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from omnitrace.bus import EventBus
 from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = [
     "AdapterChoices",

@@ -73,10 +73,11 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.integrations.base import (
@@ -89,9 +90,6 @@ from omnitrace.integrations.base import (
     route_method,
     warn_unsupported,
 )
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = [
     "AUDIO_TOWER",
