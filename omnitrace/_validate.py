@@ -10,7 +10,15 @@ import reprlib
 
 from omnitrace.errors import ConfigError
 
-__all__ = ["INT64_MAX", "OversizedInt", "check_bool", "check_int", "check_number", "describe"]
+__all__ = [
+    "INT64_MAX",
+    "OversizedInt",
+    "check_bool",
+    "check_int",
+    "check_number",
+    "check_text",
+    "describe",
+]
 
 #: Largest value of a signed 64-bit integer: every count and byte size omnitrace exports.
 INT64_MAX = (1 << 63) - 1
@@ -95,4 +103,15 @@ def check_bool(name: str, value: object) -> bool:
     """
     if not isinstance(value, bool):
         raise ConfigError(f"{name}: expected true or false, got {describe(value)}")
+    return value
+
+
+def check_text(name: str, value: object) -> str:
+    """Return ``value`` if it is a string with more than white space in it.
+
+    Raises:
+        ConfigError: naming ``name`` and the value.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}: expected a non-empty string, got {describe(value)}")
     return value

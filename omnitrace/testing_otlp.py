@@ -45,6 +45,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
+from omnitrace.errors import ConfigError
+
 __all__ = [
     "OTLPReceiver",
     "attributes",
@@ -98,7 +100,7 @@ class OTLPReceiver:
 
     def __init__(self, protocol: ReceiverProtocol = "http/protobuf", *, host: str = "127.0.0.1"):
         if protocol not in ("http/protobuf", "grpc"):
-            raise ValueError(f"protocol: expected 'http/protobuf' or 'grpc', got {protocol!r}")
+            raise ConfigError(f"protocol: expected 'http/protobuf' or 'grpc', got {protocol!r}")
         self.protocol = protocol
         self.host = host
         self.reject = False

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from omnitrace._validate import check_text
 from omnitrace.bus import EventBus
 from omnitrace.config import ConfigError, EncoderGraphConfig, EncoderGraphFailedError
 from omnitrace.events import (
@@ -233,8 +234,7 @@ class EncoderCudaGraph:
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"name: expected a non-empty string, got {name!r}")
+        check_text("name", name)
         if config is None:
             config = EncoderGraphConfig()
         elif not isinstance(config, EncoderGraphConfig):

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from omnitrace._validate import check_number
+
 __all__ = [
     "COMPILE_SWITCH_INTERVAL",
     "COMPILE_YIELD",
@@ -111,18 +113,15 @@ class CompileYield:
         use_monitoring: look through ``sys.monitoring`` where the interpreter has it.
 
     Raises:
-        ValueError: a time is not positive.
+        ConfigError: a time is not a positive number.
     """
 
     def __init__(
         self, max_pause_s: float, slice_s: float, step_s: float, *, use_monitoring: bool = True
     ) -> None:
-        for name, value in (("max_pause_s", max_pause_s), ("slice_s", slice_s), ("step_s", step_s)):
-            if not value > 0:
-                raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
-        self.max_pause_s = max_pause_s
-        self.slice_s = slice_s
-        self.step_s = step_s
+        self.max_pause_s = check_number("max_pause_s", max_pause_s, unit="seconds")
+        self.slice_s = check_number("slice_s", slice_s, unit="seconds")
+        self.step_s = check_number("step_s", step_s, unit="seconds")
         # Tokens of the eager calls in flight: set.add and set.discard are atomic under the
         # GIL, so the serving threads mark their calls without a lock.
         self._in_flight: set[object] = set()

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from omnitrace._validate import check_number
+from omnitrace._validate import check_int, check_number, check_text
 from omnitrace._worker import env_rank
+from omnitrace.errors import ConfigError
 from omnitrace.sinks.names import ATTR
 from omnitrace.sinks.otel import (
     _DEFAULT_ENDPOINTS,
@@ -354,7 +355,7 @@ def _env_millis(name: str) -> float | None:
     except ValueError:
         millis = -1.0
     if not millis > 0:
-        raise ValueError(f"{name}: expected a positive number of milliseconds, got {raw!r}")
+        raise ConfigError(f"{name}: expected a positive number of milliseconds, got {raw!r}")
     return millis / 1000
 
 
@@ -414,8 +415,8 @@ def configure_sdk(
         The providers and their ``force_flush()`` / ``shutdown()``.
 
     Raises:
-        ValueError: an argument or a standard variable is out of range (the message names
-            it).
+        ConfigError: an argument or a standard variable is out of range (the message names
+            it; a ValueError).
         ImportError: the gRPC exporter is asked for but not installed (the message says
             which extra to install).
     """
@@ -424,7 +425,7 @@ def configure_sdk(
     else:
         protocol_text = protocol
     if protocol_text not in _PROTOCOLS:
-        raise ValueError(
+        raise ConfigError(
             f"protocol: expected one of {', '.join(_PROTOCOLS)}, got {protocol_text!r}"
         )
     if export_interval_s is None:
@@ -433,20 +434,14 @@ def configure_sdk(
         interval = check_number("export_interval_s", export_interval_s, unit="seconds")
     span_delay = _env_millis("OTEL_BSP_SCHEDULE_DELAY")
     timeout = check_number("export_timeout_s", export_timeout_s, unit="seconds")
-    if prometheus_port is not None and (
-        isinstance(prometheus_port, bool)
-        or not isinstance(prometheus_port, int)
-        or not 0 <= prometheus_port <= 65535
-    ):
-        raise ValueError(f"prometheus_port: expected a port in [0, 65535], got {prometheus_port!r}")
-    if prometheus_port is not None and not prometheus:
-        raise ValueError("prometheus_port: set prometheus=True to serve a scrape endpoint")
-    for label, name in (
-        ("service_name", service_name),
-        ("default_service_name", default_service_name),
-    ):
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"{label}: expected a non-empty string, got {name!r}")
+    if prometheus_port is not None:
+        check_int("prometheus_port", prometheus_port, maximum=65535, meaning="a port in [0, 65535]")
+        if not prometheus:
+            raise ConfigError("prometheus_port: set prometheus=True to serve a scrape endpoint")
+    if service_name is not None:
+        check_text("service_name", service_name)
+    if default_service_name is not None:
+        check_text("default_service_name", default_service_name)
 
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -553,7 +548,7 @@ def sdk_sink(bus: EventBus, **settings: Any) -> SdkSink:
         settings: arguments of :func:`configure_sdk`.
 
     Raises:
-        ValueError: a setting or a standard variable is out of range (as configure_sdk).
+        ConfigError: a setting or a standard variable is out of range (as configure_sdk).
         ImportError: an exporter that is asked for is not installed (as configure_sdk).
     """
     setup = configure_sdk(**settings)
