@@ -33,7 +33,7 @@ class TorchCudaGraph(StaticBuffers):
     capture allocations that later captures into a shared pool can reuse.
     """
 
-    __slots__ = ("_device_index", "_graph")
+    __slots__ = ("_device_index", "_launch")
 
     def __init__(
         self,
@@ -45,7 +45,8 @@ class TorchCudaGraph(StaticBuffers):
         bytes_reserved: int,
     ) -> None:
         super().__init__(static_inputs, static_outputs, spec, bytes_reserved)
-        self._graph = graph
+        # The graph's bound replay (which keeps the graph alive): one lookup less per hit.
+        self._launch = graph.replay
         self._device_index = device_index
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
@@ -57,7 +58,7 @@ class TorchCudaGraph(StaticBuffers):
 
     def _replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
         self.copy_in(inputs)
-        self._graph.replay()
+        self._launch()
         # Clones keep a caller's tensors valid after the next replay overwrites the buffers.
         return self.clone_out()
 
