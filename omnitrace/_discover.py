@@ -33,6 +33,8 @@ class Declaration:
     """The assigned expression, unevaluated."""
     where: str
     """``path:line`` of the assignment, for messages."""
+    docstring: str | None = None
+    """The module's docstring, cleaned as :func:`inspect.cleandoc` does."""
 
 
 def declarations(package: str, name: str) -> list[Declaration]:
@@ -56,10 +58,12 @@ def declarations(package: str, name: str) -> list[Declaration]:
         if source is None or not marker.search(source):
             continue
         filename = spec.origin or info.name
-        node = _assignment(ast.parse(source, filename=filename), name)
+        tree = ast.parse(source, filename=filename)
+        node = _assignment(tree, name)
         if node is not None and node.value is not None:
             where = f"{filename}:{node.lineno}"
-            found.append(Declaration(module=info.name, value=node.value, where=where))
+            docstring = ast.get_docstring(tree)
+            found.append(Declaration(info.name, node.value, where, docstring))
     return found
 
 

@@ -1,4 +1,5 @@
-"""The JSON Lines event-log sink: append every event to a file, rotating it by size.
+"""The JSON Lines event-log sink: append every event to a file (``{pid}`` and ``{rank}`` in
+its path filled in per worker), rotating it by size.
 
 The format (schema, codec) and the reader live in :mod:`omnitrace.eventlog`; their names
 are re-exported here. Every line names the writing process (``pid``) and its worker rank
@@ -320,14 +321,6 @@ def _build_sink(request: SinkRequest) -> JsonlSink:
     return JsonlSink(request.value, bus=request.bus)
 
 
-#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
-SINK = SinkDeclaration(
-    name="jsonl",
-    env="OMNITRACE_EVENTS_LOG",
-    order=10,
-    build=_build_sink,
-    description=(
-        "JSONL event log at this path; {pid} and {rank} are filled in per worker "
-        "(omnitrace top follows it)"
-    ),
-)
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here (its
+#: description is the first paragraph of this module's docstring).
+SINK = SinkDeclaration(name="jsonl", env="OMNITRACE_EVENTS_LOG", order=10, build=_build_sink)

@@ -1,4 +1,6 @@
-"""Structured JSON logs of adapter decisions, through structlog.
+"""Structured JSON logs of adapter decisions through structlog: captures, deferrals and
+failures, and a ``graph_summary`` line per encoder every ``OMNITRACE_SUMMARY_INTERVAL``
+seconds and at exit.
 
 The sink only asks for ``structlog.get_logger("omnitrace")``: how lines are rendered and
 where they go is the application's choice, made once at its edge (the CLI calls
@@ -387,15 +389,6 @@ def _build_sink(request: SinkRequest) -> LogSink:
     return LogSink(bus=request.bus, environ=request.environ)
 
 
-#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
-SINK = SinkDeclaration(
-    name="logs",
-    env="OMNITRACE_LOGS",
-    order=30,
-    build=_build_sink,
-    switch=True,
-    description=(
-        "structlog JSON lines of captures, deferrals and failures, and a graph_summary "
-        "line per encoder every OMNITRACE_SUMMARY_INTERVAL seconds and at exit"
-    ),
-)
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here (its
+#: description is the first paragraph of this module's docstring).
+SINK = SinkDeclaration(name="logs", env="OMNITRACE_LOGS", order=30, build=_build_sink, switch=True)

@@ -1,4 +1,5 @@
-"""OpenTelemetry SDK wiring for omnitrace: providers, exporters, and a sink on them.
+"""OpenTelemetry spans and metrics through the SDK: providers, OTLP and Prometheus exporters,
+and a sink on them, configured by OpenTelemetry's ``OTEL_*`` variables.
 
 The application edge, apart from the API-only sink (:mod:`omnitrace.sinks.otel`), as
 OpenTelemetry keeps its API and SDK packages apart. :func:`configure_sdk` imports the SDK and
@@ -689,15 +690,6 @@ def _build_sink(request: SinkRequest) -> OTelSink:
     ).sink
 
 
-#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
-SINK = SinkDeclaration(
-    name="otlp",
-    env="OMNITRACE_OTLP",
-    order=20,
-    build=_build_sink,
-    switch=True,
-    description=(
-        "OpenTelemetry spans and metrics, configured by OpenTelemetry's OTEL_* variables "
-        "(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...)"
-    ),
-)
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here (its
+#: description is the first paragraph of this module's docstring).
+SINK = SinkDeclaration(name="otlp", env="OMNITRACE_OTLP", order=20, build=_build_sink, switch=True)

@@ -1,4 +1,5 @@
-"""OpenTelemetry export beside the worker: ``omnitrace replay --follow`` on its event log.
+"""OpenTelemetry export beside the worker, off its GIL: ``omnitrace replay --follow`` on the
+worker's event log (``OMNITRACE_EVENTS_LOG``).
 
 The OTel SDK does several microseconds of Python per measurement, and on a sink thread that
 work takes the GIL from the serving thread. ``OMNITRACE_OTLP_RELAY=1`` keeps it out of the
@@ -172,15 +173,8 @@ def _build_sink(request: SinkRequest) -> RelayedExport:
     return RelayedExport(path, environ=environ, pid=request.pid, rank=request.rank)
 
 
-#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here.
+#: This sink's entry in the table of omnitrace.sinks.registry, which reads it from here (its
+#: description is the first paragraph of this module's docstring).
 SINK = SinkDeclaration(
-    name="otlp-relay",
-    env="OMNITRACE_OTLP_RELAY",
-    order=30,
-    build=_build_sink,
-    switch=True,
-    description=(
-        "OpenTelemetry spans and metrics exported by a child process that follows the "
-        "worker's event log (needs OMNITRACE_EVENTS_LOG), off the serving process's GIL"
-    ),
+    name="otlp-relay", env="OMNITRACE_OTLP_RELAY", order=30, build=_build_sink, switch=True
 )

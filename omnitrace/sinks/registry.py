@@ -1,19 +1,20 @@
 """The sinks a setting can ask for, each declared by its own module.
 
-A sink module declares its sink with a module-level ``SINK``, a :class:`SinkDeclaration`: its
-name, the environment variable that asks for it, its place in the attach order, a
-description and the factory that builds it. :func:`discover_sinks` reads these declarations
-from the source of the modules of :mod:`omnitrace.sinks` without importing them, so a sink's
-optional dependency (OpenTelemetry, structlog, ...) is imported only when its variable is
-set, and a missing one fails only then. :data:`SINKS` is the resulting table, one
-:class:`SinkSpec` per sink in attach order, read on first use. The vLLM plugin attaches
-every sink its worker's environment asks for; ``omnitrace demo`` and ``omnitrace replay``
-attach the ones they do not already wire from their own options (the event log and
-OpenTelemetry).
+A sink module declares its sink with a module-level ``SINK``, a :class:`SinkDeclaration`:
+its name, the environment variable that asks for it, its place in the attach order, the
+factory that builds it and a description (by default the first paragraph of the module's
+docstring). :func:`discover_sinks` reads these declarations from the source of the modules
+of :mod:`omnitrace.sinks` without importing them, so a sink's optional dependency
+(OpenTelemetry, structlog, ...) is imported only when its variable is set, and a missing one
+fails only then. :data:`SINKS` is the resulting table, one :class:`SinkSpec` per sink in
+attach order, read on first use. The vLLM plugin attaches every sink its worker's
+environment asks for; ``omnitrace demo`` and ``omnitrace replay`` attach the ones they do
+not already wire from their own options (the event log and OpenTelemetry).
 
 Adding a sink is its module, its test and a line of docs; nothing else changes. The module
 ends with its declaration, every field of which but ``build`` is written as a literal (the
-registry reads them without running the module)::
+registry reads them without running the module); without ``description``, the first
+paragraph of the module's docstring describes the sink::
 
     import kafka  # the sink's library: imported with the module, when OMNITRACE_KAFKA is set
 
@@ -43,7 +44,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import os
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -66,6 +69,7 @@ __all__ = [
     "build_sink",
     "build_sinks",
     "discover_sinks",
+    "docstring_summary",
     "requested",
 ]
 
@@ -110,9 +114,29 @@ class SinkDeclaration:
     """The sink's place among the others: sinks are attached by ascending order, then name."""
     build: Callable[[SinkRequest], Sink]
     """Build the sink for the request (called once the module is imported)."""
-    description: str
+    description: str = ""
+    """One line on what the sink does; by default the first paragraph of the docstring of
+    the module that defines ``build`` (the sink module)."""
     switch: bool = False
     """A 1/0 variable; otherwise any non-empty value asks for the sink and is passed on."""
+
+    def __post_init__(self) -> None:
+        if not self.description:
+            module = sys.modules.get(getattr(self.build, "__module__", None) or "")
+            summary = docstring_summary(getattr(module, "__doc__", None))
+            if not summary:
+                raise SinkDeclarationError(
+                    f"sink {self.name!r}: give a description, or a docstring to its module"
+                )
+            object.__setattr__(self, "description", summary)
+
+
+def docstring_summary(docstring: str | None) -> str:
+    """Return the first paragraph of a docstring on one line ("" for none)."""
+    if not docstring:
+        return ""
+    first = inspect.cleandoc(docstring).split("\n\n", 1)[0]
+    return " ".join(first.replace("``", "").split())
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +175,7 @@ _LITERAL_FIELDS: dict[str, type] = {
     "description": str,
     "switch": bool,
 }
-_REQUIRED_FIELDS = ("name", "env", "order", "build", "description")
+_REQUIRED_FIELDS = ("name", "env", "order", "build")
 
 
 def _build_declared(module: ModuleType, request: SinkRequest) -> Sink:
@@ -197,6 +221,12 @@ def _read(declaration: Declaration) -> tuple[int, SinkSpec]:
     missing = [name for name in _REQUIRED_FIELDS if name not in fields]
     if missing:
         raise SinkDeclarationError(f"{where}: missing {', '.join(missing)}")
+    if not fields.get("description"):
+        fields["description"] = docstring_summary(declaration.docstring)
+        if not fields["description"]:
+            raise SinkDeclarationError(
+                f"{where}: missing description (give one, or a docstring to the module)"
+            )
     spec = SinkSpec(
         name=fields["name"],
         env=fields["env"],

@@ -393,3 +393,47 @@ def test_two_modules_declaring_one_variable_is_an_error(package: Callable[..., s
     message = f"{name}.a and {name}.b both declare a sink with env 'SAME_ENV'"
     with pytest.raises(SinkDeclarationError, match=re.escape(message)):
         registry.discover_sinks(name)
+
+
+def test_a_declaration_without_a_description_takes_its_modules_docstring(
+    package: Callable[..., str],
+) -> None:
+    """The description defaults to the module docstring's first paragraph, on one line, both
+    as the registry reads it from the source and on the imported declaration."""
+    source = '''
+        """Events to a ``probe``: one
+        line each.
+
+        More detail that is not part of the description.
+        """
+        from omnitrace.sinks.registry import SinkDeclaration
+
+        def build(request):
+            return None
+
+        SINK = SinkDeclaration(name="probe", env="PROBE_DOC_ENV", order=1, build=build)
+    '''
+    name = package(probe=source)
+    (spec,) = registry.discover_sinks(name)
+    assert spec.description == "Events to a probe: one line each."
+    declared = importlib.import_module(f"{name}.probe").SINK
+    assert declared.description == spec.description
+
+
+def test_a_declaration_with_neither_description_nor_docstring_is_an_error(
+    package: Callable[..., str],
+) -> None:
+    """Without a description and a module docstring, reading and importing both refuse it."""
+    source = """
+        from omnitrace.sinks.registry import SinkDeclaration
+
+        def build(request):
+            return None
+
+        SINK = SinkDeclaration(name="probe", env="PROBE_NODOC_ENV", order=1, build=build)
+    """
+    name = package(probe=source)
+    with pytest.raises(SinkDeclarationError, match=r"missing description \(give one, or a"):
+        registry.discover_sinks(name)
+    with pytest.raises(SinkDeclarationError, match="sink 'probe': give a description"):
+        importlib.import_module(f"{name}.probe")
