@@ -181,8 +181,8 @@ def dashboard() -> dict[str, Any]:
         _panel(
             2,
             "Misses by reason",
-            "Eager calls per second, by encoder and reason "
-            f"({', '.join(reason.value for reason in MissReason)}).",
+            f"Eager calls per second, by encoder and miss reason (the {REASON} label; the "
+            "README's events table says what each reason means).",
             "timeseries",
             (12, 0, 12, 8),
             [
