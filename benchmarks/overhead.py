@@ -126,48 +126,42 @@ def _expected_counts(events: Sequence[Event]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _rounds(
+def _rounds_by_clock(
     variants: dict[str, Callable[[], object]], per_round: int, rounds: int
-) -> dict[str, dict[str, float | int]]:
-    """Time ``per_round`` back-to-back calls of each variant, interleaved over ``rounds``.
+) -> tuple[dict[str, dict[str, float | int]], dict[str, dict[str, float | int]]]:
+    """Time ``per_round`` back-to-back calls of each variant, interleaved over ``rounds``, by
+    the wall clock and by the calling thread's CPU time; return the summaries of each.
 
     Each sample is the mean cost of one call within one round (so a sample is a loop, which
     keeps the timer's own cost out of sub-microsecond numbers); the summary is over rounds.
+    The two clocks differ by the time the thread waited for the GIL while other threads (a
+    bus's sink threads) held it: wall time counts it, the thread's CPU time does not.
     """
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    perf = time.perf_counter_ns
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    perf, thread = time.perf_counter_ns, time.thread_time_ns
     for _ in range(rounds):
         for name, fn in variants.items():
-            start = perf()
+            start, start_cpu = perf(), thread()
             for _ in range(per_round):
                 fn()
-            samples[name].append((perf() - start) / per_round / 1e9)
-    return {name: summarize(s) for name, s in samples.items()}
+            cpu_ns, wall_ns = thread() - start_cpu, perf() - start
+            wall[name].append(wall_ns / per_round / 1e9)
+            cpu[name].append(cpu_ns / per_round / 1e9)
+    return (
+        {name: summarize(s) for name, s in wall.items()},
+        {name: summarize(s) for name, s in cpu.items()},
+    )
+
+
+def _rounds(
+    variants: dict[str, Callable[[], object]], per_round: int, rounds: int
+) -> dict[str, dict[str, float | int]]:
+    """The wall-clock summaries of :func:`_rounds_by_clock`."""
+    return _rounds_by_clock(variants, per_round, rounds)[0]
 
 
 # -- emit cost ---------------------------------------------------------------------------
-
-
-def _wall_and_cpu_rounds(
-    fn: Callable[[], object], per_round: int, rounds: int
-) -> tuple[dict[str, float | int], dict[str, float | int]]:
-    """Time ``per_round`` back-to-back calls of ``fn`` per round, by the wall clock and by the
-    calling thread's CPU time; return the summary of each over the rounds.
-
-    The two differ by the time the thread waited for the GIL while other threads (a bus's
-    sink threads) held it: wall time counts it, the thread's CPU time does not.
-    """
-    wall: list[float] = []
-    cpu: list[float] = []
-    perf, thread = time.perf_counter_ns, time.thread_time_ns
-    for _ in range(rounds):
-        start, start_cpu = perf(), thread()
-        for _ in range(per_round):
-            fn()
-        cpu_ns, wall_ns = thread() - start_cpu, perf() - start
-        wall.append(wall_ns / per_round / 1e9)
-        cpu.append(cpu_ns / per_round / 1e9)
-    return summarize(wall), summarize(cpu)
 
 
 def bench_emit(ctx: Context) -> dict[str, Any]:
@@ -193,7 +187,8 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
             def emit_one(bus: EventBus = bus, it: Any = it) -> None:
                 bus.emit(events[next(it) & 63])
 
-            stats, cpu = _wall_and_cpu_rounds(emit_one, per_round, rounds)
+            wall, cpu_time = _rounds_by_clock({"emit": emit_one}, per_round, rounds)
+            stats, cpu = wall["emit"], cpu_time["emit"]
             flushed = bus.flush(timeout=30.0)
             bus_stats = bus.statistics()
             bus.close()
