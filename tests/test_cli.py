@@ -225,10 +225,9 @@ def test_injected_capture_failure_is_logged_counted_and_fails_the_run(
     code, summary, log = _demo(tmp_path, "--fail-capture", "vision", "--log-file", str(log_file))
     out = capsys.readouterr().out
     assert code == 1
-    vision = next(line for line in out.splitlines() if line.startswith("│ vision "))
-    audio = next(line for line in out.splitlines() if line.startswith("│ audio "))
-    assert [cell.strip() for cell in vision.strip("│").split("│")][-2:] == ["1", "terminal"]
-    assert [cell.strip() for cell in audio.strip("│").split("│")][-2:] == ["0", "ok"]
+    rows = _stats_rows(out)
+    assert [rows["vision"]["capture failures"], rows["vision"]["state"]] == ["1", "terminal"]
+    assert [rows["audio"]["capture failures"], rows["audio"]["state"]] == ["0", "ok"]
     assert "capture failed: vision is terminal;" in out
     assert summary["encoders"]["vision"]["capture_failures"] == 1
     assert summary["calls_after_failure"] > 0
