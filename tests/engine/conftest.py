@@ -1,0 +1,26 @@
+"""Fixtures for the engine tests: a tiny checkpoint and a directory for the engines' files.
+
+The tests need vLLM: each module skips without it, and the engine CI tier installs it (and
+turns skips into failures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omnitrace.testing_checkpoints import write_qwen2_5_omni
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-Omni directory written by omnitrace's checkpoint builder."""
+    return write_qwen2_5_omni(tmp_path_factory.mktemp("checkpoints") / "qwen2_5_omni")
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A directory for the engines' reports and logs, kept for the session."""
+    return tmp_path_factory.mktemp("engines")

@@ -1,0 +1,244 @@
+"""Run a real ``vllm.LLM`` engine on a tiny checkpoint and write what it did as JSON.
+
+One engine per process: vLLM loads its plugins, reads its environment and sets global state
+once per process, so each configuration the engine tests compare (omnitrace on, off, a bad
+override) is its own run of this script. The tests start it with the environment of the
+configuration (``OMNITRACE_PLUGIN``, ``OMNITRACE_EVENTS_LOG``, ``OMNITRACE_OTLP``, vLLM's
+variables) and read the JSON it writes.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+``llm.collective_rpc`` reaches the worker: forward hooks digest every tower output (so runs
+compare bit for bit) and the adapters' statistics are read there. The prompts are fixed and
+seeded: one image, one audio clip at 16 kHz, two images and two clips, each ``--repeat``
+times with new content of the same sizes, then one chat request with an image and a clip;
+greedy decoding, so two runs on the same dummy weights must produce the same tokens.
+
+Usage: ``python engine_run.py --model DIR --out result.json [--overrides JSON]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+import numpy as np
+
+#: Towers whose outputs the hooks digest, by the thinker's attribute names.
+TOWERS = ("visual", "audio_tower")
+SAMPLING_RATE = 16_000
+_USER = "<|im_start|>user\n"
+_ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
+_IMAGE = "<|vision_start|><|IMAGE|><|vision_end|>"
+_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+
+
+def image(seed: int, width: int, height: int) -> Any:
+    """A seeded random RGB image."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def clip(seed: int, seconds: float) -> tuple[np.ndarray, int]:
+    """A seeded noise clip at 16 kHz, as vLLM takes audio: ``(samples, rate)``."""
+    samples = np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
+    return (0.1 * samples).astype(np.float32), SAMPLING_RATE
+
+
+def prompts(round_: int = 0) -> list[dict[str, Any]]:
+    """One image; one clip; two images and two clips (the order the tests name them).
+
+    Each round has the same sizes (so the same encoder input shapes) and new pixels and
+    samples: vLLM caches encoder outputs by content, and a repeated item would never reach
+    an encoder again.
+    """
+    s = 10 * round_
+    return [
+        {
+            "prompt": f"{_USER}{_IMAGE}Describe the image.{_ASSISTANT}",
+            "multi_modal_data": {"image": image(s + 1, 280, 224)},
+        },
+        {
+            "prompt": f"{_USER}{_AUDIO}What do you hear?{_ASSISTANT}",
+            "multi_modal_data": {"audio": clip(s + 2, 1.0)},
+        },
+        {
+            "prompt": f"{_USER}{_IMAGE}{_IMAGE}{_AUDIO}{_AUDIO}Compare them.{_ASSISTANT}",
+            "multi_modal_data": {
+                "image": [image(s + 3, 224, 224), image(s + 4, 336, 196)],
+                "audio": [clip(s + 5, 0.5), clip(s + 6, 2.5)],
+            },
+        },
+    ]
+
+
+def _data_url(kind: str, payload: bytes) -> str:
+    return f"data:{kind};base64,{base64.b64encode(payload).decode()}"
+
+
+def png(picture: Any) -> bytes:
+    """The image as PNG bytes."""
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def wav(samples: np.ndarray, rate: int) -> bytes:
+    """16-bit PCM WAV bytes (the standard library's writer; vLLM reads them with soundfile)."""
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()
+
+
+def chat_messages(seed_offset: int = 0) -> list[dict[str, Any]]:
+    """One user message with an image, an audio clip and text, as an OpenAI client sends it."""
+    s = seed_offset
+    return [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "image_url",
+                    "image_url": {"url": _data_url("image/png", png(image(s + 7, 252, 252)))},
+                },
+                {
+                    "type": "audio_url",
+                    "audio_url": {"url": _data_url("audio/wav", wav(*clip(s + 8, 1.5)))},
+                },
+                {"type": "text", "text": "Describe both."},
+            ],
+        }
+    ]
+
+
+def digest(output: Any) -> str:
+    """A short SHA-256 of a tower's output tensor: bit-for-bit comparisons between runs."""
+    import hashlib
+
+    import torch
+
+    tensor = getattr(output, "last_hidden_state", output)
+    if isinstance(tensor, (list, tuple)):
+        tensor = torch.cat([t.reshape(-1) for t in tensor])
+    data = tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _watch_towers(worker: Any) -> dict[str, Any]:
+    """Record a digest of every tower output in the worker, in call order."""
+    model = worker.model_runner.model
+    outputs: dict[str, list[str]] = {}
+    for name in TOWERS:
+        tower = getattr(model, name, None)
+        if tower is None:
+            continue
+        outputs[name] = []
+
+        def hook(module: Any, args: Any, output: Any, name: str = name) -> None:
+            outputs[name].append(digest(output))
+
+        tower.register_forward_hook(hook)
+    model._engine_test_outputs = outputs
+    return {"towers": sorted(outputs)}
+
+
+def _report(worker: Any) -> dict[str, Any]:
+    """What the worker's towers and adapters did (run in the worker)."""
+    model = worker.model_runner.model
+    runner = type(worker.model_runner)
+    adapters = {}
+    for name in TOWERS:
+        graph = getattr(getattr(model, name, None), "_encoder_graph", None)
+        if graph is not None:
+            adapters[graph.name] = {
+                "stats": graph.get_cumulative_stats(),
+                "backend": type(graph.backend).__name__,
+                "captured": list(graph.captured_keys()),
+            }
+    return {
+        "outputs": dict(getattr(model, "_engine_test_outputs", {})),
+        "adapters": adapters,
+        "runner": f"{runner.__module__}.{runner.__qualname__}",
+        "pid": os.getpid(),
+    }
+
+
+def _chosen_logprobs(completion: Any) -> list[float]:
+    """The log-probability of each generated token."""
+    return [
+        step[token].logprob
+        for token, step in zip(completion.token_ids, completion.logprobs or [], strict=True)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--overrides", default="{}", help="hf_overrides as JSON")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        seed=0,
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_seqs=4,
+        limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0},
+        hf_overrides=json.loads(args.overrides),
+        enforce_eager=args.enforce_eager,
+    )
+    init_s = time.monotonic() - started
+    llm.collective_rpc(_watch_towers)
+    # Random weights make the tokens meaningless and often the same for every prompt; the
+    # chosen tokens' log-probabilities still depend on every embedding of the prompt, so
+    # the comparisons read both.
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=0)
+    tokens, logprobs = [], []
+    for round_ in range(args.repeat):
+        outputs = llm.generate(prompts(round_), greedy, use_tqdm=False)
+        tokens.append([list(output.outputs[0].token_ids) for output in outputs])
+        logprobs.append([_chosen_logprobs(output.outputs[0]) for output in outputs])
+    chat = llm.chat(chat_messages(), greedy, use_tqdm=False)
+    worker = llm.collective_rpc(_report)[0]
+    result = {
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "chat_tokens": list(chat[0].outputs[0].token_ids),
+        "chat_logprobs": _chosen_logprobs(chat[0].outputs[0]),
+        "init_s": round(init_s, 2),
+        "total_s": round(time.monotonic() - started, 2),
+        **worker,
+    }
+    with open(args.out, "w", encoding="utf-8") as out:
+        json.dump(result, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
