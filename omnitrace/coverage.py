@@ -16,6 +16,10 @@ has one row per graph and no more. A row counts its signature's calls since it l
 the table (earlier calls are in ``other``), and totals stay exact: the tracked rows plus
 ``other`` add up to every call. :func:`derive_coverage` folds a list of events into what the
 bus's live fold (``EventBus.coverage()``) shows.
+
+Beside the calls, each adapter's coverage keeps what the engine's start-up profiling runs
+reported of it (:class:`~omnitrace.events.ProfilingObserved`, no call of its own):
+:class:`ProfilingRuns`, a few counters whatever the number of runs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = [
     "CoverageFold",
     "EagerLoss",
     "KeyCoverage",
+    "ProfilingRuns",
     "Timing",
     "derive_coverage",
 ]
@@ -218,6 +223,23 @@ class EagerLoss:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfilingRuns:
+    """What the engine's profiling runs reported of one adapter (ProfilingObserved events)."""
+
+    runs: int = 0
+    """Profiling runs observed."""
+    encoder_calls: int = 0
+    """Calls of this encoder those runs made, in all."""
+    without_calls: int = 0
+    """Runs that did not call this encoder: its graphs' memory was not profiled by them."""
+    runner: str = ""
+    """The profiling method of the latest run (empty before any)."""
+
+
+_NO_RUNS = ProfilingRuns()
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterCoverage:
     """A frozen snapshot of one adapter's per-signature coverage."""
 
@@ -230,6 +252,8 @@ class AdapterCoverage:
     """Signatures tracked at most, beside captured ones beyond it."""
     evictions: int = 0
     """Rows folded into ``other`` so far (one signature may count more than once)."""
+    profiling_runs: ProfilingRuns = _NO_RUNS
+    """What the engine's start-up profiling runs reported of this encoder."""
 
     @property
     def total(self) -> CallCounts:
@@ -270,7 +294,9 @@ class AdapterCoverage:
         ``misses``, the ``reason`` most of them had and their ``share`` of the adapter's
         calls; ``eager_s`` and ``lost_s`` (see :class:`EagerLoss`) in ``time_source`` time;
         and ``profiling`` (``calls``, ``hits``, ``captures`` and ``replayed_in_serving``,
-        graphs captured while profiling that serving replayed) when there were any.
+        graphs captured while profiling that serving replayed) when there were any, with
+        ``runs``, ``runs_without_calls`` and ``runner`` (see :class:`ProfilingRuns`) when a
+        profiling run was observed, so a run that called no encoder shows too.
         """
         calls = self.total.calls or 1
         fields: dict[str, Any] = {
@@ -287,7 +313,8 @@ class AdapterCoverage:
         loss = self.eager_loss()
         fields.update(eager_s=loss.eager_s, lost_s=loss.lost_s, time_source=loss.source)
         profiling = self.in_phase(Phase.PROFILING)
-        if profiling.calls or profiling.captures:
+        runs = self.profiling_runs
+        if profiling.calls or profiling.captures or runs.runs:
             captured = [row for row in self.captured if row.capture_phase is Phase.PROFILING]
             fields["profiling"] = {
                 "calls": profiling.calls,
@@ -297,6 +324,10 @@ class AdapterCoverage:
                     1 for row in captured if row.in_phase(Phase.SERVING).hits
                 ),
             }
+            if runs.runs:
+                fields["profiling"].update(
+                    runs=runs.runs, runs_without_calls=runs.without_calls, runner=runs.runner
+                )
         return fields
 
     @property
@@ -437,7 +468,7 @@ class _Row:
 class _Table:
     """One adapter's rows, bounded, and its other bucket."""
 
-    __slots__ = ("evictions", "limit", "other", "rows", "tally")
+    __slots__ = ("evictions", "limit", "other", "profiling_runs", "rows", "tally")
 
     def __init__(self, limit: int, tally: Any = None) -> None:
         self.limit = limit
@@ -446,6 +477,7 @@ class _Table:
         self.rows: dict[Signature, _Row] = {}
         self.other = _Row(None)
         self.evictions = 0
+        self.profiling_runs = _NO_RUNS
 
     def _evict(self) -> bool:
         """Fold the uncaptured row with the fewest calls (the earliest tracked among equals)
@@ -488,6 +520,7 @@ class _Table:
             self.other.freeze(),
             self.limit,
             self.evictions,
+            self.profiling_runs,
         )
 
 
@@ -588,6 +621,16 @@ class CoverageFold:
             row.capture_bytes += event.bytes_reserved + event.static_bytes
             row.capture_phase = event.phase
             row.counts(event.phase).captures += 1
+        elif isinstance(event, ev.ProfilingObserved):
+            # A fact about a start-up run, not a call: it takes no row. Runs are rare (one
+            # or two per worker), so a frozen counter is rebuilt per run.
+            runs = table.profiling_runs
+            table.profiling_runs = ProfilingRuns(
+                runs.runs + 1,
+                runs.encoder_calls + event.encoder_calls,
+                runs.without_calls + (event.encoder_calls == 0),
+                event.runner,
+            )
         elif not isinstance(event, (ev.MemoryDeferred, ev.CaptureFailed)):
             raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 

@@ -13,6 +13,11 @@ repeats its text form for people reading or grepping the file (readers ignore it
 2). Version 1 logs, which had only the text ``key``, are still read: the signature is parsed
 back from the text.
 
+The version counts changes a reader cannot follow (how a signature is written), not
+additions: a field added later with a default (``GraphCaptured.free_bytes``) reads as that
+default from older lines and is ignored by older readers, and a record type added later
+(``ProfilingObserved``) is refused by name by an older reader, whose error says which.
+
 Besides events a log holds ``"type": "AdapterInfo"`` lines (what the bus knew about each
 adapter: its graph cap and memory floor), which :func:`read_records` yields and
 :func:`read_events` skips, and, at the top of a file started by rotation, a
@@ -151,6 +156,7 @@ def encode_event(event: Event, *, pid: int, rank: int) -> dict[str, Any]:
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
+    "int | None": (int, type(None)),
     "float": (int, float),
     "float | None": (int, float, type(None)),
 }

@@ -11,6 +11,10 @@ Every encoder call produces exactly one :class:`GraphReplayed` (a hit) or one
 capturing call's :class:`GraphReplayed`; a memory deferral adds :class:`MemoryDeferred`
 before its :class:`GraphMissed`; a failed capture emits :class:`CaptureFailed` and the call
 raises. Calls rejected by a terminal adapter raise without an event.
+
+Two events are not calls and the stats ignore them: :class:`DeviceTimed` (the device time
+of a call already counted) and :class:`ProfilingObserved` (what an engine's start-up
+profiling run did with an encoder, emitted by the engine integration after the run).
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ __all__ = [
     "GraphReplayed",
     "MemoryDeferred",
     "MissReason",
+    "NO_SIGNATURE",
     "Phase",
+    "ProfilingObserved",
     "event_fields",
     "missed",
     "now",
+    "profiling_observed",
     "replayed",
 ]
 
@@ -150,6 +157,11 @@ class GraphCaptured(_Keyed):
     """Bytes of the graph's static input and output buffers (outside the pool)."""
     graph_index: int
     """How many graphs the adapter held before this one (0 for the first)."""
+    free_bytes: int | None = None
+    """Device-free memory read just before the capture (the memory floor's read when
+    admission made one for this call); None where it could not be read, and in logs written
+    before the field existed. Captured while serving, after vLLM's KV cache took its share,
+    this is what the graph had to fit in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +227,37 @@ class DeviceTimed(_Keyed):
     """Seconds between the events recorded before and after the call on its stream."""
 
 
+#: The signature of an event that is about an encoder, not one of its calls: no inputs.
+NO_SIGNATURE = Signature(())
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilingObserved(_Keyed):
+    """An engine's start-up profiling run finished; it called this encoder ``encoder_calls``
+    times.
+
+    Emitted by the vLLM plugin after every profiling run it wraps, once per attached
+    adapter, in the ``profiling`` phase. Not a call (stats ignore it) and about no input:
+    its signature is :data:`NO_SIGNATURE` (``key`` is empty). ``encoder_calls == 0`` means
+    the run profiled the engine's memory without this encoder, so the encoder's graphs are
+    first captured while serving, after the KV cache took its memory.
+    """
+
+    runner: str
+    """Qualified name of the profiling method that ran
+    (``vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run``)."""
+    encoder_calls: int
+    """Calls of this encoder during the run (hits and misses, skipped-profiling ones too)."""
+
+
 Event: TypeAlias = (
-    GraphCaptured | GraphReplayed | GraphMissed | MemoryDeferred | CaptureFailed | DeviceTimed
+    GraphCaptured
+    | GraphReplayed
+    | GraphMissed
+    | MemoryDeferred
+    | CaptureFailed
+    | DeviceTimed
+    | ProfilingObserved
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -226,7 +267,22 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     MemoryDeferred,
     CaptureFailed,
     DeviceTimed,
+    ProfilingObserved,
 )
+
+
+def profiling_observed(adapter: str, runner: str, encoder_calls: int) -> ProfilingObserved:
+    """Return a ProfilingObserved of ``adapter`` stamped now, in the profiling phase."""
+    monotonic_ns, epoch_ns = now()
+    return ProfilingObserved(
+        adapter,
+        NO_SIGNATURE,
+        monotonic_ns,
+        epoch_ns,
+        runner,
+        encoder_calls,
+        phase=Phase.PROFILING,
+    )
 
 
 def event_fields(cls: type[Any]) -> tuple[Field[Any], ...]:

@@ -71,6 +71,8 @@ class CapturedGraphInfo:
     static_bytes: int
     signature: Signature | None = None
     """The captured signature (None only for infos built by hand)."""
+    free_bytes: int | None = None
+    """Device-free memory just before the capture (None where it was not read)."""
 
 
 #: The fields of a CapturedGraphInfo, read from the GraphCaptured event it describes (whose
@@ -294,8 +296,10 @@ class StatsFold:
                 tally.capture_failures += 1
                 if tally.failure is None:
                     tally.failure = f"{event.error_type}: {event.message}"
-            case ev.DeviceTimed():
-                pass  # a measurement of a call already counted, not a call
+            case ev.DeviceTimed() | ev.ProfilingObserved():
+                # A measurement of a call already counted, or a fact about a profiling run:
+                # neither is a call.
+                pass
             case _:
                 raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 

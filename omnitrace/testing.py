@@ -30,10 +30,15 @@ def sig(text: str) -> Signature:
 
 
 def captured(
-    adapter: str, signature: str, *, epoch_ns: int = 0, graph_index: int = 0
+    adapter: str,
+    signature: str,
+    *,
+    epoch_ns: int = 0,
+    graph_index: int = 0,
+    free_bytes: int | None = None,
 ) -> GraphCaptured:
     """Return a hand-made ``GraphCaptured`` of ``signature`` (its text form) on the CPU:
-    10 ms of capture, 1 KiB reserved, 64 static bytes."""
+    10 ms of capture, 1 KiB reserved, 64 static bytes, ``free_bytes`` free before it."""
     return GraphCaptured(
         adapter,
         sig(signature),
@@ -47,6 +52,7 @@ def captured(
         bytes_reserved=1024,
         static_bytes=64,
         graph_index=graph_index,
+        free_bytes=free_bytes,
     )
 
 

@@ -336,6 +336,15 @@ class EncoderCudaGraph:
         return len(self._ready)
 
     @property
+    def bus(self) -> EventBus | None:
+        """The bus this adapter's events go to (None: they feed its own stats only).
+
+        For an engine integration that reports facts about the adapter beside its calls (the
+        vLLM plugin's ProfilingObserved) on the same bus as its calls.
+        """
+        return self._bus
+
+    @property
     def phase(self) -> Phase:
         """The engine phase events are tagged with (``serving`` unless told otherwise)."""
         return self._phase
@@ -639,7 +648,8 @@ class EncoderCudaGraph:
         if self.config.background_capture and not self._closed:
             self._submit(due)
             return None, (_WARMUP, "preparing", signature)
-        return self._capture(due), None
+        # The floor's read, when admission made one, is this call's: the capture reuses it.
+        return self._capture(due, decision.free_bytes), None
 
     def _compile_guard(self) -> contextlib.AbstractContextManager[Any]:
         """With compile on, hold torch.compile's own lock around warm-up and capture.
@@ -707,6 +717,7 @@ class EncoderCudaGraph:
         device: torch.device,
         stream: int,
         start: tuple[int, int, float],
+        free_bytes: int | None,
     ) -> None:
         """Hold ``graph`` for ``key`` and report the capture (lock held)."""
         start_mono, start_epoch, start_perf = start
@@ -726,15 +737,31 @@ class EncoderCudaGraph:
                 int(graph.bytes_reserved),
                 int(graph.static_bytes),
                 index,
+                free_bytes,
                 phase=self._phase,
             )
         )
 
-    def _capture(self, due: _Due) -> Any:
+    def _device_free_bytes(self, device: torch.device) -> int | None:
+        """Device-free memory for a capture's event; None when the backend cannot tell.
+
+        Only captures call it (rare): a hit never reads device memory.
+        """
+        try:
+            return int(self.backend.device_free_bytes(device))
+        except Exception as exc:  # a report must never fail the capture it describes
+            logger.debug("omnitrace: %r cannot read free memory of %s: %s", self.name, device, exc)
+            return None
+
+    def _capture(self, due: _Due, free_bytes: int | None = None) -> Any:
         key, inputs, device, stream, signature = due
         # A key prepared in the background took its slot at admission and was warmed up.
         ready = self._ready.pop(key, None)
         slot = self._pools.slot_for(device, stream)
+        if free_bytes is None:
+            # No floor read for this call (floor off, or a prepared key admitted earlier):
+            # one read now, outside the capture's timing.
+            free_bytes = self._device_free_bytes(device)
         start = (_mono(), _epoch(), _perf())
         try:
             request = CaptureRequest(
@@ -756,7 +783,7 @@ class EncoderCudaGraph:
             raise
         if ready is None:
             self._admission.captured(key)
-        self._install(key, graph, signature, slot, device, stream, start)
+        self._install(key, graph, signature, slot, device, stream, start, free_bytes)
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
         out = graph.replay(inputs)
