@@ -734,6 +734,10 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
                 "rank": e.rank,
                 "pid": e.pid,
                 **_encoder_json(e.stats.as_dict(), e.max_graphs),
+                # What the first graph had to fit in (None: not read, or no graph yet).
+                "first_capture_free_bytes": e.stats.graphs[0].free_bytes
+                if e.stats.graphs
+                else None,
                 **(e.coverage.summary() if e.coverage is not None else {}),
             }
             for e in snapshot.encoders

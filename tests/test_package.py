@@ -257,7 +257,12 @@ def test_readme_documents_every_exported_name() -> None:
     from omnitrace.sinks import names
 
     text = (ROOT / "README.md").read_text()
-    wanted = {names.SPANS.CAPTURE, names.SPANS.MEMORY_DEFERRAL, *names.LOG_EVENTS}
+    wanted = {
+        names.SPANS.CAPTURE,
+        names.SPANS.MEMORY_DEFERRAL,
+        names.SPANS.PROFILING_RUN,
+        *names.LOG_EVENTS,
+    }
     for metric in names.METRICS.values():
         wanted.update({metric.otel, metric.prometheus, *metric.attributes})
     missing = sorted(n for n in wanted if f"`{n}`" not in text)

@@ -10,7 +10,8 @@ Two boards feed the same view: :class:`BusBoard` (in-process, from an EventBus) 
 :class:`RecordBoard` (from event-log records, one column per worker pid and rank). Beside the
 stats, each encoder's per-signature coverage feeds the panel of the top missed signatures
 (their reason and share of calls), the estimated time eager calls lost, and the calls and
-captures of vLLM's start-up profiling run.
+captures of vLLM's start-up profiling run, or, where that run called the encoder not at all,
+a note saying so with the device-free memory its first graph was captured in.
 """
 
 from __future__ import annotations
@@ -376,8 +377,12 @@ def _keys_table(
     if not compact:
         keys.add_column("at", no_wrap=True)
     keys.add_column("capture", justify="right", no_wrap=True, min_width=8)
+    # Free memory before each capture, where the events carry it and the panel is wide.
+    free = not compact and any(graph.free_bytes is not None for graph in graphs)
+    if free:
+        keys.add_column("free", justify="right", no_wrap=True, min_width=9)
     # What is left beside the capture time (and the clock): the key is elided to fit it.
-    key_width = width - (11 if compact else 22)
+    key_width = width - (11 if compact else 22) - (10 if free else 0)
     profiled = _profiling_captures(encoder.coverage)
     for graph in shown:
         inputs, place = _split_key(graph.key)
@@ -389,6 +394,8 @@ def _keys_table(
         if not compact:
             cells.append(_clock(graph.epoch_ns))
         cells.append(f"{graph.duration_s * 1e3:.1f} ms")
+        if free:
+            cells.append(format_bytes(graph.free_bytes))
         keys.add_row(*cells)
     if len(shown) < len(graphs):
         keys.add_row(Text(f"… {len(graphs) - len(shown)} more", style="dim"))
@@ -434,10 +441,25 @@ def _eager_row(coverage: AdapterCoverage, backend: str | None, compact: bool) ->
     return text
 
 
-def _profiling_row(coverage: AdapterCoverage, compact: bool) -> Text | None:
+def _unprofiled_row(encoder: EncoderSnapshot, compact: bool) -> Text:
+    """The note of an encoder the profiling run never called, with the free memory of its
+    first capture: that graph was captured after the KV cache took its memory."""
+    text = Text("0 calls" if compact else "not called in profiling", style="yellow")
+    graphs = encoder.stats.graphs
+    if graphs and graphs[0].free_bytes is not None:
+        where = " · cap " if compact else " · first capture at "
+        text.append(f"{where}{format_bytes(graphs[0].free_bytes)} free")
+    return text
+
+
+def _profiling_row(
+    encoder: EncoderSnapshot, coverage: AdapterCoverage, compact: bool
+) -> Text | None:
     """Calls and captures of the profiling phase, and whether serving replayed them."""
     profiling = coverage.in_phase(Phase.PROFILING)
     if not profiling.calls and not profiling.captures:
+        if coverage.profiling_runs.runs:
+            return _unprofiled_row(encoder, compact)
         return None
     captured = [row for row in coverage.captured if row.capture_phase is Phase.PROFILING]
     used = sum(1 for row in captured if row.in_phase(Phase.SERVING).hits)
@@ -566,7 +588,7 @@ def _encoder_panel(
         eager = _eager_row(coverage, encoder.backend, compact)
         if eager is not None:
             grid.add_row("eager", _line(eager))
-        profiling = _profiling_row(coverage, compact)
+        profiling = _profiling_row(encoder, coverage, compact)
         if profiling is not None:
             grid.add_row("profile" if not compact else "prof", _line(profiling))
     if stats.failure is not None:

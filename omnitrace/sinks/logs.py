@@ -1,6 +1,6 @@
-"""Structured JSON logs of adapter decisions through structlog: captures, deferrals and
-failures, and a ``graph_summary`` line per encoder every ``OMNITRACE_SUMMARY_INTERVAL``
-seconds and at exit.
+"""Structured JSON logs of adapter decisions through structlog: captures, deferrals,
+failures and what start-up profiling runs did with each encoder, and a ``graph_summary``
+line per encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and at exit.
 
 The sink only asks for ``structlog.get_logger("omnitrace")``: how lines are rendered and
 where they go is the application's choice, made once at its edge (the CLI calls
@@ -355,6 +355,7 @@ _LOG_NAMES: dict[type[Event], str] = {
     ev.DeviceTimed: "device_timed",
     ev.MemoryDeferred: "memory_deferred",
     ev.CaptureFailed: "capture_failed",
+    ev.ProfilingObserved: "profiling_observed",
 }
 # Fields every event has: the line names the encoder and key instead, the phase only off
 # serving, and the epoch as event_epoch_ns.
@@ -368,11 +369,15 @@ _OWN_FIELDS: dict[type[Event], tuple[str, ...]] = {
 
 def _describe(event: Event) -> tuple[str, dict[str, Any]]:
     """Return the log event name and fields of ``event``."""
-    fields: dict[str, Any] = {"encoder": event.adapter, "key": event.key}
+    fields: dict[str, Any] = {"encoder": event.adapter}
+    if not isinstance(event, ev.ProfilingObserved):
+        # A profiling run's report is about the encoder, not one of its calls: no key.
+        fields["key"] = event.key
     cls = type(event)
     for name in _OWN_FIELDS[cls]:
         value = getattr(event, name)
-        # None: a miss's duration when the adapter did not run the forward; left out.
+        # None: a miss's duration when the adapter did not run the forward, a capture's
+        # free memory where it could not be read; left out.
         if value is not None:
             fields[name] = value.value if isinstance(value, MissReason) else value
     if event.phase is not Phase.SERVING:

@@ -57,6 +57,10 @@ class ATTR:
     """Distinct dtypes of the key's tensor inputs, in input order, comma-separated."""
     SHAPES = "omnitrace.graph.shapes"
     """One ``[d0,d1,...]`` (or ``None``) per positional input, parsed from the key text."""
+    PROFILING_RUNNER = "omnitrace.profiling.runner"
+    """The engine's profiling method that ran (``...GPUModelRunner.profile_run``)."""
+    PROFILING_CALLS = "omnitrace.profiling.encoder_calls"
+    """Calls of the encoder during that profiling run (0: its memory was not profiled)."""
     PHASE = "omnitrace.phase"
     """``serving``, or ``profiling`` during vLLM's start-up profiling run."""
     CALL_KIND = "omnitrace.call.kind"
@@ -77,6 +81,8 @@ class SPANS:
     CAPTURE = "omnitrace.graph.capture"
     MEMORY_DEFERRAL = "omnitrace.graph.memory_deferral"
     CAPTURE_FAILURE = "omnitrace.graph.capture"  # same operation, ERROR status
+    PROFILING_RUN = "omnitrace.graph.profiling_run"
+    """An instant per encoder when the engine's start-up profiling run ended."""
     EXCEPTION_EVENT = "exception"  # span event name the OTel semantic conventions fix
 
 
@@ -172,5 +178,6 @@ LOG_EVENTS: dict[str, str] = {
     "device_timed": "debug",
     "memory_deferred": "warning",
     "capture_failed": "error",
+    "profiling_observed": "info",
     "graph_summary": "info",
 }

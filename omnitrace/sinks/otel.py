@@ -1,4 +1,5 @@
-"""OpenTelemetry sink: spans for captures, deferrals and failures; metrics from the stats fold.
+"""OpenTelemetry sink: spans for captures, deferrals, failures and profiling runs; metrics
+from the stats fold.
 
 Library code, on the OpenTelemetry *API* only: :class:`OTelSink` takes a tracer and a meter
 from the providers it is given, or the global ones, so it works with any SDK or vendor
@@ -284,6 +285,8 @@ class OTelSink:
                     ATTR.GRAPH_INDEX: event.graph_index,
                     ATTR.PHASE: event.phase.value,
                 }
+                if event.free_bytes is not None:  # OTel attributes cannot be None
+                    attributes[ATTR.FREE_BYTES] = event.free_bytes
                 end_ns = event.epoch_ns + max(0, round(event.duration_s * 1e9))
                 self._emit_span(SPANS.CAPTURE, event.epoch_ns, end_ns, attributes)
             case ev.MemoryDeferred():
@@ -310,6 +313,16 @@ class OTelSink:
                 self._emit_span(
                     SPANS.CAPTURE_FAILURE, event.epoch_ns, event.epoch_ns, attributes, event
                 )
+            case ev.ProfilingObserved():
+                # An instant on the encoder's timeline, before its captures: a trace then
+                # shows whether the first captures came after a run that never called it.
+                attributes = {
+                    ATTR.ENCODER: event.adapter,
+                    ATTR.PROFILING_RUNNER: event.runner,
+                    ATTR.PROFILING_CALLS: event.encoder_calls,
+                    ATTR.PHASE: event.phase.value,
+                }
+                self._emit_span(SPANS.PROFILING_RUN, event.epoch_ns, event.epoch_ns, attributes)
             case _:
                 # Hits and misses are counters and histograms: a span event per replay on a
                 # long-lived span would hit the SDK's per-span event cap within seconds.

@@ -41,7 +41,7 @@ from omnitrace import (
     MissReason,
     derive_stats,
 )
-from omnitrace.events import DeviceTimed
+from omnitrace.events import DeviceTimed, profiling_observed
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 from omnitrace.sinks.otel import CALL_DURATION_BUCKETS, CAPTURE_DURATION_BUCKETS, OTelSink
@@ -197,10 +197,33 @@ def test_capture_span_carries_the_event_times_and_attributes(
         ATTR.BYTES_RESERVED: captured.bytes_reserved,
         ATTR.STATIC_BYTES: captured.static_bytes,
         ATTR.GRAPH_INDEX: 0,
+        ATTR.FREE_BYTES: captured.free_bytes,
         ATTR.PHASE: "serving",
     }
     assert captured.key == "bfloat16[1,8,16], None @cpu s=0"
+    assert captured.free_bytes == 80 << 30  # the simulated device's free memory
     assert sink.spans == 3
+
+
+def test_a_profiling_run_is_an_instant_span_per_encoder_with_its_calls(
+    exported: tuple[OTLPReceiver, OTelSetup, OTelSink], bus: EventBus
+) -> None:
+    """A ProfilingObserved becomes an instant span naming the runner and the encoder's calls."""
+    receiver, setup, _ = exported
+    runner = "vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run"
+    observed = profiling_observed("vision", runner, 0)
+    bus.emit(observed)
+    assert bus.flush(5.0)
+    assert setup.force_flush()
+    assert receiver.wait_for(lambda r: r.spans(SPANS.PROFILING_RUN))
+    span = _span_for(receiver.spans(), SPANS.PROFILING_RUN, "vision")
+    assert span.start_time_unix_nano == span.end_time_unix_nano == observed.epoch_ns
+    assert attributes(span.attributes) == {
+        ATTR.ENCODER: "vision",
+        ATTR.PROFILING_RUNNER: runner,
+        ATTR.PROFILING_CALLS: 0,
+        ATTR.PHASE: "profiling",
+    }
 
 
 def test_memory_deferral_span_records_free_bytes_and_floor(
@@ -1021,7 +1044,7 @@ def test_install_global_lets_a_sink_without_providers_export() -> None:
 def test_telemetry_doc_lists_every_exported_name() -> None:
     """docs/telemetry.md names every span, span attribute and metric (OTel and Prometheus)."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "telemetry.md").read_text()
-    names = {SPANS.CAPTURE, SPANS.MEMORY_DEFERRAL, SPANS.EXCEPTION_EVENT}
+    names = {SPANS.CAPTURE, SPANS.MEMORY_DEFERRAL, SPANS.PROFILING_RUN, SPANS.EXCEPTION_EVENT}
     names |= {v for k, v in vars(ATTR).items() if k.isupper()}
     for spec in METRICS.values():
         names |= {spec.otel, spec.prometheus, spec.unit}
