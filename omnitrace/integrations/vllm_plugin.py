@@ -25,12 +25,17 @@ installed but inert; the sinks come from the environment, as the table of
     structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
     encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker exits.
 
-Once a model has adapters, the plugin also wraps vLLM's start-up profiling run
-(``GPUModelRunner.profile_run``, which the CPU runner inherits): while it runs, every adapter
-attached in the process is in the ``profiling`` phase, so its events say so, and with
-``encoder_cuda_graph_skip_profiling`` its dummy maximum-size calls stay eager and out of the
-admission history and the graph slots. Where a vLLM has no such method the plugin logs it
-once and those calls are tagged ``serving``.
+Once a model has adapters, the plugin also wraps vLLM's start-up profiling run,
+``profile_run`` of both model runners: V1's ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
+and V2's ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (vLLM 0.26's default; the CPU
+runners inherit one or the other). While it runs, every adapter attached in the process is in
+the ``profiling`` phase, so its events say so, and with ``encoder_cuda_graph_skip_profiling``
+its dummy maximum-size calls stay eager and out of the admission history and the graph slots.
+After each run the plugin emits a ``ProfilingObserved`` event per attached adapter (how many
+calls of that encoder the run made) and, the first time a run calls no encoder at all in a
+worker, logs one line saying so: V2's run profiles the language model alone, so the encoders'
+graphs are first captured while serving, after the KV cache took its memory. Where a vLLM has
+neither runner the plugin logs it once and those calls are tagged ``serving``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
 from omnitrace.config import OmnitraceError
-from omnitrace.events import Phase
+from omnitrace.events import Phase, profiling_observed
 from omnitrace.integrations.worker import worker_identity
 from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
 
@@ -75,8 +81,11 @@ ENV_EVENTS_LOG = _SINK_ENV["jsonl"]
 ENV_OTLP = _SINK_ENV["otlp"]
 
 _LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
-#: Where vLLM's start-up profiling run lives (0.26 and 0.33; the CPU runner inherits it).
+#: Where vLLM's start-up profiling runs live: the V1 model runner (0.26 and 0.33; picked with
+#: VLLM_USE_V2_MODEL_RUNNER=0) and the V2 one (0.26's default). The CPU runners inherit them.
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+_RUNNER_MODULES = (_RUNNER_MODULE, _RUNNER_V2_MODULE)
 _RUNNER_CLASS = "GPUModelRunner"
 _PROFILE_METHOD = "profile_run"
 _PATCHED = "_omnitrace_patched"
@@ -87,6 +96,9 @@ _bus_pid: int | None = None
 #: The adapters attached in this process, put in the profiling phase around profile_run.
 _attached: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _profiling_missing_reported = False
+#: The pid that logged a profiling run without encoder calls: once per worker process, and a
+#: forked child that profiles again says so again.
+_no_encoder_reported_pid: int | None = None
 
 
 class PluginError(OmnitraceError, RuntimeError):
@@ -188,46 +200,112 @@ def profiling_phase(adapters: Iterable[EncoderCudaGraph]) -> Iterator[None]:
             adapter.set_phase(phase)
 
 
-def _wrap_profile_run(profile_run: Callable[..., Any]) -> Callable[..., Any]:
+def _calls(adapter: EncoderCudaGraph) -> int:
+    """The calls ``adapter`` has counted so far (hits and misses, from its own stats)."""
+    return adapter.stats().calls
+
+
+def _observe_profiling(runner: str, counted: Mapping[EncoderCudaGraph, int]) -> None:
+    """Report a finished profiling run: how many calls it made of each adapter.
+
+    ``counted`` holds each adapter's calls when the run started. One ProfilingObserved per
+    adapter goes to that adapter's bus; a run that called no encoder is logged once per
+    process. Never raises: a report must not fail vLLM's start-up.
+    """
+    global _no_encoder_reported_pid
+    made: dict[EncoderCudaGraph, int] = {}
+    for adapter, before in counted.items():
+        try:
+            made[adapter] = _calls(adapter) - before
+            bus = adapter.bus
+            if bus is not None:
+                # emit() never blocks and never raises; this runs after the run, off any
+                # encoder call.
+                bus.emit(profiling_observed(adapter.name, runner, made[adapter]))
+        except Exception as exc:
+            logger.warning(
+                "omnitrace: cannot report the profiling run of %r: %s: %s",
+                getattr(adapter, "name", adapter),
+                type(exc).__name__,
+                exc,
+            )
+    if not counted or any(made.values()) or len(made) < len(counted):
+        return
+    pid = os.getpid()
+    with _lock:
+        if _no_encoder_reported_pid == pid:
+            return
+        _no_encoder_reported_pid = pid
+    logger.info(
+        "omnitrace: vLLM's profiling run (%s) called no encoder; encoder graphs are first "
+        "captured while serving, after the KV cache took its memory (each capture's free "
+        "device memory is on its GraphCaptured event)",
+        runner,
+    )
+
+
+def _wrap_profile_run(profile_run: Callable[..., Any], owner: type) -> Callable[..., Any]:
+    # The method's own name, not the instance's class: a CPU runner that inherits it runs
+    # this profiling run, and the name says which of vLLM's runners it is.
+    runner = f"{owner.__module__}.{owner.__qualname__}.{_PROFILE_METHOD}"
+
     @functools.wraps(profile_run)
     def profile_run_in_profiling_phase(self: Any, *args: Any, **kwargs: Any) -> Any:
         # The adapters attached when the run starts: a worker attaches its model's at load,
-        # before vLLM profiles.
-        with profiling_phase(list(_attached)):
-            return profile_run(self, *args, **kwargs)
+        # before vLLM profiles. Their call counts are read once here and once after the run,
+        # never on an encoder call.
+        adapters = list(_attached)
+        counted = {adapter: _calls(adapter) for adapter in adapters}
+        with profiling_phase(adapters):
+            result = profile_run(self, *args, **kwargs)
+        # Only a run that finished is reported: one that raised fails vLLM's start-up.
+        _observe_profiling(runner, counted)
+        return result
 
     setattr(profile_run_in_profiling_phase, _PATCHED, True)
     return profile_run_in_profiling_phase
 
 
 def _hook_profiling() -> bool:
-    """Wrap vLLM's start-up profiling run once; log once, and go on, where there is none.
+    """Wrap the start-up profiling run of each of vLLM's model runners, once per process.
 
-    Called after a model load, when vLLM's model runner module is already imported.
+    Called after a model load, when the runner loading the model is already imported. Only
+    runner modules vLLM imported itself are wrapped: the runner that loads a model imports
+    its module first, and importing the other (V1's alone is over 6000 lines, with its own
+    imports) would cost start-up time and load code this worker never runs. A runner module
+    imported later is wrapped at the next model load. Where no runner is there, or one has
+    no ``profile_run``, the plugin logs it once and goes on.
 
     Returns:
-        Whether the profiling run is wrapped.
+        Whether at least one profiling run is wrapped.
     """
     global _profiling_missing_reported
-    try:
-        runner = getattr(importlib.import_module(_RUNNER_MODULE), _RUNNER_CLASS)
-        method = getattr(runner, _PROFILE_METHOD)
-    except (ImportError, AttributeError) as exc:
-        if not _profiling_missing_reported:
-            _profiling_missing_reported = True
-            logger.warning(
-                "omnitrace: vLLM's profiling run %s.%s.%s is not there (%s); encoder calls it "
-                "makes are tagged as serving",
-                _RUNNER_MODULE,
-                _RUNNER_CLASS,
-                _PROFILE_METHOD,
-                exc,
-            )
-        return False
-    with _lock:
-        if not getattr(method, _PATCHED, False):
-            setattr(runner, _PROFILE_METHOD, _wrap_profile_run(method))
-    return True
+    wrapped = False
+    missing: list[str] = []
+    for name in _RUNNER_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        runner = getattr(module, _RUNNER_CLASS, None)
+        with _lock:
+            # Under the lock: two threads loading models wrap each method once between them.
+            method = getattr(runner, _PROFILE_METHOD, None)
+            if not isinstance(runner, type) or not callable(method):
+                missing.append(f"{name}.{_RUNNER_CLASS}.{_PROFILE_METHOD}")
+                continue
+            if not getattr(method, _PATCHED, False):
+                setattr(runner, _PROFILE_METHOD, _wrap_profile_run(method, runner))
+        wrapped = True
+    if not wrapped and not _profiling_missing_reported:
+        _profiling_missing_reported = True
+        logger.warning(
+            "omnitrace: vLLM's profiling run is not there (%s); encoder calls it makes are "
+            "tagged as serving",
+            ", ".join(f"no {m}" for m in missing)
+            if missing
+            else "neither model runner module is imported: " + ", ".join(_RUNNER_MODULES),
+        )
+    return wrapped
 
 
 def register(environ: Mapping[str, str] | None = None) -> bool:

@@ -592,3 +592,50 @@ def test_plugin_wraps_the_profiling_run_vllms_worker_calls(monkeypatch: pytest.M
     except ImportError:
         return
     assert cpu_model_runner.CPUModelRunner.profile_run is wrapped
+
+
+def test_plugin_wraps_the_v2_runners_profiling_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V2's GPUModelRunner.profile_run (vLLM 0.26's default runner), which vLLM's worker
+    imports itself, is wrapped too and runs vLLM's own code in the profiling phase."""
+    import importlib
+    import inspect
+    import sys
+    import weakref
+
+    from vllm.v1.worker import gpu_worker  # noqa: F401 -- imports the V2 runner, as vLLM does
+
+    from omnitrace.events import Phase
+    from omnitrace.integrations import vllm_plugin
+    from omnitrace.testing import SimulatedGraphBackend
+
+    if vllm_plugin._RUNNER_V2_MODULE not in sys.modules:
+        pytest.skip("this vLLM's worker does not import the V2 model runner")
+    module = importlib.import_module(vllm_plugin._RUNNER_V2_MODULE)
+    runner = module.GPUModelRunner
+    original = inspect.unwrap(runner.profile_run)
+    assert original.__module__ == module.__name__
+    monkeypatch.setattr(runner, "profile_run", original)
+    graph = EncoderCudaGraph(lambda x: x, name="probe", backend=SimulatedGraphBackend())
+    monkeypatch.setattr(vllm_plugin, "_attached", weakref.WeakSet([graph]))
+
+    assert vllm_plugin._hook_profiling() is True
+    wrapped = runner.profile_run
+    assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+
+    seen: list[Phase] = []
+
+    class Stop(Exception):
+        pass
+
+    class Probe(runner):  # type: ignore[misc, valid-type]
+        def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+            # V2's profile_run starts with a dummy run of the language model.
+            seen.append(graph.phase)
+            raise Stop
+
+        max_num_tokens = 1
+
+    with pytest.raises(Stop):
+        Probe.profile_run(object.__new__(Probe))
+    assert seen == [Phase.PROFILING]
+    assert graph.phase is Phase.SERVING

@@ -15,7 +15,7 @@ import torch
 
 from integrations.standins import build, image
 from omnitrace import ConfigError, EncoderCudaGraph, EncoderGraphConfig, MissReason
-from omnitrace.events import Phase
+from omnitrace.events import NO_SIGNATURE, Phase, ProfilingObserved
 from omnitrace.integrations import vllm_plugin
 from omnitrace.integrations.worker import worker_identity
 
@@ -141,28 +141,63 @@ class _Runner:
             raise RuntimeError("profiling failed")
 
 
-@pytest.fixture
-def runner_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """vLLM's model runner module, stood in for (the real one is checked in the vLLM tier)."""
-    module = types.ModuleType(vllm_plugin._RUNNER_MODULE)
-    runner = type("GPUModelRunner", (), {"profile_run": _Runner.profile_run})
+def _language_model_only(self: Any) -> None:
+    """V2's profile_run as vLLM 0.26 has it: a dummy run of the language model alone."""
+    vision, audio = self.model.vpm._encoder_graph, self.model._audio_encoder_graph
+    self.seen.append((vision.phase, audio.phase))
+
+
+def _stand_in(monkeypatch: pytest.MonkeyPatch, name: str, profile_run: Any) -> types.ModuleType:
+    """Put a stand-in of one of vLLM's model runner modules in sys.modules."""
+    module = types.ModuleType(name)
+    runner = type("GPUModelRunner", (), {"profile_run": profile_run})
+    runner.__module__ = name
     module.GPUModelRunner = runner  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, vllm_plugin._RUNNER_MODULE, module)
-    monkeypatch.setattr(vllm_plugin, "_bus", None)
-    monkeypatch.setattr(vllm_plugin, "_attached", weakref.WeakSet())
+    monkeypatch.setitem(sys.modules, name, module)
     return module
 
 
-def _attach(model: Any) -> tuple[Any, list[Any]]:
-    """Load ``model`` through the plugin; return a runner of it and the bus's event list."""
+@pytest.fixture
+def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin as a new worker process has it: no bus, no adapter, nothing reported,
+    and neither of vLLM's runner modules imported."""
+    for name in vllm_plugin._RUNNER_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(vllm_plugin, "_bus", None)
+    monkeypatch.setattr(vllm_plugin, "_attached", weakref.WeakSet())
+    monkeypatch.setattr(vllm_plugin, "_no_encoder_reported_pid", None)
+    monkeypatch.setattr(vllm_plugin, "_profiling_missing_reported", False)
+
+
+@pytest.fixture
+def runner_module(monkeypatch: pytest.MonkeyPatch, fresh_plugin: None) -> types.ModuleType:
+    """vLLM's V1 model runner module, stood in for (the real one is checked in the vLLM
+    tier); its profile_run calls the vision encoder."""
+    return _stand_in(monkeypatch, vllm_plugin._RUNNER_MODULE, _Runner.profile_run)
+
+
+@pytest.fixture
+def v2_runner_module(monkeypatch: pytest.MonkeyPatch, fresh_plugin: None) -> types.ModuleType:
+    """vLLM's V2 model runner module, stood in for; its profile_run calls no encoder."""
+    return _stand_in(monkeypatch, vllm_plugin._RUNNER_V2_MODULE, _language_model_only)
+
+
+def _attach(model: Any, module: str = vllm_plugin._RUNNER_MODULE) -> tuple[Any, list[Any]]:
+    """Load ``model`` through the plugin; return a runner of it (of the runner class in
+    ``module``) and the bus's event list."""
     vllm_plugin._after_load(model, None)
     bus = vllm_plugin._bus
     assert bus is not None
     events: list[Any] = []
     bus.add_fold(events.append)
-    runner = sys.modules[vllm_plugin._RUNNER_MODULE].GPUModelRunner()
+    runner = sys.modules[module].GPUModelRunner()
     _Runner.__init__(runner, model)
     return runner, events
+
+
+def _calls(events: list[Any]) -> list[Any]:
+    """The call events among ``events`` (without the plugin's reports of profiling runs)."""
+    return [e for e in events if not isinstance(e, ProfilingObserved)]
 
 
 def test_the_profiling_run_tags_every_attached_adapter_then_restores_serving(
@@ -175,11 +210,11 @@ def test_the_profiling_run_tags_every_attached_adapter_then_restores_serving(
     assert getattr(runner_module.GPUModelRunner.profile_run, "_omnitrace_patched", False)
     runner.profile_run()
     assert runner.seen == [(Phase.PROFILING, Phase.PROFILING)]
-    assert [e.phase for e in events] == [Phase.PROFILING]
+    assert [e.phase for e in _calls(events)] == [Phase.PROFILING]
     vision = model.vpm._encoder_graph
     assert (vision.phase, model._audio_encoder_graph.phase) == (Phase.SERVING, Phase.SERVING)
     model.vpm(*image(side=32))
-    assert [e.phase for e in events] == [Phase.PROFILING, Phase.SERVING]
+    assert [e.phase for e in _calls(events)] == [Phase.PROFILING, Phase.SERVING]
     vllm_plugin._bus.close()  # type: ignore[union-attr]
 
 
@@ -229,7 +264,7 @@ def test_skip_profiling_keeps_profiling_calls_eager_and_out_of_admission(
     with torch.no_grad():  # as vLLM serves
         for _ in range(3):
             runner.profile_run()
-        profiling = [e for e in events if e.phase is Phase.PROFILING]
+        profiling = [e for e in _calls(events) if e.phase is Phase.PROFILING]
         assert [(e.reason, e.detail) for e in profiling] == [
             (MissReason.INELIGIBLE, "profiling")
         ] * 3
@@ -243,20 +278,154 @@ def test_skip_profiling_keeps_profiling_calls_eager_and_out_of_admission(
 
 
 def test_without_vllms_profiling_run_the_plugin_says_so_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_plugin: None
 ) -> None:
-    """A vLLM without GPUModelRunner.profile_run gets one warning; loading goes on."""
+    """A vLLM whose imported runner module has no GPUModelRunner.profile_run gets one
+    warning naming it; loading goes on."""
     import logging
 
     module = types.ModuleType(vllm_plugin._RUNNER_MODULE)
     monkeypatch.setitem(sys.modules, vllm_plugin._RUNNER_MODULE, module)
-    monkeypatch.setattr(vllm_plugin, "_profiling_missing_reported", False)
     with caplog.at_level(logging.WARNING, logger="omnitrace"):
         assert vllm_plugin._hook_profiling() is False
         assert vllm_plugin._hook_profiling() is False
     (line,) = [r.getMessage() for r in caplog.records if "profiling run" in r.getMessage()]
-    assert line.startswith(
-        "omnitrace: vLLM's profiling run vllm.v1.worker.gpu_model_runner.GPUModelRunner."
-        "profile_run is not there ("
+    assert line == (
+        "omnitrace: vLLM's profiling run is not there (no vllm.v1.worker.gpu_model_runner."
+        "GPUModelRunner.profile_run); encoder calls it makes are tagged as serving"
     )
-    assert line.endswith("); encoder calls it makes are tagged as serving")
+
+
+def test_without_any_runner_module_the_warning_names_both(
+    caplog: pytest.LogCaptureFixture, fresh_plugin: None
+) -> None:
+    """With neither runner module imported, nothing is imported for it and the one warning
+    names both modules."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="omnitrace"):
+        assert vllm_plugin._hook_profiling() is False
+    assert not set(vllm_plugin._RUNNER_MODULES) & set(sys.modules)
+    (line,) = [r.getMessage() for r in caplog.records if "profiling run" in r.getMessage()]
+    assert line == (
+        "omnitrace: vLLM's profiling run is not there (neither model runner module is "
+        "imported: vllm.v1.worker.gpu_model_runner, vllm.v1.worker.gpu.model_runner); "
+        "encoder calls it makes are tagged as serving"
+    )
+
+
+# -- what the profiling run did with the encoders -------------------------------------------
+
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run"
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner.profile_run"
+NO_ENCODER_LINE = (
+    f"omnitrace: vLLM's profiling run ({V2_RUNNER}) called no encoder; encoder graphs are "
+    "first captured while serving, after the KV cache took its memory (each capture's free "
+    "device memory is on its GraphCaptured event)"
+)
+
+
+def _plugin_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == vllm_plugin.__name__]
+
+
+def test_only_the_runner_module_vllm_imported_is_wrapped(
+    v2_runner_module: types.ModuleType,
+) -> None:
+    """With only V2's runner imported, its profile_run is wrapped and V1's module is not
+    imported by the plugin."""
+    runner, _ = _attach(build(), vllm_plugin._RUNNER_V2_MODULE)
+    wrapped = v2_runner_module.GPUModelRunner.profile_run
+    assert getattr(wrapped, "_omnitrace_patched", False)
+    assert wrapped.__wrapped__ is _language_model_only
+    assert vllm_plugin._RUNNER_MODULE not in sys.modules
+    runner.profile_run()
+    assert runner.seen == [(Phase.PROFILING, Phase.PROFILING)]
+    vllm_plugin._bus.close()  # type: ignore[union-attr]
+
+
+def test_both_runners_are_wrapped_once_when_both_are_imported(
+    runner_module: types.ModuleType, v2_runner_module: types.ModuleType
+) -> None:
+    """Where vLLM imported both runner modules, each profile_run gets one wrapper, however
+    many models load."""
+    _attach(build())
+    vllm_plugin._after_load(build(seed=1), None)
+    for module, original in (
+        (runner_module, _Runner.profile_run),
+        (v2_runner_module, _language_model_only),
+    ):
+        method = module.GPUModelRunner.profile_run
+        assert method.__wrapped__ is original
+        assert not hasattr(original, "__wrapped__")
+    vllm_plugin._bus.close()  # type: ignore[union-attr]
+
+
+def test_a_run_that_calls_no_encoder_is_reported_per_adapter_and_logged_once(
+    v2_runner_module: types.ModuleType,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """V2's profiling run, which calls no encoder, yields a ProfilingObserved with zero
+    calls per adapter after every run and one info line per worker process."""
+    import logging
+
+    model = build()
+    runner, events = _attach(model, vllm_plugin._RUNNER_V2_MODULE)
+    with caplog.at_level(logging.INFO, logger="omnitrace"):
+        runner.profile_run()
+        runner.profile_run()
+    observed = [e for e in events if isinstance(e, ProfilingObserved)]
+    # Per run, one report per adapter (in no set order: the attached adapters are a set).
+    assert sorted((e.adapter, e.runner, e.encoder_calls, e.phase) for e in observed) == [
+        ("audio", V2_RUNNER, 0, Phase.PROFILING),
+        ("audio", V2_RUNNER, 0, Phase.PROFILING),
+        ("vision", V2_RUNNER, 0, Phase.PROFILING),
+        ("vision", V2_RUNNER, 0, Phase.PROFILING),
+    ]
+    assert {e.signature for e in observed} == {NO_SIGNATURE}
+    assert _calls(events) == []
+    assert [line for line in _plugin_lines(caplog) if "called no encoder" in line] == [
+        NO_ENCODER_LINE
+    ]
+    # A forked worker is another process: it says so once more.
+    monkeypatch.setattr(vllm_plugin, "_no_encoder_reported_pid", -1)
+    with caplog.at_level(logging.INFO, logger="omnitrace"):
+        runner.profile_run()
+    assert [line for line in _plugin_lines(caplog) if "called no encoder" in line] == [
+        NO_ENCODER_LINE
+    ] * 2
+    vllm_plugin._bus.close()  # type: ignore[union-attr]
+
+
+def test_a_run_that_calls_an_encoder_reports_its_calls_and_logs_nothing(
+    runner_module: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """V1's profiling run, which calls the vision encoder, reports 1 call of vision and 0 of
+    audio, and writes no 'called no encoder' line."""
+    import logging
+
+    model = build()
+    runner, events = _attach(model)
+    with caplog.at_level(logging.INFO, logger="omnitrace"):
+        runner.profile_run()
+    observed = {e.adapter: e for e in events if isinstance(e, ProfilingObserved)}
+    assert {name: (e.runner, e.encoder_calls) for name, e in observed.items()} == {
+        "vision": (V1_RUNNER, 1),
+        "audio": (V1_RUNNER, 0),
+    }
+    # The reports follow the run's call on the bus.
+    assert events[0] is _calls(events)[0]
+    assert set(events[1:]) == set(observed.values())
+    assert not [line for line in _plugin_lines(caplog) if "called no encoder" in line]
+    vllm_plugin._bus.close()  # type: ignore[union-attr]
+
+
+def test_a_profiling_run_that_raises_reports_nothing(runner_module: types.ModuleType) -> None:
+    """A profiling run that raises emits no ProfilingObserved (it did not finish)."""
+    model = build()
+    runner, events = _attach(model)
+    with pytest.raises(RuntimeError, match="profiling failed"):
+        runner.profile_run(randomize_inputs=True)
+    assert not [e for e in events if isinstance(e, ProfilingObserved)]
+    vllm_plugin._bus.close()  # type: ignore[union-attr]
