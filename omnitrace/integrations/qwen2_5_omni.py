@@ -45,13 +45,39 @@ Audio, ``model.audio_tower._encoder_graph``: transformers' ``Qwen2_5OmniAudioEnc
     as the shape of an empty int32 tensor ``(0, max_seqlen)`` (None without flash
     attention).
 
-    Graphs are used only when the tower runs flash attention, which vLLM selects for it
-    when the ``flash_attn`` package is importable. With ``sdpa`` or ``eager`` attention,
-    ``Qwen2_5OmniAudioAttention.forward`` splits q, k and v by ``lengths.tolist()`` and runs
-    one attention per chunk in a Python loop: a host sync and control flow on values, so
-    where the backend really captures such calls stay eager (``attention_backend``). A
-    tower whose transformers lacks the precomputed-argument functions gets no audio adapter;
-    one log line says so.
+    By default graphs are used only when the tower runs flash attention, which vLLM selects
+    for it when the ``flash_attn`` package is importable. With ``sdpa`` or ``eager``
+    attention, ``Qwen2_5OmniAudioAttention.forward`` splits q, k and v by
+    ``lengths.tolist()`` and runs one attention per chunk in a Python loop: a host sync and
+    control flow on values, so where the backend really captures such calls stay eager
+    (``attention_backend``). A tower whose transformers lacks the precomputed-argument
+    functions gets no audio adapter; one log line says so.
+
+    ``encoder_cuda_graph_audio_attention: "masked"`` graphs those calls too, with an
+    attention omnitrace owns (:func:`masked_audio_attention`): one
+    ``scaled_dot_product_attention`` over the whole packed sequence, with a block-diagonal
+    boolean mask made on the device from ``cu_seqlens`` (each position's chunk by
+    ``searchsorted``), so nothing in the graphed forward reads a value on the host. It goes
+    through transformers' own dispatch: the function is registered in the tower module's
+    ``ALL_ATTENTION_FUNCTIONS`` under :data:`MASKED_AUDIO_ATTENTION` (a new name; no
+    existing entry and no class is changed), and while the adapter's forward runs, and only
+    then, the configs of this tower's attention layers name it as their
+    ``_attn_implementation`` (restored after the last call in flight leaves). The name
+    contains ``flash`` because transformers passes ``cu_seqlens`` to the attention function,
+    instead of looping, only for implementations it takes for flash attention; the forward
+    is given ``max_seqlen`` (the longest chunk, read off the padded chunks' shape), which the
+    function ignores, so transformers never computes it with ``.item()``. The key is as for
+    the native route without flash attention (no bound). The result is not bitwise the
+    per-chunk loop's (masked positions leave the summation order of a row changed), hence
+    opt-in: measured on CPU, float32 within 6e-7 and bfloat16 within 1/128 of it. Every
+    call the adapter serves, replayed or eager (warm-up, capacity and every other adapter
+    miss run the same forward), uses the masked attention, so hits and misses agree
+    bitwise; calls the adapter never serves (``arguments``, ``training``) run the tower's
+    own forward, native. A tower already on flash attention keeps it. Where the tower's
+    module has no ``ALL_ATTENTION_FUNCTIONS`` or the tower has no attention layer of that
+    class, the option is not applied; one log line says so. The mask is ``n * n`` booleans
+    for ``n`` positions after the convolutions (1,500 for 30 s of audio) and the attention
+    does ``n * n`` work where the loop did the sum of the chunks' squares.
 
 Both routes are instance attributes on the loaded model's towers (``visual.forward``,
 ``audio_tower.forward``): vLLM's ``_process_image_input``, ``_process_video_input`` and
@@ -71,11 +97,13 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from typing_extensions import Unpack
 
@@ -95,12 +123,14 @@ __all__ = [
     "AUDIO_TOWER",
     "GRAPH_SAFE_VISION_ATTENTION",
     "INTEGRATION",
+    "MASKED_AUDIO_ATTENTION",
     "VISION_TOWER",
     "AudioSeam",
     "Instrumented",
     "audio_seam",
     "detect",
     "instrument",
+    "masked_audio_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,6 +140,12 @@ VISION_TOWER = "Qwen2_5_VisionTransformer"
 AUDIO_TOWER = "Qwen2_5OmniAudioEncoder"
 #: Where each adapter lives, on its tower.
 GRAPH_ATTR = "_encoder_graph"
+#: The audio attention layers' class, whose configs the masked route binds.
+AUDIO_ATTENTION_LAYER = "Qwen2_5OmniAudioAttention"
+#: omnitrace's audio attention's name in transformers' AttentionInterface. It contains
+#: "flash": transformers hands cu_seqlens to the attention function, instead of splitting
+#: on the host, only for implementations it takes for flash attention.
+MASKED_AUDIO_ATTENTION = "omnitrace_flash_varlen_masked_sdpa"
 
 #: vLLM vision attention backends whose kernels read sequence boundaries on the device and
 #: take the longest length as a host launch bound (part of the key).
@@ -285,7 +321,103 @@ def audio_seam(tower: Any) -> AudioSeam | None:
     return AudioSeam(**found)
 
 
-def _audio_stack(original: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+def masked_audio_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attend within each packed sequence of ``cu_seq_lens_q`` in one SDPA over all of them.
+
+    transformers' attention-function signature: ``query``, ``key`` and ``value`` are
+    ``(1, heads, n, head_dim)`` over the packed sequence; returns ``(1, n, heads, head_dim)``
+    and no weights. The launch bounds (``max_length_q``, ``max_length_k``) are not needed.
+
+    Raises:
+        ValueError: no ``cu_seq_lens_q``, other key boundaries, an attention mask of the
+            caller's or a batch of more than one packed sequence (this function serves only
+            transformers' packed audio attention).
+    """
+    if (
+        cu_seq_lens_q is None
+        or (cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q)
+        or attention_mask is not None
+        or query.shape[0] != 1
+    ):
+        raise ValueError(
+            f"{MASKED_AUDIO_ATTENTION}: expected one packed sequence with cu_seq_lens_q (the "
+            "same as cu_seq_lens_k) and no attention_mask, as transformers' Qwen2.5-Omni audio "
+            "attention passes them; set encoder_cuda_graph_audio_attention to 'native' for "
+            "another caller"
+        )
+    cu_seqlens = cu_seq_lens_q
+    positions = torch.arange(query.shape[2], device=query.device, dtype=cu_seqlens.dtype)
+    # Each position's chunk, found on the device: the first boundary past it. No value
+    # leaves the device and every shape follows from the inputs' shapes, so this captures.
+    chunk = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    mask = chunk[:, None] == chunk[None, :]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _AttentionBinding:
+    """Name omnitrace's attention in the tower's attention configs while a forward runs."""
+
+    def __init__(self, configs: list[Any]):
+        self._configs = configs
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        # Counted, not saved per call: a capture on the preparation thread and an eager
+        # call on the serving thread may overlap, and the first to leave must not restore
+        # the native name under the other.
+        with self._lock:
+            if self._depth == 0:
+                self._saved = [config._attn_implementation for config in self._configs]
+                for config in self._configs:
+                    config._attn_implementation = MASKED_AUDIO_ATTENTION
+            self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for config, saved in zip(self._configs, self._saved, strict=True):
+                    config._attn_implementation = saved
+
+
+def _masked_binding(tower: nn.Module) -> _AttentionBinding | None:
+    """Register omnitrace's attention for ``tower``'s module and return its binding, if it can."""
+    registry = getattr(sys.modules.get(type(tower).__module__), "ALL_ATTENTION_FUNCTIONS", None)
+    register = getattr(registry, "register", None)
+    if registry is None or not callable(register) or not callable(getattr(registry, "get", None)):
+        return None
+    configs: dict[int, Any] = {}
+    for module in tower.modules():
+        config = getattr(module, "config", None)
+        if type(module).__name__ == AUDIO_ATTENTION_LAYER and config is not None:
+            configs.setdefault(id(config), config)
+    if not configs:
+        return None
+    if registry.get(MASKED_AUDIO_ATTENTION) is not masked_audio_attention:
+        # transformers' extension point: a new name, reachable only from a config naming it.
+        register(MASKED_AUDIO_ATTENTION, masked_audio_attention)
+    return _AttentionBinding(list(configs.values()))
+
+
+def _audio_stack(
+    original: Callable[..., Any], masked: _AttentionBinding | None = None
+) -> Callable[..., torch.Tensor]:
     def stack(
         padded: torch.Tensor,
         chunk_lengths: torch.Tensor,
@@ -294,18 +426,28 @@ def _audio_stack(original: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         cu_seqlens: torch.Tensor,
         bound: torch.Tensor | None,
     ) -> torch.Tensor:
-        result = original(
-            None,
-            None,
-            None,
-            padded_feature=padded,
-            chunk_lengths=chunk_lengths,
-            valid_indices=valid_indices,
-            pool_indices=pool_indices,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=None if bound is None else bound.shape[1],
-        )
-        return output_tensor(result)
+        def run(max_seqlen: int | None) -> torch.Tensor:
+            result = original(
+                None,
+                None,
+                None,
+                padded_feature=padded,
+                chunk_lengths=chunk_lengths,
+                valid_indices=valid_indices,
+                pool_indices=pool_indices,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+            )
+            return output_tensor(result)
+
+        if bound is not None:
+            return run(bound.shape[1])
+        if masked is None:
+            return run(None)
+        with masked:
+            # The longest chunk after the stride-2 convolution, off the padded shape: under a
+            # "flash" name transformers would otherwise compute it with .item().
+            return run((padded.shape[2] - 1) // 2 + 1)
 
     return stack
 
@@ -319,10 +461,12 @@ class _AudioForward:
         graph: EncoderCudaGraph,
         original: Callable[..., Any],
         seam: AudioSeam,
+        masked: _AttentionBinding | None = None,
     ):
         self._tower = tower
         self._graph = graph
         self._seam = seam
+        self._masked = masked is not None
         self._stack = _audio_stack(original)
         self.original = original
 
@@ -362,7 +506,7 @@ class _AudioForward:
         )
         inputs = (padded, chunk_lengths, valid_indices, pool_indices, cu_seqlens)
         if max_seqlen is None:
-            if _captures_on(graph, padded.device):
+            if not self._masked and _captures_on(graph, padded.device):
                 # Not flash attention: every layer splits by lengths.tolist() on the host.
                 record_ineligible(graph, "attention_backend", *inputs, None)
                 return seam.output(last_hidden_state=self._stack(*inputs, None))
@@ -437,9 +581,24 @@ def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | No
             "(transformers 5); the audio tower runs without graphs",
         )
         return None
-    graph, made = adapters.attach(tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward))
+    masked = None
+    if adapters.config.audio_attention == "masked" and getattr(tower, GRAPH_ATTR, None) is None:
+        masked = _masked_binding(tower)
+        if masked is None:
+            warn_unsupported(
+                logger,
+                tower,
+                " has no %s layers dispatched through its module's ALL_ATTENTION_FUNCTIONS; "
+                "encoder_cuda_graph_audio_attention 'masked' is not applied (native attention)",
+                AUDIO_ATTENTION_LAYER,
+            )
+    graph, made = adapters.attach(
+        tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward, masked)
+    )
     if made:
-        route_method(tower, "forward", lambda original: _AudioForward(tower, graph, original, seam))
+        route_method(
+            tower, "forward", lambda original: _AudioForward(tower, graph, original, seam, masked)
+        )
     return graph
 
 

@@ -292,6 +292,27 @@ def test_audio_without_flash_attention_stays_eager_where_graphs_capture(bus: Eve
         assert _details(events) == expected, attention
 
 
+def test_masked_audio_attention_needs_transformers_dispatch(
+    bus: EventBus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tower whose attention does not go through ALL_ATTENTION_FUNCTIONS keeps native, logged."""
+    reference = build(**FAST)
+    model = build(encoder_cuda_graph_audio_attention="masked", **FAST)
+    with caplog.at_level(logging.WARNING, logger="omnitrace"):
+        result = _instrument(model, bus, backend=CapturingBackend())
+    assert [r.getMessage() for r in caplog.records] == [
+        "omnitrace: Qwen2_5OmniAudioEncoder has no Qwen2_5OmniAudioAttention layers dispatched "
+        "through its module's ALL_ATTENTION_FUNCTIONS; encoder_cuda_graph_audio_attention "
+        "'masked' is not applied (native attention)"
+    ]
+    data = audio_batch(FRAMES[0])
+    with torch.no_grad(), capture_events(bus) as events:
+        for _ in range(3):
+            assert _equal(model._process_audio_input(data), reference._process_audio_input(data))
+    assert result.audio.num_graphs == 0  # type: ignore[union-attr]
+    assert _details(events) == ["attention_backend"] * 3
+
+
 def test_audio_extra_arguments_run_the_original(bus: EventBus) -> None:
     """output_hidden_states is the original's business: it runs, recorded as arguments."""
     model = build(**FAST)
