@@ -25,6 +25,10 @@ installed but inert; the sinks come from the environment, as the table of
     structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
     encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker exits.
 
+The plugin's own lines (the worker's "encoder graphs attached" line, profiling notices, and
+one ERROR line naming an invalid ``encoder_cuda_graph_*`` override before the worker stops)
+are printed beside vLLM's, in its format (:mod:`omnitrace.integrations.vllm_logging`).
+
 Once a model has adapters, the plugin also wraps vLLM's start-up profiling run,
 ``profile_run`` of both model runners: V1's ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
 and V2's ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (vLLM 0.26's default; the CPU
@@ -56,6 +60,7 @@ from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
 from omnitrace.config import OmnitraceError
 from omnitrace.events import Phase, profiling_observed
+from omnitrace.integrations.vllm_logging import show_plugin_logs
 from omnitrace.integrations.worker import worker_identity
 from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
 
@@ -147,7 +152,18 @@ def _after_load(model: Any, vllm_config: Any) -> None:
     if integration is None:
         logger.debug("omnitrace: no model integration detects %s", type(model).__name__)
         return
-    result = integration.instrument(model, vllm_config, bus=worker_bus())
+    try:
+        result = integration.instrument(model, vllm_config, bus=worker_bus())
+    except OmnitraceError as exc:
+        # vLLM buries a worker's exception in a traceback per process it passes through;
+        # this line says what to fix in one place, then the worker stops as before.
+        logger.error(
+            "omnitrace: %s; the worker stops (fix --hf-overrides, or set %s=0 to run "
+            "without omnitrace)",
+            exc,
+            ENV_PLUGIN,
+        )
+        raise
     _attached.update(_adapters_of(result))
     _hook_profiling()
     pid, rank = worker_identity()
@@ -321,6 +337,7 @@ def register(environ: Mapping[str, str] | None = None) -> bool:
         PluginError: vLLM's model loader is not where this plugin expects it.
     """
     env = os.environ if environ is None else environ
+    show_plugin_logs(env)
     if not env_flag(env, ENV_PLUGIN, True):
         logger.info("omnitrace: vLLM plugin disabled by %s", ENV_PLUGIN)
         return False
