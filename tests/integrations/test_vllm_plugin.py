@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import subprocess
 import sys
 import types
 import weakref
@@ -87,7 +89,6 @@ def test_select_backend_without_config_logs_why_and_picks_torch(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """select_backend(None) returns the torch backend with one 'omnitrace' log line."""
-    import logging
 
     from omnitrace.graphs.backends.select import select_backend
     from omnitrace.graphs.backends.torch import TorchGraphBackend
@@ -105,7 +106,6 @@ def test_select_backend_without_vllm_logs_why(
 ) -> None:
     """With a config but no importable vLLM, the torch backend is chosen and the log says so."""
     import importlib.util
-    import logging
 
     from omnitrace.graphs.backends import select
     from omnitrace.graphs.backends.torch import TorchGraphBackend
@@ -282,7 +282,6 @@ def test_without_vllms_profiling_run_the_plugin_says_so_once(
 ) -> None:
     """A vLLM whose imported runner module has no GPUModelRunner.profile_run gets one
     warning naming it; loading goes on."""
-    import logging
 
     module = types.ModuleType(vllm_plugin._RUNNER_MODULE)
     monkeypatch.setitem(sys.modules, vllm_plugin._RUNNER_MODULE, module)
@@ -301,7 +300,6 @@ def test_without_any_runner_module_the_warning_names_both(
 ) -> None:
     """With neither runner module imported, nothing is imported for it and the one warning
     names both modules."""
-    import logging
 
     with caplog.at_level(logging.WARNING, logger="omnitrace"):
         assert vllm_plugin._hook_profiling() is False
@@ -368,7 +366,6 @@ def test_a_run_that_calls_no_encoder_is_reported_per_adapter_and_logged_once(
 ) -> None:
     """V2's profiling run, which calls no encoder, yields a ProfilingObserved with zero
     calls per adapter after every run and one info line per worker process."""
-    import logging
 
     model = build()
     runner, events = _attach(model, vllm_plugin._RUNNER_V2_MODULE)
@@ -403,7 +400,6 @@ def test_a_run_that_calls_an_encoder_reports_its_calls_and_logs_nothing(
 ) -> None:
     """V1's profiling run, which calls the vision encoder, reports 1 call of vision and 0 of
     audio, and writes no 'called no encoder' line."""
-    import logging
 
     model = build()
     runner, events = _attach(model)
@@ -429,3 +425,70 @@ def test_a_profiling_run_that_raises_reports_nothing(runner_module: types.Module
         runner.profile_run(randomize_inputs=True)
     assert not [e for e in events if isinstance(e, ProfilingObserved)]
     vllm_plugin._bus.close()  # type: ignore[union-attr]
+
+
+# -- the plugin's log lines in a vLLM process -------------------------------------------------
+
+
+def test_an_invalid_override_logs_one_error_line_then_raises(
+    caplog: pytest.LogCaptureFixture, fresh_plugin: None
+) -> None:
+    """A bad ``encoder_cuda_graph_*`` value logs what to fix once, and the load still fails."""
+    model = build(encoder_cuda_graph_max_graphs=-1)
+    with (
+        caplog.at_level(logging.INFO, logger="omnitrace"),
+        pytest.raises(ConfigError, match="encoder_cuda_graph_max_graphs"),
+    ):
+        vllm_plugin._after_load(model, None)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        "omnitrace: encoder_cuda_graph_max_graphs: expected an integer from 0 to 1024 "
+        "(0 keeps no graph), got -1 (int); the worker stops (fix --hf-overrides, or set "
+        "OMNITRACE_PLUGIN=0 to run without omnitrace)"
+    ]
+
+
+_SHOW_LOGS = """
+import logging, sys
+from omnitrace.integrations.vllm_logging import show_plugin_logs
+vllm = logging.getLogger("vllm")
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("VLLM %(levelname)s %(message)s"))
+vllm.addHandler(handler)
+env = dict(a.split("=", 1) for a in sys.argv[1:])
+added = show_plugin_logs(env)
+again = show_plugin_logs(env)
+logging.getLogger("omnitrace.integrations.vllm_plugin").info("omnitrace: attached")
+print("added" if added is not None else "none", "again" if again is not None else "none")
+"""
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ((), "VLLM INFO omnitrace: attached\nadded none\n"),
+        (("VLLM_CONFIGURE_LOGGING=0",), "none none\n"),
+    ],
+)
+def test_plugin_lines_print_beside_vllms_in_its_format(
+    environ: tuple[str, ...], expected: str
+) -> None:
+    """In a process where only vLLM's logger has a handler, omnitrace's INFO lines use it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHOW_LOGS, *environ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout == expected
+    assert done.stderr == ""
+
+
+def test_a_host_that_configured_logging_keeps_it() -> None:
+    """With a handler on the root logger, the plugin adds none of its own."""
+    from omnitrace.integrations.vllm_logging import show_plugin_logs
+
+    assert logging.getLogger().handlers, "pytest's own handler is on the root logger"
+    assert show_plugin_logs({}) is None
+    assert not logging.getLogger("omnitrace").handlers
