@@ -113,6 +113,10 @@ _CHAT_TEMPLATE = (
 SAMPLING_RATE = 16_000
 
 
+#: Head dims every attention backend vLLM 0.26 picks for these towers accepts.
+_HEAD_DIMS = frozenset({64, 80, 128})
+
+
 class CheckpointError(OmnitraceError, RuntimeError):
     """A checkpoint directory cannot be written (missing package, bad size, unusable path)."""
 
@@ -136,6 +140,31 @@ class Qwen2_5OmniSizes:
     audio_ffn: int = 256
     tokenizer_vocab: int = 400
     max_position_embeddings: int = 8192
+    text_vocab: int | None = None
+    """The language model's vocabulary in the config; None: the tokenizer's length padded
+    to a multiple of 64. A larger one (the real model's 152,064) gives the LM head its real
+    cost; ids past the tokenizer are never produced by a prompt."""
+
+    @classmethod
+    def seven_b(cls) -> Qwen2_5OmniSizes:
+        """The sizes of Qwen2.5-Omni-7B's thinker (transformers' default configs)."""
+        return cls(
+            text_hidden=3584,
+            text_layers=28,
+            text_heads=28,
+            text_kv_heads=4,
+            text_intermediate=18944,
+            vision_hidden=1280,
+            vision_depth=32,
+            vision_heads=16,
+            vision_intermediate=3420,
+            audio_hidden=1280,
+            audio_layers=32,
+            audio_heads=20,
+            audio_ffn=5120,
+            max_position_embeddings=32768,
+            text_vocab=152_064,
+        )
 
     def check(self) -> None:
         """Raise CheckpointError for sizes vLLM's kernels or the configs would refuse."""
@@ -144,10 +173,11 @@ class Qwen2_5OmniSizes:
             ("vision", self.vision_hidden, self.vision_heads),
             ("audio", self.audio_hidden, self.audio_heads),
         ):
-            if heads < 1 or hidden % heads or hidden // heads != 64:
+            if heads < 1 or hidden % heads or hidden // heads not in _HEAD_DIMS:
                 raise CheckpointError(
                     f"{name}: hidden size {hidden} over {heads} heads must give a head dim "
-                    f"of 64 (FlashAttention and SDPA both take it)"
+                    f"of 64, 80 or 128 (FlashAttention and SDPA take them), got "
+                    f"{hidden}/{heads}"
                 )
         if self.text_heads % self.text_kv_heads:
             raise CheckpointError(
@@ -156,6 +186,10 @@ class Qwen2_5OmniSizes:
         for name in ("text_layers", "vision_depth", "audio_layers"):
             if getattr(self, name) < 1:
                 raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.text_vocab is not None and (self.text_vocab % 64 or self.text_vocab < 1024):
+            raise CheckpointError(
+                f"text_vocab must be a multiple of 64 of at least 1024, got {self.text_vocab}"
+            )
         if self.tokenizer_vocab < 300:
             raise CheckpointError(
                 f"tokenizer_vocab must be at least 300 (256 bytes plus merges), "
@@ -260,7 +294,7 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
         chat_template=_CHAT_TEMPLATE,
     )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN2_5_OMNI_SPECIAL_TOKENS}
-    vocab_size = _padded(len(tokenizer))
+    vocab_size = _padded(len(tokenizer)) if sizes.text_vocab is None else sizes.text_vocab
     text_head_dim = sizes.text_hidden // sizes.text_heads
     eighth = text_head_dim // 16
     # Temporal, height, width sections of the rotary half-dim (32 for head dim 64).
@@ -289,7 +323,9 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
             intermediate_size=sizes.vision_intermediate,
             num_heads=sizes.vision_heads,
             out_hidden_size=sizes.text_hidden,
-            fullatt_block_indexes=[sizes.vision_depth - 1],
+            # Every eighth block attends over the whole image, as in the released model.
+            fullatt_block_indexes=[i for i in range(sizes.vision_depth) if i % 8 == 7]
+            or [sizes.vision_depth - 1],
             window_size=112,
             patch_size=14,
             spatial_merge_size=2,
@@ -398,15 +434,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("model", choices=sorted(_WRITERS))
     parser.add_argument("directory", help="where to write it (made; must not hold files)")
+    parser.add_argument(
+        "--size",
+        choices=("tiny", "7b"),
+        default="tiny",
+        help="tiny (default, a few MB of weights) or the released 7B thinker's sizes",
+    )
     parser.add_argument("--sizes", action="store_true", help="print the sizes used, as JSON")
     args = parser.parse_args(argv)
+    sizes = Qwen2_5OmniSizes.seven_b() if args.size == "7b" else Qwen2_5OmniSizes()
     try:
-        written = _WRITERS[args.model](args.directory)
+        written = _WRITERS[args.model](args.directory, sizes)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.sizes:
-        print(json.dumps(asdict(Qwen2_5OmniSizes())))
+        print(json.dumps(asdict(sizes)))
     print(written)
     return 0
 
