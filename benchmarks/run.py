@@ -8,8 +8,9 @@ Usage::
 
 Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split; no GPU),
 ``overhead`` (the same plus adapter-vs-bare on CUDA), ``latency``, ``traffic``, ``capture``,
-``memory``, ``observability``, and ``all``. Every suite but ``cpu`` needs CUDA and stops at
-once, before measuring anything, when there is none.
+``memory``, ``observability``, and ``all``; and ``engine`` (end to end through ``vllm
+serve``; needs vLLM; not part of ``all``; ``--quick`` runs its plumbing on a CPU). Every other
+suite but ``cpu`` needs CUDA and stops at once, before measuring anything, when there is none.
 
 Everything runs in this one process: nothing is isolated, so nothing can hide a crash. A
 benchmark that raises is printed with its traceback, recorded with status ``error`` (keeping
@@ -57,6 +58,9 @@ SUITES: dict[str, tuple[str, ...]] = {
     "all": BENCHMARKS,
     "cpu": ("overhead",),
     **{name: (name,) for name in BENCHMARKS},
+    # End to end through vllm serve, one engine per configuration: a suite of its own (it
+    # needs vLLM, and a full run takes tens of minutes); --quick runs it on a CPU.
+    "engine": ("engine",),
 }
 #: Wall-clock budget of a whole run, by scale; the latency benchmark bounds torch.compile
 #: by what is left of it (a compile that starts in time may end up to one compile past it).

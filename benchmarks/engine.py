@@ -1,0 +1,621 @@
+"""End to end: what omnitrace's encoder graphs are worth to a ``vllm serve`` user's requests.
+
+One ``vllm serve`` per configuration, started back to back in this invocation on the same
+checkpoint (written here by :mod:`omnitrace.testing_checkpoints`; dummy weights, so the text is
+meaningless and the timing real), each sent the same seeded traffic by OpenAI clients over
+loopback, streaming, so the time to the first content chunk is the user's TTFT:
+
+============================  ===================================================================
+configuration                 what
+============================  ===================================================================
+``eager``                     omnitrace's adapters attached with ``encoder_cuda_graph: false``:
+                              every encoder call eager (the adapter only times it), vLLM's own
+                              language-model graphs on
+``omnitrace``                 exact-shape graphs, default settings (Qwen2.5-Omni's audio tower
+                              through the masked attention, without which it cannot graph)
+``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``
+``vllm-encoder-graphs``       vLLM's own encoder graphs (``cudagraph_mm_encoder``), where the
+                              model implements vLLM's protocol; recorded as not applicable
+                              otherwise
+============================  ===================================================================
+
+The traffic: single images at several resolutions, two-image prompts, audio of 1, 5, 10 and
+30 s, and image-plus-audio prompts, in a seeded order; greedy, short outputs. Each
+configuration serves a warm-up pass first (the graphs' ``min_capture_calls``), then the
+measured passes at concurrency 1 and 8, with new pixels and samples of the same sizes each
+pass (vLLM caches encoder outputs by content). Reported per configuration: TTFT p50 and p99
+per request kind and concurrency, requests/s, the encoders' device time as a share of TTFT
+(``DeviceTimed`` events; concurrency 1), graphs and pool bytes from the event log, the KV
+cache vLLM chose (its log), and whether every completion equals the eager configuration's.
+
+A server that fails to start, dies or answers an error fails the benchmark with its output;
+it is never skipped. On a CPU (``--quick`` or ``--tiny``) everything runs on a tiny model:
+the plumbing is checked, the numbers mean nothing, and graphs cannot capture.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import wave
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (
+    BenchmarkFailedError,
+    Context,
+    figure,
+    summarize,
+    target,
+    write_partial,
+)
+
+NAME = "engine"
+#: Runs on a CPU at toy sizes (the engine CI tier); full scale needs CUDA (checked in run()).
+NEEDS_CUDA = False
+
+SAMPLING_RATE = 16_000
+GOAL = "end_to_end"
+#: Published end-to-end anchors the results are read beside.
+ANCHORS = (
+    "sglang-omni Qwen3-Omni encoder graphs: TTFT -37.8 % at concurrency 1, -53.7 % at 32 "
+    "(its PR #1628)",
+    "vLLM encoder graphs, Qwen3-VL: mean latency -11.8 % to -44.4 % (vLLM #35963); Step3-VL "
+    "slower with them on (vLLM #41714)",
+)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One engine of the comparison: its omnitrace overrides and vLLM options."""
+
+    name: str
+    overrides: dict[str, Any]
+    compilation: dict[str, Any] | None = None
+    plugin: bool = True
+
+
+def configurations(model_kind: str) -> list[Configuration]:
+    """The configurations compared, eager first (the baseline every other is read against)."""
+    graphs: dict[str, Any] = {"encoder_cuda_graph_device_timing": True}
+    if model_kind == "qwen2_5_omni":
+        graphs["encoder_cuda_graph_audio_attention"] = "masked"
+    return [
+        Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
+        Configuration("omnitrace", dict(graphs)),
+        Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
+        Configuration(
+            "vllm-encoder-graphs",
+            {},
+            compilation={"cudagraph_mm_encoder": True},
+            plugin=False,
+        ),
+    ]
+
+
+# -- traffic -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """A kind of request: its images (width, height) and clips (seconds)."""
+
+    name: str
+    images: tuple[tuple[int, int], ...] = ()
+    clips: tuple[float, ...] = ()
+
+    @property
+    def modality(self) -> str:
+        return "mixed" if self.images and self.clips else ("image" if self.images else "audio")
+
+
+def request_kinds(scale: str) -> list[RequestKind]:
+    """The traffic mix's kinds; smaller images and clips on the CPU scales."""
+    if scale == "full":
+        return [
+            RequestKind("image-448", images=((448, 448),)),
+            RequestKind("image-896x672", images=((896, 672),)),
+            RequestKind("image-1344x1008", images=((1344, 1008),)),
+            RequestKind("images-2x448", images=((448, 448), (672, 448))),
+            RequestKind("audio-1s", clips=(1.0,)),
+            RequestKind("audio-5s", clips=(5.0,)),
+            RequestKind("audio-10s", clips=(10.0,)),
+            RequestKind("audio-30s", clips=(30.0,)),
+            RequestKind("image+audio", images=((448, 448),), clips=(5.0,)),
+        ]
+    return [
+        RequestKind("image-224", images=((224, 224),)),
+        RequestKind("audio-1s", clips=(1.0,)),
+        RequestKind("image+audio", images=((224, 168),), clips=(0.5,)),
+    ]
+
+
+def _png(seed: int, width: int, height: int) -> str:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _wav(seed: int, seconds: float) -> str:
+    samples = 0.1 * np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(SAMPLING_RATE)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def messages(kind: RequestKind, seed: int) -> list[dict[str, Any]]:
+    """One user message of ``kind`` with content from ``seed`` (same sizes, new content)."""
+    content: list[dict[str, Any]] = []
+    for i, (width, height) in enumerate(kind.images):
+        content.append(
+            {"type": "image_url", "image_url": {"url": _png(seed * 16 + i, width, height)}}
+        )
+    for i, seconds in enumerate(kind.clips):
+        content.append(
+            {"type": "audio_url", "audio_url": {"url": _wav(seed * 16 + 8 + i, seconds)}}
+        )
+    content.append({"type": "text", "text": "Describe it in one sentence."})
+    return [{"role": "user", "content": content}]
+
+
+def schedule(kinds: Sequence[RequestKind], per_kind: int, seed: int) -> list[RequestKind]:
+    """``per_kind`` requests of each kind in a seeded order."""
+    order = [kind for kind in kinds for _ in range(per_kind)]
+    rng = np.random.default_rng(seed)
+    return [order[i] for i in rng.permutation(len(order))]
+
+
+# -- one server --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _vllm_command() -> list[str]:
+    script = Path(sys.executable).with_name("vllm")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@dataclass
+class Server:
+    """A ``vllm serve`` child on loopback for one configuration."""
+
+    config: Configuration
+    process: subprocess.Popen[bytes]
+    port: int
+    output: Path
+    events: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.text().splitlines()[-lines:])
+
+    def kv_cache_tokens(self) -> int | None:
+        """The KV cache size vLLM logged, in tokens."""
+        found = re.findall(r"KV cache size: ([\d,]+) tokens", self.text())
+        return int(found[-1].replace(",", "")) if found else None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+
+
+def _environment(config: Configuration, events: Path, cuda: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+    env["OMNITRACE_PLUGIN"] = "1" if config.plugin else "0"
+    if config.plugin:
+        env["OMNITRACE_EVENTS_LOG"] = str(events)
+    if cuda:
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    else:
+        # A CPU engine otherwise takes most of the machine's memory for its KV cache.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+@contextlib.contextmanager
+def serving(
+    config: Configuration, model: Path, work: Path, ctx: Context, *, max_num_seqs: int
+) -> Iterator[Server]:
+    """Start ``vllm serve`` for ``config`` and stop it after the block, whatever happens."""
+    out = work / config.name
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    events = out / "events.jsonl"
+    command = [
+        *_vllm_command(),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(ctx.pick(8192, 4096, 4096)),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 2, "audio": 2, "video": 0}),
+        "--hf-overrides",
+        json.dumps(config.overrides),
+    ]
+    if config.compilation is not None:
+        command += ["--compilation-config", json.dumps(config.compilation)]
+    output = out / "serve.log"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            command,
+            env=_environment(config, events, ctx.cuda),
+            cwd=out,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    server = Server(config, process, port, output, events)
+    try:
+        _wait_ready(server, timeout=ctx.pick(900.0, 600.0, 600.0))
+        yield server
+    finally:
+        server.stop()
+
+
+def _wait_ready(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve ({server.config.name}) exited with {server.process.returncode} "
+                f"before serving:\n{server.tail()}"
+            )
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{server.port}/health", timeout=2
+            ) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise RuntimeError(
+        f"vllm serve ({server.config.name}) did not answer within {timeout:.0f} s:\n{server.tail()}"
+    )
+
+
+@dataclass
+class Completion:
+    """One streamed request: its kind, TTFT, total time and text."""
+
+    kind: str
+    ttft_s: float
+    total_s: float
+    text: str
+
+
+def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int) -> Completion:
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages(kind, seed),
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+    )
+    for chunk in stream:
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            if first is None:
+                first = time.perf_counter()
+            parts.append(delta)
+    end = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"a {kind.name} request streamed no content")
+    return Completion(kind.name, first - start, end - start, "".join(parts))
+
+
+@dataclass
+class Pass:
+    """The requests of one measured pass at one concurrency."""
+
+    concurrency: int
+    wall_s: float
+    completions: list[Completion] = field(default_factory=list)
+
+
+def run_pass(
+    server: Server, traffic: Sequence[RequestKind], *, seed: int, concurrency: int, tokens: int
+) -> Pass:
+    """Send ``traffic`` with ``concurrency`` requests in flight; every request must succeed."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=600
+    )
+    model = client.models.list().data[0].id
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = [
+            pool.submit(_one, client, model, kind, seed * 1000 + i, tokens)
+            for i, kind in enumerate(traffic)
+        ]
+        completions = [f.result() for f in futures]
+    return Pass(concurrency, time.perf_counter() - start, completions)
+
+
+# -- what the event log says -------------------------------------------------------------------
+
+
+def event_figures(path: Path) -> dict[str, Any]:
+    """Graphs, pool bytes, encoder device time and hit counts from a worker's event log."""
+    figures: dict[str, Any] = {"graphs": 0, "pool_bytes": 0, "hits": 0, "misses": 0}
+    device: dict[str, float] = {}
+    if not path.exists():
+        return {**figures, "encoder_device_s": None}
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        kind = event.get("type")
+        if kind == "GraphCaptured":
+            figures["graphs"] += 1
+            figures["pool_bytes"] += int(event["bytes_reserved"]) + int(event["static_bytes"])
+        elif kind == "GraphReplayed":
+            figures["hits"] += 1
+        elif kind == "GraphMissed":
+            figures["misses"] += 1
+        elif kind == "DeviceTimed":
+            device[event["adapter"]] = device.get(event["adapter"], 0.0) + float(event["device_s"])
+    figures["encoder_device_s"] = device
+    return figures
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _device_s_since(path: Path, skip: int) -> float:
+    """Encoder device seconds in the events after the first ``skip`` lines."""
+    if not path.exists():
+        return 0.0
+    lines = path.read_text().splitlines()[skip:]
+    return sum(
+        float(e["device_s"]) for e in map(json.loads, lines) if e.get("type") == "DeviceTimed"
+    )
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+def _model_supports_vllm_encoder_graphs(model_kind: str) -> tuple[bool, str]:
+    """Whether vLLM's model class for ``model_kind`` implements its encoder graph protocol."""
+    module, cls = {
+        "qwen2_5_omni": (
+            "vllm.model_executor.models.qwen2_5_omni_thinker",
+            "Qwen2_5OmniThinkerForConditionalGeneration",
+        ),
+    }[model_kind]
+    try:
+        import importlib
+
+        found = getattr(importlib.import_module(module), cls)
+    except Exception as exc:
+        return False, f"{module}.{cls} cannot be imported here ({type(exc).__name__}: {exc})"
+    if callable(getattr(found, "encoder_cudagraph_forward", None)):
+        return True, ""
+    return False, f"{cls} does not implement SupportsEncoderCudaGraph in this vLLM"
+
+
+def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for p in passes:
+        by_kind: dict[str, list[float]] = {}
+        for c in p.completions:
+            by_kind.setdefault(c.kind, []).append(c.ttft_s)
+        for kind, samples in by_kind.items():
+            ordered = sorted(samples)
+            stats = summarize(ordered, scale=1e3)
+            rows[f"c{p.concurrency}/{kind}"] = {
+                "concurrency": p.concurrency,
+                "kind": kind,
+                "n": stats["n"],
+                "ttft_p50_ms": stats["median"],
+                "ttft_p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+                * 1e3,
+            }
+    return rows
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Serve the traffic through each configuration back to back; compare against eager."""
+    if ctx.scale == "full" and not ctx.cuda:
+        raise RuntimeError("the engine benchmark at full scale needs a CUDA device")
+    from omnitrace.testing_checkpoints import Qwen2_5OmniSizes, write_qwen2_5_omni
+
+    model_kind = "qwen2_5_omni"
+    work = ctx.out_dir / "engine-work"
+    model = work / "qwen2_5_omni"
+    if not model.exists():
+        sizes = Qwen2_5OmniSizes.seven_b() if ctx.scale == "full" else Qwen2_5OmniSizes()
+        write_qwen2_5_omni(model, sizes)
+    kinds = request_kinds(ctx.scale)
+    per_kind = ctx.pick(8, 2, 1)
+    tokens = ctx.pick(8, 4, 2)
+    concurrencies = ctx.pick((1, 8), (1, 4), (1, 2))
+    chosen = configurations(model_kind)
+    if ctx.scale != "full":
+        # On a CPU nothing graphs: two engines check the plumbing.
+        chosen = [c for c in chosen if c.name in ("eager", "omnitrace")]
+    supported, why_not = _model_supports_vllm_encoder_graphs(model_kind)
+    result: dict[str, Any] = {
+        "model": model_kind,
+        "sizes": "7b" if ctx.scale == "full" else "tiny",
+        "kinds": [k.name for k in kinds],
+        "per_kind": per_kind,
+        "max_tokens": tokens,
+        "anchors": list(ANCHORS),
+        "vllm_encoder_graphs": {"supported": supported, "reason": why_not},
+        "configurations": {},
+        "not_applicable": {},
+        "targets": [],
+        "figures": [],
+    }
+    texts: dict[str, dict[str, str]] = {}
+    for config in chosen:
+        if config.compilation is not None and not supported:
+            result["not_applicable"][config.name] = why_not
+            ctx.log(f"  {config.name}: not applicable ({why_not})")
+            continue
+        ctx.log(f"  {config.name}: starting vllm serve")
+        started = time.perf_counter()
+        with serving(config, model, work, ctx, max_num_seqs=max(concurrencies)) as server:
+            ready_s = time.perf_counter() - started
+            # Warm-up: every shape min_capture_calls times, so the graphs are in place.
+            for warm in range(2):
+                run_pass(server, schedule(kinds, 1, warm), seed=100 + warm, concurrency=1, tokens=1)
+            passes = []
+            device_s_c1: float | None = None
+            for concurrency in concurrencies:
+                skip = _line_count(server.events)
+                traffic = schedule(kinds, per_kind, 7)
+                measured = run_pass(
+                    server, traffic, seed=200 + concurrency, concurrency=concurrency, tokens=tokens
+                )
+                passes.append(measured)
+                if concurrency == 1 and config.plugin:
+                    device_s_c1 = _device_s_since(server.events, skip)
+            figures = event_figures(server.events)
+            ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
+            entry = {
+                "ready_s": ready_s,
+                "kv_cache_tokens": server.kv_cache_tokens(),
+                "rows": _kind_rows(passes),
+                "requests_per_s": {
+                    f"c{p.concurrency}": len(p.completions) / p.wall_s for p in passes
+                },
+                "encoder_share_of_ttft_c1": (
+                    None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
+                ),
+                **{k: v for k, v in figures.items() if k != "encoder_device_s"},
+            }
+            texts[config.name] = {
+                f"c{p.concurrency}/{i}": c.text for p in passes for i, c in enumerate(p.completions)
+            }
+            if "eager" in texts and config.name != "eager":
+                entry["parity_with_eager"] = texts[config.name] == texts["eager"]
+            result["configurations"][config.name] = entry
+            write_partial(ctx, NAME, result)
+            ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
+    _checks(result)
+    if any(entry.get("parity_with_eager") is False for entry in result["configurations"].values()):
+        raise BenchmarkFailedError("a configuration's completions differ from eager's", result)
+    return result
+
+
+def _median_change(result: dict[str, Any], config: str, modality: str) -> float | None:
+    """Relative change of the median TTFT p50 of ``modality`` requests at concurrency 1."""
+    configs = result["configurations"]
+    if config not in configs or "eager" not in configs:
+        return None
+    kinds = {k.name: k for k in request_kinds("full" if result["sizes"] == "7b" else "quick")}
+
+    def p50(name: str) -> float | None:
+        rows = [
+            r["ttft_p50_ms"]
+            for r in configs[name]["rows"].values()
+            if r["concurrency"] == 1 and kinds[r["kind"]].modality == modality
+        ]
+        return float(np.median(rows)) if rows else None
+
+    base, new = p50("eager"), p50(config)
+    return None if base is None or new is None or base <= 0 else (new - base) / base
+
+
+def _checks(result: dict[str, Any]) -> None:
+    configs = result["configurations"]
+    for modality in ("image", "audio"):
+        change = _median_change(result, "omnitrace", modality)
+        result["targets"].append(
+            target(
+                f"{modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders",
+                None if change is None else 100 * change,
+                "<=",
+                -30.0,
+                "%",
+                goal=GOAL,
+            )
+        )
+    if "omnitrace" in configs and "eager" in configs:
+        eager_kv = configs["eager"]["kv_cache_tokens"]
+        graph_kv = configs["omnitrace"]["kv_cache_tokens"]
+        result["figures"].append(
+            figure(
+                "KV cache with omnitrace's graphs, change against eager",
+                None
+                if not eager_kv or graph_kv is None
+                else 100 * (graph_kv - eager_kv) / eager_kv,
+                "%",
+                goal=GOAL,
+                note=f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}",
+            )
+        )
+    for name, why in result["not_applicable"].items():
+        result["figures"].append(figure(f"{name}: not applicable", None, "", goal=GOAL, note=why))
+
+
+def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
+    """TTFT p50 per request kind at concurrency 1, one bar per configuration."""
+    configs = result["configurations"]
+    if not configs:
+        return []
+    kinds = result["kinds"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(kinds)), 4.0))
+    width = 0.8 / len(configs)
+    for i, (name, entry) in enumerate(configs.items()):
+        values = [entry["rows"].get(f"c1/{kind}", {}).get("ttft_p50_ms", 0.0) for kind in kinds]
+        ax.bar([k + i * width for k in range(len(kinds))], values, width, label=name)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))])
+    ax.set_xticklabels(kinds, rotation=30, ha="right")
+    ax.set_ylabel("TTFT p50 (ms), concurrency 1")
+    ax.set_title(f"vllm serve, {result['model']} ({result['sizes']}), dummy weights")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "engine_ttft.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
