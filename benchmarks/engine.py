@@ -409,14 +409,16 @@ def _line_count(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _device_s_since(path: Path, skip: int) -> float:
-    """Encoder device seconds in the events after the first ``skip`` lines."""
+def _device_s_since(path: Path, skip: int) -> float | None:
+    """Encoder device seconds in the events after the first ``skip`` lines.
+
+    None when there are none: device timing needs CUDA events, so a CPU run has no figure.
+    """
     if not path.exists():
-        return 0.0
+        return None
     lines = path.read_text().splitlines()[skip:]
-    return sum(
-        float(e["device_s"]) for e in map(json.loads, lines) if e.get("type") == "DeviceTimed"
-    )
+    timed = [float(e["device_s"]) for e in map(json.loads, lines) if e.get("type") == "DeviceTimed"]
+    return sum(timed) if timed else None
 
 
 # -- the benchmark -----------------------------------------------------------------------------

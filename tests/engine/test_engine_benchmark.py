@@ -66,6 +66,9 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
     # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.
     assert graphs > 0 if CUDA else graphs == 0, graphs
     assert result["configurations"]["eager"]["graphs"] == 0
+    # Device timing needs CUDA events: a CPU run has no encoder share to report.
+    shares = {e["encoder_share_of_ttft_c1"] for e in result["configurations"].values()}
+    assert all(s > 0 for s in shares) if CUDA else shares == {None}, shares
     assert result["vllm_encoder_graphs"]["supported"] is False
     assert "SupportsEncoderCudaGraph" in result["vllm_encoder_graphs"]["reason"]
     assert {t["name"] for t in result["targets"]} == {
