@@ -225,6 +225,14 @@ def test_telemetry_reaches_the_loopback_receiver_with_the_workers_rank(served: S
         for point in metric.sum.data_points
     }
     assert encoders == set(ENCODERS)
+    # Every runner's profiling run is reported per encoder as an instant span, so spans
+    # arrive on a CPU too, where nothing is captured.
+    assert receiver.wait_for(lambda r: r.spans("omnitrace.graph.profiling_run"), timeout=10)
+    profiled = {
+        attributes(s.attributes)["omnitrace.encoder"]
+        for s in receiver.spans("omnitrace.graph.profiling_run")
+    }
+    assert profiled == set(ENCODERS)
     if CUDA:
         spans = receiver.spans("omnitrace.graph.capture")
         assert {attributes(s.attributes)["omnitrace.encoder"] for s in spans} == set(ENCODERS)
