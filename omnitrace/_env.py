@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from omnitrace._validate import check_duration
 from omnitrace.errors import ConfigError
 
 __all__ = ["env_flag", "env_seconds"]
@@ -30,24 +31,33 @@ def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def env_seconds(
-    environ: Mapping[str, str], name: str, default: float, *, meaning: str = ""
+    environ: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    low: float,
+    high: float,
+    zero: str | None = None,
+    unit: str = "seconds",
 ) -> float:
-    """Return the variable ``name`` as a nonnegative number of seconds, else ``default``.
+    """Return the variable ``name`` as a number (of ``unit``) within ``[low, high]``.
+
+    Unset or blank: ``default``. ``zero``, when given, says what 0 does, and accepts it.
 
     Raises:
-        ConfigError: the value is not a finite number from 0 to 10**6 (``meaning`` is added
-            to the message, e.g. what 0 does).
+        ConfigError: the value is no number in that range; one line naming the variable, the
+            range and the value.
     """
     raw = environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
-        value = float(raw.strip())
+        value: float | None = float(raw.strip())
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1e6:
-        hint = f" ({meaning})" if meaning else ""
-        raise ConfigError(
-            f"{name}: expected a number of seconds from 0 to 1000000{hint}, got {raw[:40]!r}"
-        )
-    return value
+        value = None
+    return check_duration(name, value, low=low, high=high, unit=unit, zero=zero, shown=_quote(raw))
+
+
+def _quote(raw: str) -> str:
+    """Quote a variable's text in a message: repr-escaped, and at most 40 characters of it."""
+    return repr(raw) if len(raw) <= 40 else f"{raw[:40]!r}... ({len(raw)} characters)"

@@ -1,7 +1,8 @@
 """One validator per rule: every argument, override and variable check raises ConfigError.
 
 Messages name the setting, what was expected and what was received, in one short line
-whatever the value's size: ``max_bytes: expected a nonnegative integer, got -1 (int)``.
+whatever the value's size or content: ``max_bytes: expected a nonnegative integer, got -1
+(int)``. (ConfigError itself escapes any control character left in a message.)
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ __all__ = [
     "INT64_MAX",
     "OversizedInt",
     "check_bool",
+    "check_duration",
     "check_int",
     "check_number",
     "check_text",
     "describe",
+    "duration_range",
 ]
 
 #: Largest value of a signed 64-bit integer: every count and byte size omnitrace exports.
@@ -92,6 +95,50 @@ def check_number(name: str, value: object, *, positive: bool = True, unit: str =
         kind = "a positive number" if positive else "a nonnegative number"
         suffix = f" of {unit}" if unit else ""
         raise ConfigError(f"{name}: expected {kind}{suffix}, got {describe(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _plain(number: float) -> str:
+    """``86400000`` and ``0.1``, not ``8.64e+07`` and ``0.1000``."""
+    return str(int(number)) if float(number).is_integer() else repr(float(number))
+
+
+def duration_range(low: float, high: float, unit: str, zero: str | None = None) -> str:
+    """Say which durations are accepted: ``0 (what 0 does) or a number of seconds from...``."""
+    span = f"a number of {unit} from {_plain(low)} to {_plain(high)}"
+    return span if zero is None else f"0 ({zero}) or {span}"
+
+
+def check_duration(
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float,
+    unit: str = "seconds",
+    zero: str | None = None,
+    shown: str | None = None,
+) -> float:
+    """Return ``value`` as a float if it is a number within ``[low, high]`` (not a bool).
+
+    A duration of 1e-300 s is as unusable as a negative one (a loop that never sleeps) and
+    one of 1e300 s overflows the timeouts of threads and selectors: every duration has a
+    range. ``zero``, when given, says what 0 does, and accepts it.
+
+    Args:
+        shown: how the value is quoted in the message (an environment variable's raw
+            text); default: :func:`describe`.
+
+    Raises:
+        ConfigError: naming ``name``, the range and the value, in one line.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        # Compared before any conversion: float() of a huge int overflows; NaN compares false.
+        ok = (zero is not None and value == 0) or low <= value <= high  # type: ignore[operator]
+    if not ok:
+        got = describe(value) if shown is None else shown
+        raise ConfigError(f"{name}: expected {duration_range(low, high, unit, zero)}, got {got}")
     return float(value)  # type: ignore[arg-type]
 
 

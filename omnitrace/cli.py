@@ -482,6 +482,9 @@ def stats_table(
     """
     from rich import box
     from rich.table import Table
+    from rich.text import Text
+
+    from omnitrace._display import safe
 
     table = Table(
         title=title,
@@ -505,7 +508,8 @@ def stats_table(
         cap = (max_graphs or {}).get(name)
         failures = int(stats["capture_failures"])
         table.add_row(
-            name,
+            # Text: a str cell is parsed as rich markup, and the name comes from a log.
+            Text(safe(name)),
             str(calls),
             str(stats["graph_hits"]),
             f"{stats['hit_rate'] * 100:.1f} %",
@@ -529,12 +533,17 @@ def _stdout_console() -> Console:
 
 
 def _say(message: str) -> None:
-    # Status lines go to stderr, so stdout carries only the results.
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    from omnitrace._display import safe
+
+    # Status lines go to stderr, so stdout carries only the results. They quote paths and
+    # log text: control characters are shown escaped, never sent to the terminal.
+    print(f"{PROG}: {safe(message)}", file=sys.stderr, flush=True)
 
 
 def _error(command: str, message: str, status: int = 2) -> int:
-    print(f"{PROG} {command}: error: {message}", file=sys.stderr, flush=True)
+    from omnitrace._display import safe
+
+    print(f"{PROG} {command}: error: {safe(message)}", file=sys.stderr, flush=True)
     return status
 
 
@@ -1110,6 +1119,7 @@ def _advise_table(advice: Any, top: int) -> Table:
     from rich import box
     from rich.table import Table
 
+    from omnitrace._display import safe_markup
     from omnitrace._units import format_bytes
     from omnitrace.advise import format_seconds
 
@@ -1130,7 +1140,7 @@ def _advise_table(advice: Any, top: int) -> Table:
     if free_known:
         table.add_column("least free", justify="right")
     timed = advice.objective == "time"
-    source = "/".join(sorted(set(recording.time_source.values())))
+    source = safe_markup("/".join(sorted(set(recording.time_source.values()))))
     table.add_column(f"saved ({source})" if timed else "hits", justify="right")
     table.add_column("")
     shown = list(advice.results[:top])
@@ -1184,24 +1194,28 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(advice_json(advice))
         return 0 if advice.best is not None else 1
+    from omnitrace._display import safe_markup
+
     console = _stdout_console()
     workers = len(recording.calls)
+    # Adapter names and the notes quoting them come from the logs: escaped, never markup.
+    adapters = safe_markup(", ".join(recording.adapters))
     console.print(
         f"replayed {recording.call_count} encoder calls of {workers} worker"
-        f"{'s' if workers > 1 else ''} ({', '.join(recording.adapters)}) under "
-        f"{len(grid)} settings"
+        f"{'s' if workers > 1 else ''} ({adapters}) under {len(grid)} settings"
     )
     for note in advice.notes:
-        console.print(f"  · {note}", soft_wrap=True)
+        console.print(f"  · {safe_markup(note)}", soft_wrap=True)
     console.print(_advise_table(advice, args.top))
     if any(r.estimated_sizes for r in advice.results[: args.top]):
         console.print("  * pool memory includes estimated capture sizes")
     if advice.best is None:
-        console.print(f"[bold red]no recommendation[/]: {advice.why()}")
+        console.print(f"[bold red]no recommendation[/]: {safe_markup(advice.why())}")
         return 1
     console.print("recommended:")
-    console.print(f"  --hf-overrides '{json.dumps(advice.overrides)}'", soft_wrap=True)
-    console.print(f"why: {advice.why()}", soft_wrap=True)
+    overrides = safe_markup(json.dumps(advice.overrides))
+    console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)
+    console.print(f"why: {safe_markup(advice.why())}", soft_wrap=True)
     return 0
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from omnitrace._display import safe
 from omnitrace._validate import INT64_MAX, OversizedInt, check_bool, check_int, describe
 from omnitrace.errors import ConfigError, EncoderGraphFailedError, OmnitraceError
 
@@ -215,7 +216,8 @@ class EncoderGraphConfig:
         for name in changes:
             if name not in known:
                 raise ConfigError(
-                    f"{name}: not an EncoderGraphConfig field (valid: {', '.join(sorted(known))})"
+                    f"{safe(name)}: not an EncoderGraphConfig field "
+                    f"(valid: {', '.join(sorted(known))})"
                 )
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
@@ -235,7 +237,8 @@ def _unknown_key(key: str) -> str:
     suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
     close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
     hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
-    return f"{key}: unknown encoder graph option (valid: {valid}){hint}"
+    # The key is the user's text: a new line in it must not split the message.
+    return f"{safe(key)}: unknown encoder graph option (valid: {valid}){hint}"
 
 
 def _parse_json(text: str) -> Any:

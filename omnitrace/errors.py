@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from omnitrace._display import safe
+
 __all__ = ["ConfigError", "EncoderGraphFailedError", "OmnitraceError"]
 
 
@@ -20,7 +22,16 @@ class OmnitraceError(Exception):
 
 
 class ConfigError(OmnitraceError, ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
+    """A configuration value is missing, of the wrong type or out of range.
+
+    Its message is one line: a control character in it (a new line in a key, an ESC in a
+    path) is shown as an escape, so a log line or a terminal shows the whole error intact.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (safe(args[0]),)
+        super().__init__(*args)
 
 
 class EncoderGraphFailedError(OmnitraceError, RuntimeError):

@@ -1165,3 +1165,48 @@ def test_demo_on_sigterm_closes_its_bus_and_reports_the_loss(tmp_path: Path) -> 
     emitted, delivered, lost = map(int, match.groups())
     assert delivered + lost == emitted
     assert len(list(read_events(log))) >= delivered > 0
+
+
+# -- text from a log is data ----------------------------------------------------------------
+
+#: Adapter names a crafted log can carry: an unbalanced closing tag (a MarkupError once),
+#: markup that styled the output, and an ESC colour sequence with a BEL.
+HOSTILE_NAMES = ("vision[/]", "[bold red]x", "a\x1b[31mb\x07")
+
+
+def _hostile_log(path: Path, name: str) -> Path:
+    """Write a log whose adapter name, miss detail and failure message are all ``name``."""
+    from omnitrace import CaptureFailed, GraphCaptured, GraphMissed, GraphReplayed, MemoryDeferred
+    from omnitrace.events import MissReason
+
+    t0 = 1_700_000_000_000_000_000
+    hot, cold = sig("float32[1,64,16], None @cpu s=0"), sig("float32[1,128,16], None @cpu s=0")
+    events = [
+        GraphMissed(name, hot, 0, t0, MissReason.WARMUP, name, 0.01),
+        GraphCaptured(name, hot, 1, t0 + 1, 0.1, 1, "cpu", 0, 5, 64 << 20, 1024, 0),
+        GraphReplayed(name, hot, 2, t0 + 2, 0.002),
+        GraphReplayed(name, hot, 3, t0 + 3, 0.002),
+        GraphMissed(name, cold, 4, t0 + 4, MissReason.WARMUP, name, 0.01),
+        MemoryDeferred(name, cold, 5, t0 + 5, 10, 20, "cpu"),
+        CaptureFailed(name, cold, 6, t0 + 6, "RuntimeError", f"boom {name}", "cpu", 0),
+    ]
+    sink = JsonlSink(path)
+    sink.handle(events)
+    sink.close()
+    return path
+
+
+@pytest.mark.parametrize("command", ["top", "replay", "advise"])
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_names_from_a_log_are_printed_literally_without_controls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, name: str
+) -> None:
+    """top, replay and advise print an adapter name from the log as its literal text (no
+    MarkupError, no style from it) with control characters escaped: no ESC or BEL is output."""
+    log = _hostile_log(tmp_path / "events.jsonl", name)
+    assert main([command, str(log)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert name.replace("\x1b", "\\x1b").replace("\x07", "\\x07") in captured.out
+    assert "\x1b" not in out
+    assert "\x07" not in out

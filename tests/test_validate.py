@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnitrace import ConfigError
-from omnitrace._validate import INT64_MAX, check_bool, check_int, check_number
+from omnitrace import ConfigError, EncoderGraphConfig
+from omnitrace._validate import INT64_MAX, check_bool, check_duration, check_int, check_number
 from omnitrace._worker import env_rank, worker_rank
 from omnitrace.graphs.backends.torch import TorchGraphBackend
 from omnitrace.testing import SimulatedGraphBackend
@@ -60,3 +60,45 @@ def test_the_worker_rank_is_read_one_way() -> None:
     for bad in ("x", "-1", "1.0", "٣"):
         with pytest.raises(ConfigError, match=r"^RANK: expected a nonnegative integer"):
             env_rank("RANK", {"RANK": bad})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (1e-300, "1e-300 (float)"),
+        (1e300, "1e+300 (float)"),
+        (float("nan"), "nan (float)"),
+        (-1, "-1 (int)"),
+        (True, "True (bool)"),
+        (10**400, "an integer of 1329 bits (int)"),
+    ],
+)
+def test_check_duration_refuses_degenerate_values_naming_the_range(
+    value: object, message: str
+) -> None:
+    """A duration outside its range, NaN, a bool or a huge int is a one-line ConfigError."""
+    with pytest.raises(ConfigError) as info:
+        check_duration("t", value, low=0.1, high=86_400, zero="off")
+    assert str(info.value) == (
+        f"t: expected 0 (off) or a number of seconds from 0.1 to 86400, got {message}"
+    )
+    assert check_duration("t", 0, low=0.1, high=86_400, zero="off") == 0.0
+    assert check_duration("t", 86_400, low=0.1, high=86_400) == 86_400.0
+
+
+def test_a_config_error_is_always_one_line() -> None:
+    """Whatever a message quotes, a ConfigError's text is one line: controls are escaped."""
+    error = ConfigError("bad key\nsecond line\r\x1b[31m\x07")
+    assert str(error) == "bad key\\nsecond line\\r\\x1b[31m\\x07"
+
+
+def test_an_unknown_key_with_a_new_line_is_a_one_line_error() -> None:
+    """A key containing a new line is quoted escaped, so the error stays on one line."""
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig.from_hf_overrides('{"encoder_cuda_graph_max\\ngraphs": 1}')
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith("encoder_cuda_graph_max\\ngraphs: unknown encoder graph option")
+    with pytest.raises(ConfigError) as info:
+        EncoderGraphConfig().replace(**{"max\ngraphs": 1})
+    assert str(info.value).startswith("max\\ngraphs: not an EncoderGraphConfig field")

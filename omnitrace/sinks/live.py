@@ -34,6 +34,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from omnitrace._display import safe
 from omnitrace._units import format_bytes
 from omnitrace.bus import EventBus
 from omnitrace.coverage import AdapterCoverage, CoverageFold, KeyCoverage
@@ -115,21 +116,24 @@ def _clock(epoch_ns: int) -> str:
 
 
 def _notice(event: Event) -> Notice | None:
+    # The key, error type and message are data (from a log, or a model's exception text).
+    key = safe(event.key)
     match event:
         case MemoryDeferred():
             return Notice(
                 event.epoch_ns,
                 False,
-                f"{_clock(event.epoch_ns)} deferred {event.key}: free "
+                f"{_clock(event.epoch_ns)} deferred {key}: free "
                 f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}",
-                event.key,
+                key,
             )
         case CaptureFailed():
             return Notice(
                 event.epoch_ns,
                 True,
-                f"{_clock(event.epoch_ns)} FAILED {event.key}: {event.error_type}: {event.message}",
-                event.key,
+                f"{_clock(event.epoch_ns)} FAILED {key}: {safe(event.error_type)}: "
+                f"{safe(event.message)}",
+                key,
             )
     return None
 
@@ -314,8 +318,11 @@ _DTYPES = {
 
 
 def _line(text: str | Text, style: str = "") -> Text:
-    """Return one row that never wraps: past the width it ends in an ellipsis."""
-    line = Text(text, style=style) if isinstance(text, str) else text
+    """Return one row that never wraps: past the width it ends in an ellipsis.
+
+    A string is shown as it is, never parsed as markup, its control characters escaped.
+    """
+    line = Text(safe(text), style=style) if isinstance(text, str) else text
     line.no_wrap = True
     line.overflow = "ellipsis"
     return line
@@ -385,12 +392,13 @@ def _keys_table(
     key_width = width - (11 if compact else 22) - (10 if free else 0)
     profiled = _profiling_captures(encoder.coverage)
     for graph in shown:
-        inputs, place = _split_key(graph.key)
+        inputs, place = _split_key(safe(graph.key))
         label = _short_inputs(inputs) if compact else inputs
         if common is None and place:
             label = f"{label} {place}"
         tag = " (prof)" if graph.signature in profiled else ""
-        cells = [_elide(label, max(8, key_width - len(tag))) + tag]
+        # Text cells: a str cell would be parsed as rich markup, and the key is data.
+        cells: list[str | Text] = [Text(_elide(label, max(8, key_width - len(tag))) + tag)]
         if not compact:
             cells.append(_clock(graph.epoch_ns))
         cells.append(f"{graph.duration_s * 1e3:.1f} ms")
@@ -508,7 +516,7 @@ def _missed_panel(
     table.add_column("misses", justify="right", no_wrap=True)
     table.add_column("share", justify="right", no_wrap=True)
     names = [
-        encoder.stats.adapter
+        safe(encoder.stats.adapter)
         + (f" r{encoder.rank}" if sources and encoder.rank is not None else "")
         for encoder, _, _ in rows
     ]
@@ -518,12 +526,13 @@ def _missed_panel(
         if row.signature is None:
             label = "(shapes not tracked)"
         else:
-            inputs, place = _split_key(row.key)
+            inputs, place = _split_key(safe(row.key))
             label = _short_inputs(inputs) if compact else f"{inputs} {place}".rstrip()
         reason = row.main_reason
+        # Text, not str: the name and the key are data, never rich markup.
         table.add_row(
-            name,
-            _elide(label, key_width),
+            Text(name),
+            Text(_elide(label, key_width)),
             Text(
                 "" if reason is None else reason.value,
                 style="yellow" if reason is not None and reason.loses_coverage else "",
@@ -566,7 +575,7 @@ def _encoder_panel(
     if encoder.max_graphs is not None and stats.num_graphs >= encoder.max_graphs:
         held.append(" full", style="yellow")
     if encoder.backend:
-        held.append(f"  {'' if compact else 'backend '}{encoder.backend}", style="dim")
+        held.append(f"  {'' if compact else 'backend '}{safe(encoder.backend)}", style="dim")
     grid.add_row("graphs", _line(held))
     floor = encoder.min_free_bytes if encoder.min_free_bytes is not None else stats.floor_bytes
     # Free memory is only measured when admission checks it, i.e. at a deferral.
@@ -602,10 +611,12 @@ def _encoder_panel(
         if compact and notice.key:
             text = text.replace(notice.key, _short_inputs(_split_key(notice.key)[0]), 1)
         body.append(_line(text, style="bold red" if notice.failed else "yellow"))
-    title = stats.adapter if not encoder.source else f"{stats.adapter} · {encoder.source}"
+    name = safe(stats.adapter)
+    title = name if not encoder.source else f"{name} · {safe(encoder.source)}"
     return Panel(
         Group(*body),
-        title=f"[bold]{title}[/]",
+        # A Text title: a markup string would style, or fail on, a name such as "vision[/]".
+        title=Text(title, style="bold"),
         title_align="left",
         border_style="red" if stats.failure is not None else "blue",
         expand=True,
@@ -649,12 +660,12 @@ def _log_line(raw: str) -> Text:
         record = None
     if not isinstance(record, dict):
         return _line(raw, style="dim")
-    level = str(record.get("level", ""))
+    level = safe(record.get("level", ""))
     text = Text(f"{level:<7} ", style=_LEVEL_STYLES.get(level, "dim"))
-    text.append(str(record.get("event", "")))
+    text.append(safe(record.get("event", "")))
     for key in ("encoder", "key", "error_type", "message"):
         if key in record:
-            text.append(f" {record[key]}", style="dim")
+            text.append(f" {safe(record[key])}", style="dim")
     return _line(text)
 
 
@@ -669,7 +680,7 @@ def _frame(
     logs: int,
     missed: int = _MISSED,
 ) -> Group:
-    header = Text(f"{snapshot.title}", style="bold")
+    header = Text(safe(snapshot.title), style="bold")
     header.append(f"   {_clock(snapshot.taken_epoch_ns)}", style="dim")
     parts: list[RenderableType] = [_line(header)]
     parts.extend(_line(line) for line in snapshot.progress)
@@ -724,6 +735,31 @@ def render(snapshot: LiveSnapshot, *, height: int | None = None) -> RenderableTy
             the frame is never cut. None: show everything.
     """
     return _Frame(snapshot, height)
+
+
+def _failed_frame(exc: BaseException) -> Text:
+    """The one line a frame that could not be drawn is replaced with."""
+    return _line(f"omnitrace: this frame could not be drawn: {type(exc).__name__}: {exc}", "red")
+
+
+class _Drawn:
+    """A renderable rendered whole before any of it is yielded.
+
+    Rich's ``Live`` draws from its own refresh thread: an exception there ends the thread
+    (the view freezes) and, at exit, would skip restoring ``sys.stdout``. Rendered here,
+    any failure becomes one line in the frame instead, and the next frame tries again.
+    """
+
+    def __init__(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        try:
+            segments = list(console.render(self.renderable, options))
+        except Exception as exc:
+            yield _failed_frame(exc)
+            return
+        yield from segments
 
 
 class LogTail(io.TextIOBase):
@@ -795,6 +831,7 @@ class LiveView:
         self._console = console if console is not None else Console()
         self.log = LogTail()
         self._stderr: Any = None
+        self._stdout: Any = None
         self._live = Live(
             console=self._console,
             refresh_per_second=refresh_per_second,
@@ -805,25 +842,37 @@ class LiveView:
         )
 
     def _frame(self) -> RenderableType:
-        snapshot = dataclasses.replace(self._board.snapshot(), log=self.log.recent(3))
-        return render(snapshot, height=self._console.height)
+        # Called from rich's refresh thread: nothing a board or a text holds may end it.
+        try:
+            snapshot = dataclasses.replace(self._board.snapshot(), log=self.log.recent(3))
+            return _Drawn(render(snapshot, height=self._console.height))
+        except Exception as exc:
+            return _failed_frame(exc)
 
     def __enter__(self) -> LiveView:
         self._stderr = sys.stderr
+        self._stdout = sys.stdout
         sys.stderr = self.log
         try:
             self._live.start(refresh=True)
         except BaseException:
             sys.stderr = self._stderr
+            sys.stdout = self._stdout
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self._live.refresh()
-            self._live.stop()
+            try:
+                self._live.refresh()
+            finally:
+                # Stopping also puts back the sys.stdout Live redirected, so it runs whatever
+                # the last refresh did.
+                self._live.stop()
         finally:
+            # And should stop itself fail, the streams are put back all the same.
             sys.stderr = self._stderr
+            sys.stdout = self._stdout
             self._hand_back_logs()
 
     def _hand_back_logs(self) -> None:

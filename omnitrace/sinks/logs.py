@@ -35,8 +35,9 @@ from typing import IO, TYPE_CHECKING, Any, TextIO
 import structlog
 
 from omnitrace import events as ev
+from omnitrace._display import safe
 from omnitrace._env import env_seconds
-from omnitrace._validate import check_int, check_number
+from omnitrace._validate import check_duration, check_int
 from omnitrace.config import ConfigError
 from omnitrace.events import Event, MissReason, Phase
 from omnitrace.sinks.names import LOG_EVENTS
@@ -61,6 +62,13 @@ LOGGER_NAME = "omnitrace"
 logger = logging.getLogger(__name__)
 #: Seconds between ``graph_summary`` lines (default 60; 0: only the one at close).
 ENV_SUMMARY_INTERVAL = "OMNITRACE_SUMMARY_INTERVAL"
+#: The summary interval's range: below 0.1 s the summaries would flood the log (1e-300 wrote
+#: thousands of lines a second), and a day is as good as never for a periodic line.
+SUMMARY_INTERVAL_RANGE: dict[str, Any] = {
+    "low": 0.1,
+    "high": 86_400.0,
+    "zero": "the summary only at shutdown",
+}
 #: Missed signatures a summary line lists per encoder.
 SUMMARY_TOP_MISSED = 5
 
@@ -101,6 +109,22 @@ def add_trace_context(
     return event_dict
 
 
+def _escape_text(
+    logger: object, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """Show the control characters of string values as escapes (console lines only).
+
+    The formatted traceback (``exception``) keeps its new lines; its other controls go.
+    """
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            if key == "exception":
+                event_dict[key] = "\n".join(safe(line) for line in value.split("\n"))
+            else:
+                event_dict[key] = safe(value)
+    return event_dict
+
+
 class _StderrProxy:
     """A file that writes to whatever ``sys.stderr`` is at the time of each write.
 
@@ -133,10 +157,12 @@ def configure_logging(
     """
     if not isinstance(level, str) or level.lower() not in _LEVELS:
         raise ConfigError(f"log level: expected one of {', '.join(_LEVELS)}, got {level!r}")
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer(sort_keys=False)
+    # JSON escapes control characters itself; console lines get them escaped first, so an
+    # event's text (a key, a model's error message) never reaches a terminal raw.
+    renderers: list[structlog.typing.Processor] = (
+        [structlog.processors.JSONRenderer(sort_keys=False)]
         if json
-        else structlog.dev.ConsoleRenderer(colors=False)
+        else [_escape_text, structlog.dev.ConsoleRenderer(colors=False)]
     )
     structlog.configure(
         processors=[
@@ -145,7 +171,7 @@ def configure_logging(
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             add_trace_context,
             structlog.processors.format_exc_info,
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
         logger_factory=structlog.PrintLoggerFactory(
@@ -169,8 +195,8 @@ class LogSink:
         environ: where to read that variable (default: the process environment).
 
     Raises:
-        ConfigError: ``sample_every`` is not a positive integer, or the interval is not a
-            number of seconds from 0 to 10**6 (the message names the variable).
+        ConfigError: ``sample_every`` is not a positive integer, or the interval is neither
+            0 nor a number of seconds from 0.1 to 86400 (the message names the variable).
     """
 
     name = "logs"
@@ -189,11 +215,11 @@ class LogSink:
                 os.environ if environ is None else environ,
                 ENV_SUMMARY_INTERVAL,
                 60.0,
-                meaning="0 writes the summary only at shutdown",
+                **SUMMARY_INTERVAL_RANGE,
             )
         else:
-            summary_interval = check_number(
-                "summary_interval", summary_interval, positive=False, unit="seconds"
+            summary_interval = check_duration(
+                "summary_interval", summary_interval, **SUMMARY_INTERVAL_RANGE
             )
         self.summary_interval = summary_interval
         self._bus = bus

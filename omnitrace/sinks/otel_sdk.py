@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from omnitrace._validate import check_int, check_number, check_text
+from omnitrace._env import env_seconds
+from omnitrace._validate import check_duration, check_int, check_text
 from omnitrace._worker import env_rank
 from omnitrace.errors import ConfigError
 from omnitrace.sinks.names import ATTR
@@ -346,17 +347,26 @@ def _resource(
     return Resource.create(attributes)
 
 
+#: Export intervals and delays, in seconds: from 10 ms (shorter only spins the SDK's export
+#: thread) to a day. The SDK takes any positive number, but past threading.TIMEOUT_MAX
+#: (about 292 years) its thread's wait raises OverflowError, far from where it was set.
+INTERVAL_RANGE_S = (0.01, 86_400.0)
+#: The deadline of one export, retries included: 10 ms to 10 minutes.
+TIMEOUT_RANGE_S = (0.01, 600.0)
+
+
 def _env_millis(name: str) -> float | None:
-    """Return the seconds in the millisecond variable ``name``; None when it is unset."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
+    """Return the seconds in the millisecond variable ``name``; None when it is unset.
+
+    Raises:
+        ConfigError: the value is no number of milliseconds in :data:`INTERVAL_RANGE_S`.
+    """
+    if not os.environ.get(name, "").strip():
         return None
-    try:
-        millis = float(raw)
-    except ValueError:
-        millis = -1.0
-    if not millis > 0:
-        raise ConfigError(f"{name}: expected a positive number of milliseconds, got {raw!r}")
+    low, high = INTERVAL_RANGE_S
+    millis = env_seconds(
+        os.environ, name, 0.0, low=low * 1000, high=high * 1000, unit="milliseconds"
+    )
     return millis / 1000
 
 
@@ -404,10 +414,11 @@ def configure_sdk(
         prometheus_host: address the scrape endpoint binds.
         prometheus_registry: the prometheus_client registry to register with (the global
             one by default).
-        export_interval_s: seconds between OTLP metric exports. None:
-            ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds), else 10 s.
-        export_timeout_s: deadline of one OTLP export, retries included; short, so a dead
-            collector cannot stall shutdown.
+        export_interval_s: seconds between OTLP metric exports, 0.01 to 86400. None:
+            ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds, 10 to 86400000), else 10 s.
+            ``OTEL_BSP_SCHEDULE_DELAY`` (the span batch delay) has the same range.
+        export_timeout_s: deadline of one OTLP export, retries included, 0.01 to 600 s;
+            short, so a dead collector cannot stall shutdown.
         resource_attributes: more resource attributes (override the defaults and
             ``OTEL_RESOURCE_ATTRIBUTES``).
         install_global: also install the providers as the global ones (once per process).
@@ -432,9 +443,11 @@ def configure_sdk(
     if export_interval_s is None:
         interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
     else:
-        interval = check_number("export_interval_s", export_interval_s, unit="seconds")
+        low, high = INTERVAL_RANGE_S
+        interval = check_duration("export_interval_s", export_interval_s, low=low, high=high)
     span_delay = _env_millis("OTEL_BSP_SCHEDULE_DELAY")
-    timeout = check_number("export_timeout_s", export_timeout_s, unit="seconds")
+    low, high = TIMEOUT_RANGE_S
+    timeout = check_duration("export_timeout_s", export_timeout_s, low=low, high=high)
     if prometheus_port is not None:
         check_int("prometheus_port", prometheus_port, maximum=65535, meaning="a port in [0, 65535]")
         if not prometheus:

@@ -549,3 +549,112 @@ def test_record_board_shows_the_coverage_of_each_worker() -> None:
     assert vision.coverage is not None
     assert vision.coverage == derive_coverage(_coverage_events())["vision"]
     assert "top missed signatures" in _text(render(board.snapshot()))
+
+
+# -- untrusted text: names, keys and messages are data, never markup or terminal controls ---
+
+#: Names a log (or a model) can carry: an unbalanced closing tag, markup that would style the
+#: frame, and an ESC colour sequence with a BEL.
+HOSTILE = ("vision[/]", "[bold red]x", "a\x1b[31mb\x07")
+CONTROLS = ("\x1b", "\x07", "\r", "\x9b")
+
+
+def _hostile_snapshot(name: str) -> LiveSnapshot:
+    key = f"float32[1,64,16] {name} @cpu s=0"
+    stats = AdapterStats(
+        name,
+        graph_hits=3,
+        warmup_misses=1,
+        capture_failures=1,
+        failure=f"RuntimeError: {name}",
+        graphs=(CapturedGraphInfo(key, T0, 0.01, 1, "cpu", 0, MiB, 64),),
+    )
+    notice = Notice(T0, True, f"22:13:20Z FAILED {key}: RuntimeError: {name}\r", key)
+    return LiveSnapshot(
+        title=f"omnitrace top · {name}.jsonl",
+        taken_epoch_ns=T0,
+        encoders=(EncoderSnapshot(stats, backend=name, notices=(notice,)),),
+        log=(f'{{"level": "error", "event": "capture_failed", "message": "{name}"}}', name),
+    )
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_text_from_a_log_is_shown_literally_never_as_markup_or_controls(name: str) -> None:
+    """A name, key, message, backend or log line is drawn as its literal text: no markup is
+    parsed (no MarkupError, no style), and control characters appear as escapes."""
+    console = Console(record=True, width=140, file=io.StringIO(), force_terminal=True)
+    console.print(render(_hostile_snapshot(name)))
+    text = console.export_text()
+    shown = name.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+    # Title, panel title, TERMINAL row, key, notice, backend and both log rows.
+    assert text.count(shown) >= 7
+    assert "\\r" in text
+    assert not any(c in text for c in CONTROLS)
+    # The only styles are the frame's own: nothing the name says, such as "bold red" on "x".
+    styled = console.export_text(styles=True)
+    assert "\x1b[31mb" not in styled
+    if name == "[bold red]x":
+        title = next(line for line in text.splitlines() if "╭─" in line)
+        assert "[bold red]x" in title
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_live_view_of_a_hostile_adapter_name_keeps_drawing_and_restores_the_streams(
+    bus: EventBus, name: str
+) -> None:
+    """In-process, an adapter named like markup or with an ESC keeps the refresh thread
+    alive, shows the name literally, and sys.stdout and sys.stderr are restored after."""
+    stdout, stderr = sys.stdout, sys.stderr
+    console = Console(file=io.StringIO(), force_terminal=True, width=100, height=30)
+    graph = EncoderCudaGraph(
+        torch.tanh,
+        name=name,
+        config=EncoderGraphConfig(min_free_bytes=0),
+        bus=bus,
+        backend=SimulatedGraphBackend(),
+    )
+    view = LiveView(BusBoard(bus), console=console, refresh_per_second=20)
+    with view, torch.no_grad():
+        for _ in range(5):
+            graph(torch.ones(2))
+        assert bus.flush()
+        time.sleep(0.3)  # several frames from the refresh thread
+        thread = view._live._refresh_thread
+        assert thread is not None
+        assert thread.is_alive()
+    assert sys.stdout is stdout
+    assert sys.stderr is stderr
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert name.replace("\x1b", "\\x1b").replace("\x07", "\\x07") in out
+    assert "\x07" not in out
+    assert "could not be drawn" not in out
+    assert view.log.lines() == []  # no traceback of a dead thread
+
+
+class _BrokenBoard:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def snapshot(self) -> LiveSnapshot:
+        self.calls += 1
+        raise RuntimeError("board broke\x1b[2J")
+
+
+def test_a_frame_that_cannot_be_drawn_is_one_line_and_the_streams_come_back() -> None:
+    """A board that raises never ends the refresh thread or escapes the view: each frame says
+    it could not be drawn, and leaving the block restores sys.stdout and sys.stderr."""
+    stdout, stderr = sys.stdout, sys.stderr
+    board = _BrokenBoard()
+    console = Console(file=io.StringIO(), force_terminal=True, width=100, height=30)
+    view = LiveView(board, console=console, refresh_per_second=20)
+    with view:
+        time.sleep(0.3)
+        thread = view._live._refresh_thread
+        assert thread is not None
+        assert thread.is_alive()
+    assert sys.stdout is stdout
+    assert sys.stderr is stderr
+    assert board.calls >= 3
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "omnitrace: this frame could not be drawn: RuntimeError: board broke\\x1b[2J" in out
+    assert "\x1b[2J" not in out

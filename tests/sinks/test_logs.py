@@ -276,7 +276,7 @@ def test_summaries_repeat_at_the_interval_while_serving() -> None:
     """With an interval, graph_summary lines come periodically (final false), then once
     more at close (final true)."""
     bus = EventBus()
-    sink = LogSink(bus=bus, summary_interval=0.05)
+    sink = LogSink(bus=bus, summary_interval=0.1)
     bus.add_sink(sink)
     with capture_logs() as logs:
         _serve(bus)
@@ -291,15 +291,25 @@ def test_summaries_repeat_at_the_interval_while_serving() -> None:
     assert lines[-1]["final"] is True
 
 
-@pytest.mark.parametrize("value", ["-1", "abc", "1e7", "nan"])
+@pytest.mark.parametrize("value", ["-1", "abc", "1e7", "nan", "1e-300", "0.05", "1e300", "86401"])
 def test_a_bad_summary_interval_is_a_one_line_config_error(value: str) -> None:
-    """OMNITRACE_SUMMARY_INTERVAL must be seconds from 0 to 10**6; the message names it."""
+    """OMNITRACE_SUMMARY_INTERVAL must be 0 or seconds from 0.1 to a day (1e-300 once wrote
+    thousands of summaries a second); the message names the variable, range and value."""
     with pytest.raises(ConfigError) as info:
         LogSink(bus=EventBus(), environ={"OMNITRACE_SUMMARY_INTERVAL": value})
     assert str(info.value) == (
-        "OMNITRACE_SUMMARY_INTERVAL: expected a number of seconds from 0 to 1000000 "
-        f"(0 writes the summary only at shutdown), got {value!r}"
+        "OMNITRACE_SUMMARY_INTERVAL: expected 0 (the summary only at shutdown) or a number of "
+        f"seconds from 0.1 to 86400, got {value!r}"
     )
+
+
+@pytest.mark.parametrize("value", [1e-300, 0.05, 1e300, float("nan"), -1, True, 10**400])
+def test_the_summary_interval_argument_has_the_same_range(value: object) -> None:
+    """LogSink(summary_interval=...) takes what the variable takes: 0, or 0.1 s to a day."""
+    with pytest.raises(ConfigError, match=r"^summary_interval: expected 0 \(the summary only "):
+        LogSink(summary_interval=value)  # type: ignore[arg-type]
+    assert LogSink(summary_interval=0.1).summary_interval == 0.1
+    assert LogSink(summary_interval=86_400).summary_interval == 86_400.0
 
 
 def test_the_summary_interval_comes_from_the_environment_default_60() -> None:
@@ -307,3 +317,21 @@ def test_the_summary_interval_comes_from_the_environment_default_60() -> None:
     assert LogSink(environ={}).summary_interval == 60.0
     assert LogSink(environ={"OMNITRACE_SUMMARY_INTERVAL": "2.5"}).summary_interval == 2.5
     assert LogSink(environ={"OMNITRACE_SUMMARY_INTERVAL": "0"}).summary_interval == 0.0
+
+
+def test_console_lines_show_control_characters_as_escapes() -> None:
+    """With json=False, an event's text (key, error message) is written with its ESC, BEL
+    and new lines escaped, so a console line never drives the terminal or splits."""
+    stream = io.StringIO()
+    configure_logging(level="info", json=False, stream=stream)
+    try:
+        structlog.get_logger("omnitrace").error(
+            "capture_failed", encoder="a\x1b[31mb\x07", message="line one\nline two"
+        )
+    finally:
+        structlog.reset_defaults()
+    text = stream.getvalue()
+    assert "encoder=a\\x1b[31mb\\x07 " in text
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    assert text.count("\n") == 1  # the message's new line is escaped too

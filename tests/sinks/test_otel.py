@@ -911,10 +911,13 @@ def test_receiver_decodes_gzip_compressed_exports(
             {"protocol": "http/json"},
             "protocol: expected one of http/protobuf, grpc, got 'http/json'",
         ),
-        ({"export_timeout_s": 0}, "export_timeout_s: expected a positive number of seconds, got 0"),
+        (
+            {"export_timeout_s": 0},
+            "export_timeout_s: expected a number of seconds from 0.01 to 600, got 0",
+        ),
         (
             {"export_interval_s": True},
-            "export_interval_s: expected a positive number of seconds, got True",
+            "export_interval_s: expected a number of seconds from 0.01 to 86400, got True",
         ),
         ({"prometheus_port": 9464}, "prometheus_port: set prometheus=True to serve a scrape"),
         (

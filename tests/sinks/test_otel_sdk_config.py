@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import time
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+from omnitrace import ConfigError, EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.integrations import vllm_plugin
 from omnitrace.sinks import otel_sdk
 from omnitrace.sinks.names import ATTR, METRICS
@@ -170,17 +169,36 @@ def test_span_schedule_delay_variable_sets_the_batch_delay(
         setup.shutdown()
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-5"])
-def test_bad_metric_interval_variable_is_named_in_the_error(
-    monkeypatch: pytest.MonkeyPatch, raw: str
+@pytest.mark.parametrize("variable", ["OTEL_METRIC_EXPORT_INTERVAL", "OTEL_BSP_SCHEDULE_DELAY"])
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "1e-300", "9", "1e300", "86400001"])
+def test_bad_interval_variable_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch, variable: str, raw: str
 ) -> None:
-    """A bad OTEL_METRIC_EXPORT_INTERVAL raises ValueError naming the variable and value."""
-    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", raw)
-    message = (
-        f"OTEL_METRIC_EXPORT_INTERVAL: expected a positive number of milliseconds, got {raw!r}"
-    )
-    with pytest.raises(ValueError, match=re.escape(message)):
+    """An export interval variable outside 10 ms to a day (1e300 once ended in an
+    OverflowError in the SDK's thread) is a ConfigError naming the variable, range and value."""
+    monkeypatch.setenv(variable, raw)
+    message = f"{variable}: expected a number of milliseconds from 10 to 86400000, got {raw!r}"
+    with pytest.raises(ConfigError) as info:
         configure_sdk(otlp=False)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "message"),
+    [
+        ("export_interval_s", 1e300, "a number of seconds from 0.01 to 86400, got 1e+300"),
+        ("export_interval_s", 1e-300, "a number of seconds from 0.01 to 86400, got 1e-300"),
+        ("export_timeout_s", 1e300, "a number of seconds from 0.01 to 600, got 1e+300"),
+        ("export_timeout_s", 0, "a number of seconds from 0.01 to 600, got 0"),
+    ],
+)
+def test_interval_and_timeout_arguments_have_a_range(
+    argument: str, value: float, message: str
+) -> None:
+    """export_interval_s and export_timeout_s are refused outside their range, in one line."""
+    with pytest.raises(ConfigError) as info:
+        configure_sdk(otlp=False, **{argument: value})
+    assert str(info.value).startswith(f"{argument}: expected {message}")
 
 
 def test_vllm_plugin_takes_its_service_name_from_otel_service_name(
