@@ -268,16 +268,64 @@ async def test_runs_on_the_host_loop_when_started_inside_one() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"queue_size": 0}, "queue_size: expected a positive integer, got 0"),
-        ({"queue_size": True}, "queue_size: expected a positive integer, got True"),
-        ({"drain_interval": 0}, r"drain_interval: expected seconds in \(0, 60\], got 0"),
-        ({"drain_interval": "1"}, r"drain_interval: expected seconds in \(0, 60\], got '1'"),
+        ({"queue_size": 0}, "queue_size: expected an integer from 1 to 10000000, got 0"),
+        ({"queue_size": True}, "queue_size: expected an integer from 1 to 10000000, got True"),
+        (
+            {"queue_size": 10**8},
+            "queue_size: expected an integer from 1 to 10000000, got 100000000",
+        ),
+        (
+            {"drain_interval": 0},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got 0 \(int\)",
+        ),
+        (
+            {"drain_interval": 1e-9},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got 1e-09",
+        ),
+        (
+            {"drain_interval": float("nan")},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got nan",
+        ),
+        (
+            {"drain_interval": "1"},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got '1'",
+        ),
+        ({"coverage_keys": 0}, r"coverage_keys: expected an integer from 1 to"),
     ],
 )
 def test_bad_bus_settings_raise_config_error(kwargs: dict[str, object], message: str) -> None:
-    """Queue size and drain interval are validated up front."""
-    with pytest.raises(ConfigError, match=message):
+    """Queue size, drain interval and coverage keys outside their range raise ConfigError."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
         EventBus(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 3601, "1", None, True])
+def test_bad_timeouts_raise_config_error_before_anything_changes(value: object) -> None:
+    """A flush, close or close_on_signal timeout outside 0 to 3600 s raises ConfigError and
+    leaves the bus open, its sinks working and the signal handler untouched."""
+    message = r"^timeout: expected a number of seconds from 0 to 3600, got "
+    sink = ListSink()
+    bus = EventBus(sinks=[sink])
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        calls = (bus.flush, bus.close, lambda t: bus.close_on_signal(signal.SIGUSR1, timeout=t))
+        for call in calls:
+            with pytest.raises(ConfigError, match=message):
+                call(value)  # type: ignore[operator]
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(bus.aflush(value))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(bus.aclose(value))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"^queue_size: expected an integer from 1 to"):
+            bus.add_sink(ListSink("other"), queue_size=0)
+        assert not bus.closed
+        assert signal.getsignal(signal.SIGUSR1) is before
+        bus.emit(replayed(0))
+        assert bus.flush(5)
+        assert len(sink.events) == 1
+    finally:
+        bus.close()
+    _assert_accounted(bus)
 
 
 def test_add_sink_rejects_objects_without_handle() -> None:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from omnitrace._validate import check_int
+from omnitrace._validate import check_int, check_number
 from omnitrace.bus._channels import SinkChannels, sink_name
 from omnitrace.bus._folds import FoldRegistry
 from omnitrace.bus._process import (
@@ -53,13 +53,15 @@ from omnitrace.bus._process import (
 )
 from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread
 from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
-from omnitrace.config import ConfigError
 from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, AdapterCoverage
 from omnitrace.events import EVENT_TYPES, Event
 from omnitrace.stats import AdapterStats
 
 __all__ = [
+    "DRAIN_INTERVAL_RANGE_S",
     "DROP_REASONS",
+    "MAX_QUEUE_SIZE",
+    "TIMEOUT_RANGE_S",
     "BusStatistics",
     "EventBus",
     "Fold",
@@ -70,6 +72,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _EVENT_TYPES = frozenset(EVENT_TYPES)
+
+#: Largest queue a bus or a sink may have (events, each a few hundred bytes).
+MAX_QUEUE_SIZE = 10_000_000
+#: Accepted ``drain_interval``, seconds: under a millisecond the idle pump would spin a core.
+DRAIN_INTERVAL_RANGE_S = (0.001, 60.0)
+#: Accepted ``timeout`` of ``flush``, ``close`` and ``close_on_signal``, seconds.
+TIMEOUT_RANGE_S = (0.0, 3600.0)
+
+
+def _check_queue_size(value: object) -> int:
+    return check_int(
+        "queue_size",
+        value,
+        minimum=1,
+        maximum=MAX_QUEUE_SIZE,
+        meaning=f"an integer from 1 to {MAX_QUEUE_SIZE}",
+    )
+
+
+def _check_timeout(value: object) -> float:
+    return check_number("timeout", value, unit="seconds", within=TIMEOUT_RANGE_S)
 
 
 class EventBus:
@@ -90,7 +113,8 @@ class EventBus:
             counted together; see :mod:`omnitrace.coverage`).
 
     Raises:
-        ConfigError: ``queue_size``, ``drain_interval`` or ``coverage_keys`` is out of range.
+        ConfigError: ``queue_size`` (1 to :data:`MAX_QUEUE_SIZE`), ``drain_interval``
+            (:data:`DRAIN_INTERVAL_RANGE_S`) or ``coverage_keys`` is out of range.
     """
 
     def __init__(
@@ -101,20 +125,16 @@ class EventBus:
         drain_interval: float = 0.05,
         coverage_keys: int = DEFAULT_COVERAGE_KEYS,
     ) -> None:
-        check_int("queue_size", queue_size, minimum=1)
-        if (
-            isinstance(drain_interval, bool)
-            or not isinstance(drain_interval, (int, float))
-            or not 0 < drain_interval <= 60
-        ):
-            raise ConfigError(
-                f"drain_interval: expected seconds in (0, 60], got {drain_interval!r}"
-            )
+        queue_size = _check_queue_size(queue_size)
+        interval = check_number(
+            "drain_interval", drain_interval, unit="seconds", within=DRAIN_INTERVAL_RANGE_S
+        )
+        folds = FoldRegistry(coverage_keys)  # validates coverage_keys
         self._queue_size = queue_size
         self._lock = threading.Lock()
-        self._folds = FoldRegistry(coverage_keys)
+        self._folds = folds
         self._channels = SinkChannels(self._lock, queue_size)
-        self._runner = LoopRunner(self._lock, self._channels, float(drain_interval))
+        self._runner = LoopRunner(self._lock, self._channels, interval)
         self._adapters: dict[str, Mapping[str, Any]] = {}
         self._rejected = 0
         self._emitted_at_fork = 0
@@ -221,13 +241,12 @@ class EventBus:
 
         Raises:
             TypeError: ``sink`` has no ``handle`` method.
-            ConfigError: ``queue_size`` is not a positive integer.
+            ConfigError: ``queue_size`` is not an integer from 1 to :data:`MAX_QUEUE_SIZE`.
             RuntimeError: the bus is closed.
         """
         if not callable(getattr(sink, "handle", None)):
             raise TypeError(f"sink {sink_name(sink)} has no handle(events) method")
-        capacity = self._queue_size if queue_size is None else queue_size
-        check_int("queue_size", capacity, minimum=1)
+        capacity = self._queue_size if queue_size is None else _check_queue_size(queue_size)
         with self._lock:
             channel = self._channels.attach_locked(sink, capacity)
             started = self._runner.started
@@ -247,7 +266,12 @@ class EventBus:
     # -- flush and close ------------------------------------------------------------------
 
     async def aflush(self, timeout: float = 5.0) -> bool:
-        """Deliver every event emitted so far; return False if ``timeout`` passed first."""
+        """Deliver every event emitted so far; return False if ``timeout`` passed first.
+
+        Raises:
+            ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
+        """
+        timeout = _check_timeout(timeout)
         deadline, target, _ = self._begin_flush(timeout)
         while (busy := self._runner.flush_step(target)) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
@@ -260,8 +284,10 @@ class EventBus:
         cannot keep a flush from finishing.
 
         Raises:
+            ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
             RuntimeError: called on the thread that runs the bus loop (use ``aflush``).
         """
+        timeout = _check_timeout(timeout)
         self._runner.check_not_loop_thread("flush", "aflush")
         deadline, target, _ = self._begin_flush(timeout)
         while (busy := self._runner.flush_step(target)) and time.monotonic() < deadline:
@@ -272,7 +298,11 @@ class EventBus:
         """Flush for at most ``timeout`` seconds, close every sink and stop draining.
 
         Idempotent. What could not be delivered in time is counted as dropped.
+
+        Raises:
+            ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
         """
+        timeout = _check_timeout(timeout)
         if self.closed:
             return
         deadline, target, running = self._begin_flush(timeout)
@@ -293,8 +323,11 @@ class EventBus:
         ``emitted_after_close``.
 
         Raises:
+            ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`
+                (checked before anything changes).
             RuntimeError: called on the thread that runs the bus loop (use ``aclose``).
         """
+        timeout = _check_timeout(timeout)
         if self.closed:
             return
         self._runner.check_not_loop_thread("close", "aclose")
@@ -355,9 +388,10 @@ class EventBus:
             A function that puts the previous handler back (if ours is still installed).
 
         Raises:
+            ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
             ValueError: called from a thread other than the main thread.
         """
-        return install_close_on_signal(self, signum, timeout)
+        return install_close_on_signal(self, signum, _check_timeout(timeout))
 
     def _close_at_exit(self, timeout: float) -> None:
         if self.closed:
