@@ -148,6 +148,54 @@ def test_raising_sink_is_disabled_and_reported_once(caplog: pytest.LogCaptureFix
     assert len(reports) == 1
 
 
+@pytest.mark.parametrize(
+    "error",
+    [SystemExit(3), KeyboardInterrupt("stop"), asyncio.CancelledError("own")],
+    ids=["SystemExit", "KeyboardInterrupt", "CancelledError"],
+)
+def test_async_sink_raising_a_base_exception_is_disabled_and_the_others_keep_going(
+    error: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An async sink raising SystemExit, KeyboardInterrupt or its own CancelledError is
+    disabled and reported once; the loop survives and healthy plain and async sinks get
+    every event."""
+    received: list[Event] = []
+
+    class Bad:
+        name = "bad"
+
+        async def handle(self, events: Sequence[Event]) -> None:
+            raise error
+
+    class GoodAsync:
+        name = "good-async"
+
+        async def handle(self, events: Sequence[Event]) -> None:
+            received.extend(events)
+
+    good = ListSink("good")
+    with caplog.at_level(logging.ERROR, logger="omnitrace.bus"):
+        bus = EventBus(sinks=[Bad(), good, GoodAsync()], queue_size=100_000)
+        bus.emit(replayed(-1))
+        assert bus.flush(5)
+        for i in range(30_000):
+            bus.emit(replayed(i))
+        assert bus.flush(10)
+        bus.close()
+    assert len(good.events) == len(received) == 30_001
+    stats = {s.name: s for s in bus.statistics().sinks}
+    assert stats["bad"].disabled
+    assert stats["bad"].error == f"{type(error).__name__}: {error}"
+    assert stats["bad"].dropped_by == {"sink_error": 30_001}
+    assert stats["good"].delivered == stats["good-async"].delivered == 30_001
+    _assert_accounted(bus)
+    reports = [r for r in caplog.records if "sink bad raised" in r.getMessage()]
+    assert [r.getMessage() for r in reports] == [
+        f"sink bad raised {type(error).__name__}: {error} and is disabled; "
+        "its events are dropped from now on"
+    ]
+
+
 def test_raising_fold_is_removed_and_never_reaches_the_caller(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

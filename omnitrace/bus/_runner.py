@@ -268,12 +268,18 @@ class LoopRunner:
                 batch, seq = taken
                 try:
                     await channel.sink.handle(batch)
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
+                    if not _cancelled_from_outside():
+                        # The sink raised it itself: a sink error like any other.
+                        channels.disable(channel, exc, seq)
+                        return
                     channels.abandon(channel, seq)
                     # A task on another loop may be waiting to take the next batch.
                     self.wake(channel)
                     raise
-                except Exception as exc:
+                except BaseException as exc:
+                    # SystemExit or KeyboardInterrupt out of a task would end the loop, and
+                    # with it the pump and every other sink: a sink never takes it down.
                     channels.disable(channel, exc, seq)
                     return
                 channels.delivered(channel, seq)
@@ -382,6 +388,16 @@ class LoopRunner:
         self.pump_task = None
         self.started = False
         self.dormant = True
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task was cancelled (by the bus or the ending host loop), as
+    opposed to its sink raising ``CancelledError`` of its own accord."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    # Python 3.10 cannot tell the two apart: take it as a cancellation, which keeps the
+    # hand-over from an ending host loop working.
+    return cancelling is None or cancelling() > 0
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
