@@ -221,6 +221,74 @@ def test_raising_fold_is_removed_and_never_reaches_the_caller(
     bus.close()
 
 
+FOLD_CALLS_THE_BUS_SCRIPT = """
+    import json, logging, sys, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    def event(i):
+        return GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("omnitrace.bus").addHandler(handler)
+    calls = {
+        "emit": lambda bus: bus.emit(event(99)),
+        "statistics": lambda bus: bus.statistics(),
+        "flush": lambda bus: bus.flush(1),
+        "remove_fold": lambda bus: bus.remove_fold(print),
+    }
+    bus = EventBus()
+    name = sys.argv[1]
+    seen = []
+
+    def fold(e):
+        seen.append(repr(bus))  # never locks from inside a fold
+        calls[name](bus)
+
+    bus.add_fold(fold)
+    bus.emit(event(0))
+    bus.emit(event(1))
+    deadline = time.monotonic() + 5
+    while not records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = bus.statistics()
+    bus.close(1)
+    print(json.dumps({
+        "seen": seen,
+        "emitted": stats.emitted,
+        "disabled_folds": stats.disabled_folds,
+        "hits": bus.adapter_stats()["v"].graph_hits,
+        "records": records,
+    }))
+"""
+
+
+@pytest.mark.parametrize("call", ["emit", "statistics", "flush", "remove_fold"])
+def test_fold_calling_the_bus_gets_an_error_instead_of_a_deadlock(
+    tmp_path: Path, call: str
+) -> None:
+    """A fold that calls emit(), statistics(), flush() or remove_fold() on its bus gets a
+    RuntimeError naming the call (and is disabled, reported once) instead of deadlocking
+    emit(); the caller of emit() sees nothing and the stats keep counting."""
+    result = _run_script(tmp_path, FOLD_CALLS_THE_BUS_SCRIPT, deadline=30, args=[call])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["seen"] == ["<EventBus idle sinks=0 emitted=0>"]
+    assert (report["emitted"], report["disabled_folds"], report["hits"]) == (2, 1, 2)
+    (record,) = report["records"]
+    assert re.fullmatch(
+        r"event fold <function fold at 0x[0-9a-f]+> raised RuntimeError: "
+        + re.escape(
+            f"EventBus.{call}() called from inside a fold: folds run under the bus lock and "
+            "must not call back into the bus (read it after emit() returns, or from a sink); "
+            "it is disabled"
+        ),
+        record,
+    ), record
+
+
 def test_emit_rejects_non_events_without_raising() -> None:
     """Objects that are not events are counted as rejected and ignored."""
     with EventBus() as bus:

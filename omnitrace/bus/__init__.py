@@ -137,6 +137,8 @@ class EventBus:
         self._runner = LoopRunner(self._lock, self._channels, interval)
         self._adapters: dict[str, Mapping[str, Any]] = {}
         self._rejected = 0
+        # The thread running the added folds right now, if any (they hold the lock).
+        self._fold_thread: int | None = None
         self._emitted_at_fork = 0
         self._atexit_ref = register_atexit(self)
         track_forks(self)
@@ -149,18 +151,27 @@ class EventBus:
         """Publish ``event``: fold it synchronously and queue it for every sink.
 
         Never blocks on a consumer and never raises: a full queue, a closed bus, a failing
-        fold or a non-event argument is counted instead.
+        fold or a non-event argument is counted instead. Only a fold calling it (on the
+        thread that runs the folds) gets a RuntimeError, instead of a deadlock.
         """
-        if type(event) not in _EVENT_TYPES:
-            with self._lock:
+        lock = self._lock
+        # Uncontended, this costs what ``with lock`` does; only a taken lock asks whether
+        # it is this very thread, inside a fold, that holds it.
+        if not lock.acquire(False):
+            self._acquire_outside_fold(lock, "emit")
+        try:
+            if type(event) not in _EVENT_TYPES:
                 self._rejected += 1
-            return
-        with self._lock:
-            for fold in self._folds.folds:
+                return
+            folds = self._folds
+            if folds.added:
+                # Only folds added with add_fold() can call back into the bus.
+                self._fold_thread = threading.get_ident()
+            for fold in folds.folds:
                 try:
                     fold(event)
                 except Exception as exc:  # a fold never reaches model code
-                    self._folds.disable(fold, exc)
+                    folds.disable(fold, exc)
             # The channels' fast path, inlined: a method call here would cost emit() a tenth.
             channels = self._channels
             channels.emitted += 1
@@ -171,23 +182,52 @@ class EventBus:
                     channels.refuse_locked()
             elif channels.closed:
                 channels.refuse_locked()
+        finally:
+            self._fold_thread = None
+            lock.release()
+
+    def _acquire_outside_fold(self, lock: threading.Lock, name: str) -> None:
+        """Wait for the taken bus ``lock``, unless this thread holds it, running a fold.
+
+        Raises:
+            RuntimeError: called by a fold (the lock is not re-entrant: it would never come).
+        """
+        self._refuse_in_fold(name)
+        lock.acquire()
+
+    def _refuse_in_fold(self, name: str) -> None:
+        """Refuse a call into the bus from a fold, which runs with the bus lock held.
+
+        Raises:
+            RuntimeError: the calling thread is running a fold.
+        """
+        if self._fold_thread == threading.get_ident():
+            raise RuntimeError(
+                f"EventBus.{name}() called from inside a fold: folds run under the bus lock "
+                "and must not call back into the bus (read it after emit() returns, or "
+                "from a sink)"
+            )
 
     # -- folds ----------------------------------------------------------------------------
 
     def add_fold(self, fold: Fold) -> None:
         """Call ``fold(event)`` synchronously, in order, for every later event.
 
-        A fold runs on the hot path under the bus lock: keep it tiny. One that raises is
-        removed and reported once.
+        A fold runs on the hot path under the bus lock: keep it tiny, and never call the
+        bus from it (such a call raises RuntimeError rather than deadlock). One that raises
+        is removed and reported once.
 
         Raises:
             TypeError: ``fold`` is not callable.
+            RuntimeError: called from a fold.
         """
+        self._refuse_in_fold("add_fold")
         with self._lock:
             self._folds.add(fold)
 
     def remove_fold(self, fold: Fold) -> None:
         """Stop calling ``fold`` (no error if it is not attached)."""
+        self._refuse_in_fold("remove_fold")
         with self._lock:
             self._folds.remove(fold)
 
@@ -195,11 +235,13 @@ class EventBus:
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
         """Return the stats fold of every adapter that emitted on this bus."""
+        self._refuse_in_fold("adapter_stats")
         with self._lock:
             return self._folds.stats.snapshots()
 
     def coverage(self) -> dict[str, AdapterCoverage]:
         """Return the per-signature coverage of every adapter that emitted on this bus."""
+        self._refuse_in_fold("coverage")
         with self._lock:
             return self._folds.coverage.snapshots()
 
@@ -210,16 +252,19 @@ class EventBus:
 
     def register_adapter(self, name: str, info: Mapping[str, Any]) -> None:
         """Record static facts about an adapter (its cap, floor ...) for consumers."""
+        self._refuse_in_fold("register_adapter")
         with self._lock:
             self._adapters[name] = dict(info)
 
     def adapters(self) -> dict[str, Mapping[str, Any]]:
         """Return what ``register_adapter`` recorded, by adapter name."""
+        self._refuse_in_fold("adapters")
         with self._lock:
             return dict(self._adapters)
 
     def statistics(self) -> BusStatistics:
         """Return a frozen snapshot of the emission and delivery counters."""
+        self._refuse_in_fold("statistics")
         with self._lock:
             channels = self._channels
             return BusStatistics(
@@ -244,6 +289,7 @@ class EventBus:
             ConfigError: ``queue_size`` is not an integer from 1 to :data:`MAX_QUEUE_SIZE`.
             RuntimeError: the bus is closed.
         """
+        self._refuse_in_fold("add_sink")
         if not callable(getattr(sink, "handle", None)):
             raise TypeError(f"sink {sink_name(sink)} has no handle(events) method")
         capacity = self._queue_size if queue_size is None else _check_queue_size(queue_size)
@@ -261,6 +307,7 @@ class EventBus:
         Uses ``loop`` if given, else the running loop of the calling thread, else a loop on a
         daemon thread of the bus's own.
         """
+        self._refuse_in_fold("start")
         self._runner.start(loop)
 
     # -- flush and close ------------------------------------------------------------------
@@ -271,6 +318,7 @@ class EventBus:
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
         """
+        self._refuse_in_fold("aflush")
         timeout = _check_timeout(timeout)
         deadline, target, _ = self._begin_flush(timeout)
         while (busy := self._runner.flush_step(target)) and time.monotonic() < deadline:
@@ -287,6 +335,7 @@ class EventBus:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
             RuntimeError: called on the thread that runs the bus loop (use ``aflush``).
         """
+        self._refuse_in_fold("flush")
         timeout = _check_timeout(timeout)
         self._runner.check_not_loop_thread("flush", "aflush")
         deadline, target, _ = self._begin_flush(timeout)
@@ -302,6 +351,7 @@ class EventBus:
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
         """
+        self._refuse_in_fold("aclose")
         timeout = _check_timeout(timeout)
         if self.closed:
             return
@@ -327,6 +377,7 @@ class EventBus:
                 (checked before anything changes).
             RuntimeError: called on the thread that runs the bus loop (use ``aclose``).
         """
+        self._refuse_in_fold("close")
         timeout = _check_timeout(timeout)
         if self.closed:
             return
@@ -391,6 +442,7 @@ class EventBus:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
             ValueError: called from a thread other than the main thread.
         """
+        self._refuse_in_fold("close_on_signal")
         return install_close_on_signal(self, signum, _check_timeout(timeout))
 
     def _close_at_exit(self, timeout: float) -> None:
@@ -408,6 +460,7 @@ class EventBus:
     def _after_fork_in_child(self) -> None:
         # Another thread may have held the lock at fork(): it never releases it here.
         self._lock = self._channels.lock = self._runner.lock = threading.Lock()
+        self._fold_thread = None
         self._emitted_at_fork = self._channels.emitted
         if self.closed or not self._runner.started:
             return
@@ -422,4 +475,7 @@ class EventBus:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("running" if self._runner.started else "idle")
-        return f"<EventBus {state} sinks={len(self._channels.channels)} emitted={self._emitted()}>"
+        # A fold holds the lock: read the count without it rather than deadlock.
+        inside = self._fold_thread == threading.get_ident()
+        emitted = self._channels.emitted if inside else self._emitted()
+        return f"<EventBus {state} sinks={len(self._channels.channels)} emitted={emitted}>"
