@@ -574,6 +574,125 @@ def test_close_counts_the_batch_it_abandons_and_leaves_nothing_queued() -> None:
     _assert_accounted(bus)
 
 
+def test_a_close_racing_another_returns_with_the_final_accounting() -> None:
+    """A close() from a second thread while the first one waits for a stuck sink returns
+    within its own bound with every event accounted for, none still queued."""
+    sink = BlockingSink()
+    bus = EventBus(sinks=[sink], drain_interval=0.01)
+    first = threading.Thread(target=bus.close, kwargs={"timeout": 1.0})
+    try:
+        bus.emit(replayed(-1))
+        assert sink.entered.wait(5)
+        for i in range(99):
+            bus.emit(replayed(i))
+        first.start()
+        deadline = time.monotonic() + 5
+        while not bus.closed and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bus.closed  # the first close now waits for the stuck sink
+        start = time.monotonic()
+        bus.close(timeout=0.1)
+        took = time.monotonic() - start
+        (stats,) = bus.statistics().sinks
+        assert took < 0.1 + 0.1 + 0.5
+        assert (stats.delivered, stats.queued, stats.offered) == (0, 0, 100)
+        assert stats.dropped_by == {"abandoned": 1, "not_flushed": 99}
+        _assert_accounted(bus)
+    finally:
+        sink.release.set()
+        first.join(5)
+    assert not first.is_alive()
+
+
+SIGTERM_IN_CLOSE_SCRIPT = """
+    import logging, os, signal, threading, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    class Stuck:
+        name = "stuck"
+        def handle(self, events):
+            threading.Event().wait()
+
+    class Trigger:
+        # Sends SIGTERM while the host's close() waits for the stuck sink.
+        name = "trigger"
+        def handle(self, events):
+            pass
+        def close(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    bus = EventBus(sinks=[Stuck(), Trigger()])
+    bus.close_on_signal(signal.SIGTERM, timeout=0.5)
+    for i in range(100):
+        bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
+    time.sleep(0.2)
+    bus.close(timeout=0.5)
+    print("close returned", flush=True)
+"""
+
+
+def test_sigterm_inside_close_reports_every_lost_event(tmp_path: Path) -> None:
+    """SIGTERM while the host is inside close() with a stuck sink: the report line counts
+    the stuck sink's 100 events as lost (abandoned), and the process dies of SIGTERM."""
+    result = _run_script(tmp_path, SIGTERM_IN_CLOSE_SCRIPT, deadline=30)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    match = re.search(r"EventBus closed on SIGTERM in ([\d.]+) s; (.*)", result.stderr)
+    assert match is not None, result.stderr
+    assert match.group(2) == (
+        "100 events emitted; stuck: delivered 0, lost 100 (abandoned 100); "
+        "trigger: delivered 100, lost 0"
+    )
+    assert float(match.group(1)) < 0.5 + 0.25 + 0.5
+
+
+MANY_STUCK_BUSES_SCRIPT = """
+    import json, sys, threading, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    class Stuck:
+        name = "stuck"
+        def handle(self, events):
+            threading.Event().wait()
+
+    class Counting:
+        name = "counting"
+        def __init__(self):
+            self.n = 0
+        def handle(self, events):
+            time.sleep(0.05)
+            self.n += len(events)
+        def close(self):
+            with open(sys.argv[1], "w") as f:
+                f.write(str(self.n))
+
+    buses = [EventBus(sinks=[Stuck()]) for _ in range(10)]
+    buses.insert(5, EventBus(sinks=[Counting()], drain_interval=0.01))
+    for bus in buses:
+        for i in range(100):
+            bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
+    print(json.dumps({"end": time.monotonic()}), flush=True)
+"""
+
+
+def test_exit_with_many_stuck_buses_takes_one_bound(tmp_path: Path) -> None:
+    """Ten buses with stuck sinks close side by side at exit: the process exits within one
+    exit bound (not ten), each bus reports its loss, and a healthy bus among them still
+    delivers everything and closes its sink."""
+    marker = tmp_path / "delivered"
+    result = _run_script(tmp_path, MANY_STUCK_BUSES_SCRIPT, deadline=60, args=[str(marker)])
+    exited = time.monotonic()
+    assert result.returncode == 0, result.stderr
+    end = json.loads(result.stdout)["end"]
+    assert exited - end < 2.0 + 0.25 + 2.0  # one exit bound, plus interpreter start-up slack
+    losses = "EventBus closed with undelivered events, counted as dropped: stuck 100"
+    assert result.stderr.count(losses) == 10, result.stderr
+    assert marker.read_text() == "100"
+
+
 def test_every_event_is_accounted_for_with_a_slow_sink_under_load() -> None:
     """A slow sink, a small queue and a short close: delivered + dropped == emitted, by reason."""
 

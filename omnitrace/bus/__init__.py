@@ -33,8 +33,6 @@ Every wait is bounded and every event is accounted for:
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import logging
 import signal
 import threading
@@ -50,8 +48,9 @@ from omnitrace.bus._process import (
     install_close_on_signal,
     register_atexit,
     track_forks,
+    unregister_atexit,
 )
-from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread
+from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread, StopRequest
 from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
 from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, AdapterCoverage
 from omnitrace.events import EVENT_TYPES, Event
@@ -140,7 +139,10 @@ class EventBus:
         # The thread running the added folds right now, if any (they hold the lock).
         self._fold_thread: int | None = None
         self._emitted_at_fork = 0
-        self._atexit_ref = register_atexit(self)
+        # Set once the final accounting is done, by whichever close() got there.
+        self._accounted = threading.Event()
+        self._loss_reported = False
+        register_atexit(self)
         track_forks(self)
         for sink in sinks:
             self.add_sink(sink)
@@ -346,31 +348,37 @@ class EventBus:
     async def aclose(self, timeout: float = 5.0) -> None:
         """Flush for at most ``timeout`` seconds, close every sink and stop draining.
 
-        Idempotent. What could not be delivered in time is counted as dropped.
+        Idempotent, and like :meth:`close` it returns with the final accounting, whichever
+        call closes the bus. What could not be delivered in time is counted as dropped.
 
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
         """
         self._refuse_in_fold("aclose")
         timeout = _check_timeout(timeout)
-        if self.closed:
+        if self._accounted.is_set():
             return
         deadline, target, running = self._begin_flush(timeout)
         while running and self._runner.flush_step(target) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        if not self._mark_closed():
-            return
         grace = max(deadline, time.monotonic()) + min(timeout, CLOSE_GRACE_S)
-        self._finish(await self._runner.astop(grace), timeout)
+        if self._mark_closed():
+            self._finish(await self._runner.astop(grace), timeout)
+            return
+        # Another call is closing the bus: wait for its accounting, within our own bound.
+        while not self._accounted.is_set() and time.monotonic() < grace:
+            await asyncio.sleep(POLL_S)
+        self._settle(grace)
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush for at most ``timeout`` seconds, close every sink and stop the bus thread.
 
         Idempotent. Returns within ``timeout`` plus a short grace for the sinks' own
-        ``close()``, whatever a sink does; what could not be delivered in time is counted
-        as dropped (``not_flushed``, or ``abandoned`` for a batch stuck in ``handle``) and
-        logged. Events emitted afterwards still reach the folds and are counted in
-        ``emitted_after_close``.
+        ``close()``, whatever a sink does, and with the final accounting, whichever call
+        (of this or another thread) closes the bus: what could not be delivered in time is
+        counted as dropped (``not_flushed``, or ``abandoned`` for a batch stuck in
+        ``handle``) and logged. Events emitted afterwards still reach the folds and are
+        counted in ``emitted_after_close``.
 
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`
@@ -379,16 +387,30 @@ class EventBus:
         """
         self._refuse_in_fold("close")
         timeout = _check_timeout(timeout)
-        if self.closed:
+        if self._accounted.is_set():
             return
         self._runner.check_not_loop_thread("close", "aclose")
-        deadline, target, running = self._begin_flush(timeout)
-        while running and self._runner.flush_step(target) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        if not self._mark_closed():
-            return
-        grace = max(deadline, time.monotonic()) + min(timeout, CLOSE_GRACE_S)
-        self._finish(self._runner.stop(grace), timeout)
+        _close_together([self], timeout)
+
+    @classmethod
+    def _close_all_at_exit(cls, buses: list[EventBus], timeout: float) -> None:
+        """Close ``buses`` side by side within ``timeout`` (plus the grace), for the exit."""
+        closing = []
+        for bus in buses:
+            if bus._accounted.is_set():
+                continue
+            if bus._runner.dormant and bus._emitted() == bus._emitted_at_fork:
+                # A forked child that never used its parent's bus: leave the parent's sinks
+                # alone and add nothing to this process's exit.
+                if bus._mark_closed():
+                    bus._finish([], 0.0)
+                continue
+            try:
+                bus._runner.check_not_loop_thread("close", "aclose")
+            except RuntimeError:
+                continue  # the loop thread itself is exiting
+            closing.append(bus)
+        _close_together(closing, timeout)
 
     def _begin_flush(self, timeout: float) -> tuple[float, int, bool]:
         """Make sure something drains the sinks; return the flush's deadline, the emitted
@@ -402,21 +424,43 @@ class EventBus:
             return self._channels.emitted
 
     def _mark_closed(self) -> bool:
-        """Stop accepting events for the sinks; count what is still queued as not flushed."""
+        """Stop accepting events for the sinks; count what is still queued as not flushed.
+
+        Returns:
+            False if the bus was closed already (the caller then only waits for the
+            accounting, see :meth:`_settle`).
+        """
         if not self._channels.close():
             return False
-        atexit.unregister(self._atexit_ref)
+        unregister_atexit(self)
         return True
 
     def _finish(self, workers: list[SinkThread], timeout: float) -> None:
         """Count batches still inside a sink as abandoned and report what was lost."""
-        losses = self._channels.abandon_in_flight()
         self._runner.report_stuck(workers, timeout)
-        if losses:
+        self._account()
+
+    def _account(self) -> None:
+        """Count batches still inside a sink as abandoned; log the losses, once."""
+        losses = self._channels.abandon_in_flight()
+        with self._lock:
+            first, self._loss_reported = not self._loss_reported, True
+        if first and losses:
             logger.warning(
                 "EventBus closed with undelivered events, counted as dropped: %s",
                 ", ".join(f"{name} {n}" for name, n in losses.items()),
             )
+        self._accounted.set()
+
+    def _settle(self, grace: float) -> None:
+        """For a close that found the bus closing: wait for the closer's accounting until
+        ``grace`` (a monotonic deadline), then do it here if it has not come.
+
+        The closer may be stuck waiting for a sink, or be the very thread a signal handler
+        interrupted: this call's own bound holds all the same.
+        """
+        if not self._accounted.wait(max(grace - time.monotonic(), 0)):
+            self._account()
 
     # -- the process: signals, exit and fork ----------------------------------------------
 
@@ -445,22 +489,14 @@ class EventBus:
         self._refuse_in_fold("close_on_signal")
         return install_close_on_signal(self, signum, _check_timeout(timeout))
 
-    def _close_at_exit(self, timeout: float) -> None:
-        if self.closed:
-            return
-        if self._runner.dormant and self._emitted() == self._emitted_at_fork:
-            # A forked child that never used its parent's bus: leave the parent's sinks
-            # alone and add nothing to this process's exit.
-            if self._mark_closed():
-                self._finish([], 0.0)
-            return
-        with contextlib.suppress(RuntimeError):  # the loop thread itself is exiting
-            self.close(timeout=timeout)
-
     def _after_fork_in_child(self) -> None:
         # Another thread may have held the lock at fork(): it never releases it here.
         self._lock = self._channels.lock = self._runner.lock = threading.Lock()
         self._fold_thread = None
+        # Its lock too may have been held at fork(), by a thread waiting for the close.
+        accounted, self._accounted = self._accounted, threading.Event()
+        if accounted.is_set():
+            self._accounted.set()
         self._emitted_at_fork = self._channels.emitted
         if self.closed or not self._runner.started:
             return
@@ -479,3 +515,28 @@ class EventBus:
         inside = self._fold_thread == threading.get_ident()
         emitted = self._channels.emitted if inside else self._emitted()
         return f"<EventBus {state} sinks={len(self._channels.channels)} emitted={emitted}>"
+
+
+def _close_together(buses: list[EventBus], timeout: float) -> None:
+    """Close ``buses`` side by side: flush all within ``timeout``, then stop all within the
+    grace, so that many buses take no longer than one. Each returns with final accounting.
+    """
+    deadline = time.monotonic() + timeout
+    flushing = [(bus, bus._emitted()) for bus in buses if bus._runner.revive()]
+    while flushing:
+        flushing = [(bus, target) for bus, target in flushing if bus._runner.flush_step(target)]
+        if not flushing or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    grace = max(deadline, time.monotonic()) + min(timeout, CLOSE_GRACE_S)
+    stopping: list[tuple[EventBus, StopRequest]] = []
+    joining: list[EventBus] = []
+    for bus in buses:
+        if bus._mark_closed():
+            stopping.append((bus, bus._runner.begin_stop()))
+        else:
+            joining.append(bus)  # another call is closing it
+    for bus, request in stopping:
+        bus._finish(LoopRunner.end_stop(request, grace), timeout)
+    for bus in joining:
+        bus._settle(grace)
