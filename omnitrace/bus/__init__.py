@@ -7,8 +7,9 @@ number of sinks. A pump on an asyncio loop (the host's, or the bus's own daemon 
 the host has none) moves pending events into one bounded queue per sink and wakes the sink: a
 plain ``handle`` runs on a daemon thread of that sink's own, a coroutine ``handle`` on the
 loop. A sink whose queue is full loses the event and the loss is counted; a sink that raises
-is disabled and reported once. Nothing a consumer does can raise into, or block, the caller
-of ``emit()``.
+(anything, ``SystemExit`` included) is disabled and reported once. Nothing a consumer does can
+raise into, or block, the caller of ``emit()``; a fold that calls back into its bus gets a
+RuntimeError rather than a deadlock.
 
 Every wait is bounded and every event is accounted for:
 
@@ -16,8 +17,9 @@ Every wait is bounded and every event is accounted for:
   short grace to close). What ``close()`` could not deliver is counted as dropped with a
   reason (:data:`DROP_REASONS`), so once the bus is closed, for every sink,
   ``delivered + dropped == offered``, and ``offered == emitted`` for a sink attached before
-  the first event. Sink threads are daemons and the exit handler's close is bounded, so a
-  sink stuck in ``handle`` never keeps the process alive.
+  the first event. That holds when ``close()`` returns, whichever of several concurrent
+  calls closed the bus. Sink threads are daemons and one exit handler closes every open bus
+  side by side within one bound, so stuck sinks never keep the process alive, however many.
 * If the host's loop ends while the bus runs on it (``asyncio.run`` returning), the bus moves
   to a thread of its own and keeps delivering.
 * In a forked child the bus gets a new lock, the parent's loop and sink threads are known to
