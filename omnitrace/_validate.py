@@ -80,21 +80,37 @@ def check_int(
     return value
 
 
-def check_number(name: str, value: object, *, positive: bool = True, unit: str = "") -> float:
+def check_number(
+    name: str,
+    value: object,
+    *,
+    positive: bool = True,
+    unit: str = "",
+    within: tuple[float, float] | None = None,
+) -> float:
     """Return ``value`` as a float if it is a finite (positive) int or float, not a bool.
 
+    With ``within=(low, high)`` it must lie in ``[low, high]`` instead of being positive,
+    and the message states that range.
+
     Raises:
-        ConfigError: naming ``name`` and the value.
+        ConfigError: naming ``name``, the accepted values and the value.
     """
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         number = float(value)  # type: ignore[arg-type]
-        finite = number == number and abs(number) != float("inf")
-        ok = finite and (number > 0 if positive else number >= 0)
+        if within is not None:
+            ok = within[0] <= number <= within[1]  # False for nan
+        else:
+            finite = number == number and abs(number) != float("inf")
+            ok = finite and (number > 0 if positive else number >= 0)
     if not ok:
-        kind = "a positive number" if positive else "a nonnegative number"
         suffix = f" of {unit}" if unit else ""
-        raise ConfigError(f"{name}: expected {kind}{suffix}, got {describe(value)}")
+        if within is not None:
+            kind = f"a number{suffix} from {within[0]:g} to {within[1]:g}"
+        else:
+            kind = f"a {'positive' if positive else 'nonnegative'} number{suffix}"
+        raise ConfigError(f"{name}: expected {kind}, got {describe(value)}")
     return float(value)  # type: ignore[arg-type]
 
 

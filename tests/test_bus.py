@@ -148,6 +148,54 @@ def test_raising_sink_is_disabled_and_reported_once(caplog: pytest.LogCaptureFix
     assert len(reports) == 1
 
 
+@pytest.mark.parametrize(
+    "error",
+    [SystemExit(3), KeyboardInterrupt("stop"), asyncio.CancelledError("own")],
+    ids=["SystemExit", "KeyboardInterrupt", "CancelledError"],
+)
+def test_async_sink_raising_a_base_exception_is_disabled_and_the_others_keep_going(
+    error: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An async sink raising SystemExit, KeyboardInterrupt or its own CancelledError is
+    disabled and reported once; the loop survives and healthy plain and async sinks get
+    every event."""
+    received: list[Event] = []
+
+    class Bad:
+        name = "bad"
+
+        async def handle(self, events: Sequence[Event]) -> None:
+            raise error
+
+    class GoodAsync:
+        name = "good-async"
+
+        async def handle(self, events: Sequence[Event]) -> None:
+            received.extend(events)
+
+    good = ListSink("good")
+    with caplog.at_level(logging.ERROR, logger="omnitrace.bus"):
+        bus = EventBus(sinks=[Bad(), good, GoodAsync()], queue_size=100_000)
+        bus.emit(replayed(-1))
+        assert bus.flush(5)
+        for i in range(30_000):
+            bus.emit(replayed(i))
+        assert bus.flush(10)
+        bus.close()
+    assert len(good.events) == len(received) == 30_001
+    stats = {s.name: s for s in bus.statistics().sinks}
+    assert stats["bad"].disabled
+    assert stats["bad"].error == f"{type(error).__name__}: {error}"
+    assert stats["bad"].dropped_by == {"sink_error": 30_001}
+    assert stats["good"].delivered == stats["good-async"].delivered == 30_001
+    _assert_accounted(bus)
+    reports = [r for r in caplog.records if "sink bad raised" in r.getMessage()]
+    assert [r.getMessage() for r in reports] == [
+        f"sink bad raised {type(error).__name__}: {error} and is disabled; "
+        "its events are dropped from now on"
+    ]
+
+
 def test_raising_fold_is_removed_and_never_reaches_the_caller(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -171,6 +219,74 @@ def test_raising_fold_is_removed_and_never_reaches_the_caller(
     assert bus.adapter_stats()["vision"].graph_hits == 2
     assert any("fold" in r.getMessage() for r in caplog.records)
     bus.close()
+
+
+FOLD_CALLS_THE_BUS_SCRIPT = """
+    import json, logging, sys, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    def event(i):
+        return GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("omnitrace.bus").addHandler(handler)
+    calls = {
+        "emit": lambda bus: bus.emit(event(99)),
+        "statistics": lambda bus: bus.statistics(),
+        "flush": lambda bus: bus.flush(1),
+        "remove_fold": lambda bus: bus.remove_fold(print),
+    }
+    bus = EventBus()
+    name = sys.argv[1]
+    seen = []
+
+    def fold(e):
+        seen.append(repr(bus))  # never locks from inside a fold
+        calls[name](bus)
+
+    bus.add_fold(fold)
+    bus.emit(event(0))
+    bus.emit(event(1))
+    deadline = time.monotonic() + 5
+    while not records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = bus.statistics()
+    bus.close(1)
+    print(json.dumps({
+        "seen": seen,
+        "emitted": stats.emitted,
+        "disabled_folds": stats.disabled_folds,
+        "hits": bus.adapter_stats()["v"].graph_hits,
+        "records": records,
+    }))
+"""
+
+
+@pytest.mark.parametrize("call", ["emit", "statistics", "flush", "remove_fold"])
+def test_fold_calling_the_bus_gets_an_error_instead_of_a_deadlock(
+    tmp_path: Path, call: str
+) -> None:
+    """A fold that calls emit(), statistics(), flush() or remove_fold() on its bus gets a
+    RuntimeError naming the call (and is disabled, reported once) instead of deadlocking
+    emit(); the caller of emit() sees nothing and the stats keep counting."""
+    result = _run_script(tmp_path, FOLD_CALLS_THE_BUS_SCRIPT, deadline=30, args=[call])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["seen"] == ["<EventBus idle sinks=0 emitted=0>"]
+    assert (report["emitted"], report["disabled_folds"], report["hits"]) == (2, 1, 2)
+    (record,) = report["records"]
+    assert re.fullmatch(
+        r"event fold <function fold at 0x[0-9a-f]+> raised RuntimeError: "
+        + re.escape(
+            f"EventBus.{call}() called from inside a fold: folds run under the bus lock and "
+            "must not call back into the bus (read it after emit() returns, or from a sink); "
+            "it is disabled"
+        ),
+        record,
+    ), record
 
 
 def test_emit_rejects_non_events_without_raising() -> None:
@@ -268,16 +384,64 @@ async def test_runs_on_the_host_loop_when_started_inside_one() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"queue_size": 0}, "queue_size: expected a positive integer, got 0"),
-        ({"queue_size": True}, "queue_size: expected a positive integer, got True"),
-        ({"drain_interval": 0}, r"drain_interval: expected seconds in \(0, 60\], got 0"),
-        ({"drain_interval": "1"}, r"drain_interval: expected seconds in \(0, 60\], got '1'"),
+        ({"queue_size": 0}, "queue_size: expected an integer from 1 to 10000000, got 0"),
+        ({"queue_size": True}, "queue_size: expected an integer from 1 to 10000000, got True"),
+        (
+            {"queue_size": 10**8},
+            "queue_size: expected an integer from 1 to 10000000, got 100000000",
+        ),
+        (
+            {"drain_interval": 0},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got 0 \(int\)",
+        ),
+        (
+            {"drain_interval": 1e-9},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got 1e-09",
+        ),
+        (
+            {"drain_interval": float("nan")},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got nan",
+        ),
+        (
+            {"drain_interval": "1"},
+            r"drain_interval: expected a number of seconds from 0.001 to 60, got '1'",
+        ),
+        ({"coverage_keys": 0}, r"coverage_keys: expected an integer from 1 to"),
     ],
 )
 def test_bad_bus_settings_raise_config_error(kwargs: dict[str, object], message: str) -> None:
-    """Queue size and drain interval are validated up front."""
-    with pytest.raises(ConfigError, match=message):
+    """Queue size, drain interval and coverage keys outside their range raise ConfigError."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
         EventBus(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 3601, "1", None, True])
+def test_bad_timeouts_raise_config_error_before_anything_changes(value: object) -> None:
+    """A flush, close or close_on_signal timeout outside 0 to 3600 s raises ConfigError and
+    leaves the bus open, its sinks working and the signal handler untouched."""
+    message = r"^timeout: expected a number of seconds from 0 to 3600, got "
+    sink = ListSink()
+    bus = EventBus(sinks=[sink])
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        calls = (bus.flush, bus.close, lambda t: bus.close_on_signal(signal.SIGUSR1, timeout=t))
+        for call in calls:
+            with pytest.raises(ConfigError, match=message):
+                call(value)  # type: ignore[operator]
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(bus.aflush(value))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(bus.aclose(value))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"^queue_size: expected an integer from 1 to"):
+            bus.add_sink(ListSink("other"), queue_size=0)
+        assert not bus.closed
+        assert signal.getsignal(signal.SIGUSR1) is before
+        bus.emit(replayed(0))
+        assert bus.flush(5)
+        assert len(sink.events) == 1
+    finally:
+        bus.close()
+    _assert_accounted(bus)
 
 
 def test_add_sink_rejects_objects_without_handle() -> None:
@@ -408,6 +572,125 @@ def test_close_counts_the_batch_it_abandons_and_leaves_nothing_queued() -> None:
     (stats,) = bus.statistics().sinks
     assert (stats.delivered, stats.dropped_by) == (1, {"not_flushed": 50})
     _assert_accounted(bus)
+
+
+def test_a_close_racing_another_returns_with_the_final_accounting() -> None:
+    """A close() from a second thread while the first one waits for a stuck sink returns
+    within its own bound with every event accounted for, none still queued."""
+    sink = BlockingSink()
+    bus = EventBus(sinks=[sink], drain_interval=0.01)
+    first = threading.Thread(target=bus.close, kwargs={"timeout": 1.0})
+    try:
+        bus.emit(replayed(-1))
+        assert sink.entered.wait(5)
+        for i in range(99):
+            bus.emit(replayed(i))
+        first.start()
+        deadline = time.monotonic() + 5
+        while not bus.closed and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bus.closed  # the first close now waits for the stuck sink
+        start = time.monotonic()
+        bus.close(timeout=0.1)
+        took = time.monotonic() - start
+        (stats,) = bus.statistics().sinks
+        assert took < 0.1 + 0.1 + 0.5
+        assert (stats.delivered, stats.queued, stats.offered) == (0, 0, 100)
+        assert stats.dropped_by == {"abandoned": 1, "not_flushed": 99}
+        _assert_accounted(bus)
+    finally:
+        sink.release.set()
+        first.join(5)
+    assert not first.is_alive()
+
+
+SIGTERM_IN_CLOSE_SCRIPT = """
+    import logging, os, signal, threading, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    class Stuck:
+        name = "stuck"
+        def handle(self, events):
+            threading.Event().wait()
+
+    class Trigger:
+        # Sends SIGTERM while the host's close() waits for the stuck sink.
+        name = "trigger"
+        def handle(self, events):
+            pass
+        def close(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    bus = EventBus(sinks=[Stuck(), Trigger()])
+    bus.close_on_signal(signal.SIGTERM, timeout=0.5)
+    for i in range(100):
+        bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
+    time.sleep(0.2)
+    bus.close(timeout=0.5)
+    print("close returned", flush=True)
+"""
+
+
+def test_sigterm_inside_close_reports_every_lost_event(tmp_path: Path) -> None:
+    """SIGTERM while the host is inside close() with a stuck sink: the report line counts
+    the stuck sink's 100 events as lost (abandoned), and the process dies of SIGTERM."""
+    result = _run_script(tmp_path, SIGTERM_IN_CLOSE_SCRIPT, deadline=30)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    match = re.search(r"EventBus closed on SIGTERM in ([\d.]+) s; (.*)", result.stderr)
+    assert match is not None, result.stderr
+    assert match.group(2) == (
+        "100 events emitted; stuck: delivered 0, lost 100 (abandoned 100); "
+        "trigger: delivered 100, lost 0"
+    )
+    assert float(match.group(1)) < 0.5 + 0.25 + 0.5
+
+
+MANY_STUCK_BUSES_SCRIPT = """
+    import json, sys, threading, time
+    from omnitrace import EventBus, GraphReplayed
+    from omnitrace.signature import Signature
+
+    class Stuck:
+        name = "stuck"
+        def handle(self, events):
+            threading.Event().wait()
+
+    class Counting:
+        name = "counting"
+        def __init__(self):
+            self.n = 0
+        def handle(self, events):
+            time.sleep(0.05)
+            self.n += len(events)
+        def close(self):
+            with open(sys.argv[1], "w") as f:
+                f.write(str(self.n))
+
+    buses = [EventBus(sinks=[Stuck()]) for _ in range(10)]
+    buses.insert(5, EventBus(sinks=[Counting()], drain_interval=0.01))
+    for bus in buses:
+        for i in range(100):
+            bus.emit(GraphReplayed("v", Signature.parse("float32[1]"), i, i, 0.0))
+    print(json.dumps({"end": time.monotonic()}), flush=True)
+"""
+
+
+def test_exit_with_many_stuck_buses_takes_one_bound(tmp_path: Path) -> None:
+    """Ten buses with stuck sinks close side by side at exit: the process exits within one
+    exit bound (not ten), each bus reports its loss, and a healthy bus among them still
+    delivers everything and closes its sink."""
+    marker = tmp_path / "delivered"
+    result = _run_script(tmp_path, MANY_STUCK_BUSES_SCRIPT, deadline=60, args=[str(marker)])
+    exited = time.monotonic()
+    assert result.returncode == 0, result.stderr
+    end = json.loads(result.stdout)["end"]
+    assert exited - end < 2.0 + 0.25 + 2.0  # one exit bound, plus interpreter start-up slack
+    losses = "EventBus closed with undelivered events, counted as dropped: stuck 100"
+    assert result.stderr.count(losses) == 10, result.stderr
+    assert marker.read_text() == "100"
 
 
 def test_every_event_is_accounted_for_with_a_slow_sink_under_load() -> None:

@@ -38,6 +38,12 @@ def test_check_number_and_bool() -> None:
     for bad in (0, -1.5, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ConfigError, match=r"^t: expected a positive number of seconds"):
             check_number("t", bad, unit="seconds")
+    assert check_number("t", 0, within=(0, 5)) == 0.0
+    for bad in (-0.1, 5.5, float("nan"), float("inf")):
+        with pytest.raises(
+            ConfigError, match=r"^t: expected a number of seconds from 0 to 5, got "
+        ):
+            check_number("t", bad, unit="seconds", within=(0, 5))
     assert check_bool("b", False) is False
     with pytest.raises(ConfigError, match=r"^b: expected true or false, got 1 \(int\)$"):
         check_bool("b", 1)

@@ -280,7 +280,8 @@ class SinkChannels:
             return
         try:
             close()
-        except Exception:
+        except BaseException:
+            # Even SystemExit: on the bus loop it would end delivery to every other sink.
             logger.exception("sink %s raised while closing", channel.name)
 
     # -- closing and forking --------------------------------------------------------------

@@ -24,13 +24,15 @@ class FoldRegistry:
         coverage_keys: signatures the coverage fold tracks per adapter.
     """
 
-    __slots__ = ("coverage", "disabled", "folds", "stats")
+    __slots__ = ("added", "coverage", "disabled", "folds", "stats")
 
     def __init__(self, coverage_keys: int = DEFAULT_COVERAGE_KEYS) -> None:
         self.stats = StatsFold()
         # One fold call per event keeps both: the coverage fold applies events to the stats.
         self.coverage = CoverageFold(coverage_keys, stats=self.stats)
         self.folds: tuple[Fold, ...] = (self.coverage.fold,)
+        # Whether folds from add() are attached: only those can call back into the bus.
+        self.added = False
         self.disabled = 0
 
     def add(self, fold: Fold) -> None:
@@ -42,10 +44,12 @@ class FoldRegistry:
         if not callable(fold):
             raise TypeError(f"fold must be callable, got {type(fold).__name__}")
         self.folds = (*self.folds, fold)
+        self.added = True
 
     def remove(self, fold: Fold) -> None:
         """Drop ``fold`` (no error if it is not there)."""
         self.folds = tuple(f for f in self.folds if f != fold)
+        self.added = any(f != self.coverage.fold for f in self.folds)
 
     def disable(self, fold: Fold, exc: Exception) -> None:
         """Remove ``fold``, which raised ``exc``, count it and report it once."""

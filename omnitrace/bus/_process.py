@@ -19,11 +19,18 @@ from omnitrace.bus._runner import CLOSE_GRACE_S
 if TYPE_CHECKING:
     from omnitrace.bus import EventBus
 
-__all__ = ["EXIT_TIMEOUT_S", "install_close_on_signal", "register_atexit", "track_forks"]
+__all__ = [
+    "EXIT_TIMEOUT_S",
+    "install_close_on_signal",
+    "register_atexit",
+    "track_forks",
+    "unregister_atexit",
+]
 
 logger = logging.getLogger(__name__)
 
-#: The bound of the close run by the exit handler.
+#: The bound of the close run by the exit handler: one for all the buses of the process,
+#: which close side by side (plus :data:`~omnitrace.bus._runner.CLOSE_GRACE_S`).
 EXIT_TIMEOUT_S = 2.0
 #: How often a signal handler tries again for a moment when the bus lock is not free.
 _SIGNAL_RETRIES = 100
@@ -46,19 +53,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def register_atexit(bus: EventBus) -> Callable[[], None]:
-    """Close ``bus`` (within :data:`EXIT_TIMEOUT_S`) at exit; return the handler to
-    unregister once it is closed."""
-    # A weak reference: registering must not keep every bus alive until exit.
-    ref = weakref.ref(bus)
+# The buses still open, which the one exit handler closes together.
+_OPEN: weakref.WeakSet[EventBus] = weakref.WeakSet()
 
-    def close_at_exit() -> None:
-        live = ref()
-        if live is not None:
-            live._close_at_exit(EXIT_TIMEOUT_S)
 
-    atexit.register(close_at_exit)
-    return close_at_exit
+def register_atexit(bus: EventBus) -> None:
+    """Have ``bus`` closed at exit, with every other open bus, within one bound."""
+    # A weak set: registering must not keep every bus alive until exit.
+    _OPEN.add(bus)
+
+
+def unregister_atexit(bus: EventBus) -> None:
+    """Leave ``bus``, now closed, out of the exit handler's close."""
+    _OPEN.discard(bus)
+
+
+def _close_at_exit() -> None:
+    buses = list(_OPEN)
+    if buses:
+        # One close for all of them: each closing on its own would add its bound to exit.
+        type(buses[0])._close_all_at_exit(buses, EXIT_TIMEOUT_S)
+
+
+# Registered once, on import (before the adapters' handler, so it runs after it: events an
+# adapter emits while it closes still reach the sinks).
+atexit.register(_close_at_exit)
 
 
 def install_close_on_signal(bus: EventBus, signum: int, timeout: float) -> Callable[[], None]:

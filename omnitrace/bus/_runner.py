@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from omnitrace.bus._channels import SinkChannel, SinkChannels
 
-__all__ = ["CLOSE_GRACE_S", "POLL_S", "LoopRunner"]
+__all__ = ["CLOSE_GRACE_S", "POLL_S", "LoopRunner", "SinkThread", "StopRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,15 @@ class SinkThread:
         self.thread = threading.Thread(
             target=target, args=(self,), name=f"omnitrace-sink-{name}", daemon=True
         )
+
+
+class StopRequest(NamedTuple):
+    """What :meth:`LoopRunner.begin_stop` set stopping, for :meth:`LoopRunner.end_stop`."""
+
+    workers: list[SinkThread]
+    loop: asyncio.AbstractEventLoop | None
+    thread: threading.Thread | None
+    future: concurrent.futures.Future[None] | None
 
 
 class LoopRunner:
@@ -268,12 +278,18 @@ class LoopRunner:
                 batch, seq = taken
                 try:
                     await channel.sink.handle(batch)
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
+                    if not _cancelled_from_outside():
+                        # The sink raised it itself: a sink error like any other.
+                        channels.disable(channel, exc, seq)
+                        return
                     channels.abandon(channel, seq)
                     # A task on another loop may be waiting to take the next batch.
                     self.wake(channel)
                     raise
-                except Exception as exc:
+                except BaseException as exc:
+                    # SystemExit or KeyboardInterrupt out of a task would end the loop, and
+                    # with it the pump and every other sink: a sink never takes it down.
                     channels.disable(channel, exc, seq)
                     return
                 channels.delivered(channel, seq)
@@ -315,28 +331,38 @@ class LoopRunner:
             if channel.is_async:
                 self.channels.close_sink(channel)
 
-    def stop(self, grace: float) -> list[SinkThread]:
-        """Stop the pump, the sink tasks and threads and our loop; wait until ``grace`` (a
-        monotonic deadline) at most. Return the sink threads, finished or not."""
+    def begin_stop(self) -> StopRequest:
+        """Tell the pump, the sink tasks and the sink threads to stop; wait for nothing.
+
+        Several buses closing together (at exit) all begin before any is waited for, so
+        their sinks close side by side within one bound.
+        """
         workers = self._stop_workers()
         loop, thread = self.loop, self.thread
+        future: concurrent.futures.Future[None] | None = None
         if loop is not None and not loop.is_closed() and (thread is not None or loop.is_running()):
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 future = asyncio.run_coroutine_threadsafe(self._stop_tasks(), loop)
-                future.result(max(grace - time.monotonic(), 0))
-            except (
-                RuntimeError,
-                concurrent.futures.TimeoutError,
-                concurrent.futures.CancelledError,
+        return StopRequest(workers, loop, thread, future)
+
+    @staticmethod
+    def end_stop(request: StopRequest, grace: float) -> list[SinkThread]:
+        """Wait until ``grace`` (a monotonic deadline) at most for what ``request`` stops;
+        stop our loop. Return the sink threads, finished or not."""
+        loop, thread = request.loop, request.thread
+        if request.future is not None:
+            # The loop stuck or gone: the close counts what is left.
+            with contextlib.suppress(
+                RuntimeError, concurrent.futures.TimeoutError, concurrent.futures.CancelledError
             ):
-                pass  # the loop is stuck or gone: the close counts what is left
-            if thread is not None:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(loop.stop)
-                thread.join(max(grace - time.monotonic(), 0))
-        for worker in workers:
+                request.future.result(max(grace - time.monotonic(), 0))
+        if loop is not None and thread is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
+            thread.join(max(grace - time.monotonic(), 0))
+        for worker in request.workers:
             worker.done.wait(max(grace - time.monotonic(), 0))
-        return workers
+        return request.workers
 
     async def astop(self, grace: float) -> list[SinkThread]:
         """Like :meth:`stop`, awaited on a loop (the bus's or another)."""
@@ -382,6 +408,16 @@ class LoopRunner:
         self.pump_task = None
         self.started = False
         self.dormant = True
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task was cancelled (by the bus or the ending host loop), as
+    opposed to its sink raising ``CancelledError`` of its own accord."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    # Python 3.10 cannot tell the two apart: take it as a cancellation, which keeps the
+    # hand-over from an ending host loop working.
+    return cancelling is None or cancelling() > 0
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
