@@ -1,0 +1,71 @@
+"""Write tiny, complete model directories that a real vLLM engine loads offline.
+
+For tests and benchmarks that start an engine (``vllm.LLM`` or ``vllm serve``) without a
+model hub: everything a checkpoint directory holds except weights, which the engine makes
+itself with ``load_format="dummy"``. The weights are random, so the text an engine generates
+is meaningless; the encoders still run on real inputs, which forward hooks and omnitrace's
+events prove.
+
+- :func:`write_qwen2_5_omni` (:mod:`.qwen2_5_omni`): a Qwen2.5-Omni thinker, from
+  transformers' own config and processor classes.
+
+Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
+``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
+does not depend on them.
+
+From a shell: ``python -m omnitrace.testing_checkpoints qwen2_5_omni DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from omnitrace.testing_checkpoints._common import SAMPLING_RATE, CheckpointError
+from omnitrace.testing_checkpoints.qwen2_5_omni import (
+    QWEN2_5_OMNI_SPECIAL_TOKENS,
+    Qwen2_5OmniSizes,
+    write_qwen2_5_omni,
+)
+
+__all__ = [
+    "CheckpointError",
+    "QWEN2_5_OMNI_SPECIAL_TOKENS",
+    "Qwen2_5OmniSizes",
+    "SAMPLING_RATE",
+    "main",
+    "write_qwen2_5_omni",
+]
+
+# Each model's writer and its default sizes (printed by --sizes).
+_WRITERS: dict[str, tuple[Callable[[str], Path], Any]] = {
+    "qwen2_5_omni": (write_qwen2_5_omni, Qwen2_5OmniSizes),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write a tiny checkpoint directory from the command line; return the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m omnitrace.testing_checkpoints",
+        description="Write a tiny model directory (config, tokenizer, processor; no weights) "
+        'that vLLM loads offline with load_format="dummy".',
+    )
+    parser.add_argument("model", choices=sorted(_WRITERS))
+    parser.add_argument("directory", help="where to write it (made; must not hold files)")
+    parser.add_argument("--sizes", action="store_true", help="print the sizes used, as JSON")
+    args = parser.parse_args(argv)
+    writer, sizes = _WRITERS[args.model]
+    try:
+        written = writer(args.directory)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.sizes:
+        print(json.dumps(asdict(sizes())))
+    print(written)
+    return 0
