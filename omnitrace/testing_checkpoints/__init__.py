@@ -7,13 +7,16 @@ is meaningless; the encoders still run on real inputs, which forward hooks and o
 events prove.
 
 - :func:`write_qwen2_5_omni` (:mod:`.qwen2_5_omni`): a Qwen2.5-Omni thinker, from
-  transformers' own config and processor classes.
+  transformers' own config and processor classes;
+- :func:`write_minicpmo` (:mod:`.minicpmo`): a MiniCPM-o 4.5, whose config class, image
+  processor and tokenizer are omnitrace's own remote code (:mod:`.minicpmo_remote`), loaded
+  with ``trust_remote_code=True``.
 
 Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
 ``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
 does not depend on them.
 
-From a shell: ``python -m omnitrace.testing_checkpoints qwen2_5_omni DIR``.
+From a shell: ``python -m omnitrace.testing_checkpoints {qwen2_5_omni,minicpmo} DIR``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from omnitrace.testing_checkpoints._common import SAMPLING_RATE, CheckpointError
+from omnitrace.testing_checkpoints.minicpmo import (
+    MINICPMO_REMOTE_FILES,
+    MINICPMO_SPECIAL_TOKENS,
+    MiniCPMOSizes,
+    write_minicpmo,
+)
 from omnitrace.testing_checkpoints.qwen2_5_omni import (
     QWEN2_5_OMNI_SPECIAL_TOKENS,
     Qwen2_5OmniSizes,
@@ -35,15 +44,20 @@ from omnitrace.testing_checkpoints.qwen2_5_omni import (
 
 __all__ = [
     "CheckpointError",
+    "MINICPMO_REMOTE_FILES",
+    "MINICPMO_SPECIAL_TOKENS",
+    "MiniCPMOSizes",
     "QWEN2_5_OMNI_SPECIAL_TOKENS",
     "Qwen2_5OmniSizes",
     "SAMPLING_RATE",
     "main",
+    "write_minicpmo",
     "write_qwen2_5_omni",
 ]
 
 # Each model's writer and its default sizes (printed by --sizes).
 _WRITERS: dict[str, tuple[Callable[[str], Path], Any]] = {
+    "minicpmo": (write_minicpmo, MiniCPMOSizes),
     "qwen2_5_omni": (write_qwen2_5_omni, Qwen2_5OmniSizes),
 }
 
