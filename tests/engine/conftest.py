@@ -1,4 +1,4 @@
-"""Fixtures for the engine tests: a tiny checkpoint and a directory for the engines' files.
+"""Fixtures for the engine tests: tiny checkpoints and a directory for the engines' files.
 
 The tests need vLLM: each module skips without it, and the engine CI tier installs it (and
 turns skips into failures).
@@ -11,13 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace.testing_checkpoints import write_qwen2_5_omni
+from omnitrace.testing_checkpoints import write_minicpmo, write_qwen2_5_omni
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2.5-Omni directory written by omnitrace's checkpoint builder."""
     return write_qwen2_5_omni(tmp_path_factory.mktemp("checkpoints") / "qwen2_5_omni")
+
+
+@pytest.fixture(scope="session")
+def minicpmo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny MiniCPM-o 4.5 directory (with its remote code) written by the same builder."""
+    return write_minicpmo(tmp_path_factory.mktemp("checkpoints") / "minicpmo")
 
 
 @pytest.fixture(scope="session")

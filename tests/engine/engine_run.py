@@ -13,7 +13,16 @@ seeded: one image, one audio clip at 16 kHz, two images and two clips, each ``--
 times with new content of the same sizes, then one chat request with an image and a clip;
 greedy decoding, so two runs on the same dummy weights must produce the same tokens.
 
-Usage: ``python engine_run.py --model DIR --out result.json [--overrides JSON]``
+``--model-kind minicpmo`` serves a MiniCPM-o 4.5 directory instead (remote code, so
+``trust_remote_code=True``) with its own prompts: images of one, three, four and five slices
+in square, wide and tall shapes, clips of 1 s to 30 s, and two of each in one prompt. Its
+digests are of ``vpm`` (the vision tower, a forward hook) and of what
+``get_audio_hidden_states`` returns (the audio adapter replays Whisper, the projection and the
+pooling as one graph, so no hook inside it would see a replayed call): one digest per call
+of each adapter.
+
+Usage: ``python engine_run.py --model DIR --out result.json [--overrides JSON]
+[--model-kind {qwen2_5_omni,minicpmo}]``
 """
 
 from __future__ import annotations
@@ -35,11 +44,20 @@ import numpy as np
 
 #: Towers whose outputs the hooks digest, by the thinker's attribute names.
 TOWERS = ("visual", "audio_tower")
+#: MiniCPM-o: the vision tower, hooked, and the batch audio method, wrapped.
+MINICPMO_VISION = "vpm"
+MINICPMO_AUDIO_METHOD = "get_audio_hidden_states"
+#: Where each MiniCPM-o adapter lives: (attribute of the model, or "" for the model itself,
+#: attribute holding the adapter).
+MINICPMO_ADAPTERS = (("vpm", "_encoder_graph"), ("", "_audio_encoder_graph"))
 SAMPLING_RATE = 16_000
 _USER = "<|im_start|>user\n"
 _ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
 _IMAGE = "<|vision_start|><|IMAGE|><|vision_end|>"
 _AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+# vLLM's MiniCPMO.get_placeholder_str for each modality.
+_MO_IMAGE = "(<image>./</image>)"
+_MO_AUDIO = "(<audio>./</audio>)"
 
 
 def image(seed: int, width: int, height: int) -> Any:
@@ -78,6 +96,47 @@ def prompts(round_: int = 0) -> list[dict[str, Any]]:
             "multi_modal_data": {
                 "image": [image(s + 3, 224, 224), image(s + 4, 336, 196)],
                 "audio": [clip(s + 5, 0.5), clip(s + 6, 2.5)],
+            },
+        },
+    ]
+
+
+def minicpmo_prompts(round_: int = 0) -> list[dict[str, Any]]:
+    """MiniCPM-o prompts: slice counts 1, 3, 4 and 5, clips of 1 s and 30 s, then a mix.
+
+    The 224x224 image is one thumbnail (upscaled), 896x448 a 2x1 grid (three slices),
+    448x1344 a 1x3 grid (four), 1000x700 a 2x2 grid (five); the clips cover one audio chunk,
+    the 30 s window and lengths between. Same sizes every round, new content (vLLM caches
+    encoder outputs by content).
+    """
+    s = 20 * round_
+    mix = f"{_MO_IMAGE}{_MO_IMAGE}{_MO_AUDIO}{_MO_AUDIO}\nCompare them."
+    return [
+        {
+            "prompt": f"{_USER}{_MO_IMAGE}\nDescribe the image.{_ASSISTANT}",
+            "multi_modal_data": {"image": image(s + 1, 224, 224)},
+        },
+        {
+            "prompt": f"{_USER}{_MO_IMAGE}\nDescribe the image.{_ASSISTANT}",
+            "multi_modal_data": {"image": image(s + 2, 896, 448)},
+        },
+        {
+            "prompt": f"{_USER}{_MO_IMAGE}\nDescribe the image.{_ASSISTANT}",
+            "multi_modal_data": {"image": image(s + 3, 448, 1344)},
+        },
+        {
+            "prompt": f"{_USER}{_MO_AUDIO}\nWhat do you hear?{_ASSISTANT}",
+            "multi_modal_data": {"audio": clip(s + 4, 1.0)},
+        },
+        {
+            "prompt": f"{_USER}{_MO_AUDIO}\nWhat do you hear?{_ASSISTANT}",
+            "multi_modal_data": {"audio": clip(s + 5, 30.0)},
+        },
+        {
+            "prompt": f"{_USER}{mix}{_ASSISTANT}",
+            "multi_modal_data": {
+                "image": [image(s + 6, 1000, 700), image(s + 7, 300, 500)],
+                "audio": [clip(s + 8, 2.5), clip(s + 9, 7.0)],
             },
         },
     ]
@@ -159,22 +218,55 @@ def _watch_towers(worker: Any) -> dict[str, Any]:
     return {"towers": sorted(outputs)}
 
 
-def _report(worker: Any) -> dict[str, Any]:
-    """What the worker's towers and adapters did (run in the worker)."""
+def _watch_minicpmo(worker: Any) -> dict[str, Any]:
+    """Digest every vision tower output and every batch audio result, in call order."""
     model = worker.model_runner.model
-    runner = type(worker.model_runner)
+    outputs: dict[str, list[str]] = {MINICPMO_VISION: [], MINICPMO_AUDIO_METHOD: []}
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        outputs[MINICPMO_VISION].append(digest(output))
+
+    getattr(model, MINICPMO_VISION).register_forward_hook(hook)
+    # Wraps whatever the instance resolves now: omnitrace's routed method when the plugin
+    # attached, vLLM's own otherwise; either way the result the language model receives.
+    inner = getattr(model, MINICPMO_AUDIO_METHOD)
+
+    def audio(data: Any) -> Any:
+        result = inner(data)
+        outputs[MINICPMO_AUDIO_METHOD].append(digest(result))
+        return result
+
+    object.__setattr__(model, MINICPMO_AUDIO_METHOD, audio)
+    model._engine_test_outputs = outputs
+    return {"towers": sorted(outputs)}
+
+
+def _adapters(model: Any) -> dict[str, Any]:
+    """Every adapter on the model, by name: the towers' ``_encoder_graph`` and MiniCPM-o's."""
+    holders = [(getattr(model, name, None), "_encoder_graph") for name in TOWERS]
+    holders += [
+        (getattr(model, owner, None) if owner else model, attribute)
+        for owner, attribute in MINICPMO_ADAPTERS
+    ]
     adapters = {}
-    for name in TOWERS:
-        graph = getattr(getattr(model, name, None), "_encoder_graph", None)
+    for holder, attribute in holders:
+        graph = getattr(holder, attribute, None)
         if graph is not None:
             adapters[graph.name] = {
                 "stats": graph.get_cumulative_stats(),
                 "backend": type(graph.backend).__name__,
                 "captured": list(graph.captured_keys()),
             }
+    return adapters
+
+
+def _report(worker: Any) -> dict[str, Any]:
+    """What the worker's towers and adapters did (run in the worker)."""
+    model = worker.model_runner.model
+    runner = type(worker.model_runner)
     return {
         "outputs": dict(getattr(model, "_engine_test_outputs", {})),
-        "adapters": adapters,
+        "adapters": _adapters(model),
         "runner": f"{runner.__module__}.{runner.__qualname__}",
         "pid": os.getpid(),
     }
@@ -197,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--model-kind", choices=("qwen2_5_omni", "minicpmo"), default="qwen2_5_omni"
+    )
     args = parser.parse_args(argv)
+    minicpmo = args.model_kind == "minicpmo"
 
     started = time.monotonic()
     from vllm import LLM, SamplingParams
@@ -207,21 +303,25 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
         seed=0,
         dtype=args.dtype,
-        max_model_len=2048,
+        # MiniCPM-o's profiling prompt holds two 10-slice images and two 30 s clips.
+        max_model_len=4096 if minicpmo else 2048,
         max_num_seqs=4,
         limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0},
         hf_overrides=json.loads(args.overrides),
         enforce_eager=args.enforce_eager,
+        # MiniCPM-o's config class, image processor and tokenizer are the directory's code.
+        **({"trust_remote_code": True} if minicpmo else {}),
     )
     init_s = time.monotonic() - started
-    llm.collective_rpc(_watch_towers)
+    llm.collective_rpc(_watch_minicpmo if minicpmo else _watch_towers)
     # Random weights make the tokens meaningless and often the same for every prompt; the
     # chosen tokens' log-probabilities still depend on every embedding of the prompt, so
     # the comparisons read both.
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=0)
     tokens, logprobs = [], []
     for round_ in range(args.repeat):
-        outputs = llm.generate(prompts(round_), greedy, use_tqdm=False)
+        batch = minicpmo_prompts(round_) if minicpmo else prompts(round_)
+        outputs = llm.generate(batch, greedy, use_tqdm=False)
         tokens.append([list(output.outputs[0].token_ids) for output in outputs])
         logprobs.append([_chosen_logprobs(output.outputs[0]) for output in outputs])
     chat = llm.chat(chat_messages(), greedy, use_tqdm=False)

@@ -10,10 +10,15 @@ import pytest
 pytest.importorskip("transformers", reason="the engine CI tier installs transformers")
 
 from omnitrace.testing_checkpoints import (
+    MINICPMO_REMOTE_FILES,
+    MINICPMO_SPECIAL_TOKENS,
     QWEN2_5_OMNI_SPECIAL_TOKENS,
     CheckpointError,
+    MiniCPMOSizes,
     Qwen2_5OmniSizes,
     main,
+    minicpmo_remote,
+    write_minicpmo,
     write_qwen2_5_omni,
 )
 
@@ -70,3 +75,144 @@ def test_a_directory_with_files_is_never_overwritten(
     assert main(["qwen2_5_omni", str(target)]) == 2
     assert capsys.readouterr().err == f"error: {target}: exists and is not an empty directory\n"
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+def test_minicpmo_writing_twice_gives_the_same_bytes(tmp_path: Path) -> None:
+    """Two MiniCPM-o directories are byte for byte the same and carry the package's remote code."""
+    first = _files(write_minicpmo(tmp_path / "a"))
+    assert _files(write_minicpmo(tmp_path / "b")) == first
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "processor_config.json",
+        *MINICPMO_REMOTE_FILES,
+    } <= set(first)
+    remote = Path(minicpmo_remote.__file__).parent
+    for name in MINICPMO_REMOTE_FILES:
+        assert first[name] == (remote / name).read_bytes(), name
+
+
+def test_minicpmo_loads_through_auto_map_with_the_ids_vllm_reads(tmp_path: Path) -> None:
+    """AutoConfig and AutoTokenizer load the remote classes; every id the processor reads exists."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = write_minicpmo(tmp_path / "minicpmo")
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+    assert type(config).__name__ == "MiniCPMOConfig"
+    assert (config.model_type, str(config.version), config.architectures) == (
+        "minicpmo",
+        "4.5",
+        ["MiniCPMO"],
+    )
+    assert type(config.vision_config).__name__ == "SiglipVisionConfig"
+    assert type(config.audio_config).__name__ == "WhisperConfig"
+    # vLLM's audio projection reads encoder_ffn_dim // 4 features off the Whisper output.
+    assert config.audio_config.encoder_ffn_dim // 4 == config.audio_config.d_model
+    assert (config.query_num, config.audio_pool_step, config.audio_config.num_mel_bins) == (
+        64,
+        5,
+        80,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "MiniCPMOTokenizerFast"
+    for name in (
+        "im_start_id",
+        "im_end_id",
+        "slice_start_id",
+        "slice_end_id",
+        "audio_start_id",
+        "audio_end_id",
+        "spk_start_id",
+        "spk_end_id",
+    ):
+        token = getattr(tokenizer, name.removesuffix("_id"))
+        assert getattr(tokenizer, name) == tokenizer.convert_tokens_to_ids(token), name
+        assert token in MINICPMO_SPECIAL_TOKENS
+    assert config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert config.vocab_size % 64 == 0
+    assert config.vocab_size - 64 < len(tokenizer) <= config.vocab_size
+    # Each marker is one token, so the processor's spans are found by id.
+    pattern = tokenizer.tokenize("(<image>./</image>)(<audio>./</audio>)")
+    assert {"<image>", "</image>", "<audio>", "</audio>"} <= set(pattern)
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "grid"),
+    [
+        (224, 224, None),
+        (448, 448, None),
+        (896, 448, (2, 1)),
+        (448, 1344, (1, 3)),
+        (1000, 700, (2, 2)),
+        (448, 4032, (1, 9)),
+    ],
+)
+def test_minicpmo_placeholders_match_the_slices_the_processor_makes(
+    tmp_path: Path, width: int, height: int, grid: tuple[int, int] | None
+) -> None:
+    """The placeholder holds 64 ``<unk>`` per slice, and the pixels come as that many slices."""
+    pytest.importorskip("vllm", reason="vLLM's vendored processor is what reads the directory")
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from vllm.transformers_utils.processors.minicpmo import MiniCPMOProcessor
+
+    directory = write_minicpmo(tmp_path / "minicpmo")
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    processor = MiniCPMOProcessor.from_pretrained(
+        directory, trust_remote_code=True, tokenizer=tokenizer
+    )
+    images = processor.image_processor
+    assert images.get_sliced_grid((width, height), images.max_slice_nums) == grid
+    slices = 1 + (grid[0] * grid[1] if grid else 0)
+    placeholder = images.get_slice_image_placeholder((width, height), 0)
+    assert tokenizer.tokenize(placeholder).count("<unk>") == slices * images.image_feature_size
+    picture = Image.new("RGB", (width, height), (10, 200, 30))
+    out = processor(text=["(<image>./</image>)"], images=[[picture]])
+    assert len(out["pixel_values"][0]) == slices
+    tgt_sizes = out["tgt_sizes"][0].tolist()
+    for pixels, (rows, columns) in zip(out["pixel_values"][0], tgt_sizes, strict=True):
+        # (3, patch, patches * patch): what vLLM's patch-sized convolution reads.
+        assert tuple(pixels.shape) == (3, 14, rows * columns * 14)
+    ids = out["input_ids"][0].tolist()
+    assert ids.count(tokenizer.unk_token_id) == slices * images.image_feature_size
+    assert len(out["image_bound"][0]) == slices
+
+
+@pytest.mark.parametrize("seconds", [1.0, 2.5, 30.0])
+def test_minicpmo_audio_placeholders_match_the_pooled_length(
+    tmp_path: Path, seconds: float
+) -> None:
+    """An audio clip's placeholder holds as many ``<unk>`` as vLLM's pooling makes embeddings."""
+    pytest.importorskip("vllm", reason="vLLM's vendored processor is what reads the directory")
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm.transformers_utils.processors.minicpmo import MiniCPMOProcessor
+
+    directory = write_minicpmo(tmp_path / "minicpmo")
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    processor = MiniCPMOProcessor.from_pretrained(
+        directory, trust_remote_code=True, tokenizer=tokenizer, pool_step=5
+    )
+    samples = np.zeros(int(seconds * 16_000), dtype=np.float32)
+    out = processor(text=["(<audio>./</audio>)"], audios=[[samples]], chunk_input=True)
+    frames = int(out["audio_feature_lens"][0][0])
+    assert frames == seconds * 100
+    # MiniCPMOBaseModel._get_feat_extract_output_lengths, with audio_pool_step 5.
+    pooled = ((frames - 1) // 2 + 1 - 5) // 5 + 1
+    assert out["input_ids"][0].tolist().count(tokenizer.unk_token_id) == pooled
+
+
+def test_minicpmo_sizes_vllm_would_refuse_are_errors(tmp_path: Path) -> None:
+    """A text width the resampler cannot split into 128-wide heads is refused before writing."""
+    with pytest.raises(CheckpointError, match="multiple of 128"):
+        write_minicpmo(tmp_path / "bad", MiniCPMOSizes(text_hidden=192, text_heads=3))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_command_line_writes_a_minicpmo_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m omnitrace.testing_checkpoints minicpmo DIR`` writes it and prints its path."""
+    assert main(["minicpmo", str(tmp_path / "cli")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'cli'}\n"
+    assert (tmp_path / "cli" / "configuration_minicpmo.py").exists()

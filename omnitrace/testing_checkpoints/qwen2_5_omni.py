@@ -1,12 +1,6 @@
-"""Write tiny, complete model directories that a real vLLM engine loads offline.
+"""A tiny Qwen2.5-Omni directory (the thinker is what vLLM serves).
 
-For tests and benchmarks that start an engine (``vllm.LLM`` or ``vllm serve``) without a
-model hub: everything a checkpoint directory holds except weights, which the engine makes
-itself with ``load_format="dummy"``. The weights are random, so the text an engine generates
-is meaningless; the encoders still run on real inputs, which forward hooks and omnitrace's
-events prove.
-
-:func:`write_qwen2_5_omni` writes a Qwen2.5-Omni directory (the thinker is what vLLM serves):
+:func:`write_qwen2_5_omni` writes:
 
 - ``config.json`` from transformers' own config classes, at tiny sizes that vLLM 0.26
   accepts: head dims of 64 (FlashAttention and SDPA both take them), an ``mrope_section``
@@ -23,30 +17,29 @@ events prove.
 Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
 ``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
 does not depend on them.
-
-From a shell: ``python -m omnitrace.testing_checkpoints qwen2_5_omni DIR``.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
-import sys
-import tempfile
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnitrace.config import OmnitraceError
+from omnitrace.testing_checkpoints._common import (
+    SAMPLING_RATE,
+    CheckpointError,
+    quiet,
+    requirements,
+    train_tokenizer,
+    write_staged,
+)
+from omnitrace.testing_checkpoints._common import padded as _padded
 
 __all__ = [
-    "CheckpointError",
     "QWEN2_5_OMNI_SPECIAL_TOKENS",
     "Qwen2_5OmniSizes",
-    "main",
     "write_qwen2_5_omni",
 ]
 
@@ -80,17 +73,6 @@ _NAMED_TOKENS = {
     "audio_eos_token": "<|audio_eos|>",
 }
 
-# A fixed corpus: the tokenizer must come out the same on every machine.
-_CORPUS = (
-    "Describe the image and the audio clip in one short sentence.",
-    "What is in this picture? What do you hear in the recording?",
-    "The quick brown fox jumps over the lazy dog near the river bank.",
-    "A cat sits on a red chair; a dog sleeps under the wooden table.",
-    "Speech, music, noise and silence: classify the sound you hear.",
-    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation , . ; : ! ? ( ) [ ] { }",
-    "system user assistant: You are a helpful assistant that answers briefly.",
-)
-
 # Messages whose content is a list get one placeholder per image, video or audio part, in
 # the order vLLM's chat parser and the processor expect; string content is used as is.
 _CHAT_TEMPLATE = (
@@ -109,16 +91,8 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-#: The sample rate the feature extractor takes (vLLM resamples other rates with PyAV).
-SAMPLING_RATE = 16_000
-
-
 #: Head dims every attention backend vLLM 0.26 picks for these towers accepts.
 _HEAD_DIMS = frozenset({64, 80, 128})
-
-
-class CheckpointError(OmnitraceError, RuntimeError):
-    """A checkpoint directory cannot be written (missing package, bad size, unusable path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,57 +171,6 @@ class Qwen2_5OmniSizes:
             )
 
 
-def _requirements() -> tuple[Any, Any]:
-    try:
-        import tokenizers
-        import transformers
-    except ImportError as exc:
-        raise CheckpointError(
-            f"writing a checkpoint needs transformers and tokenizers ({exc}); install them "
-            "beside the engine"
-        ) from exc
-    return transformers, tokenizers
-
-
-def _train_tokenizer(vocab_size: int, specials: Sequence[str]) -> Any:
-    """Train a byte-level BPE on the fixed corpus; the specials get the ids after it."""
-    _, tokenizers = _requirements()
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_CORPUS * 8, trainer=trainer)
-    tokenizer.add_special_tokens(list(specials))
-    return tokenizer
-
-
-@contextlib.contextmanager
-def _quiet(transformers: Any) -> Iterator[None]:
-    """Hide transformers' warnings inside the block.
-
-    Building and saving a Qwen2_5OmniConfig validates and diffs against default sub-configs
-    whose token ids are the full model's, outside a tiny vocabulary; the warnings they raise
-    are about those defaults, not about the directory written.
-    """
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-
-
-def _padded(n: int, multiple: int = 64) -> int:
-    return -(-n // multiple) * multiple
-
-
 def write_qwen2_5_omni(path: str | os.PathLike[str], sizes: Qwen2_5OmniSizes | None = None) -> Path:
     """Write a tiny Qwen2.5-Omni model directory at ``path`` and return it.
 
@@ -260,31 +183,15 @@ def write_qwen2_5_omni(path: str | os.PathLike[str], sizes: Qwen2_5OmniSizes | N
     """
     sizes = sizes or Qwen2_5OmniSizes()
     sizes.check()
-    transformers, _ = _requirements()
-    target = Path(path)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"{target}: exists and is not an empty directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_qwen2_5_omni(transformers, staging, sizes)
-        if target.exists():
-            target.rmdir()
-        # mkdtemp makes the directory private; a model directory is read by other users.
-        staging.chmod(0o755)
-        staging.rename(target)
-    except BaseException:
-        for child in staging.glob("*"):
-            child.unlink()
-        staging.rmdir()
-        raise
-    return target
+    transformers, _ = requirements()
+    return write_staged(path, lambda staging: _write_qwen2_5_omni(transformers, staging, sizes))
 
 
 def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSizes) -> None:
-    from transformers.models.qwen2_5_omni import configuration_qwen2_5_omni as configs
+    # Through the module object (Any): the classes' own annotations are not this code's.
+    configs = transformers.models.qwen2_5_omni.configuration_qwen2_5_omni
 
-    raw = _train_tokenizer(sizes.tokenizer_vocab, QWEN2_5_OMNI_SPECIAL_TOKENS)
+    raw = train_tokenizer(sizes.tokenizer_vocab, QWEN2_5_OMNI_SPECIAL_TOKENS)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token="<|im_end|>",
@@ -369,28 +276,22 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
             )
         }
     )
-    with _quiet(transformers):
+    with quiet(transformers):
         config = configs.Qwen2_5OmniConfig(
             thinker_config=thinker, talker_config=talker, enable_audio_output=False
         )
     config.architectures = ["Qwen2_5OmniModel"]
-    with _quiet(transformers):
+    with quiet(transformers):
         config.save_pretrained(directory)
 
-    from transformers import (
-        Qwen2_5OmniProcessor,
-        Qwen2VLImageProcessor,
-        WhisperFeatureExtractor,
-    )
-
-    image_processor = Qwen2VLImageProcessor(
+    image_processor = transformers.Qwen2VLImageProcessor(
         patch_size=14,
         merge_size=2,
         temporal_patch_size=2,
         min_pixels=28 * 28 * 4,
         max_pixels=28 * 28 * 256,
     )
-    feature_extractor = WhisperFeatureExtractor(
+    feature_extractor = transformers.WhisperFeatureExtractor(
         feature_size=128, sampling_rate=SAMPLING_RATE, chunk_length=300, n_samples=4_800_000
     )
     processor_parts: dict[str, Any] = {
@@ -402,7 +303,7 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
     video_processor = _video_processor(transformers)
     if video_processor is not None:
         processor_parts["video_processor"] = video_processor
-    processor = Qwen2_5OmniProcessor(**processor_parts)
+    processor = transformers.Qwen2_5OmniProcessor(**processor_parts)
     processor.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     (directory / "generation_config.json").write_text(
@@ -413,46 +314,11 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
 def _video_processor(transformers: Any) -> Any:
     """Qwen2-VL's video processor, where its dependencies (torchvision) import."""
     try:
-        from transformers import Qwen2VLVideoProcessor
-    except ImportError:
+        # A lazy attribute of transformers: it raises where torchvision does not import.
+        video_processor = transformers.Qwen2VLVideoProcessor
+    except (ImportError, AttributeError):
         return None
     try:
-        return Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
+        return video_processor(patch_size=14, merge_size=2, temporal_patch_size=2)
     except ImportError:
         return None
-
-
-_WRITERS = {"qwen2_5_omni": write_qwen2_5_omni}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Write a tiny checkpoint directory from the command line; return the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m omnitrace.testing_checkpoints",
-        description="Write a tiny model directory (config, tokenizer, processor; no weights) "
-        'that vLLM loads offline with load_format="dummy".',
-    )
-    parser.add_argument("model", choices=sorted(_WRITERS))
-    parser.add_argument("directory", help="where to write it (made; must not hold files)")
-    parser.add_argument(
-        "--size",
-        choices=("tiny", "7b"),
-        default="tiny",
-        help="tiny (default, a few MB of weights) or the released 7B thinker's sizes",
-    )
-    parser.add_argument("--sizes", action="store_true", help="print the sizes used, as JSON")
-    args = parser.parse_args(argv)
-    sizes = Qwen2_5OmniSizes.seven_b() if args.size == "7b" else Qwen2_5OmniSizes()
-    try:
-        written = _WRITERS[args.model](args.directory, sizes)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.sizes:
-        print(json.dumps(asdict(sizes)))
-    print(written)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Write tiny, complete model directories that a real vLLM engine loads offline.
+
+For tests and benchmarks that start an engine (``vllm.LLM`` or ``vllm serve``) without a
+model hub: everything a checkpoint directory holds except weights, which the engine makes
+itself with ``load_format="dummy"``. The weights are random, so the text an engine generates
+is meaningless; the encoders still run on real inputs, which forward hooks and omnitrace's
+events prove.
+
+- :func:`write_qwen2_5_omni` (:mod:`.qwen2_5_omni`): a Qwen2.5-Omni thinker, from
+  transformers' own config and processor classes;
+- :func:`write_minicpmo` (:mod:`.minicpmo`): a MiniCPM-o 4.5, whose config class, image
+  processor and tokenizer are omnitrace's own remote code (:mod:`.minicpmo_remote`), loaded
+  with ``trust_remote_code=True``.
+
+Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
+``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
+does not depend on them.
+
+From a shell: ``python -m omnitrace.testing_checkpoints {qwen2_5_omni,minicpmo} DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from omnitrace.testing_checkpoints._common import SAMPLING_RATE, CheckpointError
+from omnitrace.testing_checkpoints.minicpmo import (
+    MINICPMO_REMOTE_FILES,
+    MINICPMO_SPECIAL_TOKENS,
+    MiniCPMOSizes,
+    write_minicpmo,
+)
+from omnitrace.testing_checkpoints.qwen2_5_omni import (
+    QWEN2_5_OMNI_SPECIAL_TOKENS,
+    Qwen2_5OmniSizes,
+    write_qwen2_5_omni,
+)
+
+__all__ = [
+    "CheckpointError",
+    "MINICPMO_REMOTE_FILES",
+    "MINICPMO_SPECIAL_TOKENS",
+    "MiniCPMOSizes",
+    "QWEN2_5_OMNI_SPECIAL_TOKENS",
+    "Qwen2_5OmniSizes",
+    "SAMPLING_RATE",
+    "main",
+    "write_minicpmo",
+    "write_qwen2_5_omni",
+]
+
+# Each model's writer and its default sizes (printed by --sizes).
+_WRITERS: dict[str, tuple[Callable[[str, Any], Path], Any]] = {
+    "minicpmo": (write_minicpmo, MiniCPMOSizes),
+    "qwen2_5_omni": (write_qwen2_5_omni, Qwen2_5OmniSizes),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write a tiny checkpoint directory from the command line; return the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m omnitrace.testing_checkpoints",
+        description="Write a tiny model directory (config, tokenizer, processor; no weights) "
+        'that vLLM loads offline with load_format="dummy".',
+    )
+    parser.add_argument("model", choices=sorted(_WRITERS))
+    parser.add_argument("directory", help="where to write it (made; must not hold files)")
+    parser.add_argument(
+        "--size",
+        choices=("tiny", "7b"),
+        default="tiny",
+        help="tiny (default, a few MB of weights) or, for qwen2_5_omni, the released 7B "
+        "thinker's sizes",
+    )
+    parser.add_argument("--sizes", action="store_true", help="print the sizes used, as JSON")
+    args = parser.parse_args(argv)
+    writer, sizes_class = _WRITERS[args.model]
+    if args.size == "7b" and not hasattr(sizes_class, "seven_b"):
+        parser.error(f"--size 7b: {args.model} has tiny sizes only")
+    sizes = sizes_class.seven_b() if args.size == "7b" else sizes_class()
+    try:
+        written = writer(args.directory, sizes)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.sizes:
+        print(json.dumps(asdict(sizes)))
+    print(written)
+    return 0

@@ -1,0 +1,307 @@
+"""A tiny MiniCPM-o 4.5 directory that vLLM 0.26 serves as ``MiniCPMO`` (``MiniCPMO4_5``).
+
+Neither transformers 5.17 nor vLLM knows the model type ``minicpmo``, so the directory
+carries its own remote code, registered through ``auto_map`` and loaded with
+``trust_remote_code=True``: the three modules of
+:mod:`omnitrace.testing_checkpoints.minicpmo_remote` (config class, image processor,
+tokenizer), which omnitrace writes itself from the interface vLLM calls. vLLM's own model code
+and its vendored processor wrapper (``vllm.transformers_utils.processors.minicpmo``, named by
+``processor_class``) run unmodified around them.
+
+:func:`write_minicpmo` writes:
+
+- ``config.json``: a Qwen3 language model, a SigLIP vision config (patch 14, a 70x70 position
+  grid as the 980 px so400m tower has, 448 px slices), a Whisper audio config (80 mel bins,
+  1500 positions: 30 s), ``query_num`` 64, ``audio_pool_step`` 5, ``audio_chunk_length`` 1 s
+  and ``version`` "4.5"; head dims of 64 everywhere the attention kernels need them, a text
+  hidden size that is a multiple of 128 (vLLM gives the resampler ``hidden // 128`` heads),
+  an audio feed-forward four times its width (vLLM's projection reads ``encoder_ffn_dim // 4``
+  features from the Whisper encoder's output), and ``vocab_size`` the tokenizer's length
+  padded to a multiple of 64;
+- a byte-level BPE tokenizer trained here on a fixed corpus, holding the markers the
+  processor finds spans by (``<image>``, ``<slice>``, ``<image_id>``, ``<audio>``, ``<spk>``,
+  their closing tokens, and ``<unk>``, the token every embedding position holds), with a chat
+  template that takes string content (vLLM then puts its ``(<image>./</image>)`` and
+  ``(<audio>./</audio>)`` placeholders in the text);
+- ``processor_config.json``: the image processor (up to 9 slices) and a Whisper feature
+  extractor at 16 kHz with 80 mel bins and 30 s windows.
+
+Writing is deterministic (same arguments, same bytes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omnitrace.testing_checkpoints._common import (
+    SAMPLING_RATE,
+    CheckpointError,
+    padded,
+    quiet,
+    requirements,
+    train_tokenizer,
+    write_staged,
+)
+
+__all__ = [
+    "MINICPMO_REMOTE_FILES",
+    "MINICPMO_SPECIAL_TOKENS",
+    "MiniCPMOSizes",
+    "write_minicpmo",
+]
+
+#: The model's special tokens, in the order they get ids after the trained vocabulary.
+MINICPMO_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<unk>",
+    "<image>",
+    "</image>",
+    "<slice>",
+    "</slice>",
+    "<image_id>",
+    "</image_id>",
+    "<audio>",
+    "</audio>",
+    "<spk>",
+    "</spk>",
+)
+
+#: The remote-code modules copied into the directory, by file name.
+MINICPMO_REMOTE_FILES = (
+    "configuration_minicpmo.py",
+    "image_processing_minicpmo.py",
+    "tokenization_minicpmo.py",
+)
+
+_REMOTE = Path(__file__).resolve().parent / "minicpmo_remote"
+
+_AUTO_CONFIG = {"AutoConfig": "configuration_minicpmo.MiniCPMOConfig"}
+_AUTO_TOKENIZER = {"AutoTokenizer": [None, "tokenization_minicpmo.MiniCPMOTokenizerFast"]}
+_AUTO_IMAGE_PROCESSOR = {"AutoImageProcessor": "image_processing_minicpmo.MiniCPMOImageProcessor"}
+
+# String content only: vLLM's chat parser then writes each image or audio part as its
+# placeholder string ahead of the text, as the model's own template expects.
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MiniCPMOSizes:
+    """The sizes of a tiny MiniCPM-o 4.5 (defaults: a few MB of random weights)."""
+
+    text_hidden: int = 128
+    text_layers: int = 2
+    text_heads: int = 2
+    text_kv_heads: int = 1
+    text_intermediate: int = 256
+    vision_hidden: int = 128
+    vision_layers: int = 2
+    vision_heads: int = 2
+    vision_intermediate: int = 256
+    audio_hidden: int = 128
+    audio_layers: int = 2
+    audio_heads: int = 2
+    query_num: int = 64
+    max_slice_nums: int = 9
+    tokenizer_vocab: int = 400
+    max_position_embeddings: int = 8192
+
+    def check(self) -> None:
+        """Raise CheckpointError for sizes vLLM's model code or kernels would refuse."""
+        for name, hidden, heads in (
+            ("text", self.text_hidden, self.text_heads),
+            ("vision", self.vision_hidden, self.vision_heads),
+            ("audio", self.audio_hidden, self.audio_heads),
+        ):
+            if heads < 1 or hidden % heads or hidden // heads != 64:
+                raise CheckpointError(
+                    f"{name}: hidden size {hidden} over {heads} heads must give a head dim "
+                    f"of 64 (FlashAttention and SDPA both take it)"
+                )
+        if self.text_hidden % 128:
+            raise CheckpointError(
+                f"text_hidden {self.text_hidden} must be a multiple of 128 (vLLM gives the "
+                "resampler text_hidden // 128 heads)"
+            )
+        if self.text_heads % self.text_kv_heads:
+            raise CheckpointError(
+                f"text_kv_heads {self.text_kv_heads} must divide text_heads {self.text_heads}"
+            )
+        for name in ("text_layers", "vision_layers", "audio_layers", "query_num"):
+            if getattr(self, name) < 1:
+                raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_slice_nums < 1:
+            raise CheckpointError(f"max_slice_nums must be at least 1, got {self.max_slice_nums}")
+        if self.tokenizer_vocab < 300:
+            raise CheckpointError(
+                f"tokenizer_vocab must be at least 300 (256 bytes plus merges), "
+                f"got {self.tokenizer_vocab}"
+            )
+
+
+def write_minicpmo(path: str | os.PathLike[str], sizes: MiniCPMOSizes | None = None) -> Path:
+    """Write a tiny MiniCPM-o 4.5 model directory at ``path`` and return it.
+
+    The directory is made (or must be empty) and filled in a temporary sibling first, then
+    renamed into place, so a failure leaves nothing half-written.
+
+    Raises:
+        CheckpointError: transformers or tokenizers is missing, a size is unusable, or
+            ``path`` exists and is not an empty directory.
+    """
+    sizes = sizes or MiniCPMOSizes()
+    sizes.check()
+    transformers, _ = requirements()
+    return write_staged(path, lambda staging: _write_minicpmo(transformers, staging, sizes))
+
+
+def _dump(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _amend(path: Path, **entries: Any) -> None:
+    """Add ``entries`` to a JSON file transformers wrote."""
+    data = json.loads(path.read_text())
+    data.update(entries)
+    _dump(path, data)
+
+
+def _write_minicpmo(transformers: Any, directory: Path, sizes: MiniCPMOSizes) -> None:
+    # The package's own copies of the remote modules build what the directory describes, so
+    # the files written and the classes that read them back are the same code.
+    remote = f"{__package__}.minicpmo_remote"
+    configuration_minicpmo = importlib.import_module(f"{remote}.configuration_minicpmo")
+    image_processing_minicpmo = importlib.import_module(f"{remote}.image_processing_minicpmo")
+    tokenization_minicpmo = importlib.import_module(f"{remote}.tokenization_minicpmo")
+
+    for name in MINICPMO_REMOTE_FILES:
+        shutil.copyfile(_REMOTE / name, directory / name)
+
+    raw = train_tokenizer(sizes.tokenizer_vocab, MINICPMO_SPECIAL_TOKENS)
+    tokenizer = tokenization_minicpmo.MiniCPMOTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        model_max_length=sizes.max_position_embeddings,
+        chat_template=_CHAT_TEMPLATE,
+    )
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MINICPMO_SPECIAL_TOKENS}
+    text_head_dim = sizes.text_hidden // sizes.text_heads
+    with quiet(transformers):
+        config = configuration_minicpmo.MiniCPMOConfig(
+            vocab_size=padded(len(tokenizer)),
+            hidden_size=sizes.text_hidden,
+            intermediate_size=sizes.text_intermediate,
+            num_hidden_layers=sizes.text_layers,
+            num_attention_heads=sizes.text_heads,
+            num_key_value_heads=sizes.text_kv_heads,
+            head_dim=text_head_dim,
+            max_position_embeddings=sizes.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=False,
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            vision_config={
+                "hidden_size": sizes.vision_hidden,
+                "intermediate_size": sizes.vision_intermediate,
+                "num_hidden_layers": sizes.vision_layers,
+                "num_attention_heads": sizes.vision_heads,
+                "num_channels": 3,
+                # so400m's 980 px tower: a 70x70 position grid the slices' patches bucket into.
+                "image_size": 980,
+                "patch_size": 14,
+                "hidden_act": "gelu_pytorch_tanh",
+                "layer_norm_eps": 1e-6,
+            },
+            audio_config={
+                "d_model": sizes.audio_hidden,
+                "encoder_layers": sizes.audio_layers,
+                "encoder_attention_heads": sizes.audio_heads,
+                "encoder_ffn_dim": 4 * sizes.audio_hidden,
+                "decoder_layers": 1,
+                "decoder_attention_heads": sizes.audio_heads,
+                "decoder_ffn_dim": 4 * sizes.audio_hidden,
+                "num_mel_bins": 80,
+                "max_source_positions": 1500,
+            },
+            query_num=sizes.query_num,
+            image_size=448,
+            max_slice_num=sizes.max_slice_nums,
+            audio_pool_step=5,
+            audio_chunk_length=1.0,
+            version="4.5",
+        )
+        config.architectures = ["MiniCPMO"]
+        config.save_pretrained(directory)
+    _amend(directory / "config.json", auto_map=_AUTO_CONFIG)
+
+    tokenizer.save_pretrained(directory)
+    _amend(
+        directory / "tokenizer_config.json",
+        auto_map=_AUTO_TOKENIZER,
+        tokenizer_class="MiniCPMOTokenizerFast",
+    )
+
+    image_processor = image_processing_minicpmo.MiniCPMOImageProcessor(
+        max_slice_nums=sizes.max_slice_nums,
+        scale_resolution=448,
+        patch_size=14,
+        image_feature_size=sizes.query_num,
+    )
+    feature_extractor = transformers.WhisperFeatureExtractor(
+        feature_size=80, sampling_rate=SAMPLING_RATE, hop_length=160, chunk_length=30, n_fft=400
+    )
+    _dump(
+        directory / "processor_config.json",
+        {
+            # vLLM resolves this name to its vendored wrapper, which loads the image processor
+            # through AutoImageProcessor (the auto_map below) and the Whisper extractor.
+            "processor_class": "MiniCPMOProcessor",
+            "image_processor": {
+                **_image_processor_dict(image_processor),
+                "image_processor_type": "MiniCPMOImageProcessor",
+                "auto_map": _AUTO_IMAGE_PROCESSOR,
+            },
+            "feature_extractor": feature_extractor.to_dict(),
+        },
+    )
+    _dump(
+        directory / "generation_config.json",
+        {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+    )
+
+
+def _image_processor_dict(processor: Any) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``processor``."""
+    names = (
+        "max_slice_nums",
+        "scale_resolution",
+        "patch_size",
+        "image_feature_size",
+        "use_image_id",
+        "slice_mode",
+        "norm_mean",
+        "norm_std",
+        "im_start",
+        "im_end",
+        "slice_start",
+        "slice_end",
+        "unk",
+        "im_id_start",
+        "im_id_end",
+        "version",
+    )
+    return {name: getattr(processor, name) for name in names}
