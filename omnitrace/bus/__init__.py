@@ -52,7 +52,14 @@ from omnitrace.bus._process import (
     track_forks,
 )
 from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread
-from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
+from omnitrace.bus._types import (
+    DROP_REASONS,
+    BusStatistics,
+    EventsNotWritten,
+    Fold,
+    Sink,
+    SinkStatistics,
+)
 from omnitrace.config import ConfigError
 from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, AdapterCoverage
 from omnitrace.events import EVENT_TYPES, Event
@@ -62,6 +69,7 @@ __all__ = [
     "DROP_REASONS",
     "BusStatistics",
     "EventBus",
+    "EventsNotWritten",
     "Fold",
     "Sink",
     "SinkStatistics",

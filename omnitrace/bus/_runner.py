@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from omnitrace.bus._channels import SinkChannel, SinkChannels
+from omnitrace.bus._types import EventsNotWritten
 
 __all__ = ["CLOSE_GRACE_S", "POLL_S", "LoopRunner"]
 
@@ -249,6 +250,9 @@ class LoopRunner:
                     batch, seq = taken
                     try:
                         channel.sink.handle(batch)
+                    except EventsNotWritten as exc:  # a partial loss: the sink stays attached
+                        channels.delivered(channel, seq, exc.count)
+                        continue
                     except BaseException as exc:  # a sink never ends its thread unreported
                         channels.disable(channel, exc, seq)
                         break
@@ -273,6 +277,9 @@ class LoopRunner:
                     # A task on another loop may be waiting to take the next batch.
                     self.wake(channel)
                     raise
+                except EventsNotWritten as exc:  # a partial loss: the sink stays attached
+                    channels.delivered(channel, seq, exc.count)
+                    continue
                 except Exception as exc:
                     channels.disable(channel, exc, seq)
                     return
