@@ -6,9 +6,11 @@ are re-exported here. Every line names the writing process (``pid``) and its wor
 (``RANK`` or ``LOCAL_RANK``, else 0), so the logs of several workers can be merged and still
 told apart. Each batch the bus delivers is written with one unbuffered ``write()`` (per file), so
 another process (``omnitrace top --follow``) sees whole lines as they happen. The file is
-rotated before a line would grow it past ``max_bytes`` (a batch is split across files, so a
-file exceeds ``max_bytes`` only when a single line is longer than that): ``events.jsonl``
-becomes ``events.jsonl.1`` and so on, up to ``backups`` old files; the oldest is deleted.
+rotated before a line would grow it past ``max_bytes``, its header lines included (a batch is
+split across files, so a file exceeds ``max_bytes`` only when a single line is longer than
+that): ``events.jsonl`` becomes ``events.jsonl.1`` and so on, up to ``backups`` old files;
+the oldest is deleted. A full disk is counted and logged, and writing resumes once space is
+freed.
 
 Besides events, the writer records what the bus knows about each adapter (its graph cap
 and memory floor) as ``AdapterInfo`` lines, and starts every file it opens by rotation with
