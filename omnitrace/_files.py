@@ -19,6 +19,7 @@ __all__ = [
     "check_regular",
     "kind_of",
     "open_regular",
+    "open_regular_for_reading",
     "unlink_regular",
     "write_all",
     "write_regular",
@@ -94,6 +95,25 @@ def open_regular(path: Path, label: str) -> int:
         os.close(fd)
         raise _refuse(label, path, kind_of(mode))
     return fd
+
+
+def open_regular_for_reading(path: Path) -> tuple[int, str | None]:
+    """Open ``path`` for reading without blocking; return the descriptor, or -1 and the
+    kind of file it is when that is not a regular file (the descriptor is then closed).
+
+    A reader that opened a named pipe would wait for a writer forever (and ``/dev/zero``
+    never ends), so the open is non-blocking and the opened file is checked before a read;
+    a symbolic link is followed, since reading through one writes nothing.
+
+    Raises:
+        OSError: the file cannot be opened (missing, permissions, ...).
+    """
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return -1, kind_of(mode)
+    return fd, None
 
 
 def write_regular(path: Path, data: bytes, label: str) -> None:

@@ -8,6 +8,7 @@ whatever the value's size or content: ``max_bytes: expected a nonnegative intege
 from __future__ import annotations
 
 import reprlib
+import unicodedata
 
 from omnitrace.errors import ConfigError
 
@@ -17,6 +18,7 @@ __all__ = [
     "check_bool",
     "check_duration",
     "check_int",
+    "check_name",
     "check_number",
     "check_text",
     "describe",
@@ -178,3 +180,22 @@ def check_text(name: str, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}: expected a non-empty string, got {describe(value)}")
     return value
+
+
+def check_name(name: str, value: object) -> str:
+    """Return ``value`` if it is a non-empty string every sink can carry as a name.
+
+    A lone surrogate cannot be encoded as UTF-8 (so no JSON line can hold it) and a control
+    character breaks log lines and terminals: names with either are refused.
+
+    Raises:
+        ConfigError: naming ``name`` and the value.
+    """
+    text = check_text(name, value)
+    # Cc: C0 and C1 controls and DEL; Cs: surrogates, which are lone in a str.
+    if any(unicodedata.category(char) in ("Cc", "Cs") for char in text):
+        raise ConfigError(
+            f"{name}: expected no control characters or lone surrogates (the event log "
+            f"cannot carry them), got {describe(value)}"
+        )
+    return text

@@ -45,6 +45,7 @@ from typing import Any
 
 from omnitrace import events as ev
 from omnitrace._units import format_bytes
+from omnitrace._validate import INT64_MAX
 from omnitrace.config import HF_OVERRIDE_KEYS, MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import MissReason, Phase
@@ -387,7 +388,9 @@ class _Builder:
 
 
 def _numel(signature: Signature) -> int:
-    return sum(spec.numel for spec in signature.inputs if spec is not None)
+    # Capped at the largest byte count omnitrace exports: a logged shape of hundreds of
+    # dimensions has more elements than a float holds, and no device holds that many.
+    return min(sum(spec.numel for spec in signature.inputs if spec is not None), INT64_MAX)
 
 
 # -- the replay ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -548,7 +549,19 @@ def _error(command: str, message: str, status: int = 2) -> int:
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+    # JSON has no NaN or Infinity (json.dumps would print them anyway): they print as null.
+    print(json.dumps(_finite(data), indent=2, allow_nan=False))
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with every NaN and infinite float replaced by None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(value) for value in data]
+    return data
 
 
 @contextlib.contextmanager
@@ -755,12 +768,21 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
 
 
 def _followable(command: str, paths: Sequence[Path]) -> int | None:
-    """Refuse a directory (return the exit status); say which logs are waited for."""
+    """Refuse what is not a regular file (return the exit status); say which logs are
+    waited for."""
+    import stat
+
+    from omnitrace._files import kind_of
+
     for path in paths:
-        if path.is_dir():
-            return _error(command, f"{path}: is a directory, not an event log")
-        if not path.exists():
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
             _say(f"waiting for {path} to appear")
+            continue
+        if not stat.S_ISREG(mode):
+            # A named pipe would block the follow in open(), past q, Ctrl-C and SIGTERM.
+            return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
     return None
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -42,6 +43,7 @@ from typing import IO, Any
 
 import orjson
 
+from omnitrace._files import open_regular_for_reading
 from omnitrace.errors import OmnitraceError
 from omnitrace.events import EVENT_TYPES, DeviceTimed, Event, MissReason, Phase, event_fields
 from omnitrace.signature import InputSpec, Signature, SignatureParseError
@@ -239,6 +241,10 @@ def _decode_field(
             raise EventLogError(
                 f"{where}: {cls_name}.{name}: expected one of {valid}, got {value!r}"
             ) from None
+    if value is None and str(field.type) == "float":
+        # JSON has no NaN or infinity: the writer (orjson) writes a non-finite float as
+        # null, which reads back as NaN.
+        return math.nan
     expected = _JSON_TYPES.get(str(field.type))
     if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
         raise EventLogError(f"{where}: {cls_name}.{name}: expected {field.type}, got {value!r}")
@@ -319,12 +325,31 @@ def segment_of(line: bytes) -> LogSegment | None:
     return LogSegment(int(before), int(deleted))  # type: ignore[arg-type]
 
 
+def _open_log(path: Path) -> IO[bytes]:
+    """Open an event log file for reading.
+
+    Raises:
+        EventLogError: ``path`` is not a regular file (a named pipe would block the reader
+            forever, a device never end).
+        OSError: it cannot be opened (``FileNotFoundError`` when missing).
+    """
+    fd, kind = open_regular_for_reading(path)
+    if kind is not None:
+        raise EventLogError(f"{path}: is {kind}, not an event log")
+    return os.fdopen(fd, "rb")
+
+
+def _read_log(path: Path) -> bytes:
+    with _open_log(path) as file:
+        return file.read()
+
+
 def _first_header(file: Path) -> LogSegment | None:
     try:
-        with open(file, "rb") as probe:
+        with _open_log(file) as probe:
             return segment_of(probe.readline(HEADER_MAX))
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, EventLogError):
+        return None  # no header to read: the readers refuse such a file themselves
 
 
 def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
@@ -460,17 +485,16 @@ def read_records(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        EventLogError: ``path`` is a directory, a file with no event record at all (not an
-            event log), or has a line of a newer schema version or an unknown type.
+        EventLogError: ``path`` (or a rotated file) is not a regular file (a directory, a
+            named pipe, a device), a file with no event record at all (not an event log),
+            or has a line of a newer schema version or an unknown type.
     """
     base = Path(os.fspath(path))
-    if base.is_dir():
-        raise EventLogError(f"{base}: is a directory, not an event log")
     if not base.exists():
         raise FileNotFoundError(f"no event log at {base}")
     files = rotated_files(base) if include_rotated else [base]
     for file in files:
-        data = file.read_bytes()
+        data = _read_log(file)
         torn: list[int] = []
         records, _ = _parse_lines(data, file, 0, final=True, torn=torn)
         if torn and not records:
@@ -502,7 +526,9 @@ class EventLogFollower:
     a half-written last line until its newline arrives, and follows the writer across
     rotations: it finishes the renamed file, reads the files rotated after it (several
     rotations between two polls), then opens the new one. A log truncated in place starts
-    over at its top, also when it grew past the old position before the poll.
+    over at its top, also when it grew past the old position before the poll. A path that
+    is not a regular file (a named pipe, a device) makes ``poll()`` raise
+    :class:`EventLogError` instead of blocking.
 
     Args:
         path: the log.
@@ -532,7 +558,7 @@ class EventLogFollower:
 
     def _try_open(self) -> bool:
         try:
-            file = open(self.path, "rb")  # noqa: SIM115 -- kept open between polls
+            file = _open_log(self.path)  # kept open between polls
         except FileNotFoundError:
             return False
         if self._start_offset is not None:
@@ -652,7 +678,7 @@ class EventLogFollower:
 def _read_whole(path: Path, bad: list[EventLogError] | None) -> list[EventRecord]:
     """The records of a finished (rotated) file; none if it is gone meanwhile."""
     try:
-        data = path.read_bytes()
+        data = _read_log(path)
     except FileNotFoundError:
         return []
     return _parse_lines(data, path, 0, final=True, bad=bad)[0]

@@ -30,7 +30,7 @@ from omnitrace import derive_coverage, derive_stats
 from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
-from omnitrace.events import Phase
+from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MissReason, Phase
 from omnitrace.sinks.jsonl import JsonlSink, read_events
 from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
@@ -1210,3 +1210,81 @@ def test_names_from_a_log_are_printed_literally_without_controls(
     assert name.replace("\x1b", "\\x1b").replace("\x07", "\\x07") in captured.out
     assert "\x1b" not in out
     assert "\x07" not in out
+
+
+# -- what the writer writes, the readers read ------------------------------------------------
+
+
+def _log_of(path: Path, events: list[Any]) -> Path:
+    sink = JsonlSink(path)
+    try:
+        sink.handle(events)
+    finally:
+        sink.close()
+    return path
+
+
+def test_top_json_prints_null_for_an_infinite_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Eager times that sum past a float's range print as null: the output stays JSON."""
+    key = sig("float32[1,80,100]")
+    log = _log_of(
+        tmp_path / "events.jsonl",
+        [GraphMissed("audio", key, i, i, MissReason.CAPACITY, "cap", 1e308) for i in range(3)],
+    )
+    assert main(["top", "--json", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "Infinity" not in out
+    encoder = json.loads(out)["encoders"][0]
+    assert encoder["eager_s"] is None
+
+
+def test_advise_on_a_shape_of_400_dimensions_does_not_overflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A logged key with more elements than a float holds gets a finite size estimate."""
+    small, wide = sig("float32[1,80,100]"), sig("float32[" + ",".join(["7"] * 400) + "]")
+    events: list[Any] = [
+        GraphMissed("audio", small, 1, 1, MissReason.WARMUP, "call 1 of 2", 0.01),
+        GraphCaptured("audio", small, 2, 2, 0.2, 1, "cpu", 0, 1, 4096, 512, 0),
+        *(GraphReplayed("audio", small, 3 + i, 3 + i, 0.001) for i in range(5)),
+        *(GraphMissed("audio", wide, 10 + i, 10 + i, MissReason.WARMUP, "call 1 of 2", 0.01)
+          for i in range(3)),
+    ]  # fmt: skip
+    log = _log_of(tmp_path / "events.jsonl", events)
+    code = main(["advise", "--json", str(log)])
+    captured = capsys.readouterr()
+    assert "OverflowError" not in captured.err
+    assert code in (0, 1), captured.err
+    assert json.loads(captured.out)["results"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "bogus", "protocol: expected one of"),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "abc", "OTEL_METRIC_EXPORT_INTERVAL: expected"),
+        ("OMNITRACE_SUMMARY_INTERVAL", "abc", "OMNITRACE_SUMMARY_INTERVAL: expected"),
+    ],
+)
+def test_a_failed_start_keeps_the_previous_event_log(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    variable: str,
+    value: str,
+    error: str,
+) -> None:
+    """A setting refused at start is a one-line error before any file is touched: the last
+    run's event log is kept byte for byte."""
+    log = tmp_path / "keep.jsonl"
+    kept = _log_of(log, [GraphReplayed("audio", sig("float32[1,80,100]"), 1, 1, 0.001)])
+    before = kept.read_bytes()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv(variable, value)
+    code = main(["demo", "--no-tui", "--cpu", "--requests", "5", "--events-log", str(log)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines()[-1].startswith(f"omnitrace demo: error: {error}")
+    assert log.read_bytes() == before

@@ -53,7 +53,14 @@ from omnitrace.bus._process import (
     unregister_atexit,
 )
 from omnitrace.bus._runner import CLOSE_GRACE_S, POLL_S, LoopRunner, SinkThread, StopRequest
-from omnitrace.bus._types import DROP_REASONS, BusStatistics, Fold, Sink, SinkStatistics
+from omnitrace.bus._types import (
+    DROP_REASONS,
+    BusStatistics,
+    EventsNotWritten,
+    Fold,
+    Sink,
+    SinkStatistics,
+)
 from omnitrace.coverage import DEFAULT_COVERAGE_KEYS, AdapterCoverage
 from omnitrace.events import EVENT_TYPES, Event
 from omnitrace.stats import AdapterStats
@@ -65,6 +72,7 @@ __all__ = [
     "TIMEOUT_RANGE_S",
     "BusStatistics",
     "EventBus",
+    "EventsNotWritten",
     "Fold",
     "Sink",
     "SinkStatistics",

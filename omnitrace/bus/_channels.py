@@ -228,19 +228,24 @@ class SinkChannels:
             )
         return batch, seq
 
-    def delivered(self, channel: SinkChannel, seq: int) -> None:
-        """Count batch ``seq`` as delivered."""
+    def delivered(self, channel: SinkChannel, seq: int, not_written: int = 0) -> None:
+        """Count batch ``seq`` as delivered, but ``not_written`` of its events as dropped
+        (``write_failed``: the sink said it could not write them)."""
         with self.lock:
             if channel.seq == seq and channel.in_flight:
-                channel.delivered += channel.in_flight
+                lost = min(max(not_written, 0), channel.in_flight)
+                channel.delivered += channel.in_flight - lost
+                channel.drop("write_failed", lost)
                 channel.in_flight = 0
             elif channel.abandoned_seq == seq:
                 # close() gave up on this batch and counted it dropped, then the sink did
                 # finish it after all: it moves to delivered (the sum does not change).
+                lost = min(max(not_written, 0), channel.abandoned)
                 channel.drops["abandoned"] -= channel.abandoned
                 if not channel.drops["abandoned"]:
                     del channel.drops["abandoned"]
-                channel.delivered += channel.abandoned
+                channel.delivered += channel.abandoned - lost
+                channel.drop("write_failed", lost)
                 channel.abandoned_seq, channel.abandoned = -1, 0
 
     def abandon(self, channel: SinkChannel, seq: int) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from omnitrace.bus._channels import SinkChannel, SinkChannels
+from omnitrace.bus._types import EventsNotWritten
 
 __all__ = ["CLOSE_GRACE_S", "POLL_S", "LoopRunner", "SinkThread", "StopRequest"]
 
@@ -259,6 +260,9 @@ class LoopRunner:
                     batch, seq = taken
                     try:
                         channel.sink.handle(batch)
+                    except EventsNotWritten as exc:  # a partial loss: the sink stays attached
+                        channels.delivered(channel, seq, exc.count)
+                        continue
                     except BaseException as exc:  # a sink never ends its thread unreported
                         channels.disable(channel, exc, seq)
                         break
@@ -287,6 +291,9 @@ class LoopRunner:
                     # A task on another loop may be waiting to take the next batch.
                     self.wake(channel)
                     raise
+                except EventsNotWritten as exc:  # a partial loss: the sink stays attached
+                    channels.delivered(channel, seq, exc.count)
+                    continue
                 except BaseException as exc:
                     # SystemExit or KeyboardInterrupt out of a task would end the loop, and
                     # with it the pump and every other sink: a sink never takes it down.

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from omnitrace.events import Event
 
-__all__ = ["DROP_REASONS", "BusStatistics", "Fold", "Sink", "SinkStatistics"]
+__all__ = ["DROP_REASONS", "BusStatistics", "EventsNotWritten", "Fold", "Sink", "SinkStatistics"]
 
 Fold = Callable[[Event], None]
 
@@ -18,8 +18,31 @@ Fold = Callable[[Event], None]
 #: ``not_flushed`` still queued when ``close()`` reached its deadline;
 #: ``abandoned`` inside the sink's ``handle`` when ``close()`` gave up waiting for it;
 #: ``after_close`` emitted after ``close()``;
-#: ``forked`` undelivered in the parent at a ``fork()`` (the child's copy is discarded).
-DROP_REASONS = ("queue_full", "sink_error", "not_flushed", "abandoned", "after_close", "forked")
+#: ``forked`` undelivered in the parent at a ``fork()`` (the child's copy is discarded);
+#: ``write_failed`` the sink stayed usable but could not write these (:class:`EventsNotWritten`).
+DROP_REASONS = (
+    "queue_full",
+    "sink_error",
+    "not_flushed",
+    "abandoned",
+    "after_close",
+    "forked",
+    "write_failed",
+)
+
+
+class EventsNotWritten(Exception):
+    """Raised by a sink's ``handle`` that wrote its batch but ``count`` of its events.
+
+    The sink stays attached: the bus counts those events as dropped (``write_failed``) and
+    the rest as delivered, so ``delivered`` stays what the sink really holds. A sink raises
+    it for a loss it recovers from on its own (a full disk that frees up again).
+    """
+
+    def __init__(self, count: int, reason: str) -> None:
+        super().__init__(f"{count} events not written: {reason}")
+        self.count = count
+        self.reason = reason
 
 
 @runtime_checkable

@@ -397,9 +397,7 @@ def _run(
     backend_name: str,
 ) -> DemoResult:
     bus = EventBus()
-    # A fresh log per run, so the log holds exactly this run's events.
-    jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
-    say(f"writing the event log to {jsonl.path.resolve()}")
+    jsonl: JsonlSink | None = None
     # SIGTERM (a supervisor stopping the demo) would otherwise lose the queued events
     # unrecorded: close the bus within a bound, log the loss, then terminate as asked.
     restore_sigterm = (
@@ -409,7 +407,6 @@ def _run(
     )
     try:
         bus.add_sink(LogSink(sample_every=options.log_sample_every, bus=bus))
-        bus.add_sink(jsonl)
         # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
         # the OpenTelemetry export, which come from the demo's own options.
         for sink in build_sinks(bus, os.environ, exclude=_OWN_SINKS):
@@ -418,6 +415,12 @@ def _run(
         encoders = _Encoders(options, bus, device, dtype, backends)
         progress = _Progress(options.requests, options.duration_s)
         with _otlp_export(bus, say, options.prometheus_port) as export:
+            # A fresh log per run, so the log holds exactly this run's events; created only
+            # once every setting has been read (the sinks above, OTEL_*), so a start that
+            # fails on one leaves the previous run's log as it was.
+            jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
+            say(f"writing the event log to {jsonl.path.resolve()}")
+            bus.add_sink(jsonl)
             board = BusBoard(
                 bus,
                 title=f"omnitrace demo · {backend_name} backend on {device.type}",
@@ -435,7 +438,8 @@ def _run(
         # Restored only once the bus is closed: a SIGTERM during the close still counts.
         if restore_sigterm is not None:
             restore_sigterm()
-        jsonl.close()
+        if jsonl is not None:
+            jsonl.close()
     return DemoResult(
         encoders={
             "vision": encoders.vision.get_cumulative_stats(),

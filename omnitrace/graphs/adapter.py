@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from omnitrace._validate import check_text
+from omnitrace._validate import check_name
 from omnitrace.bus import EventBus
 from omnitrace.config import ConfigError, EncoderGraphConfig, EncoderGraphFailedError
 from omnitrace.events import (
@@ -218,8 +218,9 @@ class EncoderCudaGraph:
 
     Raises:
         TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
-        ConfigError: ``name`` is empty, or ``background_capture`` is asked of a backend that
-            cannot capture while other threads run CUDA work (vLLM's manager).
+        ConfigError: ``name`` is empty or has a control character or a lone surrogate, or
+            ``background_capture`` is asked of a backend that cannot capture while other
+            threads run CUDA work (vLLM's manager).
     """
 
     def __init__(
@@ -234,7 +235,7 @@ class EncoderCudaGraph:
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
-        check_text("name", name)
+        check_name("name", name)
         if config is None:
             config = EncoderGraphConfig()
         elif not isinstance(config, EncoderGraphConfig):

@@ -169,7 +169,9 @@ def _build_sink(request: SinkRequest) -> RelayedExport:
             "be exported twice; set one of them"
         )
     # The path the worker's JSONL sink writes, with the same rank.
-    path = worker_log_path(log, pid=request.pid, rank=worker_rank(environ))
+    path = worker_log_path(
+        log, pid=request.pid, rank=worker_rank(environ), label="OMNITRACE_EVENTS_LOG"
+    )
     return RelayedExport(path, environ=environ, pid=request.pid, rank=request.rank)
 
 

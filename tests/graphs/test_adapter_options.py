@@ -652,3 +652,17 @@ def test_a_flush_returns_only_once_the_timings_another_resolve_took_are_emitted(
     assert flushed == [True]
     assert len(emitted) == 1
     timer.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["vision\udc80", "a\x1b[31mred", "tab\there", "nl\n", "del\x7f", "c1\x85"]
+)
+def test_a_name_the_event_log_cannot_carry_is_refused(name: str) -> None:
+    """A lone surrogate or a control character in the name is a ConfigError where the
+    adapter is built, not a sink that fails on its first event."""
+    with pytest.raises(ConfigError) as caught:
+        EncoderCudaGraph(lambda x: x, name=name, backend=SimulatedGraphBackend())
+    assert str(caught.value) == (
+        "name: expected no control characters or lone surrogates (the event log cannot "
+        f"carry them), got {name!r} (str)"
+    )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,9 @@ from omnitrace import (
     MissReason,
     derive_stats,
 )
+from omnitrace.bus import EventsNotWritten
 from omnitrace.events import Event
+from omnitrace.signature import InputSpec, Signature
 from omnitrace.sinks.jsonl import (
     SCHEMA_VERSION,
     AdapterInfo,
@@ -39,6 +45,7 @@ from omnitrace.sinks.jsonl import (
     read_records,
     worker_rank,
 )
+from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import SimulatedGraphBackend, sig
 
 EVENTS: list[Event] = [
@@ -540,3 +547,202 @@ def test_a_complete_log_has_no_gap(tmp_path: Path) -> None:
     _write(path, _many(100), max_bytes=2048, backups=100)
     assert log_gap(path) is None
     assert len(list(read_events(path))) == 100
+
+
+# -- a full disk, unencodable events, the path template, headers within max_bytes ---------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs mounted for the test (needs root, as in CI), unmounted after it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 256 KiB tmpfs to fill up needs root (CI runs as root)")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        # Lazily: a test that failed with the log still open must not leave the mount.
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def _fill(path: Path, leave: int) -> None:
+    """Fill the file system of ``path`` (a file created for it), then free ``leave`` bytes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    os.truncate(path, max(path.stat().st_size - leave, 0))
+
+
+def _jsonl_stats(bus: EventBus) -> Any:
+    return next(s for s in bus.statistics().sinks if s.name == "jsonl")
+
+
+def test_a_full_disk_is_counted_and_writing_resumes_when_space_returns(
+    small_tmpfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a full tmpfs the sink stays attached, counts what it could not write (delivered is
+    what the file holds, with no torn line), logs the outage, and once space is freed writes
+    every later event."""
+    path = small_tmpfs / "events.jsonl"
+    filler = small_tmpfs / "filler"
+    bus = EventBus()
+    sink = JsonlSink(path, max_bytes=32 << 10, backups=2, bus=bus)
+    bus.add_sink(sink)
+    _fill(filler, leave=20_000)
+    with caplog.at_level(logging.WARNING, logger="omnitrace.sinks.jsonl"):
+        for _ in range(12):
+            for event in _many(250):
+                bus.emit(event)
+            bus.flush()
+        full = _jsonl_stats(bus)
+        assert full.dropped_by.get("write_failed", 0) > 0
+        assert full.delivered == len(list(read_events(path))) == sink.written
+        assert full.delivered + full.dropped == 3000
+        assert path.read_bytes().endswith(b"\n")
+        filler.unlink()
+        before = sink.written
+        for start in range(0, 20_003, 500):
+            for event in _many(min(500, 20_003 - start)):
+                bus.emit(event)
+            bus.flush()
+        bus.close()
+    after = _jsonl_stats(bus)
+    assert not after.disabled
+    assert sink.written - before == 20_003
+    assert after.dropped_by == full.dropped_by == {"write_failed": sink.not_written}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.endswith("No space left on device; events are counted as not written until space "
+                   "is freed")
+        for m in messages
+    )  # fmt: skip
+    assert any(
+        m.endswith(f"writing again; {sink.not_written} events were not written while the disk "
+                   "was full")
+        for m in messages
+    )  # fmt: skip
+
+
+def test_a_partly_written_batch_keeps_only_its_whole_lines(small_tmpfs: Path) -> None:
+    """A batch the disk takes only part of leaves whole lines: the file ends on a newline
+    and reads back exactly the events counted as written."""
+    path = small_tmpfs / "events.jsonl"
+    sink = JsonlSink(path, max_bytes=0)
+    _fill(small_tmpfs / "filler", leave=10_000)
+    events = _many(2000)
+    try:
+        with pytest.raises(EventsNotWritten, match=r"^\d+ events not written: No space left"):
+            sink.handle(events)
+    finally:
+        sink.close()
+    assert 0 < sink.written < len(events)
+    assert sink.written + sink.not_written == len(events)
+    assert path.read_bytes().endswith(b"\n")
+    assert list(read_events(path)) == events[: sink.written]
+
+
+def test_an_event_json_cannot_carry_is_counted_and_the_rest_written(
+    tmp_path: Path,
+) -> None:
+    """A lone surrogate in a name or a dimension past 2**64 loses that event only (counted
+    as write_failed); the sink stays attached and the log stays readable."""
+    path = tmp_path / "events.jsonl"
+    bus = EventBus()
+    bus.add_sink(JsonlSink(path, bus=bus))
+    good = _many(3)
+    huge = Signature((InputSpec("float32", (2**65,), "cpu"),), 0)
+    bus.emit(good[0])
+    bus.emit(GraphReplayed("bad\udc80", sig("float32[1,80,100]"), 1, 1, 0.001))
+    bus.emit(good[1])
+    bus.emit(GraphReplayed("audio", huge, 2, 2, 0.001))
+    bus.emit(good[2])
+    bus.close()
+    stats = _jsonl_stats(bus)
+    assert not stats.disabled
+    assert stats.dropped_by == {"write_failed": 2}
+    assert list(read_events(path)) == good
+
+
+@pytest.mark.parametrize(
+    "template", ["{foo}.jsonl", "{", "{0}", "{pid:099999999}", "ev{pid.__class__}.jsonl", "a}b"]
+)
+def test_a_path_template_has_only_pid_and_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str
+) -> None:
+    """Any brace in OMNITRACE_EVENTS_LOG but {pid} and {rank} is a one-line ConfigError
+    naming the variable, at once and creating nothing."""
+    monkeypatch.chdir(tmp_path)
+    value = template
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        build_sinks(EventBus(), {"OMNITRACE_EVENTS_LOG": value})
+    assert time.monotonic() - start < 1
+    assert str(caught.value) == (
+        "OMNITRACE_EVENTS_LOG: expected a path whose only braces are {pid} and {rank}, "
+        f"got {value!r} (str)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"^path: expected a path whose only braces"):
+        JsonlSink(value)
+
+
+def test_pid_and_rank_are_substituted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """{pid} and {rank} are filled in, each as often as it appears."""
+    monkeypatch.setenv("RANK", "3")
+    sink = JsonlSink(tmp_path / "ev-{rank}-{pid}-{rank}.jsonl")
+    sink.close()
+    assert sink.path.name == f"ev-3-{os.getpid()}-3.jsonl"
+
+
+INFO = {"max_graphs": 4, "min_free_bytes": 1 << 30, "backend": "simulated"}
+
+
+def test_a_max_bytes_smaller_than_the_header_lines_is_refused(tmp_path: Path) -> None:
+    """With 12 adapters registered, max_bytes=1200 cannot hold a file's LogSegment and
+    AdapterInfo lines: refused where the sink is built, naming the size needed."""
+    bus = EventBus()
+    for index in range(12):
+        bus.register_adapter(f"encoder{index}", INFO)
+    with pytest.raises(
+        ConfigError,
+        match=r"^max_bytes: expected 0 \(never rotate\) or at least \d+, the bytes of a "
+        r"file's own header lines, got 1200$",
+    ):
+        JsonlSink(tmp_path / "events.jsonl", max_bytes=1200, bus=bus)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_adapter_registered_late_never_pushes_a_file_past_max_bytes(tmp_path: Path) -> None:
+    """The info line of an adapter registered when the file is nearly full starts the next
+    file: when every line fits, every file fits."""
+    for late_at in range(1, 12):
+        directory = tmp_path / str(late_at)
+        bus = EventBus()
+        bus.register_adapter("audio", INFO)
+        bus.register_adapter("vision", INFO)
+        sink = JsonlSink(directory / "events.jsonl", max_bytes=1000, backups=100, bus=bus)
+        events = _many(24)
+        for index, event in enumerate(events):
+            if index == late_at:
+                bus.register_adapter("late", INFO)
+            sink.handle([event])
+        sink.close()
+        sizes = [p.stat().st_size for p in directory.iterdir()]
+        assert max(sizes) <= 1000, (late_at, sizes)
+        assert list(read_events(directory / "events.jsonl")) == events
+        lines = (directory / "events.jsonl").read_bytes().splitlines()
+        assert b'"adapter":"late"' in b"".join(lines)  # every file describes every adapter

@@ -24,7 +24,7 @@ from omnitrace import (
     MissReason,
     derive_coverage,
 )
-from omnitrace.events import Event, Phase
+from omnitrace.events import NO_SIGNATURE, Event, Phase, missed, now
 from omnitrace.sinks.jsonl import AdapterInfo, EventRecord, JsonlSink, read_records
 from omnitrace.sinks.live import (
     BusBoard,
@@ -602,21 +602,21 @@ def test_text_from_a_log_is_shown_literally_never_as_markup_or_controls(name: st
 def test_live_view_of_a_hostile_adapter_name_keeps_drawing_and_restores_the_streams(
     bus: EventBus, name: str
 ) -> None:
-    """In-process, an adapter named like markup or with an ESC keeps the refresh thread
-    alive, shows the name literally, and sys.stdout and sys.stderr are restored after."""
+    """In-process, events of an encoder named like markup or with an ESC keep the refresh
+    thread alive, show the name literally, and sys.stdout and sys.stderr are restored after.
+
+    The events are emitted on the bus directly: an adapter refuses such a name where it is
+    built, but a bus fed from a recorded log (``replay --follow``) carries whatever it read.
+    """
     stdout, stderr = sys.stdout, sys.stderr
     console = Console(file=io.StringIO(), force_terminal=True, width=100, height=30)
-    graph = EncoderCudaGraph(
-        torch.tanh,
-        name=name,
-        config=EncoderGraphConfig(min_free_bytes=0),
-        bus=bus,
-        backend=SimulatedGraphBackend(),
-    )
     view = LiveView(BusBoard(bus), console=console, refresh_per_second=20)
-    with view, torch.no_grad():
+    with view:
         for _ in range(5):
-            graph(torch.ones(2))
+            mono, epoch = now()
+            bus.emit(
+                missed(name, NO_SIGNATURE, mono, epoch, MissReason.WARMUP, "", 0.001, Phase.SERVING)
+            )
         assert bus.flush()
         time.sleep(0.3)  # several frames from the refresh thread
         thread = view._live._refresh_thread
