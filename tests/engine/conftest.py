@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.support import RUNNERS
 from omnitrace.testing_checkpoints import write_minicpmo, write_qwen2_5_omni
 
 
@@ -30,3 +31,9 @@ def minicpmo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A directory for the engines' reports and logs, kept for the session."""
     return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def runner(request: pytest.FixtureRequest) -> str:
+    """The model runner a module's engines use: vLLM's CPU runner, or each GPU runner."""
+    return str(request.param)

@@ -12,7 +12,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,149 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+# -- what the engine tests of every model check ------------------------------------------------
+
+STATS_KEYS = (
+    "graph_hits",
+    "graph_misses",
+    "hit_rate",
+    "num_graphs",
+    "ineligible_misses",
+    "capacity_misses",
+    "warmup_misses",
+    "memory_misses",
+    "capture_failures",
+)
+#: The runners each device runs: vLLM's CPU runner, or both GPU runners.
+RUNNERS = ("v2", "v1") if CUDA else ("cpu",)
+
+
+def runner_env(runner: str) -> dict[str, str]:
+    """The environment that picks ``runner`` (V2 is vLLM 0.26's default on CUDA)."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if runner == "v1" else {}
+
+
+def read_events(log: Path) -> list[dict[str, Any]]:
+    """Every record of a JSONL event log, as parsed JSON."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def calls(events: list[dict[str, Any]], adapter: str, phase: str) -> list[dict[str, Any]]:
+    """The call events (one per encoder call) of ``adapter`` in ``phase``."""
+    return [
+        e
+        for e in events
+        if e["type"] in ("GraphReplayed", "GraphMissed")
+        and e["adapter"] == adapter
+        and e.get("phase", "serving") == phase
+    ]
+
+
+class Served:
+    """One engine with omnitrace on and everything it left behind."""
+
+    def __init__(self, run: EngineRun, log: Path, receiver: Any = None) -> None:
+        self.run = run
+        self.result = run.ok()
+        self.log = log
+        self.events = read_events(log)
+        self.receiver = receiver
+
+
+def only_log(out: Path, run: EngineRun) -> Path:
+    """The one worker's event log an engine wrote in ``out``."""
+    logs = sorted(out.glob("events-*.jsonl"))
+    assert len(logs) == 1, f"expected one worker's event log in {out}: {logs}\n{run.tail()}"
+    return logs[0]
+
+
+def check_attached_line(served: Served, expected: str, model: str) -> None:
+    """One "encoder graphs attached" line with ``expected`` in it, naming model, pid, rank."""
+    lines = [line for line in served.run.output.splitlines() if "encoder graphs attached" in line]
+    assert len(lines) == 1, served.run.tail()
+    assert expected in lines[0]
+    assert f"model={model}, pid={served.result['pid']}, rank=0" in lines[0]
+    assert set(served.result["adapters"]) == {"vision", "audio"}
+    assert {a["backend"] for a in served.result["adapters"].values()} == {"VllmGraphBackend"}
+
+
+def check_call_events(served: Served, encoders: Mapping[str, str]) -> None:
+    """Each serving call the digests saw is one event in the log, tagged with the worker."""
+    for adapter, digested in encoders.items():
+        seen = served.result["outputs"][digested]
+        assert seen, f"{digested} never ran"
+        assert len(calls(served.events, adapter, "serving")) == len(seen), adapter
+    assert {(e["pid"], e["rank"]) for e in served.events} == {(served.result["pid"], 0)}
+
+
+def check_profiling(served: Served, runner: str, adapters: Iterable[str]) -> None:
+    """V1-style runners tag their dummy encoder calls; a runner that profiles none says so."""
+    profiling = [e for e in served.events if e.get("phase") == "profiling"]
+    observed = [e for e in served.events if e["type"] == "ProfilingObserved"]
+    assert {e["adapter"] for e in observed} == set(adapters), observed
+    made = [e for e in profiling if e["type"] in ("GraphReplayed", "GraphMissed")]
+    assert sum(e["encoder_calls"] for e in observed) == len(made)
+    if runner == "v2":
+        assert made == []
+        notices = [line for line in served.run.output.splitlines() if "called no encoder" in line]
+        assert len(notices) == 1, served.run.tail()
+    else:
+        assert made, "the profiling run called no encoder"
+        first_serving = min(
+            i
+            for i, e in enumerate(served.events)
+            if e.get("phase", "serving") == "serving"
+            and e["type"] in ("GraphReplayed", "GraphMissed")
+        )
+        assert all(served.events.index(e) < first_serving for e in made)
+
+
+def check_top_json(served: Served, adapters: Iterable[str]) -> None:
+    """``omnitrace top --json`` folds the engine's log into exactly the adapters' stats."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "omnitrace", "top", "--json", str(served.log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    encoders = {row["encoder"]: row for row in json.loads(shown.stdout)["encoders"]}
+    assert set(encoders) == set(adapters)
+    for adapter, row in encoders.items():
+        stats = served.result["adapters"][adapter]["stats"]
+        assert {key: row[key] for key in STATS_KEYS} == stats, adapter
+
+
+def check_graphs_or_eager(served: Served, adapters: Iterable[str]) -> None:
+    """CUDA: every encoder captures and replays; CPU: every call is an ineligible ``cpu`` miss."""
+    for adapter in adapters:
+        report = served.result["adapters"][adapter]
+        stats = report["stats"]
+        made = calls(served.events, adapter, "serving") + calls(served.events, adapter, "profiling")
+        if CUDA:
+            assert stats["num_graphs"] >= 1, (adapter, stats)
+            assert stats["graph_hits"] >= 1, (adapter, stats)
+            assert stats["capture_failures"] == 0
+            assert report["captured"], adapter
+            captured = [
+                e for e in served.events if e["type"] == "GraphCaptured" and e["adapter"] == adapter
+            ]
+            assert all(e["free_bytes"] is not None for e in captured), captured
+        else:
+            assert stats["graph_hits"] == 0
+            assert stats["ineligible_misses"] == stats["graph_misses"] == len(made)
+            assert Counter(e["detail"] for e in made) == {"cpu": len(made)}
+
+
+def check_parity(on: Mapping[str, Any], baseline: Mapping[str, Any]) -> None:
+    """Every encoder output bit for bit, and the greedy tokens and logprobs, equal."""
+    assert on["outputs"] == baseline["outputs"]
+    assert on["tokens"] == baseline["tokens"]
+    assert on["logprobs"] == baseline["logprobs"]
+    assert on["chat_tokens"] == baseline["chat_tokens"]
+    assert on["chat_logprobs"] == baseline["chat_logprobs"]
+    if not CUDA:
+        # The plugin was off: nothing was attached.
+        assert baseline["adapters"] == {}

@@ -14,10 +14,6 @@ log read back by ``omnitrace top --json``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +23,23 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 
 from engine.support import (
     CUDA,
-    EngineRun,
+    Served,
+    check_attached_line,
+    check_call_events,
+    check_graphs_or_eager,
+    check_parity,
+    check_profiling,
+    check_top_json,
     engine_environment,
+    only_log,
     run_engine,
+    runner_env,
 )
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 pytestmark = pytest.mark.engine
 
-STATS_KEYS = (
-    "graph_hits",
-    "graph_misses",
-    "hit_rate",
-    "num_graphs",
-    "ineligible_misses",
-    "capacity_misses",
-    "warmup_misses",
-    "memory_misses",
-    "capture_failures",
-)
+#: Each adapter and the tower whose outputs stand for its calls in engine_run.py's report.
 ENCODERS = {"vision": "visual", "audio": "audio_tower"}
 OVERRIDES: dict[str, Any] = {
     "encoder_cuda_graph_min_free_bytes": 0,
@@ -55,44 +49,6 @@ OVERRIDES: dict[str, Any] = {
     # still compare bit for bit.
     "encoder_cuda_graph_audio_attention": "masked",
 }
-#: The runners each device runs: vLLM's CPU runner, or both GPU runners.
-RUNNERS = ("v2", "v1") if CUDA else ("cpu",)
-
-
-def _runner_env(runner: str) -> dict[str, str]:
-    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if runner == "v1" else {}
-
-
-def _events(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
-def _calls(events: list[dict[str, Any]], adapter: str, phase: str) -> list[dict[str, Any]]:
-    """The call events (one per encoder call) of ``adapter`` in ``phase``."""
-    return [
-        e
-        for e in events
-        if e["type"] in ("GraphReplayed", "GraphMissed")
-        and e["adapter"] == adapter
-        and e.get("phase", "serving") == phase
-    ]
-
-
-class Served:
-    """One engine with omnitrace on and everything it left behind."""
-
-    def __init__(self, run: EngineRun, log: Path, receiver: OTLPReceiver) -> None:
-        self.run = run
-        self.result = run.ok()
-        self.log = log
-        self.events = _events(log)
-        self.receiver = receiver
-
-
-@pytest.fixture(scope="module", params=RUNNERS)
-def runner(request: pytest.FixtureRequest) -> str:
-    """The model runner the engines of a test use."""
-    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +66,18 @@ def served(checkpoint: Path, engine_dir: Path, runner: str) -> Any:
                 OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
                 OTEL_METRIC_EXPORT_INTERVAL="500",
                 OTEL_BSP_SCHEDULE_DELAY="200",
-                **_runner_env(runner),
+                **runner_env(runner),
             ),
             overrides=OVERRIDES,
         )
-        logs = sorted(out.glob("events-*.jsonl"))
-        assert len(logs) == 1, f"expected one worker's event log in {out}: {logs}\n{run.tail()}"
-        yield Served(run, logs[0], receiver)
+        yield Served(run, only_log(out, run), receiver)
 
 
 @pytest.fixture(scope="module")
 def baseline(checkpoint: Path, engine_dir: Path, runner: str) -> dict[str, Any]:
     """The same engine without omnitrace's graphs: the plugin off on a CPU, graphs off on CUDA."""
     if CUDA:
-        env = engine_environment(**_runner_env(runner))
+        env = engine_environment(**runner_env(runner))
         overrides = {**OVERRIDES, "encoder_cuda_graph": False}
     else:
         env = engine_environment(OMNITRACE_PLUGIN="0")
@@ -133,79 +87,27 @@ def baseline(checkpoint: Path, engine_dir: Path, runner: str) -> dict[str, Any]:
 
 def test_the_plugin_attaches_both_encoders_and_logs_one_line(served: Served) -> None:
     """The worker logs one "encoder graphs attached" line naming both towers and the model."""
-    lines = [line for line in served.run.output.splitlines() if "encoder graphs attached" in line]
-    assert len(lines) == 1, served.run.tail()
-    assert "vision=True, audio=True" in lines[0]
-    assert f"model=qwen2_5_omni, pid={served.result['pid']}, rank=0" in lines[0]
-    assert set(served.result["adapters"]) == {"vision", "audio"}
-    assert {a["backend"] for a in served.result["adapters"].values()} == {"VllmGraphBackend"}
+    check_attached_line(served, "vision=True, audio=True", "qwen2_5_omni")
 
 
 def test_every_tower_call_is_one_call_event_with_pid_and_rank(served: Served) -> None:
     """Each serving call the hooks saw is one event in the log, tagged with the worker."""
-    for adapter, tower in ENCODERS.items():
-        seen = served.result["outputs"][tower]
-        assert seen, f"the {tower} never ran"
-        serving = _calls(served.events, adapter, "serving")
-        assert len(serving) == len(seen), (adapter, len(serving), len(seen))
-    assert {(e["pid"], e["rank"]) for e in served.events} == {(served.result["pid"], 0)}
+    check_call_events(served, ENCODERS)
 
 
 def test_the_profiling_run_is_tagged_or_reported(served: Served, runner: str) -> None:
     """V1-style runners tag their dummy encoder calls; a runner that profiles none says so."""
-    profiling = [e for e in served.events if e.get("phase") == "profiling"]
-    observed = [e for e in served.events if e["type"] == "ProfilingObserved"]
-    assert {e["adapter"] for e in observed} == set(ENCODERS), observed
-    calls = [e for e in profiling if e["type"] in ("GraphReplayed", "GraphMissed")]
-    assert sum(e["encoder_calls"] for e in observed) == len(calls)
-    if runner == "v2":
-        assert calls == []
-        notices = [line for line in served.run.output.splitlines() if "called no encoder" in line]
-        assert len(notices) == 1, served.run.tail()
-    else:
-        assert calls, "the profiling run called no encoder"
-        first_serving = min(
-            i
-            for i, e in enumerate(served.events)
-            if e.get("phase", "serving") == "serving"
-            and e["type"] in ("GraphReplayed", "GraphMissed")
-        )
-        assert all(served.events.index(e) < first_serving for e in calls)
+    check_profiling(served, runner, ENCODERS)
 
 
 def test_top_json_on_the_log_equals_the_adapters_stats(served: Served) -> None:
     """``omnitrace top --json`` folds the engine's log into exactly the adapters' stats."""
-    shown = subprocess.run(
-        [sys.executable, "-m", "omnitrace", "top", "--json", str(served.log)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    encoders = {row["encoder"]: row for row in json.loads(shown.stdout)["encoders"]}
-    assert set(encoders) == set(ENCODERS)
-    for adapter, row in encoders.items():
-        stats = served.result["adapters"][adapter]["stats"]
-        assert {key: row[key] for key in STATS_KEYS} == stats, adapter
+    check_top_json(served, ENCODERS)
 
 
 def test_graphs_serve_on_cuda_and_calls_stay_eager_on_a_cpu(served: Served) -> None:
     """CUDA: both encoders capture and replay; CPU: every call is an ineligible ``cpu`` miss."""
-    for adapter in ENCODERS:
-        stats = served.result["adapters"][adapter]["stats"]
-        calls = _calls(served.events, adapter, "serving") + _calls(
-            served.events, adapter, "profiling"
-        )
-        if CUDA:
-            assert stats["num_graphs"] >= 1, (adapter, stats)
-            assert stats["graph_hits"] >= 1, (adapter, stats)
-            assert stats["capture_failures"] == 0
-            captured = [e for e in served.events if e["type"] == "GraphCaptured"]
-            assert all(e["free_bytes"] is not None for e in captured), captured
-        else:
-            assert stats["graph_hits"] == 0
-            assert stats["ineligible_misses"] == stats["graph_misses"] == len(calls)
-            assert Counter(e["detail"] for e in calls) == {"cpu": len(calls)}
+    check_graphs_or_eager(served, ENCODERS)
 
 
 def test_telemetry_reaches_the_loopback_receiver_with_the_workers_rank(served: Served) -> None:
@@ -242,12 +144,4 @@ def test_outputs_with_omnitrace_equal_outputs_without(
     served: Served, baseline: dict[str, Any]
 ) -> None:
     """Every tower output is bit-for-bit the same, and so are the greedy tokens and logprobs."""
-    on = served.result
-    assert on["outputs"] == baseline["outputs"]
-    assert on["tokens"] == baseline["tokens"]
-    assert on["logprobs"] == baseline["logprobs"]
-    assert on["chat_tokens"] == baseline["chat_tokens"]
-    assert on["chat_logprobs"] == baseline["chat_logprobs"]
-    if not CUDA:
-        # The plugin was off: nothing was attached.
-        assert baseline["adapters"] == {}
+    check_parity(served.result, baseline)
