@@ -1055,3 +1055,25 @@ def test_close_on_signal_restore_puts_the_previous_handler_back() -> None:
         assert signal.getsignal(signal.SIGUSR2) is not before
         restore()
         assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_the_drop_warning_names_each_reason_not_only_queue_capacity(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Events a sink could not write are reported as write_failed, not as a full queue."""
+    from omnitrace.bus import EventsNotWritten
+
+    class FullDisk(ListSink):
+        def handle(self, events: Sequence[Event]) -> None:
+            raise EventsNotWritten(len(events), "No space left on device")
+
+    bus = EventBus()
+    bus.add_sink(FullDisk("disk"))
+    with caplog.at_level(logging.WARNING, logger="omnitrace"):
+        bus.emit(replayed(1))
+        assert bus.flush()
+        bus.emit(replayed(2))  # the next batch taken reports the drops so far
+        assert bus.flush()
+    bus.close()
+    (line,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert line.startswith("sink disk dropped 1 events (1 dropped in all: write_failed 1;")

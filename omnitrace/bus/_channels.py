@@ -216,15 +216,18 @@ class SinkChannels:
             seq = channel.seq
             unreported = channel.dropped - channel.dropped_reported
             total = channel.dropped
+            # By reason: a full disk (write_failed) is not a full queue.
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(channel.drops.items()))
         if unreported and time.monotonic() - channel.last_drop_report >= _DROP_REPORT_INTERVAL_S:
             channel.dropped_reported += unreported
             channel.last_drop_report = time.monotonic()
             logger.warning(
-                "sink %s dropped %d events (queue capacity %d, %d dropped in all)",
+                "sink %s dropped %d events (%d dropped in all: %s; queue capacity %d)",
                 channel.name,
                 unreported,
-                channel.capacity,
                 total,
+                reasons,
+                channel.capacity,
             )
         return batch, seq
 
