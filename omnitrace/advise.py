@@ -30,9 +30,10 @@ What the replay takes from the log, and what it estimates:
   capture). When no saving can be estimated, or the log comes from the simulated backend
   (whose replays run the forward again), settings are ranked by calls graphed instead.
 
-The best setting has the largest saving (or the most hits) among those whose pool memory
-fits the budget and whose captures fit in device-free memory where it is known; ties go to
-fewer graphs, then less pool memory, a lower ``max_graphs``, a higher floor, a higher
+The best setting has the largest saving (or the most hits) among those that graph a call
+(``max_graphs`` 0 is never recommended: that is graphs off), whose pool memory fits the
+budget and whose captures fit in device-free memory where it is known; ties go to fewer
+graphs, then less pool memory, a lower ``max_graphs``, a higher floor, a higher
 ``min_capture_calls`` and skipping profiling: the cheapest and most conservative of equals.
 """
 
@@ -619,7 +620,7 @@ class Advice:
     """Every setting, best first; settings over the memory budget, or whose captures would
     not fit in device-free memory, after the others."""
     best: Result | None
-    """None when no setting fits the budget."""
+    """None when no setting that graphs a call fits the budget and device-free memory."""
     logged: Result | None
     """The setting the log ran with, when every encoder ran the same one."""
     objective: str
@@ -642,13 +643,7 @@ class Advice:
         """Say in a sentence or two why the best setting is recommended."""
         best, logged = self.best, self.logged
         if best is None:
-            limit = "device-free memory"
-            if self.memory_budget is not None:
-                limit = f"the budget of {format_bytes(self.memory_budget)} and {limit}"
-            return (
-                f"no setting of the grid keeps its pool memory within {limit}; raise the "
-                "budget or try fewer graphs"
-            )
+            return self._why_none()
         parts = []
         if self.objective == "time":
             source = "/".join(sorted(set(self.recording.time_source.values())))
@@ -691,6 +686,34 @@ class Advice:
                 "more graphs, more memory, a higher cap or a lower floor"
             )
         return text + "."
+
+    def _why_none(self) -> str:
+        """Say in one line why no setting is recommended, and what would change that."""
+        graphing = [r for r in self.results if r.hits > 0]
+        if not graphing:
+            cause = (
+                "max_graphs is 0 in every one"
+                if all(r.setting.max_graphs == 0 for r in self.results)
+                else "no key recurs often enough to be captured and replayed"
+            )
+            return (
+                f"no setting of the grid graphs any of the {self.recording.call_count} "
+                f"recorded calls ({cause})"
+            )
+        in_memory = [r for r in graphing if not r.exhausts_memory]
+        if not in_memory:
+            return (
+                "every setting of the grid that graphs a call runs out of device-free memory; "
+                "try a higher floor (--min-free-bytes) or fewer graphs (--max-graphs)"
+            )
+        smallest = min(in_memory, key=lambda r: (r.pool_bytes, -r.hits))
+        budget = format_bytes(self.memory_budget)
+        return (
+            f"no setting of the grid that graphs a call fits the budget of {budget}: the "
+            f"smallest holds {format_bytes(smallest.pool_bytes)} "
+            f"(max_graphs {smallest.setting.max_graphs}, {_graphs(smallest.graphs)}); raise "
+            "--memory-budget"
+        )
 
 
 def _graphs(count: int) -> str:
@@ -735,7 +758,9 @@ def advise(
     results = [replay(recording, setting) for setting in grid]
 
     def fits(result: Result) -> bool:
-        if result.exhausts_memory:
+        # A setting that graphs no call is graphs turned off, not a graph setting: it would
+        # "fit" any budget and win every search where nothing else fits.
+        if result.exhausts_memory or result.hits == 0:
             return False
         return memory_budget is None or result.pool_bytes <= memory_budget
 

@@ -1216,6 +1216,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(advice_json(advice))
         return 0 if advice.best is not None else 1
+    if advice.best is None:
+        # Nothing to recommend: one line saying why and what to change, not a table of
+        # settings none of which can be used.
+        return _error("advise", f"no recommendation: {advice.why()}", status=1)
     from omnitrace._display import safe_markup
 
     console = _stdout_console()
@@ -1231,9 +1235,6 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     console.print(_advise_table(advice, args.top))
     if any(r.estimated_sizes for r in advice.results[: args.top]):
         console.print("  * pool memory includes estimated capture sizes")
-    if advice.best is None:
-        console.print(f"[bold red]no recommendation[/]: {safe_markup(advice.why())}")
-        return 1
     console.print("recommended:")
     overrides = safe_markup(json.dumps(advice.overrides))
     console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)

@@ -569,16 +569,35 @@ def test_advise_json_is_for_scripts(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data["best"]["encoders"]["vision"]["graphs"] == 6
 
 
-def test_no_setting_within_the_budget_is_exit_status_one(
+def test_no_setting_within_the_budget_is_one_line_and_exit_status_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A budget no setting with a graph fits recommends max_graphs 0, and a budget below
-    that is reported in one line with exit status 1."""
+    """A budget no setting with a graph fits is one error line with exit status 1 that names
+    the smallest pool, never a recommendation of max_graphs 0."""
     path = _six_hot_log(tmp_path)
-    assert main(["advise", str(path), "--memory-budget", "1KiB", "--max-graphs", "2,4"]) == 1
-    out = capsys.readouterr().out
-    assert "no recommendation: no setting of the grid keeps its pool memory within " in out
-    assert "the budget of 1.0 KiB" in out
+    assert main(["advise", str(path), "--memory-budget", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "omnitrace advise: error: no recommendation: no setting of the grid that graphs a "
+        "call fits the budget of 1.0 KiB: the smallest holds 128.0 MiB (max_graphs 2, 2 graphs); "
+        "raise --memory-budget\n"
+    )
+
+
+def test_a_grid_of_max_graphs_zero_is_no_recommendation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Graphs off (max_graphs 0) is never the recommendation: a grid of it alone is one error
+    line with exit status 1, in text and --json alike."""
+    path = _six_hot_log(tmp_path)
+    assert main(["advise", str(path), "--max-graphs", "0"]) == 1
+    assert capsys.readouterr().err == (
+        "omnitrace advise: error: no recommendation: no setting of the grid graphs any of the "
+        "300 recorded calls (max_graphs is 0 in every one)\n"
+    )
+    assert main(["advise", str(path), "--max-graphs", "0", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["recommended"] is None
 
 
 @pytest.mark.parametrize(
