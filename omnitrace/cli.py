@@ -293,8 +293,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="show the stats of event logs, or follow logs a serving process writes",
         description=(
             "Show per-encoder graph stats from JSONL event logs (several worker processes "
-            "side by side). With --follow, keep reading as the writers append; q or Ctrl-C "
-            "quits."
+            "side by side). With --follow, keep reading as the writers append; q, Ctrl-C or "
+            "SIGTERM quits."
         ),
     )
     top.add_argument("--follow", "-f", action="store_true", help="follow the logs as they grow")
@@ -303,7 +303,7 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         metavar="SECONDS",
-        help="with --follow: stop after this many seconds (default: until q or Ctrl-C)",
+        help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
     )
     top.add_argument("--no-tui", action="store_true", help="print one final frame only")
     top.add_argument(
@@ -819,9 +819,13 @@ def _cmd_top(args: argparse.Namespace) -> int:
         for follower in followers:
             board.add(follower.poll())
 
+    stop = threading.Event()
     try:
-        with LiveView(board, console=console) if tui else contextlib.nullcontext():
-            _follow(poll, args.duration, threading.Event(), keys=tui)
+        with (
+            _sigterm_stops(stop),
+            LiveView(board, console=console) if tui else contextlib.nullcontext(),
+        ):
+            _follow(poll, args.duration, stop, keys=tui)
             poll()
     except KeyboardInterrupt:
         pass  # Ctrl-C during the last read ends it too.
@@ -899,19 +903,29 @@ def _stoppable(args: argparse.Namespace) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def _sigterm_stops(stop: threading.Event, follow: bool = True) -> Iterator[None]:
+    """While a follow runs, make SIGTERM set ``stop`` instead of killing the process.
+
+    A follow is stopped with SIGTERM by supervisors and sidecar runners: it ends as Ctrl-C
+    does (the final frame or table still prints), and one that arrives during the final
+    read or export does not cut it short. Off the main thread no handler can be set.
+    """
+    if not follow or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> int:
     """Feed recorded ``records`` (None: follow ``args.paths``) through a bus with sinks."""
     stop = threading.Event()
-    previous: Any = None
-    if records is None and threading.current_thread() is threading.main_thread():
-        # A sidecar is stopped with SIGTERM: it ends the follow as Ctrl-C does, and one that
-        # arrives during the final export does not cut it short.
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+    with _sigterm_stops(stop, follow=records is None):
         return _replay_into_sinks(args, records, stop)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _replay_into_sinks(

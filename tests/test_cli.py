@@ -702,7 +702,7 @@ def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[s
     [
         ("demo", ["(default: 400)", "(default: omnitrace-events.jsonl)", "(default: info)"]),
         ("demo", ["(default: 1624)", "(default: 96)", "(default: 64)", "(default: 0)"]),
-        ("top", ["(default: until q or Ctrl-C)"]),
+        ("top", ["(default: until q, Ctrl-C or SIGTERM)"]),
         ("replay", ["(default: OTEL_EXPORTER_OTLP_ENDPOINT; unset: no export)"]),
     ],
 )
@@ -851,6 +851,35 @@ def test_top_follow_of_a_missing_log_says_it_is_waiting(
     out, err = capsys.readouterr()
     assert err == f"omnitrace: waiting for {path} to appear\n"
     assert "no encoder events yet" in out
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")
+def test_top_follow_ends_on_sigterm_with_the_final_frame(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """`top --follow` stopped by SIGTERM prints the final frame and exits 0, as Ctrl-C does."""
+    summary, log = recorded
+    path = tmp_path / "live.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "omnitrace", "top", "--follow", "--no-tui", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline() == f"omnitrace: waiting for {path} to appear\n"
+        path.write_bytes(log.read_bytes())
+        time.sleep(1.0)  # several polls: the whole log is read
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    vision = summary["encoders"]["vision"]
+    assert f"hits {vision['graph_hits']} / calls {vision['calls']}" in out
 
 
 def test_top_follow_of_a_directory_is_an_error(
