@@ -750,21 +750,28 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
     return {
         "logs": [str(p) for p in paths],
         "events": snapshot.emitted,
-        "encoders": [
-            {
-                "encoder": e.stats.adapter,
-                "rank": e.rank,
-                "pid": e.pid,
-                **_encoder_json(e.stats.as_dict(), e.max_graphs),
-                # What the first graph had to fit in (None: not read, or no graph yet).
-                "first_capture_free_bytes": e.stats.graphs[0].free_bytes
-                if e.stats.graphs
-                else None,
-                **(e.coverage.summary() if e.coverage is not None else {}),
-            }
-            for e in snapshot.encoders
-        ],
+        "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
     }
+
+
+def _top_encoder_json(encoder: Any) -> dict[str, Any]:
+    """One worker's encoder in ``top --json``: what its panel in the view shows."""
+    stats, coverage = encoder.stats, encoder.coverage
+    entry = {
+        "encoder": stats.adapter,
+        "rank": encoder.rank,
+        "pid": encoder.pid,
+        "backend": encoder.backend,
+        **_encoder_json(stats.as_dict(), encoder.max_graphs),
+        # What the first graph had to fit in (None: not read, or no graph yet).
+        "first_capture_free_bytes": stats.graphs[0].free_bytes if stats.graphs else None,
+        **(coverage.summary() if coverage is not None else {}),
+    }
+    if encoder.backend == "simulated" and "lost_s" in entry:
+        # A simulated replay runs the forward again, so no time is lost to a miss: the view
+        # says "lost n/a (simulated)", and the JSON says null.
+        entry["lost_s"] = None
+    return entry
 
 
 def _followable(command: str, paths: Sequence[Path]) -> int | None:

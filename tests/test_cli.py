@@ -744,9 +744,24 @@ def test_top_json_lists_each_encoders_top_missed_signatures_and_eager_time(
     coverage = derive_coverage(read_events(log))
     for entry in data["encoders"]:
         mine = coverage[entry["encoder"]].summary()
+        del mine["lost_s"]  # null on the simulated backend: see the test below
         assert {k: entry[k] for k in mine} == json.loads(json.dumps(mine))
         assert sum(row["misses"] for row in entry["top_missed"]) <= entry["graph_misses"]
     assert any(entry["top_missed"] for entry in data["encoders"])
+
+
+def test_top_json_names_the_backend_and_has_no_lost_time_on_the_simulated_one(
+    recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`top --json` gives each encoder's backend, and lost_s null where the view says
+    "lost n/a (simulated)"; the eager time is still given."""
+    _, log = recorded
+    assert main(["top", "--json", str(log)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(e["backend"], e["lost_s"]) for e in data["encoders"]] == [("simulated", None)] * 2
+    assert all(e["eager_s"] > 0 for e in data["encoders"])
+    assert main(["top", str(log)]) == 0
+    assert capsys.readouterr().out.count("lost n/a (simulated)") == 2
 
 
 def test_top_json_with_follow_is_a_usage_error(
