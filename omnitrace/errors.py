@@ -7,6 +7,7 @@
      │    └── ... every argument, override and variable check (omnitrace._validate)
      ├── EncoderGraphFailedError  (also a RuntimeError) adapter is terminal after a failed capture
      ├── EventLogError            (also a ValueError)   an event log line cannot be read
+     ├── MissingExtraError        (also an ImportError) an optional dependency is not installed
      └── UnsupportedVllmError     (also a RuntimeError) vLLM lacks a usable encoder graph API
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from omnitrace._display import safe
 
-__all__ = ["ConfigError", "EncoderGraphFailedError", "OmnitraceError"]
+__all__ = ["ConfigError", "EncoderGraphFailedError", "MissingExtraError", "OmnitraceError"]
 
 
 class OmnitraceError(Exception):
@@ -36,3 +37,11 @@ class ConfigError(OmnitraceError, ValueError):
 
 class EncoderGraphFailedError(OmnitraceError, RuntimeError):
     """The adapter is terminal: an earlier CUDA graph capture failed."""
+
+
+class MissingExtraError(OmnitraceError, ImportError):
+    """A feature that was asked for needs an optional dependency (an extra) not installed.
+
+    Its message says what to install; the command line prints it as one line, since the
+    traceback of the failed import says nothing more to an operator.
+    """

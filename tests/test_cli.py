@@ -930,6 +930,71 @@ def test_demo_and_replay_export_under_otel_service_name(
         assert _service_names(receiver) == {"myservice"}
 
 
+_GRPC_EXPORTERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+)
+_NO_GRPC = (
+    "protocol 'grpc' needs the OTLP gRPC exporter: pip install "
+    "'opentelemetry-exporter-otlp-proto-grpc>=1.25' (omnitrace's grpc extra)"
+)
+
+
+@pytest.mark.parametrize("command", ["demo", "replay"])
+def test_grpc_without_the_grpc_extra_is_one_line_with_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=grpc without the gRPC exporter installed is the same one
+    line from demo and replay, exit 2, and the demo's previous event log is kept."""
+    for module in _GRPC_EXPORTERS:
+        monkeypatch.setitem(sys.modules, module, None)  # None in sys.modules: not importable
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    log = _log_of(
+        tmp_path / "e.jsonl", [GraphReplayed("audio", sig("float32[1,80,100]"), 1, 1, 0.001)]
+    )
+    before = log.read_bytes()
+    if command == "demo":
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+        argv = ["demo", "--no-tui", "--cpu", "--requests", "5", "--events-log", str(log)]
+    else:
+        argv = ["replay", str(log), "--otlp-endpoint", "http://127.0.0.1:1"]
+    code = main(argv)
+    # The demo says first that it runs on the simulated backend; then the one error line.
+    err = capsys.readouterr().err
+    assert (code, err.splitlines()[-1]) == (2, f"omnitrace {command}: error: {_NO_GRPC}")
+    assert "Traceback" not in err
+    assert log.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["demo", "replay"])
+def test_http_json_is_refused_naming_the_protocols_the_exporters_support(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/json is one line naming the variable and the two
+    protocols the OTel Python exporters support, exit 2."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    log = _log_of(
+        tmp_path / "e.jsonl", [GraphReplayed("audio", sig("float32[1,80,100]"), 1, 1, 0.001)]
+    )
+    if command == "demo":
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+        argv = ["demo", "--no-tui", "--cpu", "--requests", "5", "--events-log", str(log)]
+    else:
+        argv = ["replay", str(log), "--otlp-endpoint", "http://127.0.0.1:1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"omnitrace {command}: error: OTEL_EXPORTER_OTLP_PROTOCOL: expected one of "
+        "http/protobuf, grpc (the OTLP protocols the OpenTelemetry Python exporters support), "
+        "got 'http/json'"
+    )
+
+
 def _silent_port() -> socket.socket:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -1307,7 +1372,7 @@ def test_advise_on_a_shape_of_400_dimensions_does_not_overflow(
 @pytest.mark.parametrize(
     ("variable", "value", "error"),
     [
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "bogus", "protocol: expected one of"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "bogus", "OTEL_EXPORTER_OTLP_PROTOCOL: expected one of"),
         ("OTEL_METRIC_EXPORT_INTERVAL", "abc", "OTEL_METRIC_EXPORT_INTERVAL: expected"),
         ("OMNITRACE_SUMMARY_INTERVAL", "abc", "OMNITRACE_SUMMARY_INTERVAL: expected"),
     ],

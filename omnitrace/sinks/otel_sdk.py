@@ -32,7 +32,7 @@ from opentelemetry import trace as otel_trace
 from omnitrace._env import env_seconds
 from omnitrace._validate import check_duration, check_int, check_text
 from omnitrace._worker import env_rank
-from omnitrace.errors import ConfigError
+from omnitrace.errors import ConfigError, MissingExtraError
 from omnitrace.sinks.names import ATTR
 from omnitrace.sinks.otel import (
     _DEFAULT_ENDPOINTS,
@@ -429,16 +429,20 @@ def configure_sdk(
     Raises:
         ConfigError: an argument or a standard variable is out of range (the message names
             it; a ValueError).
-        ImportError: the gRPC exporter is asked for but not installed (the message says
-            which extra to install).
+        MissingExtraError: the gRPC exporter is asked for but not installed (the message
+            says which extra to install; an ImportError).
     """
     if protocol is None:
-        protocol_text = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or "http/protobuf"
+        protocol_name = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol_text = os.environ.get(protocol_name, "").strip() or "http/protobuf"
     else:
-        protocol_text = protocol
+        protocol_name, protocol_text = "protocol", protocol
     if protocol_text not in _PROTOCOLS:
+        # http/json is a valid OTLP protocol, but no OpenTelemetry Python exporter speaks it:
+        # say so, rather than let the value look like a typo.
         raise ConfigError(
-            f"protocol: expected one of {', '.join(_PROTOCOLS)}, got {protocol_text!r}"
+            f"{protocol_name}: expected one of {', '.join(_PROTOCOLS)} (the OTLP protocols the "
+            f"OpenTelemetry Python exporters support), got {protocol_text!r}"
         )
     if export_interval_s is None:
         interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
@@ -596,7 +600,7 @@ def _guarded_exporters(
                 OTLPSpanExporter as GrpcSpanExporter,
             )
         except ImportError as exc:
-            raise ImportError(
+            raise MissingExtraError(
                 "protocol 'grpc' needs the OTLP gRPC exporter: pip install "
                 "'opentelemetry-exporter-otlp-proto-grpc>=1.25' (omnitrace's grpc extra)"
             ) from exc

@@ -909,7 +909,8 @@ def test_receiver_decodes_gzip_compressed_exports(
     [
         (
             {"protocol": "http/json"},
-            "protocol: expected one of http/protobuf, grpc, got 'http/json'",
+            "protocol: expected one of http/protobuf, grpc (the OTLP protocols the "
+            "OpenTelemetry Python exporters support), got 'http/json'",
         ),
         (
             {"export_timeout_s": 0},
