@@ -956,6 +956,7 @@ def _replay_into_sinks(
     replayed = 0
     exported = True
     drained = True
+    interrupted = False
     bad_lines = 0
     # A recorded replay reports a failed export once, at the end; a follow runs for long,
     # so the SDK wiring's outage warnings are printed as they happen.
@@ -1024,15 +1025,8 @@ def _replay_into_sinks(
                         bad_lines = relay.bad_lines
                 else:
                     replayed = feed(bus, records, pace=_pacer(speed))
-            encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
-            caps = {
-                name: info["max_graphs"]
-                for name, info in bus.adapters().items()
-                if isinstance(info.get("max_graphs"), int)
-            }
         except KeyboardInterrupt:
-            _say("interrupted")
-            return 130
+            interrupted = True
         except EventLogError as exc:
             return _error("replay", str(exc))
         finally:
@@ -1040,6 +1034,12 @@ def _replay_into_sinks(
             dropped = bus.statistics().dropped
             if setup is not None:
                 exported = setup.shutdown()
+    # The stats are the bus's folds of what was read: printed however the run ended (a failed
+    # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
+    _print_replayed(args, bus, replayed, endpoint, console)
+    if interrupted:
+        _say(f"interrupted after {replayed} events")
+        return 130
     if not exported:
         # Exporting was what this run was for: a failed export fails the command.
         return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
@@ -1054,6 +1054,19 @@ def _replay_into_sinks(
     if not drained:
         message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
         return _error("replay", message, status=1)
+    return 0
+
+
+def _print_replayed(
+    args: argparse.Namespace, bus: Any, replayed: int, endpoint: str | None, console: Console
+) -> None:
+    """Print the stats of the replayed events: the table, or with ``--json`` the JSON."""
+    encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
+    caps = {
+        name: info["max_graphs"]
+        for name, info in bus.adapters().items()
+        if isinstance(info.get("max_graphs"), int)
+    }
     if args.json:
         _print_json(
             {
@@ -1074,7 +1087,6 @@ def _replay_into_sinks(
                 compact=console.width < 120,
             )
         )
-    return 0
 
 
 def _exited(pid: int, parent: int) -> bool:

@@ -540,6 +540,45 @@ def test_replay_follow_ends_on_sigterm_with_a_final_export(
         assert _hits(receiver) == {name: s["graph_hits"] for name, s in summary["encoders"].items()}
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs POSIX signals")
+def test_replay_follow_stopped_by_sigint_with_a_failed_export_prints_the_stats(
+    recorded: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """`replay --follow` into a refused endpoint, ended by Ctrl-C (SIGINT): the stats table
+    of what it relayed, then one line saying the export failed, exit 1."""
+    _, log = recorded
+    path = tmp_path / "live.jsonl"
+    _write_slowly(path, log, delay=0)
+    events = len(list(read_events(log)))
+    endpoint = "http://127.0.0.1:1"  # port 1: refused
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "omnitrace", "replay", "--follow", str(path)),
+            *("--otlp-endpoint", endpoint),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OTEL_METRIC_EXPORT_INTERVAL": "600000"},
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline() == f"omnitrace: relaying into OTLP at {endpoint}\n"
+        time.sleep(1.5)  # a few polls: the whole log is relayed
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1, err
+    assert out.startswith(f"replayed {events} events")
+    assert err.splitlines()[-1].startswith(
+        f"omnitrace replay: error: OTLP export to {endpoint} (http/protobuf) failed: "
+    )
+    assert err.splitlines()[-1].endswith(f"; {events} events read")
+
+
 def test_replay_follow_until_exit_ends_when_the_writer_is_gone_even_unreaped(
     recorded: tuple[dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1005,7 +1044,8 @@ def _silent_port() -> socket.socket:
 def test_replay_into_a_dead_endpoint_fails_in_one_line_within_a_second(
     recorded: tuple[dict[str, Any], Path], capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """A refused or silent endpoint: exit 1, one stderr line naming it, at most 1 s extra."""
+    """A refused or silent endpoint: the stats table still prints, then exit 1 with one stderr
+    line naming the endpoint, at most 1 s extra."""
     _, log = recorded
     with OTLPReceiver() as receiver:
         start = time.monotonic()
@@ -1027,7 +1067,7 @@ def test_replay_into_a_dead_endpoint_fails_in_one_line_within_a_second(
             assert main(["replay", str(log), "--otlp-endpoint", endpoint]) == 1
             elapsed = time.monotonic() - start
             out, err = capfd.readouterr()
-            assert out == ""
+            assert out.startswith(f"replayed {events} events")
             said, failed = err.splitlines()
             assert said == f"omnitrace: replaying into OTLP at {endpoint}"
             assert failed.startswith(
