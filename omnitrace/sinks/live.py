@@ -500,6 +500,28 @@ def _missed_rows(
     return rows[:limit]
 
 
+def _reasons_text(row: KeyCoverage, compact: bool) -> Text:
+    """A missed signature's reason, or with several reasons each with its count, most first.
+
+    ``warmup`` beside 2 misses reads as two warm-ups: a key with one warm-up and one capacity
+    miss shows ``warmup 1, capacity 1`` instead (ties in display order).
+    """
+    misses = row.total.misses
+    present = [reason for reason in MissReason.display_order() if misses[reason]]
+    present.sort(key=lambda reason: -misses[reason])
+    text = Text()
+    for reason in present:
+        if len(present) == 1:
+            label = reason.value  # the misses column beside it is its count
+        else:
+            # Short names keep a narrow panel's key column readable.
+            label = f"{reason.short if compact else reason.value} {misses[reason]}"
+        if text:
+            text.append(", ")
+        text.append(label, style="yellow" if reason.loses_coverage else "")
+    return text
+
+
 def _missed_panel(
     encoders: Sequence[EncoderSnapshot], width: int, limit: int
 ) -> RenderableType | None:
@@ -520,23 +542,21 @@ def _missed_panel(
         + (f" r{encoder.rank}" if sources and encoder.rank is not None else "")
         for encoder, _, _ in rows
     ]
+    reasons = [_reasons_text(row, compact) for _, row, _ in rows]
+    reason_width = max(9, max(len(text) for text in reasons) + 1)
     # What the other columns leave (borders, padding, reason, misses, share) goes to the key.
-    key_width = max(8, width - 4 - max(len(n) for n in names) - 1 - 9 - 7 - 7 - 3)
-    for name, (_, row, share) in zip(names, rows, strict=True):
+    key_width = max(8, width - 4 - max(len(n) for n in names) - 1 - reason_width - 7 - 7 - 3)
+    for name, reason, (_, row, share) in zip(names, reasons, rows, strict=True):
         if row.signature is None:
             label = "(shapes not tracked)"
         else:
             inputs, place = _split_key(safe(row.key))
             label = _short_inputs(inputs) if compact else f"{inputs} {place}".rstrip()
-        reason = row.main_reason
         # Text, not str: the name and the key are data, never rich markup.
         table.add_row(
             Text(name),
             Text(_elide(label, key_width)),
-            Text(
-                "" if reason is None else reason.value,
-                style="yellow" if reason is not None and reason.loses_coverage else "",
-            ),
+            reason,
             str(row.graph_misses),
             f"{share * 100:.1f} %",
         )

@@ -503,6 +503,28 @@ def test_missed_panel_lists_signatures_with_reason_and_share_and_the_eager_time_
     assert "│ profile  calls 2 · captures 1 · 0 of 1 replayed while serving" in body
 
 
+def test_a_missed_signature_with_several_reasons_gives_each_its_count() -> None:
+    """A key with one warm-up and one capacity miss shows both reasons with their counts
+    beside its 2 misses, not "warmup" alone; a narrow panel uses the short names."""
+    key = sig("float32[1,960,64], None @cpu s=0")
+    events = [
+        GraphMissed("vision", key, 0, T0, MissReason.WARMUP, "call 1 of 2", 0.01),
+        GraphMissed("vision", key, 0, T0, MissReason.CAPACITY, "cap", 0.01),
+        GraphMissed("vision", key, 0, T0, MissReason.CAPACITY, "cap", 0.01),
+    ]
+    board = RecordBoard(title="top")
+    board.add(EventRecord(e, 100, 0) for e in events)
+    wide = [line for line in _lines(_text(render(board.snapshot()), width=140)) if "960" in line]
+    assert [line.split("│")[1].split() for line in wide] == [
+        [
+            *("vision", "float32[1,960,64],", "None", "@cpu", "s=0"),
+            *("capacity", "2,", "warmup", "1", "3", "100.0", "%"),
+        ]
+    ]
+    narrow = _text(render(board.snapshot()), width=80)
+    assert "│  vision   f32[1,960,64]     cap 2, warm 1       3  100.0 %" in narrow
+
+
 def test_keys_captured_while_profiling_are_tagged() -> None:
     """A captured key of the profiling phase is marked (prof) in the captured keys."""
     events = _coverage_events()
