@@ -886,13 +886,16 @@ def advice_json(advice: Advice) -> dict[str, Any]:
 
 
 def parse_size(text: str) -> int:
-    """Read a byte size: ``1073741824``, ``512MiB``, ``1.5GiB``, ``64KiB``.
+    """Read a byte size: ``1073741824``, ``512MiB``, ``1.5GiB``, ``64KiB``, or in decimal
+    units ``2GB`` (2 * 10**9 bytes), ``500MB``, ``64kB``.
 
     Raises:
         ConfigError: ``text`` is not a nonnegative size.
     """
     raw = text.strip()
-    units = {"kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40, "b": 1}
+    # Binary units before decimal ones and bytes last: "2GiB" also ends in "b".
+    units = {"kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40}
+    units.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1})
     number, scale = raw, 1
     for suffix, factor in units.items():
         if raw.lower().endswith(suffix):
@@ -904,6 +907,6 @@ def parse_size(text: str) -> int:
         value = -1
     if not 0 <= value < 2**63:
         raise ConfigError(
-            f"expected a size in bytes (1073741824, 512MiB, 1.5GiB), got {text[:40]!r}"
+            f"expected a size in bytes (1073741824, 512MiB, 1.5GiB, 2GB), got {text[:40]!r}"
         )
     return int(value)

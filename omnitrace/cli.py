@@ -643,6 +643,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from omnitrace._files import check_regular
     from omnitrace.demo.run import DemoOptions, run_demo
 
+    if args.hf_overrides is not None and not args.hf_overrides.strip():
+        # Given but blank is most often an unset shell variable: running with the defaults
+        # would hide that the settings meant for this run never arrived.
+        return _error(
+            "demo",
+            "--hf-overrides: expected a JSON object, e.g. "
+            "'{\"encoder_cuda_graph_max_graphs\": 8}', got "
+            f"{args.hf_overrides!r} (leave the option out for the defaults)",
+        )
     try:
         config = EncoderGraphConfig.from_hf_overrides(
             args.hf_overrides, enforce_eager=args.enforce_eager
@@ -785,6 +794,14 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
+            if any(char in path.name for char in "*?["):
+                # A shell passes a pattern that matches no file as it is: waiting for a file
+                # literally named with a '*' would wait forever.
+                return _error(
+                    command,
+                    f"{path}: no file matches this pattern (a pattern that matches nothing "
+                    "reaches omnitrace unexpanded; name the log, which may not exist yet)",
+                )
             _say(f"waiting for {path} to appear")
             continue
         if not stat.S_ISREG(mode):

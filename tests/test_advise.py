@@ -610,7 +610,8 @@ def test_a_grid_of_max_graphs_zero_is_no_recommendation(
         ),
         (
             ["--memory-budget", "12XB"],
-            "--memory-budget: expected a size in bytes (1073741824, 512MiB, 1.5GiB), got '12XB'",
+            "--memory-budget: expected a size in bytes (1073741824, 512MiB, 1.5GiB, 2GB), got "
+            "'12XB'",
         ),
     ],
 )
@@ -622,6 +623,19 @@ def test_bad_grid_values_are_usage_errors(
         main(["advise", str(tmp_path / "x.jsonl"), *args])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().endswith(f"error: argument {message}")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2GB", 2 * 10**9), ("2GiB", 2 * GiB), ("500MB", 500 * 10**6), ("64kB", 64_000), ("7", 7)],
+)
+def test_sizes_take_binary_and_decimal_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, size: int
+) -> None:
+    """--memory-budget reads binary units (GiB) and decimal ones (GB is 10**9 bytes)."""
+    path = _six_hot_log(tmp_path)
+    main(["advise", str(path), "--json", "--max-graphs", "6", "--memory-budget", text])
+    assert json.loads(capsys.readouterr().out)["memory_budget"] == size
 
 
 def test_a_log_without_graphable_calls_is_exit_status_one(

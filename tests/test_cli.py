@@ -936,6 +936,21 @@ def test_top_follow_ends_on_sigterm_with_the_final_frame(
     assert f"hits {vision['graph_hits']} / calls {vision['calls']}" in out
 
 
+@pytest.mark.parametrize("command", ["top", "replay"])
+def test_follow_of_a_pattern_that_matched_nothing_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """`--follow 'events-*.jsonl'` that the shell left unexpanded (no match) is one line and
+    exit 2, instead of waiting for a file named with a '*'."""
+    pattern = tmp_path / "events-*.jsonl"
+    extra = ["--prometheus-port", "0"] if command == "replay" else []
+    assert main([command, "--follow", "--duration", "5", *extra, str(pattern)]) == 2
+    assert capsys.readouterr().err == (
+        f"omnitrace {command}: error: {pattern}: no file matches this pattern (a pattern that "
+        "matches nothing reaches omnitrace unexpanded; name the log, which may not exist yet)\n"
+    )
+
+
 def test_top_follow_of_a_directory_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1142,6 +1157,23 @@ def test_q_quits_top_follow_on_a_terminal(recorded: tuple[dict[str, Any], Path])
 
 
 # -- bad input: one line, no traceback, nothing harmed --------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "  "])
+def test_blank_hf_overrides_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    """`--hf-overrides ''` (an unset shell variable, most often) is refused in one line with
+    exit 2, not run silently with the defaults."""
+    log = str(tmp_path / "e.jsonl")
+    code = main(["demo", "--no-tui", "--cpu", "--events-log", log, "--hf-overrides", text])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "omnitrace demo: error: --hf-overrides: expected a JSON object, e.g. "
+        f"'{{\"encoder_cuda_graph_max_graphs\": 8}}', got {text!r} (leave the option out for "
+        "the defaults)\n"
+    )
+    assert not (tmp_path / "e.jsonl").exists()
 
 
 @pytest.mark.parametrize(
