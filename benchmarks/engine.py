@@ -35,21 +35,16 @@ the plumbing is checked, the numbers mean nothing, and graphs cannot capture.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextlib
-import io
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-import wave
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +60,7 @@ from benchmarks.common import (
     target,
     write_partial,
 )
+from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command, wav
 
 NAME = "engine"
 #: Runs on a CPU at toy sizes (the engine CI tier); full scale needs CUDA (checked in run()).
@@ -150,20 +146,12 @@ def _png(seed: int, width: int, height: int) -> str:
     from PIL import Image
 
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url("image/png", png(Image.fromarray(pixels)))
 
 
 def _wav(seed: int, seconds: float) -> str:
     samples = 0.1 * np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SAMPLING_RATE)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url("audio/wav", wav(samples, SAMPLING_RATE))
 
 
 def messages(kind: RequestKind, seed: int) -> list[dict[str, Any]]:
@@ -189,17 +177,6 @@ def schedule(kinds: Sequence[RequestKind], per_kind: int, seed: int) -> list[Req
 
 
 # -- one server --------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _vllm_command() -> list[str]:
-    script = Path(sys.executable).with_name("vllm")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 @dataclass
@@ -254,31 +231,18 @@ def serving(
     """Start ``vllm serve`` for ``config`` and stop it after the block, whatever happens."""
     out = work / config.name
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     events = out / "events.jsonl"
-    command = [
-        *_vllm_command(),
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--load-format",
-        "dummy",
-        "--seed",
-        "0",
-        "--max-model-len",
-        str(ctx.pick(8192, 4096, 4096)),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 2, "audio": 2, "video": 0}),
-        "--hf-overrides",
-        json.dumps(config.overrides),
-    ]
-    if config.compilation is not None:
-        command += ["--compilation-config", json.dumps(config.compilation)]
+    command = serve_command(
+        model,
+        port,
+        max_model_len=ctx.pick(8192, 4096, 4096),
+        max_num_seqs=max_num_seqs,
+        hf_overrides=config.overrides,
+        extra=()
+        if config.compilation is None
+        else ("--compilation-config", json.dumps(config.compilation)),
+    )
     output = out / "serve.log"
     with output.open("wb") as sink:
         process = subprocess.Popen(

@@ -28,8 +28,6 @@ Usage: ``python engine_run.py --model DIR --out result.json [--overrides JSON]
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import sys
@@ -41,6 +39,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import numpy as np
+
+from omnitrace.testing_checkpoints.serving import data_url, png, wav
 
 #: Towers whose outputs the hooks digest, by the thinker's attribute names.
 TOWERS = ("visual", "audio_tower")
@@ -142,30 +142,6 @@ def minicpmo_prompts(round_: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-def _data_url(kind: str, payload: bytes) -> str:
-    return f"data:{kind};base64,{base64.b64encode(payload).decode()}"
-
-
-def png(picture: Any) -> bytes:
-    """The image as PNG bytes."""
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def wav(samples: np.ndarray, rate: int) -> bytes:
-    """16-bit PCM WAV bytes (the standard library's writer; vLLM reads them with soundfile)."""
-    import wave
-
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
-
-
 def chat_messages(seed_offset: int = 0) -> list[dict[str, Any]]:
     """One user message with an image, an audio clip and text, as an OpenAI client sends it."""
     s = seed_offset
@@ -175,11 +151,11 @@ def chat_messages(seed_offset: int = 0) -> list[dict[str, Any]]:
             "content": [
                 {
                     "type": "image_url",
-                    "image_url": {"url": _data_url("image/png", png(image(s + 7, 252, 252)))},
+                    "image_url": {"url": data_url("image/png", png(image(s + 7, 252, 252)))},
                 },
                 {
                     "type": "audio_url",
-                    "audio_url": {"url": _data_url("audio/wav", wav(*clip(s + 8, 1.5)))},
+                    "audio_url": {"url": data_url("audio/wav", wav(*clip(s + 8, 1.5)))},
                 },
                 {"type": "text", "text": "Describe both."},
             ],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -105,13 +104,6 @@ def run_engine(
     (out_dir / "output.log").write_text(completed.stdout)
     result = json.loads(report.read_text()) if report.exists() else None
     return EngineRun(completed.returncode, completed.stdout, result)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # -- what the engine tests of every model check ------------------------------------------------

@@ -26,9 +26,9 @@ from engine.engine_run import chat_messages
 from engine.support import (
     ENGINE_TIMEOUT_S,
     engine_environment,
-    free_port,
     run_engine,
 )
+from omnitrace.testing_checkpoints.serving import free_port, serve_command
 
 pytestmark = pytest.mark.engine
 
@@ -93,18 +93,6 @@ class Server:
         return int(self.process.returncode)
 
 
-def _vllm_command() -> list[str]:
-    """The ``vllm`` command of the environment the tests run in.
-
-    Its console script where pip installed one, else the module that script runs (an
-    environment that has vLLM on ``PYTHONPATH`` only): the same ``main()`` either way.
-    """
-    script = Path(sys.executable).with_name("vllm")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``vllm serve`` on the tiny checkpoint with omnitrace's event log, ready for requests."""
@@ -115,27 +103,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # The server runs its engine in a process of its own, as it does for users.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     output = out / "serve.log"
-    command = [
-        *_vllm_command(),
-        "serve",
-        str(checkpoint),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--load-format",
-        "dummy",
-        "--seed",
-        "0",
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "4",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 2, "audio": 2, "video": 0}),
-        "--hf-overrides",
-        json.dumps(OVERRIDES),
-    ]
+    command = serve_command(
+        checkpoint, port, max_model_len=2048, max_num_seqs=4, hf_overrides=OVERRIDES
+    )
     with output.open("wb") as sink:
         process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
     served = Server(process, port, output, out / "events-0.jsonl")
