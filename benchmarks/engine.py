@@ -1,9 +1,12 @@
 """End to end: what omnitrace's encoder graphs are worth to a ``vllm serve`` user's requests.
 
-One ``vllm serve`` per configuration, started back to back in this invocation on the same
+Two models, Qwen2.5-Omni-7B's thinker and MiniCPM-o 4.5 (Qwen3-8B, SigLIP-400M with 27
+layers, Whisper-medium), at their released sizes on CUDA (tiny on a CPU). For each, one
+``vllm serve`` per configuration, started back to back in this invocation on the same
 checkpoint (written here by :mod:`omnitrace.testing_checkpoints`; dummy weights, so the text is
 meaningless and the timing real), each sent the same seeded traffic by OpenAI clients over
-loopback, streaming, so the time to the first content chunk is the user's TTFT:
+loopback, streaming, so the time to the first content chunk is the user's TTFT.
+``OMNITRACE_BENCH_ENGINE_MODELS=minicpmo`` (comma-separated kinds) serves only those models.
 
 ============================  ===================================================================
 configuration                 what
@@ -19,14 +22,15 @@ configuration                 what
                               otherwise
 ============================  ===================================================================
 
-The traffic: single images at several resolutions, two-image prompts, audio of 1, 5, 10 and
-30 s, and image-plus-audio prompts, in a seeded order; greedy, short outputs. Each
-configuration serves a warm-up pass first (the graphs' ``min_capture_calls``), then the
-measured passes at concurrency 1 and 8, with new pixels and samples of the same sizes each
-pass (vLLM caches encoder outputs by content). Reported per configuration: TTFT p50 and p99
-per request kind and concurrency, requests/s, the encoders' device time as a share of TTFT
-(``DeviceTimed`` events; concurrency 1), graphs and pool bytes from the event log, the KV
-cache vLLM chose (its log), and whether every completion equals the eager configuration's.
+The traffic: single images at several resolutions (MiniCPM-o: 1 to 9 slices), two-image
+prompts, audio of 1, 5, 10 and 30 s, and image-plus-audio prompts, in a seeded order; greedy,
+short outputs. Each configuration serves a warm-up pass first (the graphs'
+``min_capture_calls``), then the measured passes at concurrency 1 and 8, with new pixels and
+samples of the same sizes each pass (vLLM caches encoder outputs by content). Reported per
+configuration: TTFT p50 and p99 per request kind and concurrency, requests/s, the encoders'
+device time as a share of TTFT (``DeviceTimed`` events; concurrency 1), graphs and pool bytes
+from the event log, the KV cache vLLM chose (its log), and whether every completion equals the
+eager configuration's.
 
 A server that fails to start, dies or answers an error fails the benchmark with its output;
 it is never skipped. On a CPU (``--quick`` or ``--tiny``) everything runs on a tiny model:
@@ -121,8 +125,26 @@ class RequestKind:
         return "mixed" if self.images and self.clips else ("image" if self.images else "audio")
 
 
-def request_kinds(scale: str) -> list[RequestKind]:
-    """The traffic mix's kinds; smaller images and clips on the CPU scales."""
+def request_kinds(scale: str, model_kind: str = "qwen2_5_omni") -> list[RequestKind]:
+    """The traffic mix's kinds; smaller images and clips on the CPU scales.
+
+    MiniCPM-o's images are sized by their slices of 448 px: one (the overview only), 2, 4, 6
+    and 9 slices beside the overview.
+    """
+    if scale == "full" and model_kind == "minicpmo":
+        return [
+            RequestKind("image-448", images=((448, 448),)),
+            RequestKind("image-896x448", images=((896, 448),)),
+            RequestKind("image-896x896", images=((896, 896),)),
+            RequestKind("image-1344x896", images=((1344, 896),)),
+            RequestKind("image-1344x1344", images=((1344, 1344),)),
+            RequestKind("images-2x448", images=((448, 448), (672, 448))),
+            RequestKind("audio-1s", clips=(1.0,)),
+            RequestKind("audio-5s", clips=(5.0,)),
+            RequestKind("audio-10s", clips=(10.0,)),
+            RequestKind("audio-30s", clips=(30.0,)),
+            RequestKind("image+audio", images=((448, 448),), clips=(5.0,)),
+        ]
     if scale == "full":
         return [
             RequestKind("image-448", images=((448, 448),)),
@@ -226,7 +248,13 @@ def _environment(config: Configuration, events: Path, cuda: bool) -> dict[str, s
 
 @contextlib.contextmanager
 def serving(
-    config: Configuration, model: Path, work: Path, ctx: Context, *, max_num_seqs: int
+    config: Configuration,
+    model: Path,
+    work: Path,
+    ctx: Context,
+    *,
+    max_num_seqs: int,
+    trust_remote_code: bool = False,
 ) -> Iterator[Server]:
     """Start ``vllm serve`` for ``config`` and stop it after the block, whatever happens."""
     out = work / config.name
@@ -239,9 +267,14 @@ def serving(
         max_model_len=ctx.pick(8192, 4096, 4096),
         max_num_seqs=max_num_seqs,
         hf_overrides=config.overrides,
-        extra=()
-        if config.compilation is None
-        else ("--compilation-config", json.dumps(config.compilation)),
+        extra=(
+            *(
+                ()
+                if config.compilation is None
+                else ("--compilation-config", json.dumps(config.compilation))
+            ),
+            *(("--trust-remote-code",) if trust_remote_code else ()),
+        ),
     )
     output = out / "serve.log"
     with output.open("wb") as sink:
@@ -284,17 +317,27 @@ def _wait_ready(server: Server, timeout: float) -> None:
 
 @dataclass
 class Completion:
-    """One streamed request: its kind, TTFT, total time and text."""
+    """One streamed request: its kind, TTFT, total time, token ids and text."""
 
     kind: str
     ttft_s: float
     total_s: float
+    tokens: list[int]
     text: str
+
+
+def _token_ids(choice: Any) -> list[int]:
+    """The token ids a streamed chunk's choice carries (vLLM's ``return_token_ids``)."""
+    found = getattr(choice, "token_ids", None)
+    if found is None and choice.model_extra:
+        found = choice.model_extra.get("token_ids")
+    return list(found or ())
 
 
 def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int) -> Completion:
     start = time.perf_counter()
     first: float | None = None
+    tokens: list[int] = []
     parts: list[str] = []
     stream = client.chat.completions.create(
         model=model,
@@ -302,17 +345,22 @@ def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int)
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
+        # Random weights often pick ids the tokenizer has no text for: the first chunk that
+        # carries a token id marks the first token, whatever its text.
+        extra_body={"return_token_ids": True},
     )
     for chunk in stream:
-        delta = chunk.choices[0].delta.content if chunk.choices else None
-        if delta:
-            if first is None:
-                first = time.perf_counter()
-            parts.append(delta)
+        if not chunk.choices:
+            continue
+        ids = _token_ids(chunk.choices[0])
+        if ids and first is None:
+            first = time.perf_counter()
+        tokens += ids
+        parts.append(chunk.choices[0].delta.content or "")
     end = time.perf_counter()
     if first is None:
-        raise RuntimeError(f"a {kind.name} request streamed no content")
-    return Completion(kind.name, first - start, end - start, "".join(parts))
+        raise RuntimeError(f"a {kind.name} request streamed no token")
+    return Completion(kind.name, first - start, end - start, tokens, "".join(parts))
 
 
 @dataclass
@@ -388,14 +436,21 @@ def _device_s_since(path: Path, skip: int) -> float | None:
 # -- the benchmark -----------------------------------------------------------------------------
 
 
+#: vLLM 0.26's model class of each checkpoint kind, checked for its encoder graph protocol.
+VLLM_MODEL_CLASSES = {
+    "qwen2_5_omni": (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+    ),
+    "minicpmo": ("vllm.model_executor.models.minicpmo", "MiniCPMO4_5"),
+}
+#: The models compared, in the order they are served, and their names in the report.
+MODELS = {"qwen2_5_omni": "Qwen2.5-Omni-7B thinker", "minicpmo": "MiniCPM-o 4.5"}
+
+
 def _model_supports_vllm_encoder_graphs(model_kind: str) -> tuple[bool, str]:
     """Whether vLLM's model class for ``model_kind`` implements its encoder graph protocol."""
-    module, cls = {
-        "qwen2_5_omni": (
-            "vllm.model_executor.models.qwen2_5_omni_thinker",
-            "Qwen2_5OmniThinkerForConditionalGeneration",
-        ),
-    }[model_kind]
+    module, cls = VLLM_MODEL_CLASSES[model_kind]
     try:
         import importlib
 
@@ -427,19 +482,70 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _checkpoint(model_kind: str, directory: Path, scale: str) -> Path:
+    """Write ``model_kind``'s checkpoint (the released sizes at full scale) unless it exists."""
+    from omnitrace.testing_checkpoints import (
+        MiniCPMOSizes,
+        Qwen2_5OmniSizes,
+        write_minicpmo,
+        write_qwen2_5_omni,
+    )
+
+    if directory.exists():
+        return directory
+    if model_kind == "minicpmo":
+        write_minicpmo(directory, MiniCPMOSizes.released() if scale == "full" else None)
+    else:
+        write_qwen2_5_omni(directory, Qwen2_5OmniSizes.released() if scale == "full" else None)
+    return directory
+
+
+def models() -> list[str]:
+    """The model kinds this run serves: ``OMNITRACE_BENCH_ENGINE_MODELS`` (comma-separated)
+    or every one of :data:`MODELS`."""
+    chosen = os.environ.get("OMNITRACE_BENCH_ENGINE_MODELS", "").strip()
+    if not chosen:
+        return list(MODELS)
+    names = [name.strip() for name in chosen.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise ValueError(
+            f"OMNITRACE_BENCH_ENGINE_MODELS: expected a comma-separated list of "
+            f"{', '.join(MODELS)}, got {chosen!r}"
+        )
+    return names
+
+
 def run(ctx: Context) -> dict[str, Any]:
-    """Serve the traffic through each configuration back to back; compare against eager."""
+    """Serve the traffic through each model's configurations back to back; compare with eager."""
     if ctx.scale == "full" and not ctx.cuda:
         raise RuntimeError("the engine benchmark at full scale needs a CUDA device")
-    from omnitrace.testing_checkpoints import Qwen2_5OmniSizes, write_qwen2_5_omni
+    result: dict[str, Any] = {
+        "sizes": "released" if ctx.scale == "full" else "tiny",
+        "anchors": list(ANCHORS),
+        "models": {},
+        "targets": [],
+        "figures": [],
+    }
+    for model_kind in models():
+        ctx.log(f"  {MODELS[model_kind]}")
+        result["models"][model_kind] = entry = _run_model(ctx, model_kind, result)
+        _checks(result, model_kind, entry)
+        write_partial(ctx, NAME, result)
+    for model_kind, entry in result["models"].items():
+        for name, config in entry["configurations"].items():
+            if config.get("parity_with_eager") is False:
+                raise BenchmarkFailedError(
+                    f"{MODELS[model_kind]}: {name}'s completions differ from eager's", result
+                )
+    return result
 
-    model_kind = "qwen2_5_omni"
-    work = ctx.out_dir / "engine-work"
-    model = work / "qwen2_5_omni"
-    if not model.exists():
-        sizes = Qwen2_5OmniSizes.seven_b() if ctx.scale == "full" else Qwen2_5OmniSizes()
-        write_qwen2_5_omni(model, sizes)
-    kinds = request_kinds(ctx.scale)
+
+def _run_model(ctx: Context, model_kind: str, result: dict[str, Any]) -> dict[str, Any]:
+    # Absolute: each server runs in its own directory.
+    work = (ctx.out_dir / "engine-work" / model_kind).resolve()
+    model = _checkpoint(model_kind, work / "checkpoint", ctx.scale)
+    kinds = request_kinds(ctx.scale, model_kind)
     per_kind = ctx.pick(8, 2, 1)
     tokens = ctx.pick(8, 4, 2)
     concurrencies = ctx.pick((1, 8), (1, 4), (1, 2))
@@ -448,28 +554,31 @@ def run(ctx: Context) -> dict[str, Any]:
         # On a CPU nothing graphs: two engines check the plumbing.
         chosen = [c for c in chosen if c.name in ("eager", "omnitrace")]
     supported, why_not = _model_supports_vllm_encoder_graphs(model_kind)
-    result: dict[str, Any] = {
-        "model": model_kind,
-        "sizes": "7b" if ctx.scale == "full" else "tiny",
+    entry: dict[str, Any] = {
+        "name": MODELS[model_kind],
         "kinds": [k.name for k in kinds],
         "per_kind": per_kind,
         "max_tokens": tokens,
-        "anchors": list(ANCHORS),
         "vllm_encoder_graphs": {"supported": supported, "reason": why_not},
         "configurations": {},
         "not_applicable": {},
-        "targets": [],
-        "figures": [],
     }
-    texts: dict[str, dict[str, str]] = {}
+    texts: dict[str, dict[str, list[int]]] = {}
     for config in chosen:
         if config.compilation is not None and not supported:
-            result["not_applicable"][config.name] = why_not
+            entry["not_applicable"][config.name] = why_not
             ctx.log(f"  {config.name}: not applicable ({why_not})")
             continue
         ctx.log(f"  {config.name}: starting vllm serve")
         started = time.perf_counter()
-        with serving(config, model, work, ctx, max_num_seqs=max(concurrencies)) as server:
+        with serving(
+            config,
+            model,
+            work,
+            ctx,
+            max_num_seqs=max(concurrencies),
+            trust_remote_code=model_kind == "minicpmo",
+        ) as server:
             ready_s = time.perf_counter() - started
             # Warm-up: every shape min_capture_calls times, so the graphs are in place.
             for warm in range(2):
@@ -487,7 +596,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     device_s_c1 = _device_s_since(server.events, skip)
             figures = event_figures(server.events)
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
-            entry = {
+            row = {
                 "ready_s": ready_s,
                 "kv_cache_tokens": server.kv_cache_tokens(),
                 "rows": _kind_rows(passes),
@@ -500,25 +609,35 @@ def run(ctx: Context) -> dict[str, Any]:
                 **{k: v for k, v in figures.items() if k != "encoder_device_s"},
             }
             texts[config.name] = {
-                f"c{p.concurrency}/{i}": c.text for p in passes for i, c in enumerate(p.completions)
+                f"c{p.concurrency}/{i}": c.tokens
+                for p in passes
+                for i, c in enumerate(p.completions)
             }
             if "eager" in texts and config.name != "eager":
-                entry["parity_with_eager"] = texts[config.name] == texts["eager"]
-            result["configurations"][config.name] = entry
-            write_partial(ctx, NAME, result)
+                mine, eager = texts[config.name], texts["eager"]
+                # One request at a time the engine's batches are the same in every
+                # configuration, so its tokens must be too. With several in flight the
+                # batches depend on timing and the language model's numerics on the batch,
+                # so those are counted, not required.
+                solo = [k for k in eager if k.startswith("c1/")]
+                row["parity_with_eager"] = all(mine.get(k) == eager[k] for k in solo)
+                batched = [k for k in eager if not k.startswith("c1/")]
+                row["batched_equal_eager"] = sum(mine.get(k) == eager[k] for k in batched)
+                row["batched_requests"] = len(batched)
+            entry["configurations"][config.name] = row
+            write_partial(ctx, NAME, {**result, "models": {**result["models"], model_kind: entry}})
             ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
-    _checks(result)
-    if any(entry.get("parity_with_eager") is False for entry in result["configurations"].values()):
-        raise BenchmarkFailedError("a configuration's completions differ from eager's", result)
-    return result
+    return entry
 
 
-def _median_change(result: dict[str, Any], config: str, modality: str) -> float | None:
+def _median_change(
+    entry: dict[str, Any], model_kind: str, scale: str, config: str, modality: str
+) -> float | None:
     """Relative change of the median TTFT p50 of ``modality`` requests at concurrency 1."""
-    configs = result["configurations"]
+    configs = entry["configurations"]
     if config not in configs or "eager" not in configs:
         return None
-    kinds = {k.name: k for k in request_kinds("full" if result["sizes"] == "7b" else "quick")}
+    kinds = {k.name: k for k in request_kinds(scale, model_kind)}
 
     def p50(name: str) -> float | None:
         rows = [
@@ -532,13 +651,15 @@ def _median_change(result: dict[str, Any], config: str, modality: str) -> float 
     return None if base is None or new is None or base <= 0 else (new - base) / base
 
 
-def _checks(result: dict[str, Any]) -> None:
-    configs = result["configurations"]
+def _checks(result: dict[str, Any], model_kind: str, entry: dict[str, Any]) -> None:
+    configs = entry["configurations"]
+    label = MODELS[model_kind]
+    scale = "full" if result["sizes"] == "released" else "quick"
     for modality in ("image", "audio"):
-        change = _median_change(result, "omnitrace", modality)
+        change = _median_change(entry, model_kind, scale, "omnitrace", modality)
         result["targets"].append(
             target(
-                f"{modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders",
+                f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders",
                 None if change is None else 100 * change,
                 "<=",
                 -30.0,
@@ -551,7 +672,7 @@ def _checks(result: dict[str, Any]) -> None:
         graph_kv = configs["omnitrace"]["kv_cache_tokens"]
         result["figures"].append(
             figure(
-                "KV cache with omnitrace's graphs, change against eager",
+                f"{label}: KV cache with omnitrace's graphs, change against eager",
                 None
                 if not eager_kv or graph_kv is None
                 else 100 * (graph_kv - eager_kv) / eager_kv,
@@ -560,26 +681,33 @@ def _checks(result: dict[str, Any]) -> None:
                 note=f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}",
             )
         )
-    for name, why in result["not_applicable"].items():
-        result["figures"].append(figure(f"{name}: not applicable", None, "", goal=GOAL, note=why))
+    for name, why in entry["not_applicable"].items():
+        result["figures"].append(
+            figure(f"{label}: {name} not applicable", None, "", goal=GOAL, note=why)
+        )
 
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
-    """TTFT p50 per request kind at concurrency 1, one bar per configuration."""
-    configs = result["configurations"]
-    if not configs:
+    """TTFT p50 per request kind at concurrency 1, one bar per configuration, a panel a model."""
+    served = [(k, e) for k, e in result["models"].items() if e["configurations"]]
+    if not served:
         return []
-    kinds = result["kinds"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(kinds)), 4.0))
-    width = 0.8 / len(configs)
-    for i, (name, entry) in enumerate(configs.items()):
-        values = [entry["rows"].get(f"c1/{kind}", {}).get("ttft_p50_ms", 0.0) for kind in kinds]
-        ax.bar([k + i * width for k in range(len(kinds))], values, width, label=name)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))])
-    ax.set_xticklabels(kinds, rotation=30, ha="right")
-    ax.set_ylabel("TTFT p50 (ms), concurrency 1")
-    ax.set_title(f"vllm serve, {result['model']} ({result['sizes']}), dummy weights")
-    ax.legend()
+    widest = max(len(e["kinds"]) for _, e in served)
+    fig, axes = plt.subplots(
+        len(served), 1, figsize=(max(6.0, 1.1 * widest), 4.0 * len(served)), squeeze=False
+    )
+    for ax, (model_kind, entry) in zip(axes[:, 0], served, strict=True):
+        configs = entry["configurations"]
+        kinds = entry["kinds"]
+        width = 0.8 / len(configs)
+        for i, (name, row) in enumerate(configs.items()):
+            values = [row["rows"].get(f"c1/{kind}", {}).get("ttft_p50_ms", 0.0) for kind in kinds]
+            ax.bar([k + i * width for k in range(len(kinds))], values, width, label=name)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))])
+        ax.set_xticklabels(kinds, rotation=30, ha="right")
+        ax.set_ylabel("TTFT p50 (ms), concurrency 1")
+        ax.set_title(f"vllm serve, {MODELS[model_kind]} ({result['sizes']} sizes), dummy weights")
+        ax.legend()
     fig.tight_layout()
     path = out_dir / "engine_ttft.png"
     fig.savefig(path, dpi=120)

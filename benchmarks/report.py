@@ -623,7 +623,81 @@ def _observability(result: dict[str, Any]) -> list[Table]:
     return [t]
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def _engine(result: dict[str, Any]) -> list[Table]:
+    tables: list[Table] = []
+    for model in result.get("models", {}).values():
+        configs: dict[str, Any] = model["configurations"]
+        if not configs:
+            continue
+        concurrencies = sorted(
+            {row["concurrency"] for c in configs.values() for row in c["rows"].values()}
+        )
+        ttft = Table(
+            f"{model['name']} ({result['sizes']} sizes): TTFT p50 / p99 (ms) by request kind",
+            ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
+        )
+        for kind in model["kinds"]:
+            cells = [kind]
+            for c in concurrencies:
+                for entry in configs.values():
+                    row = entry["rows"].get(f"c{c}/{kind}")
+                    cells.append(
+                        "n/a"
+                        if row is None
+                        else f"{_ms(row['ttft_p50_ms'])} / {_ms(row['ttft_p99_ms'])}"
+                    )
+            ttft.rows.append(cells)
+        ttft.note = (
+            f"{model['per_kind']} requests of each kind per pass, {model['max_tokens']} output "
+            "tokens, greedy; "
+            + " and ".join(f"c{c}" for c in concurrencies)
+            + ": requests in flight. p99 of so few samples is their maximum."
+        )
+        engines = Table(
+            f"{model['name']}: engines",
+            [
+                "configuration",
+                "ready (s)",
+                *(f"requests/s c{c}" for c in concurrencies),
+                "encoder share of TTFT, c1",
+                "graphs",
+                "hits / misses",
+                "pool MiB",
+                "KV cache tokens",
+                "tokens equal eager's: c1, batched",
+            ],
+        )
+        for name, entry in configs.items():
+            share = entry.get("encoder_share_of_ttft_c1")
+            engines.rows.append(
+                [
+                    name,
+                    f"{entry['ready_s']:.0f}",
+                    *(f"{entry['requests_per_s'].get(f'c{c}', 0.0):.2f}" for c in concurrencies),
+                    "n/a" if share is None else f"{100 * share:.1f} %",
+                    str(entry["graphs"]),
+                    f"{entry['hits']} / {entry['misses']}",
+                    _mib(entry["pool_bytes"]),
+                    "n/a" if entry["kv_cache_tokens"] is None else f"{entry['kv_cache_tokens']:,}",
+                    "baseline"
+                    if "parity_with_eager" not in entry
+                    else f"{'yes' if entry['parity_with_eager'] else 'NO'}, "
+                    f"{entry.get('batched_equal_eager', 'n/a')} of "
+                    f"{entry.get('batched_requests', 'n/a')}",
+                ]
+            )
+        missing = "; ".join(f"{k}: {v}" for k, v in model.get("not_applicable", {}).items())
+        engines.note = "Not applicable: " + missing + "." if missing else ""
+        tables += [ttft, engines]
+    return tables
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
+    "engine": _engine,
     "overhead": _overhead,
     "latency": _latency,
     "traffic": _traffic,
@@ -753,7 +827,8 @@ def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     from benchmarks.run import BENCHMARKS
 
     outputs: dict[str, dict[str, Any]] = {}
-    for name in BENCHMARKS:
+    # The suites of their own after the ``all`` suite's benchmarks.
+    for name in (*BENCHMARKS, *(n for n in RENDERERS if n not in BENCHMARKS)):
         path = out_dir / f"{name}.json"
         if path.exists():
             outputs[name] = json.loads(path.read_text(encoding="utf-8"))

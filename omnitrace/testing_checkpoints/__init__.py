@@ -73,17 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("directory", help="where to write it (made; must not hold files)")
     parser.add_argument(
         "--size",
-        choices=("tiny", "7b"),
+        choices=("tiny", "released"),
         default="tiny",
-        help="tiny (default, a few MB of weights) or, for qwen2_5_omni, the released 7B "
-        "thinker's sizes",
+        help="tiny (default, a few MB of weights) or the released model's sizes "
+        "(Qwen2.5-Omni-7B's thinker; MiniCPM-o 4.5: Qwen3-8B, SigLIP-400M, Whisper-medium)",
     )
     parser.add_argument("--sizes", action="store_true", help="print the sizes used, as JSON")
     args = parser.parse_args(argv)
     writer, sizes_class = _WRITERS[args.model]
-    if args.size == "7b" and not hasattr(sizes_class, "seven_b"):
-        parser.error(f"--size 7b: {args.model} has tiny sizes only")
-    sizes = sizes_class.seven_b() if args.size == "7b" else sizes_class()
+    sizes = sizes_class.released() if args.size == "released" else sizes_class()
     try:
         written = writer(args.directory, sizes)
     except CheckpointError as exc:

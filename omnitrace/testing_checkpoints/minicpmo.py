@@ -97,6 +97,10 @@ _CHAT_TEMPLATE = (
 )
 
 
+#: Head dims the attention kernels take (72: SigLIP so400m's vision heads).
+_HEAD_DIMS = frozenset({64, 72, 80, 128})
+
+
 @dataclass(frozen=True, slots=True)
 class MiniCPMOSizes:
     """The sizes of a tiny MiniCPM-o 4.5 (defaults: a few MB of random weights)."""
@@ -117,6 +121,35 @@ class MiniCPMOSizes:
     max_slice_nums: int = 9
     tokenizer_vocab: int = 400
     max_position_embeddings: int = 8192
+    text_vocab: int | None = None
+    """The language model's vocabulary in the config; None: the tokenizer's length padded
+    to a multiple of 64. A larger one (Qwen3-8B's 151,936) gives the LM head its real cost;
+    ids past the tokenizer are never produced by a prompt."""
+
+    @classmethod
+    def released(cls) -> MiniCPMOSizes:
+        """The sizes of the released MiniCPM-o 4.5: Qwen3-8B, SigLIP-400M, Whisper-medium.
+
+        The SigLIP so400m tower with its 27 layers (width 1152, 16 heads of 72, MLP 4304), the
+        Whisper-medium encoder (width 1024, 24 layers, 16 heads), and Qwen3-8B (width 4096,
+        36 layers, 32 query and 8 key/value heads of 128, MLP 12288, vocabulary 151,936).
+        """
+        return cls(
+            text_hidden=4096,
+            text_layers=36,
+            text_heads=32,
+            text_kv_heads=8,
+            text_intermediate=12288,
+            vision_hidden=1152,
+            vision_layers=27,
+            vision_heads=16,
+            vision_intermediate=4304,
+            audio_hidden=1024,
+            audio_layers=24,
+            audio_heads=16,
+            max_position_embeddings=40960,
+            text_vocab=151_936,
+        )
 
     def check(self) -> None:
         """Raise CheckpointError for sizes vLLM's model code or kernels would refuse."""
@@ -125,10 +158,11 @@ class MiniCPMOSizes:
             ("vision", self.vision_hidden, self.vision_heads),
             ("audio", self.audio_hidden, self.audio_heads),
         ):
-            if heads < 1 or hidden % heads or hidden // heads != 64:
+            if heads < 1 or hidden % heads or hidden // heads not in _HEAD_DIMS:
                 raise CheckpointError(
                     f"{name}: hidden size {hidden} over {heads} heads must give a head dim "
-                    f"of 64 (FlashAttention and SDPA both take it)"
+                    f"of 64, 72, 80 or 128 (FlashAttention and SDPA take them), got "
+                    f"{hidden / heads:g}"
                 )
         if self.text_hidden % 128:
             raise CheckpointError(
@@ -144,6 +178,10 @@ class MiniCPMOSizes:
                 raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_slice_nums < 1:
             raise CheckpointError(f"max_slice_nums must be at least 1, got {self.max_slice_nums}")
+        if self.text_vocab is not None and (self.text_vocab % 64 or self.text_vocab < 1024):
+            raise CheckpointError(
+                f"text_vocab must be a multiple of 64 of at least 1024, got {self.text_vocab}"
+            )
         if self.tokenizer_vocab < 300:
             raise CheckpointError(
                 f"tokenizer_vocab must be at least 300 (256 bytes plus merges), "
@@ -202,7 +240,7 @@ def _write_minicpmo(transformers: Any, directory: Path, sizes: MiniCPMOSizes) ->
     text_head_dim = sizes.text_hidden // sizes.text_heads
     with quiet(transformers):
         config = configuration_minicpmo.MiniCPMOConfig(
-            vocab_size=padded(len(tokenizer)),
+            vocab_size=padded(len(tokenizer)) if sizes.text_vocab is None else sizes.text_vocab,
             hidden_size=sizes.text_hidden,
             intermediate_size=sizes.text_intermediate,
             num_hidden_layers=sizes.text_layers,

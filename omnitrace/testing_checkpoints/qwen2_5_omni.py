@@ -120,8 +120,8 @@ class Qwen2_5OmniSizes:
     cost; ids past the tokenizer are never produced by a prompt."""
 
     @classmethod
-    def seven_b(cls) -> Qwen2_5OmniSizes:
-        """The sizes of Qwen2.5-Omni-7B's thinker (transformers' default configs)."""
+    def released(cls) -> Qwen2_5OmniSizes:
+        """The sizes of the released Qwen2.5-Omni-7B's thinker (transformers' default configs)."""
         return cls(
             text_hidden=3584,
             text_layers=28,

@@ -176,9 +176,20 @@ def digest(output: Any) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def _model(worker: Any) -> Any:
+    """The worker's model itself, out of any CUDA graph wrapper of vLLM's.
+
+    On CUDA, V1's runner keeps the model in a wrapper that hands attribute reads on to it: a
+    method set on the wrapper would never be called by the model.
+    """
+    runner = worker.model_runner
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
 def _watch_towers(worker: Any) -> dict[str, Any]:
     """Record a digest of every tower output in the worker, in call order."""
-    model = worker.model_runner.model
+    model = _model(worker)
     outputs: dict[str, list[str]] = {}
     for name in TOWERS:
         tower = getattr(model, name, None)
@@ -196,7 +207,7 @@ def _watch_towers(worker: Any) -> dict[str, Any]:
 
 def _watch_minicpmo(worker: Any) -> dict[str, Any]:
     """Digest every vision tower output and every batch audio result, in call order."""
-    model = worker.model_runner.model
+    model = _model(worker)
     outputs: dict[str, list[str]] = {MINICPMO_VISION: [], MINICPMO_AUDIO_METHOD: []}
 
     def hook(module: Any, args: Any, output: Any) -> None:
@@ -238,7 +249,7 @@ def _adapters(model: Any) -> dict[str, Any]:
 
 def _report(worker: Any) -> dict[str, Any]:
     """What the worker's towers and adapters did (run in the worker)."""
-    model = worker.model_runner.model
+    model = _model(worker)
     runner = type(worker.model_runner)
     return {
         "outputs": dict(getattr(model, "_engine_test_outputs", {})),

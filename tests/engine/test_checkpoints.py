@@ -216,3 +216,52 @@ def test_the_command_line_writes_a_minicpmo_directory(
     assert main(["minicpmo", str(tmp_path / "cli")]) == 0
     assert capsys.readouterr().out == f"{tmp_path / 'cli'}\n"
     assert (tmp_path / "cli" / "configuration_minicpmo.py").exists()
+
+
+def test_minicpmo_vision_heads_of_72_are_taken_and_96_refused(tmp_path: Path) -> None:
+    """SigLIP so400m's heads of 72 pass the size check; a head dim no kernel takes does not."""
+    MiniCPMOSizes(vision_hidden=144, vision_heads=2).check()
+    with pytest.raises(CheckpointError, match="got 96"):
+        write_minicpmo(tmp_path / "bad", MiniCPMOSizes(vision_hidden=192, vision_heads=2))
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (
+            "minicpmo",
+            {
+                ("hidden_size",): 4096,
+                ("num_hidden_layers",): 36,
+                ("num_key_value_heads",): 8,
+                ("vocab_size",): 151_936,
+                ("vision_config", "num_hidden_layers"): 27,
+                ("vision_config", "hidden_size"): 1152,
+                ("vision_config", "intermediate_size"): 4304,
+                ("audio_config", "d_model"): 1024,
+                ("audio_config", "encoder_layers"): 24,
+            },
+        ),
+        (
+            "qwen2_5_omni",
+            {
+                ("thinker_config", "text_config", "hidden_size"): 3584,
+                ("thinker_config", "text_config", "vocab_size"): 152_064,
+                ("thinker_config", "vision_config", "depth"): 32,
+                ("thinker_config", "audio_config", "encoder_layers"): 32,
+            },
+        ),
+    ],
+)
+def test_the_command_line_writes_the_released_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, expected: dict
+) -> None:
+    """``--size released`` writes the released model's sizes into the config (no weights)."""
+    assert main([model, str(tmp_path / model), "--size", "released"]) == 0
+    config = json.loads((tmp_path / model / "config.json").read_text())
+    for path, value in expected.items():
+        found = config
+        for key in path:
+            found = found[key]
+        assert found == value, path

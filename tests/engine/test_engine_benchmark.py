@@ -23,8 +23,9 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(3 * ENGINE_TIMEOUT_S + 60)
 def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path: Path) -> None:
-    """Two engines serve the traffic mix; completions match eager's; figures are recorded."""
+    """Two engines per model serve the traffic mix; completions match eager's; figures recorded."""
     # Only the benchmarks package from the checkout: omnitrace must come from the install.
     path = tmp_path / "path"
     path.mkdir()
@@ -55,23 +56,28 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
     payload = json.loads((out / "engine.json").read_text())
     assert payload["status"] == "ok"
     result = payload["result"]
-    assert set(result["configurations"]) == {"eager", "omnitrace"}
-    for name, entry in result["configurations"].items():
-        assert {row["kind"] for row in entry["rows"].values()} == set(result["kinds"]), name
-        assert {row["concurrency"] for row in entry["rows"].values()} == {1, 2}, name
-        assert entry["kv_cache_tokens"] > 0, name
-        assert all(row["ttft_p50_ms"] > 0 for row in entry["rows"].values()), name
-    assert result["configurations"]["omnitrace"]["parity_with_eager"] is True
-    graphs = result["configurations"]["omnitrace"]["graphs"]
-    # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.
-    assert graphs > 0 if CUDA else graphs == 0, graphs
-    assert result["configurations"]["eager"]["graphs"] == 0
-    # Device timing needs CUDA events: a CPU run has no encoder share to report.
-    shares = {e["encoder_share_of_ttft_c1"] for e in result["configurations"].values()}
-    assert all(s > 0 for s in shares) if CUDA else shares == {None}, shares
-    assert result["vllm_encoder_graphs"]["supported"] is False
-    assert "SupportsEncoderCudaGraph" in result["vllm_encoder_graphs"]["reason"]
+    assert set(result["models"]) == {"qwen2_5_omni", "minicpmo"}
+    for model_kind, model in result["models"].items():
+        assert set(model["configurations"]) == {"eager", "omnitrace"}, model_kind
+        for name, entry in model["configurations"].items():
+            where = f"{model_kind}/{name}"
+            assert {row["kind"] for row in entry["rows"].values()} == set(model["kinds"]), where
+            assert {row["concurrency"] for row in entry["rows"].values()} == {1, 2}, where
+            assert entry["kv_cache_tokens"] > 0, where
+            assert all(row["ttft_p50_ms"] > 0 for row in entry["rows"].values()), where
+        assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
+        graphs = model["configurations"]["omnitrace"]["graphs"]
+        # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.
+        assert graphs > 0 if CUDA else graphs == 0, (model_kind, graphs)
+        assert model["configurations"]["eager"]["graphs"] == 0, model_kind
+        # Device timing needs CUDA events: a CPU run has no encoder share to report.
+        shares = {e["encoder_share_of_ttft_c1"] for e in model["configurations"].values()}
+        assert all(s > 0 for s in shares) if CUDA else shares == {None}, (model_kind, shares)
+        # Neither model class implements vLLM's encoder graph protocol in 0.26.
+        assert model["vllm_encoder_graphs"]["supported"] is False, model_kind
+        assert "SupportsEncoderCudaGraph" in model["vllm_encoder_graphs"]["reason"]
     assert {t["name"] for t in result["targets"]} == {
-        "image TTFT p50 at concurrency 1, omnitrace vs eager encoders",
-        "audio TTFT p50 at concurrency 1, omnitrace vs eager encoders",
+        f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders"
+        for label in ("Qwen2.5-Omni-7B thinker", "MiniCPM-o 4.5")
+        for modality in ("image", "audio")
     }
