@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suites import BENCHMARKS
+
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
 MiB = 1 << 20
@@ -750,8 +752,6 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
-    from benchmarks.run import BENCHMARKS
-
     outputs: dict[str, dict[str, Any]] = {}
     for name in BENCHMARKS:
         path = out_dir / f"{name}.json"
