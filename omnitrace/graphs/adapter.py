@@ -51,8 +51,9 @@ from omnitrace.graphs.eligibility import (
 )
 from omnitrace.graphs.failures import MESSAGE_MAX_CHARS, failure_message, terminal_error
 from omnitrace.graphs.gil import COMPILE_YIELD
+from omnitrace.graphs.hooks import AdapterHooks
 from omnitrace.graphs.preparation import Preparation, check_backend
-from omnitrace.graphs.timing import DeviceTimers
+from omnitrace.graphs.timing import DeviceTimer, DeviceTimers
 from omnitrace.signature import Signature
 from omnitrace.stats import AdapterStats, StatsFold
 
@@ -155,39 +156,32 @@ class EncoderCudaGraph:
         # call is a capacity miss and the lost coverage shows, as for any full cache.
         self._enabled = config.enabled
         self._admission = Admission(config)
-        self._capturer = Capturer(
+        self._fold = StatsFold()
+        self._lock = threading.RLock()
+        hooks = AdapterHooks(
             name,
-            backend,
-            share_pools=config.share_pools,
-            error_mode=self._error_mode,
-            compiled=config.compile,
-            forward=self._capture_forward,
-            emit=self._emit,
-            phase=lambda: self._phase,
-            fail=self._fail,
+            self._lock,
+            self._emit,
+            lambda: self._phase,
+            self._fail,
+            lambda: self._failure is not None,
+        )
+        self._capturer = Capturer(
+            hooks, backend, config, error_mode=self._error_mode, forward=self._capture_forward
         )
         # The capturer's table, read by the call path without a lookup through it.
         self._graphs = self._capturer.graphs
-        self._fold = StatsFold()
-        self._lock = threading.RLock()
         self._failure: str | None = None
         self._failure_exc: BaseException | None = None
         self._phase = _SERVING
         self._skip_profiling = config.skip_profiling
         self._compiled: Callable[..., Any] | None = None
-        self._timers = (
-            DeviceTimers(backend.device_clock, self._emit, self._lock, lambda: _THREADED.add(self))
-            if config.device_timing
-            else None
-        )
+        self._timers = DeviceTimers(self._new_timer, self._lock) if config.device_timing else None
         # Its thread starts with the first key admitted under background_capture.
         self._prep = Preparation(
-            name,
+            hooks,
             compiled=config.compile,
-            lock=self._lock,
             warm_up=lambda inputs: self.backend.warm_up(self._capture_forward(), inputs),
-            fail=self._fail,
-            failed=lambda: self._failure is not None,
         )
         if bus is not None:
             bus.register_adapter(
@@ -345,6 +339,11 @@ class EncoderCudaGraph:
 
     def _terminal_error(self) -> EncoderGraphFailedError:
         return terminal_error(self.name, self._failure, self._failure_exc)
+
+    def _new_timer(self, device: torch.device) -> DeviceTimer:
+        """The device timer of ``device`` (lock held); the adapter closes its thread."""
+        _THREADED.add(self)
+        return DeviceTimer(self.backend.device_clock(device), self._emit)
 
     def _eager(
         self,

@@ -14,29 +14,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-from omnitrace.events import Event, GraphCaptured, Phase
-from omnitrace.graphs.backends.base import (
-    CAPTURE_LOCK,
-    CapturedGraph,
-    CaptureRequest,
-    GraphBackend,
-    OutputLayout,
-)
+from omnitrace.events import GraphCaptured
+from omnitrace.graphs.backends.base import CAPTURE_LOCK, CaptureRequest
 from omnitrace.graphs.compiling import compile_lock
 from omnitrace.graphs.pools import PoolRegistry
-from omnitrace.signature import Signature
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnitrace.config import EncoderGraphConfig
+    from omnitrace.graphs.backends.base import CapturedGraph, GraphBackend, OutputLayout
+    from omnitrace.graphs.hooks import AdapterHooks
+    from omnitrace.signature import Signature
 
 __all__ = ["Capturer", "Due", "Entry"]
 
 logger = logging.getLogger(__name__)
-
-_mono = time.monotonic_ns
-_epoch = time.time_ns
-_perf = time.perf_counter
 
 
 class Entry:
@@ -63,39 +58,30 @@ class Capturer:
     """One adapter's captured graphs, and the capture of each.
 
     Args:
-        name: the adapter's name, for events and log lines.
+        hooks: the adapter's name, lock and callbacks (a failed capture goes to its
+            ``fail`` before the error propagates).
         backend: the adapter's graph backend.
-        share_pools: one pool per device and replay stream (else one per graph).
+        config: the adapter's settings (``share_pools``; ``compile``: torch.compile's lock
+            is held too).
         error_mode: the CUDA capture error mode the backend is asked for.
-        compiled: whether the forward is compiled (torch.compile's lock is held too).
         forward: returns the forward to capture (the encoder, or torch.compile of it).
-        emit: the adapter's event path (its stats fold, then the bus).
-        phase: the engine phase events are tagged with, read when a capture is reported.
-        fail: the adapter's capture-failure contract, called before the error propagates.
     """
 
     def __init__(
         self,
-        name: str,
+        hooks: AdapterHooks,
         backend: GraphBackend,
+        config: EncoderGraphConfig,
         *,
-        share_pools: bool,
         error_mode: str,
-        compiled: bool,
         forward: Callable[[], Callable[..., Any]],
-        emit: Callable[[Event], None],
-        phase: Callable[[], Phase],
-        fail: Callable[[BaseException, Signature, torch.device, int], object],
     ) -> None:
-        self._name = name
+        self._hooks = hooks
         self._backend = backend
-        self._pools = PoolRegistry(backend, share=share_pools)
+        self._pools = PoolRegistry(backend, share=config.share_pools)
         self._error_mode = error_mode
-        self._compiled = compiled
+        self._compiled = config.compile
         self._forward = forward
-        self._emit = emit
-        self._phase = phase
-        self._fail = fail
         #: The held graphs by key, in capture order; never removed, so the call path may
         #: read an entry without the adapter's lock.
         self.graphs: dict[Hashable, Entry] = {}
@@ -120,7 +106,11 @@ class Capturer:
             # No floor read for this call (floor off, or a prepared key admitted earlier):
             # one read now, outside the capture's timing.
             free_bytes = self._device_free_bytes(device)
-        start_mono, start_epoch, start_perf = _mono(), _epoch(), _perf()
+        start_mono, start_epoch, start_perf = (
+            time.monotonic_ns(),
+            time.time_ns(),
+            time.perf_counter(),
+        )
         try:
             request = CaptureRequest(
                 self._forward(),
@@ -137,17 +127,17 @@ class Capturer:
             with CAPTURE_LOCK, compile_lock(self._compiled):
                 graph = self._backend.capture(request)
         except BaseException as exc:
-            self._fail(exc, signature, device, stream)
+            self._hooks.fail(exc, signature, device, stream)
             raise
         index = len(self.graphs)
         self.graphs[key] = Entry(graph, signature)
-        self._emit(
+        self._hooks.emit(
             GraphCaptured(
-                self._name,
+                self._hooks.name,
                 signature,
                 start_mono,
                 start_epoch,
-                _perf() - start_perf,
+                time.perf_counter() - start_perf,
                 slot.pool_id,
                 str(device),
                 stream,
@@ -156,7 +146,7 @@ class Capturer:
                 int(graph.static_bytes),
                 index,
                 free_bytes,
-                phase=self._phase(),
+                phase=self._hooks.phase(),
             )
         )
         return graph
@@ -169,5 +159,6 @@ class Capturer:
         try:
             return int(self._backend.device_free_bytes(device))
         except Exception as exc:  # a report must never fail the capture it describes
-            logger.debug("omnitrace: %r cannot read free memory of %s: %s", self._name, device, exc)
+            name = self._hooks.name
+            logger.debug("omnitrace: %r cannot read free memory of %s: %s", name, device, exc)
             return None

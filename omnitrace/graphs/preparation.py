@@ -35,6 +35,7 @@ from omnitrace.graphs.backends.base import CAPTURE_LOCK, OutputLayout, static_co
 from omnitrace.graphs.capture import Due
 from omnitrace.graphs.compiling import compile_lock
 from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
+from omnitrace.graphs.hooks import AdapterHooks
 from omnitrace.signature import Signature
 
 __all__ = ["Job", "Preparation", "check_backend"]
@@ -84,7 +85,7 @@ def _waiting_ready_keys() -> bool:
     one ready less than ``_DEFER_S`` ago, or one whose call found the lock taken."""
     since = time.monotonic() - _DEFER_S
     for preparation in list(_STARTED):
-        if preparation.failed():
+        if preparation._hooks.failed():
             continue
         if preparation.wanted or any(at > since for _, at in list(preparation.ready.values())):
             return True
@@ -95,32 +96,23 @@ class Preparation:
     """One adapter's preparation thread, its job queue and the keys it prepared.
 
     Args:
-        name: the adapter's name, for the thread's name and log lines.
+        hooks: the adapter's name, lock and callbacks (a failed preparation goes to its
+            ``fail``, which makes the adapter terminal).
         compiled: whether the forward is compiled (a compiling warm-up holds the capture
             lock and torch.compile's own lock, see :meth:`_scope`).
-        lock: the adapter's lock, held while a job's outcome is recorded.
         warm_up: runs the capture forward once on a job's inputs, returns the output layout.
-        fail: the adapter's capture-failure contract (emit ``CaptureFailed``, go terminal);
-            returns the failure as text, for the log.
-        failed: whether the adapter is terminal.
     """
 
     def __init__(
         self,
-        name: str,
+        hooks: AdapterHooks,
         *,
         compiled: bool,
-        lock: threading.RLock,
         warm_up: Callable[[list[torch.Tensor | None]], OutputLayout],
-        fail: Callable[[BaseException, Signature, torch.device, int], str],
-        failed: Callable[[], bool],
     ) -> None:
-        self._name = name
+        self._hooks = hooks
         self._compiled = compiled
-        self._lock = lock
         self._warm_up = warm_up
-        self._fail = fail
-        self.failed = failed
         self.preparing: set[Hashable] = set()
         # Keys whose preparation finished: the next call captures them. Values: the
         # warm-up's output layout (None: warm up again at capture) and when it was ready.
@@ -153,7 +145,7 @@ class Preparation:
             self._worker = threading.Thread(
                 target=self._loop,
                 args=(self._jobs,),
-                name=f"omnitrace-prepare-{self._name}",
+                name=f"omnitrace-prepare-{self._hooks.name}",
                 daemon=True,
             )
             self._worker.start()
@@ -163,7 +155,7 @@ class Preparation:
     def wait(self, timeout: float) -> bool:
         """Wait until no preparation is running; True when none is left."""
         deadline = time.monotonic() + timeout
-        while self.preparing and not self.failed():
+        while self.preparing and not self._hooks.failed():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
@@ -182,7 +174,7 @@ class Preparation:
         side: dict[torch.device, Any] = {}
         while True:
             job = jobs.get()
-            if job is None or self.failed():
+            if job is None or self._hooks.failed():
                 return
             self._prepare(job, side)
 
@@ -202,18 +194,18 @@ class Preparation:
                 else:
                     layout = self._warm_up(job.inputs)
         except BaseException as exc:
-            with self._lock:
+            with self._hooks.lock:
                 self.preparing.discard(job.key)
-                failure = self._fail(exc, job.signature, job.device, job.stream)
+                failure = self._hooks.fail(exc, job.signature, job.device, job.stream)
             logger.error(
                 "omnitrace: background preparation of %s for %r failed: %s; "
                 "the adapter is terminal",
                 job.signature.text,
-                self._name,
+                self._hooks.name,
                 failure,
             )
             return
-        with self._lock:
+        with self._hooks.lock:
             self.preparing.discard(job.key)
             # A compiled forward warms up once more at capture, on the caller's thread: a
             # guard that differs there (a thread-local mode) recompiles outside the capture.
@@ -250,7 +242,7 @@ class Preparation:
             took, now = time.monotonic() - began, COMPILE_YIELD.statistics()
         logger.debug(
             "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
-            self._name,
+            self._hooks.name,
             job.signature.text,
             took,
             now.pauses - yielded.pauses,

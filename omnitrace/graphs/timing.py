@@ -179,23 +179,13 @@ class DeviceTimers:
     """One adapter's device timers, one per device, each made on first use.
 
     Args:
-        clock_of: the backend's clock for a device (``GraphBackend.device_clock``).
-        emit: the adapter's event path, handed to each timer.
+        new_timer: makes the timer of a device (its thread is the adapter's to close).
         lock: the adapter's lock, held while a timer is made.
-        started: called once per timer made (its thread is the adapter's to close).
     """
 
-    def __init__(
-        self,
-        clock_of: Callable[[Any], DeviceClock],
-        emit: Callable[[Event], None],
-        lock: threading.RLock,
-        started: Callable[[], None],
-    ) -> None:
-        self._clock_of = clock_of
-        self._emit = emit
+    def __init__(self, new_timer: Callable[[Any], DeviceTimer], lock: threading.RLock) -> None:
+        self._new_timer = new_timer
         self._lock = lock
-        self._started = started
         self._timers: dict[Any, DeviceTimer] = {}
 
     def timer(self, device: Any) -> DeviceTimer:
@@ -206,8 +196,7 @@ class DeviceTimers:
             with self._lock:
                 timer = timers.get(device)
                 if timer is None:
-                    timer = timers[device] = DeviceTimer(self._clock_of(device), self._emit)
-                    self._started()
+                    timer = timers[device] = self._new_timer(device)
         return timer
 
     def resolve(self, timeout: float) -> bool:
