@@ -158,16 +158,23 @@ class EncoderCudaGraph:
         self._admission = Admission(config)
         self._fold = StatsFold()
         self._lock = threading.RLock()
+        # The parts below reach the adapter through a weak proxy: holding it strongly would
+        # make every adapter a reference cycle, whose graphs only the cyclic collector frees.
+        owner = weakref.proxy(self)
         hooks = AdapterHooks(
             name,
             self._lock,
-            self._emit,
-            lambda: self._phase,
-            self._fail,
-            lambda: self._failure is not None,
+            lambda event: owner._emit(event),
+            lambda: owner._phase,
+            lambda *failure: owner._fail(*failure),
+            lambda: owner._failure is not None,
         )
         self._capturer = Capturer(
-            hooks, backend, config, error_mode=self._error_mode, forward=self._capture_forward
+            hooks,
+            backend,
+            config,
+            error_mode=self._error_mode,
+            forward=lambda: owner._capture_forward(),
         )
         # The capturer's table, read by the call path without a lookup through it.
         self._graphs = self._capturer.graphs
@@ -176,12 +183,16 @@ class EncoderCudaGraph:
         self._phase = _SERVING
         self._skip_profiling = config.skip_profiling
         self._compiled: Callable[..., Any] | None = None
-        self._timers = DeviceTimers(self._new_timer, self._lock) if config.device_timing else None
+        self._timers = (
+            DeviceTimers(lambda device: owner._new_timer(device), self._lock)
+            if config.device_timing
+            else None
+        )
         # Its thread starts with the first key admitted under background_capture.
         self._prep = Preparation(
             hooks,
             compiled=config.compile,
-            warm_up=lambda inputs: self.backend.warm_up(self._capture_forward(), inputs),
+            warm_up=lambda inputs: owner.backend.warm_up(owner._capture_forward(), inputs),
         )
         if bus is not None:
             bus.register_adapter(
@@ -572,7 +583,7 @@ class EncoderCudaGraph:
     def _submit(self, due: Due) -> None:
         """Reserve the key's slot and hand a copy of the inputs to the preparation thread."""
         self._admission.captured(due.key)  # the slot is taken now: no other key may claim it
-        self._prep.submit(due, self.backend_stream(due.device))
+        self._prep.submit(due, self.backend_stream(due.device), owner=self)
         _THREADED.add(self)
 
     def backend_stream(self, device: torch.device) -> Any:

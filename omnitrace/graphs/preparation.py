@@ -122,10 +122,12 @@ class Preparation:
         self._jobs: queue.SimpleQueue[Job | None] | None = None
         self._worker: threading.Thread | None = None
 
-    def submit(self, due: Due, replay_stream: Any) -> None:
+    def submit(self, due: Due, replay_stream: Any, *, owner: object) -> None:
         """Prepare ``due``'s key on the thread, started on the first job (adapter lock held).
 
         ``replay_stream``: the stream the call runs on (None on a simulated device).
+        ``owner``: the adapter, which the thread keeps alive until it stops (it calls back
+        into it), so the exit-time close still finds it.
         """
         self.preparing.add(due.key)
         # The caller may reuse its tensors once this call returns: the thread gets copies,
@@ -144,7 +146,7 @@ class Preparation:
             self._jobs = queue.SimpleQueue()
             self._worker = threading.Thread(
                 target=self._loop,
-                args=(self._jobs,),
+                args=(self._jobs, owner),
                 name=f"omnitrace-prepare-{self._hooks.name}",
                 daemon=True,
             )
@@ -170,7 +172,7 @@ class Preparation:
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout)
 
-    def _loop(self, jobs: queue.SimpleQueue[Job | None]) -> None:
+    def _loop(self, jobs: queue.SimpleQueue[Job | None], owner: object) -> None:
         side: dict[torch.device, Any] = {}
         while True:
             job = jobs.get()
