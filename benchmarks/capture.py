@@ -81,9 +81,11 @@ from benchmarks.common import (
     BenchmarkFailedError,
     Context,
     GcClock,
-    _quantile,
     figure,
     free_cuda_memory,
+    geometry_fields,
+    quantile,
+    save_plot,
     simulated_compile,
     target,
 )
@@ -211,9 +213,9 @@ def tail(samples_s: list[float]) -> dict[str, float | int]:
         raise ValueError("tail() needs at least one sample")
     return {
         "n": len(ordered),
-        "p50": _quantile(ordered, 0.50),
-        "p90": _quantile(ordered, 0.90),
-        "p99": _quantile(ordered, 0.99),
+        "p50": quantile(ordered, 0.50),
+        "p90": quantile(ordered, 0.90),
+        "p99": quantile(ordered, 0.99),
         "max": ordered[-1],
         "mean": sum(ordered) / len(ordered),
     }
@@ -622,7 +624,7 @@ def _traffic(ctx: Context, models: dict[str, torch.nn.Module], hidden: int) -> T
         key = (req.encoder, req.shape)
         if key not in inputs:
             shape = req.shape + ((hidden,) if req.encoder == "vision" else ())
-            inputs[key] = torch.randn(shape, generator=gen).to(ctx.device, _dtype(ctx))
+            inputs[key] = torch.randn(shape, generator=gen).to(ctx.device, ctx.dtype)
     refs: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     with torch.no_grad():
         # Every shape runs eagerly once first, so one-time costs (kernel selection, cuBLAS
@@ -640,10 +642,6 @@ def _traffic(ctx: Context, models: dict[str, torch.nn.Module], hidden: int) -> T
 def _repeat(fn: Callable[[], None], times: int) -> None:
     for _ in range(times):
         fn()
-
-
-def _dtype(ctx: Context) -> torch.dtype:
-    return torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
 
 
 @contextlib.contextmanager
@@ -664,7 +662,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """
     device = ctx.device
     on_cuda = device.type == "cuda"
-    dtype = _dtype(ctx)
+    dtype = ctx.dtype
     geoms = (
         {"vision": VISION_TINY, "audio": AUDIO_TINY}
         if ctx.simulate
@@ -735,10 +733,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "clients": CLIENTS,
         "encoders": "tiny (simulated)" if ctx.simulate else "medium",
         "graphs_per_client": GRAPHS_PER_CLIENT,
-        "geometries": {
-            k: {f: getattr(g, f) for f in ("hidden", "layers", "heads", "mlp")}
-            for k, g in geoms.items()
-        },
+        "geometries": {k: geometry_fields(g) for k, g in geoms.items()},
         "dtype": str(dtype).removeprefix("torch."),
         "timing": "per request: adapter call until the client's own stream finished it "
         "(stream.synchronize()), perf_counter",
@@ -782,7 +777,7 @@ def _cold_p99(row: dict[str, Any]) -> float | None:
 def _median_capture_s(row: dict[str, Any]) -> float | None:
     """Median ``GraphCaptured`` duration: the time a capturing call spent capturing."""
     seconds = sorted(row.get("capture_seconds") or [])
-    return float(_quantile(seconds, 0.5)) if seconds else None
+    return float(quantile(seconds, 0.5)) if seconds else None
 
 
 def _cold_p99_change(rows: list[dict[str, Any]], mode: str, versus: str) -> float | None:
@@ -914,8 +909,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
         ax.legend(fontsize=8)
     axes[0].set_ylabel("request latency, ms")
     fig.suptitle(f"Traffic mix, {result['clients']} client threads, by capture mode")
-    fig.tight_layout()
-    path = out_dir / "capture.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "capture.png")]

@@ -1,4 +1,5 @@
-"""Shared plumbing for the benchmark scripts: run context, timing, statistics, targets, JSON.
+"""Shared plumbing for the benchmark scripts: run context, timing, statistics, targets, JSON,
+plots.
 
 Every benchmark module exposes ``NAME``, ``NEEDS_CUDA`` and ``run(ctx) -> dict``; it may also
 expose ``plot(result, out_dir, plt) -> list[Path]``. The runner (``benchmarks.run``) adds the
@@ -39,7 +40,10 @@ __all__ = [
     "environment",
     "figure",
     "free_cuda_memory",
+    "geometry_fields",
+    "quantile",
     "rotated",
+    "save_plot",
     "simulated_compile",
     "summarize",
     "target",
@@ -153,10 +157,25 @@ class Context:
     def device(self) -> torch.device:
         return torch.device("cuda") if self.cuda and not self.simulate else torch.device("cpu")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The encoders' dtype: bfloat16 on a CUDA device, float32 on the CPU."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
     def sync(self) -> None:
         """Wait for the device (a no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    @property
+    def device_sync(self) -> Callable[[], None]:
+        """``torch.cuda.synchronize`` on a CUDA device, else a no-op: a bare function for
+        timed loops, where :meth:`sync`'s check would count in every sample."""
+        return torch.cuda.synchronize if self.device.type == "cuda" else _no_sync
+
+
+def _no_sync() -> None:
+    """Nothing to wait for on the CPU."""
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -237,7 +256,8 @@ def _driver_version() -> str | None:
 # -- statistics --------------------------------------------------------------------------
 
 
-def _quantile(ordered: Sequence[float], q: float) -> float:
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``ordered`` (sorted), interpolating linearly between ranks."""
     # Linear interpolation between closest ranks, like numpy's default.
     if len(ordered) == 1:
         return ordered[0]
@@ -258,8 +278,8 @@ def summarize(samples_s: Iterable[float], *, scale: float = 1e6) -> dict[str, fl
     return {
         "n": len(ordered),
         "median": statistics.median(ordered),
-        "p10": _quantile(ordered, 0.10),
-        "p90": _quantile(ordered, 0.90),
+        "p10": quantile(ordered, 0.10),
+        "p90": quantile(ordered, 0.90),
         "mean": statistics.fmean(ordered),
         "min": ordered[0],
     }
@@ -354,6 +374,19 @@ def figure(
         "goal": goal,
         "note": note,
     }
+
+
+def geometry_fields(geometry: Any) -> dict[str, int]:
+    """An encoder geometry's sizes, as results record them."""
+    return {f: getattr(geometry, f) for f in ("hidden", "layers", "heads", "mlp")}
+
+
+def save_plot(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG and close it; return ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -12,16 +12,16 @@ Usage (GPU): python3 -m benchmarks.hitpath_profile [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import BareGraph
+from benchmarks.common import BareGraph, write_json
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import AUDIO_FULL, AudioEncoder
 from omnitrace.events import Phase, replayed
@@ -139,8 +139,7 @@ def main() -> int:
     for name, value in results.items():
         print(f"{name:<{width}}  {value:8.2f} us")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=1)
+        write_json(Path(args.json), results)
     return 0
 
 

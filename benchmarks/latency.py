@@ -82,7 +82,9 @@ from benchmarks.common import (
     Context,
     figure,
     free_cuda_memory,
+    geometry_fields,
     rotated,
+    save_plot,
     simulated_compile,
     sink_rows,
     summarize,
@@ -417,7 +419,7 @@ class Run:
         self.simulate = ctx.simulate
         self.on_cuda = ctx.device.type == "cuda"
         self.device = ctx.device
-        self.dtype = torch.bfloat16 if self.on_cuda else torch.float32
+        self.dtype = ctx.dtype
         self.config = EncoderGraphConfig(min_free_bytes=0)
         self.workdir = Path(tempfile.mkdtemp(prefix="omnitrace-latency-"))
         self.flushed = True
@@ -857,7 +859,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 for a in ARMS
             ],
             "shape_order": [f"{s.label} batch {s.batch}" for s in order],
-            "geometries": {k: vars_of(g) for k, g in _geometries(ctx.simulate).items()},
+            "geometries": {k: geometry_fields(g) for k, g in _geometries(ctx.simulate).items()},
             "vllm": state.vllm,
             "sinks": sinks,
             "rows": sorted(rows, key=lambda r: r["order"]),
@@ -930,10 +932,6 @@ def _describe_row(row: dict[str, Any]) -> str:
     if host:
         lines.append(f"    host us over bare: {', '.join(host)}")
     return "\n".join(lines)
-
-
-def vars_of(geometry: Any) -> dict[str, int]:
-    return {f: getattr(geometry, f) for f in ("hidden", "layers", "heads", "mlp")}
 
 
 def _skip_note(rows: list[dict[str, Any]], name: str) -> str:
@@ -1201,8 +1199,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax.set_ylabel("latency per call, us (median, p10-p90)")
     ax.set_title(f"Encoder latency ({result['dtype']}, one process)")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out_dir / "latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "latency.png")]

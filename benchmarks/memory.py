@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Context, GiB, MiB, free_cuda_memory, target
+from benchmarks.common import Context, GiB, MiB, free_cuda_memory, save_plot, target
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import EncoderGeometry, VisionEncoder
 from omnitrace.testing import SimulatedGraphBackend, capture_events
@@ -45,7 +45,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """Measure graph memory by count and pool sharing, then the memory floor."""
     device = ctx.device
     on_cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if on_cuda else torch.float32
+    dtype = ctx.dtype
     geometry = SMALL
     with torch.device(device):
         model = VisionEncoder(geometry).to(dtype).eval()
@@ -54,7 +54,7 @@ def run(ctx: Context) -> dict[str, Any]:
     tokens = ctx.pick(1024, 1024, 64) if not ctx.simulate else max(64, 16 * (max(counts) + 1))
     shapes = [(1, tokens - 16 * i, geometry.hidden) for i in range(max(counts))]
     inputs = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    sync = ctx.device_sync
     with torch.no_grad():
         for x in inputs:
             model(x)
@@ -252,8 +252,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax.set_title("Device memory of graphs (4-layer, d=256)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "memory.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "memory.png")]

@@ -63,10 +63,11 @@ import torch
 from benchmarks.common import (
     Context,
     GcClock,
-    _quantile,
     figure,
     free_cuda_memory,
+    quantile,
     rotated,
+    save_plot,
     sink_rows,
     target,
 )
@@ -405,8 +406,8 @@ def paired_loss(baseline: Sequence[float], arm: Sequence[float]) -> dict[str, fl
     return {
         "rounds": len(ratios),
         "loss": 1.0 - statistics.median(ratios),
-        "loss_p25": 1.0 - _quantile(ratios, 0.75),
-        "loss_p75": 1.0 - _quantile(ratios, 0.25),
+        "loss_p25": 1.0 - quantile(ratios, 0.75),
+        "loss_p75": 1.0 - quantile(ratios, 0.25),
         "loss_total": 1.0 - total_arm / total_base,
     }
 
@@ -414,9 +415,8 @@ def paired_loss(baseline: Sequence[float], arm: Sequence[float]) -> dict[str, fl
 def run(ctx: Context) -> dict[str, Any]:
     """Measure calls/s of every arm over interleaved rounds; return paired losses."""
     device = ctx.device
-    on_cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if on_cuda else torch.float32
-    sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
+    dtype = ctx.dtype
+    sync = ctx.device_sync
     arm_names = list(ARMS)
     rounds = len(arm_names) * ctx.pick(20, 2, 1)
     per_round = ctx.pick(48, 48, 12)
@@ -685,8 +685,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ]
     ax.set_ylim(max(0.0, min(lows) - 2), max(105.0, max(medians) + 2))
     ax.set_title("Encoder throughput with observability (bars: median of paired rounds)")
-    fig.tight_layout()
-    path = out_dir / "observability.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "observability.png")]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import BareGraph, Context, summarize, target
+from benchmarks.common import BareGraph, Context, save_plot, summarize, target
 from omnitrace import (
     EncoderCudaGraph,
     EncoderGraphConfig,
@@ -571,9 +571,5 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax2.bar(parts, [split[p] for p in parts], color="tab:green")
     ax2.set_ylabel("us per call (median)")
     ax2.set_title("Hit path split (simulated backend)")
-    fig.tight_layout()
-    path = out_dir / "overhead.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(save_plot(plt, fig, out_dir / "overhead.png"))
     return paths

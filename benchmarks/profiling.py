@@ -18,7 +18,6 @@ CPU only: admission decides by keys, so the forward is a stand-in and no timing 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import write_json
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus, derive_coverage
 from omnitrace.demo.encoders import MEL_BINS
 from omnitrace.demo.traffic import FRAMES_PER_SECOND, Request, TrafficMix
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(table(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, result)
     return 0
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suites import BENCHMARKS
+
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
 MiB = 1 << 20
@@ -824,8 +826,6 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
-    from benchmarks.run import BENCHMARKS
-
     outputs: dict[str, dict[str, Any]] = {}
     # The suites of their own after the ``all`` suite's benchmarks.
     for name in (*BENCHMARKS, *(n for n in RENDERERS if n not in BENCHMARKS)):

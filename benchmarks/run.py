@@ -46,22 +46,11 @@ from benchmarks.common import (
     free_cuda_memory,
     write_json,
 )
+from benchmarks.report import text_summary
+from benchmarks.suites import BENCHMARKS, SUITES
 
-#: Benchmarks in the order ``all`` runs them: memory first, while the device is clean;
-#: latency last, because its compiles are bounded by what is left of the time budget (the
-#: capture benchmark's compiles run before it, under a timeout of their own).
-#: Order matters: torch.compile's reduce-overhead mode keeps its CUDA graph trees in
-#: thread-local state of the thread that first used it, and the capture benchmark compiles in
-#: a background thread, so the latency benchmark (main thread) runs before it.
-BENCHMARKS = ("overhead", "memory", "traffic", "latency", "capture", "observability")
-SUITES: dict[str, tuple[str, ...]] = {
-    "all": BENCHMARKS,
-    "cpu": ("overhead",),
-    **{name: (name,) for name in BENCHMARKS},
-    # End to end through vllm serve, one engine per configuration: a suite of its own (it
-    # needs vLLM, and a full run takes tens of minutes); --quick runs it on a CPU.
-    "engine": ("engine",),
-}
+__all__ = ["BENCHMARKS", "SUITES", "TIME_BUDGET_S", "main", "run_benchmarks"]
+
 #: Wall-clock budget of a whole run, by scale; the latency benchmark bounds torch.compile
 #: by what is left of it (a compile that starts in time may end up to one compile past it).
 TIME_BUDGET_S = {"full": 450.0, "quick": 120.0, "tiny": 60.0}
@@ -253,8 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots=not args.no_plots,
         time_budget=args.time_budget,
     )
-    from benchmarks.report import text_summary
-
     print(text_summary(outputs), flush=True)
     return 1 if any(p["status"] != "ok" for p in outputs.values()) else 0
 

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Context, free_cuda_memory, summarize, target
+from benchmarks.common import (
+    Context,
+    free_cuda_memory,
+    geometry_fields,
+    save_plot,
+    summarize,
+    target,
+)
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import (
     AUDIO_TINY,
@@ -91,7 +98,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """Replay the stream once per setting; return one row per setting."""
     device = ctx.device
     on_cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if on_cuda else torch.float32
+    dtype = ctx.dtype
     seed = 20260415
     n = ctx.pick(1000, 300, 40)
     if ctx.simulate:
@@ -111,7 +118,7 @@ def run(ctx: Context) -> dict[str, Any]:
         if key not in inputs:
             shape = req.shape + ((geoms["vision"].hidden,) if req.encoder == "vision" else ())
             inputs[key] = torch.randn(shape, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    sync = ctx.device_sync
 
     # One eager pass over every distinct shape first, so one-time costs (kernel selection,
     # cuBLAS heuristics) do not land on whichever setting runs first.
@@ -155,10 +162,7 @@ def run(ctx: Context) -> dict[str, Any]:
     default = next((r for r in rows if r["max_graphs"] == 4 and r["min_capture_calls"] == 2), None)
     return {
         "stream": stream_info,
-        "geometries": {
-            k: {f: getattr(g, f) for f in ("hidden", "layers", "heads", "mlp")}
-            for k, g in geoms.items()
-        },
+        "geometries": {k: geometry_fields(g) for k, g in geoms.items()},
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
         "targets": [
@@ -288,8 +292,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     for ax in (ax1, ax2):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "traffic.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "traffic.png")]

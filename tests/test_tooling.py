@@ -145,3 +145,136 @@ def test_every_module_logger_is_named_after_its_module() -> None:
     }
     assert len(loggers) >= 5, loggers
     assert {where: arg for where, arg in loggers.items() if arg != "__name__"} == {}
+
+
+# -- import circles ---------------------------------------------------------------------------
+
+#: Folders whose modules may import each other: the package, the benchmarks, the tests (which
+#: also import each other by names under tests/, the folder pytest puts on sys.path).
+CIRCLE_FOLDERS = ("omnitrace", "benchmarks", "tests", ".ci")
+
+
+def _module_names(root: Path) -> dict[str, Path]:
+    """Map every importable name of each Python file under ``root``'s folders to the file."""
+    names: dict[str, Path] = {}
+    for folder in CIRCLE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            for base in {root, root / "tests"}:
+                if not path.is_relative_to(base):
+                    continue
+                parts = list(path.relative_to(base).with_suffix("").parts)
+                if parts[-1] == "__init__":
+                    parts.pop()
+                if parts:
+                    names[".".join(parts)] = path
+    return names
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(tree: ast.Module, package: str) -> list[str]:
+    """Names each import statement of ``tree`` reaches, function-level ones included;
+    imports under ``if TYPE_CHECKING:`` never run and are left out."""
+    found: list[str] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [f"{base}.{alias.name}" for alias in node.names] + [base]
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph(root: Path) -> dict[Path, set[Path]]:
+    """Each Python file under ``root``'s folders and the files of the repository it imports."""
+    names = _module_names(root)
+    graph: dict[Path, set[Path]] = {path: set() for path in names.values()}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for target in _imported(tree, package):
+            # The longest known prefix: `from a.b import c` reaches a.b.c when it is a module.
+            parts = target.split(".")
+            while parts and ".".join(parts) not in names:
+                parts.pop()
+            if parts and names[".".join(parts)] != path:
+                graph[path].add(names[".".join(parts)])
+    return graph
+
+
+def import_circles(graph: dict[Path, set[Path]]) -> list[list[Path]]:
+    """The strongly connected groups of more than one file (Tarjan's algorithm, iterative)."""
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    on_stack: set[Path] = set()
+    stack: list[Path] = []
+    circles: list[list[Path]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circle_in_the_repository() -> None:
+    """No two files of the package, the benchmarks or the tests import each other, however
+    indirectly, at module level or inside a function."""
+    circles = import_circles(import_graph(ROOT))
+    assert [[str(p.relative_to(ROOT)) for p in group] for group in circles] == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_level_import(tmp_path: Path) -> None:
+    """Two benchmark modules that import each other, one of them only inside a function, are
+    one circle; an import under TYPE_CHECKING closes none."""
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "__init__.py").write_text("")
+    (bench / "a.py").write_text("from benchmarks.b import X\n")
+    (bench / "b.py").write_text("X = 1\ndef f():\n    from benchmarks import a\n")
+    (bench / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from benchmarks import d\n"
+    )
+    (bench / "d.py").write_text("from . import c\n")
+    circles = import_circles(import_graph(tmp_path))
+    assert [[p.name for p in group] for group in circles] == [["a.py", "b.py"]]

@@ -4,18 +4,12 @@ One call reads: check eligibility (``eligibility.py``), look the key up, replay;
 (``admission.py``) and capture, or run eagerly. Every decision is an event, folded into the
 adapter's own stats and put on the bus. Opt-in variants, all off by default:
 
-* ``compile``: the captured forward is ``torch.compile(forward)`` (inductor's fused kernels);
+* ``compile``: the captured forward is ``torch.compile(forward)`` (``compiling.py``);
   eager misses still run the plain forward.
 * ``background_capture``: the call that admits a key hands a copy of its inputs to this
-  adapter's preparation thread and runs eagerly; the thread warms up (and compiles) on a side
-  stream, never capturing, and marks the key ready. The next call of the key captures it on
-  its own thread, without the warm-up (eager forward) or with one quick compiled call
-  (compiled forward), and is served by the graph. Until then calls of that key are
-  ``warmup`` misses with detail ``preparing``. The stream capture itself stays on the
-  calling thread because it cannot run beside other threads' CUDA-graph recordings or
-  device synchronisations (``cudaErrorStreamCaptureUnsupported`` in whichever thread hits
-  it). A failed background preparation makes the adapter terminal like a failed capture;
-  the next call raises, chained to the original error.
+  adapter's preparation thread (``preparation.py``) and runs eagerly; the next call of the
+  key, once it is prepared, captures it without the slow warm-up. Until then calls of that
+  key are ``warmup`` misses with detail ``preparing``.
 * ``device_timing``: CUDA events around eager and replayed calls, resolved off the call path
   (``timing.py``) into DeviceTimed events.
 """
@@ -23,15 +17,12 @@ adapter's own stats and put on the bus. Opt-in variants, all off by default:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import queue
-import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -41,7 +32,6 @@ from omnitrace.config import ConfigError, EncoderGraphConfig, EncoderGraphFailed
 from omnitrace.events import (
     CaptureFailed,
     Event,
-    GraphCaptured,
     MemoryDeferred,
     MissReason,
     Phase,
@@ -49,14 +39,9 @@ from omnitrace.events import (
     replayed,
 )
 from omnitrace.graphs.admission import Admission, Verdict
-from omnitrace.graphs.backends.base import (
-    CAPTURE_LOCK,
-    CapturedGraph,
-    CaptureRequest,
-    GraphBackend,
-    OutputLayout,
-    static_copies,
-)
+from omnitrace.graphs.backends.base import CAPTURE_LOCK, GraphBackend
+from omnitrace.graphs.capture import Capturer, Due, Entry
+from omnitrace.graphs.compiling import compile_forward
 from omnitrace.graphs.eligibility import (
     call_key,
     examine,
@@ -64,9 +49,11 @@ from omnitrace.graphs.eligibility import (
     signature_of,
     state_detail,
 )
-from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
-from omnitrace.graphs.pools import PoolRegistry, PoolSlot
-from omnitrace.graphs.timing import DeviceTimer
+from omnitrace.graphs.failures import MESSAGE_MAX_CHARS, failure_message, terminal_error
+from omnitrace.graphs.gil import COMPILE_YIELD
+from omnitrace.graphs.hooks import AdapterHooks
+from omnitrace.graphs.preparation import Preparation, check_backend
+from omnitrace.graphs.timing import DeviceTimer, DeviceTimers
 from omnitrace.signature import Signature
 from omnitrace.stats import AdapterStats, StatsFold
 
@@ -77,67 +64,10 @@ logger = logging.getLogger(__name__)
 _INELIGIBLE = MissReason.INELIGIBLE
 _WARMUP = MissReason.WARMUP
 
-# A compiling preparation holds the capture lock, so a prepared key's call meanwhile runs
-# eagerly. Before it starts compiling, a preparation thread waits up to this long while any
-# adapter holds a key that became ready less than this long ago or whose call found the lock
-# taken since the last such wait: back-to-back compiles never starve the captures of shapes
-# that recur, and a shape that never recurs holds nobody up for long.
-_DEFER_S = 1.0
 _SERVING = Phase.SERVING
-#: Longest capture-failure message put in events, logs and spans.
-MESSAGE_MAX_CHARS = 300
-# The start of a tensor or array repr, and long bracketed runs of numbers: model values
-# that an exception message may carry and that must not reach telemetry.
-_TENSOR_START = re.compile(r"\b(?:tensor|array|Parameter containing:\s*tensor)\(")
-_PAREN = re.compile(r"[()]")
-_NUMBERS = re.compile(r"\[[-+0-9.eE,\s\[\]]{24,}\]")
 _mono = time.monotonic_ns
 _epoch = time.time_ns
 _perf = time.perf_counter
-
-
-def _strip_values(text: str) -> str:
-    """Replace the contents of tensor reprs and long number lists in ``text`` with ``...``."""
-    out: list[str] = []
-    pos = 0
-    while (start := _TENSOR_START.search(text, pos)) is not None:
-        out.append(text[pos : start.end()])
-        depth, end = 1, len(text)
-        for paren in _PAREN.finditer(text, start.end()):
-            depth += 1 if paren.group() == "(" else -1
-            if depth == 0:
-                end = paren.end()
-                break
-        out.append("...)")
-        pos = end
-    out.append(text[pos:])
-    return _NUMBERS.sub("[...]", "".join(out))
-
-
-def failure_message(exc: BaseException) -> str:
-    """Return the first line of ``exc``'s message, bounded and without tensor values.
-
-    At most :data:`MESSAGE_MAX_CHARS` characters are kept; what is cut (the rest of the
-    line and any further lines) is counted as ``... [+N chars]``.
-    """
-    try:
-        text = str(exc)
-    except Exception:  # a broken __str__ must not hide the capture failure
-        return f"<unprintable {type(exc).__name__}>"
-    text = _strip_values(text).strip()
-    first = text.split("\n", 1)[0].rstrip()
-    kept = first[:MESSAGE_MAX_CHARS]
-    cut = len(text) - len(kept)
-    return f"{kept} ... [+{cut} chars]" if cut else kept
-
-
-def _recompile_limit() -> int | None:
-    config = getattr(getattr(torch, "_dynamo", None), "config", None)
-    for name in ("recompile_limit", "cache_size_limit"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 # Adapters that started a thread of their own (background preparation, device timing):
@@ -147,18 +77,6 @@ _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0
 
 
-def _waiting_ready_keys() -> bool:
-    """Whether any adapter holds a ready key that a compile should let be captured first:
-    one ready less than ``_DEFER_S`` ago, or one whose call found the lock taken."""
-    since = time.monotonic() - _DEFER_S
-    for adapter in list(_THREADED):
-        if adapter._failure is not None:
-            continue
-        if adapter._wanted or any(at > since for _, at in list(adapter._ready.values())):
-            return True
-    return False
-
-
 def _close_at_exit() -> None:
     deadline = time.monotonic() + _EXIT_CLOSE_S
     for adapter in list(_THREADED):
@@ -166,38 +84,6 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
-
-
-class _Entry:
-    """A captured graph and the signature it was captured for."""
-
-    __slots__ = ("graph", "signature")
-
-    def __init__(self, graph: CapturedGraph, signature: Signature) -> None:
-        self.graph = graph
-        self.signature = signature
-
-
-class _Due(NamedTuple):
-    """A call whose key is due for a graph: what a capture or a preparation starts from."""
-
-    key: Hashable
-    inputs: tuple[Any, ...]
-    device: torch.device
-    stream: int
-    signature: Signature
-
-
-class _Job(NamedTuple):
-    """A background preparation: what the preparation thread needs, taken on the call path."""
-
-    key: Hashable
-    inputs: list[torch.Tensor | None]
-    device: torch.device
-    stream: int
-    replay_stream: Any
-    signature: Signature
-    inference: bool
 
 
 class EncoderCudaGraph:
@@ -247,13 +133,8 @@ class EncoderCudaGraph:
 
             backend = select_backend(vllm_config)
         modes = tuple(getattr(backend, "error_modes", ("global",)))
-        if config.background_capture and "thread_local" not in modes:
-            raise ConfigError(
-                f"encoder_cuda_graph_background_capture: the {backend.name} backend captures in "
-                "CUDA's global capture mode only (vLLM's encoder graph manager opens the capture "
-                "itself), which other threads' CUDA work would break; use it with the torch "
-                "backend, or capture synchronously"
-            )
+        if config.background_capture:
+            check_backend(backend.name, modes)
         if config.background_capture and config.compile:
             logger.warning(
                 "omnitrace: %r compiles on its preparation thread; while it does, a "
@@ -275,24 +156,44 @@ class EncoderCudaGraph:
         # call is a capacity miss and the lost coverage shows, as for any full cache.
         self._enabled = config.enabled
         self._admission = Admission(config)
-        self._pools = PoolRegistry(backend, share=config.share_pools)
-        self._graphs: dict[Hashable, _Entry] = {}
-        self._preparing: set[Hashable] = set()
-        # Keys whose background preparation finished: the next call captures them. Values:
-        # the warm-up's output layout (None: warm up again at capture) and when it was ready.
-        self._ready: dict[Hashable, tuple[OutputLayout | None, float]] = {}
-        # Ready keys whose call found the capture lock taken by a compiling preparation.
-        self._wanted: set[Hashable] = set()
         self._fold = StatsFold()
         self._lock = threading.RLock()
+        # The parts below reach the adapter through a weak proxy: holding it strongly would
+        # make every adapter a reference cycle, whose graphs only the cyclic collector frees.
+        owner = weakref.proxy(self)
+        hooks = AdapterHooks(
+            name,
+            self._lock,
+            lambda event: owner._emit(event),
+            lambda: owner._phase,
+            lambda *failure: owner._fail(*failure),
+            lambda: owner._failure is not None,
+        )
+        self._capturer = Capturer(
+            hooks,
+            backend,
+            config,
+            error_mode=self._error_mode,
+            forward=lambda: owner._capture_forward(),
+        )
+        # The capturer's table, read by the call path without a lookup through it.
+        self._graphs = self._capturer.graphs
         self._failure: str | None = None
         self._failure_exc: BaseException | None = None
         self._phase = _SERVING
         self._skip_profiling = config.skip_profiling
         self._compiled: Callable[..., Any] | None = None
-        self._timers: dict[torch.device, DeviceTimer] | None = {} if config.device_timing else None
-        self._jobs: queue.SimpleQueue[_Job | None] | None = None
-        self._worker: threading.Thread | None = None
+        self._timers = (
+            DeviceTimers(lambda device: owner._new_timer(device), self._lock)
+            if config.device_timing
+            else None
+        )
+        # Its thread starts with the first key admitted under background_capture.
+        self._prep = Preparation(
+            hooks,
+            compiled=config.compile,
+            warm_up=lambda inputs: owner.backend.warm_up(owner._capture_forward(), inputs),
+        )
         if bus is not None:
             bus.register_adapter(
                 name,
@@ -329,12 +230,12 @@ class EncoderCudaGraph:
     @property
     def preparing(self) -> int:
         """Keys being warmed up (and compiled) by the background preparation thread."""
-        return len(self._preparing)
+        return len(self._prep.preparing)
 
     @property
     def ready(self) -> int:
         """Keys prepared in the background whose next call captures their graph."""
-        return len(self._ready)
+        return len(self._prep.ready)
 
     @property
     def bus(self) -> EventBus | None:
@@ -417,12 +318,7 @@ class EncoderCudaGraph:
 
         For tests, benchmarks and shutdown; the call path never waits.
         """
-        deadline = time.monotonic() + timeout
-        while self._preparing and self._failure is None:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return not self._preparing
+        return self._prep.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop the adapter's threads; True when nothing was left pending.
@@ -434,23 +330,14 @@ class EncoderCudaGraph:
         deadline = time.monotonic() + timeout
         self._closed = True
         prepared = self.wait_prepared(max(0.0, deadline - time.monotonic()))
-        jobs = self._jobs
-        if jobs is not None:
-            jobs.put(None)
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(max(0.0, deadline - time.monotonic()))
-        timed = all(
-            timer.close(max(0.0, deadline - time.monotonic()))
-            for timer in list((self._timers or {}).values())
-        )
+        self._prep.stop(max(0.0, deadline - time.monotonic()))
+        timed = self._timers is None or self._timers.close(deadline)
         return prepared and timed
 
     def flush_device_timing(self, timeout: float = 5.0) -> bool:
         """Resolve the device timings recorded so far (waiting up to ``timeout`` for the
         device); True when none is left. The call path never waits for them."""
-        timers = list((self._timers or {}).values())
-        return all(timer.resolve(timeout) for timer in timers)
+        return self._timers is None or self._timers.resolve(timeout)
 
     # -- the call path --------------------------------------------------------------------
 
@@ -462,27 +349,12 @@ class EncoderCudaGraph:
             bus.emit(event)
 
     def _terminal_error(self) -> EncoderGraphFailedError:
-        error = EncoderGraphFailedError(
-            f"encoder graph {self.name!r} is unusable: its CUDA graph capture failed "
-            f"({self._failure}). Restart the worker, optionally with encoder graphs "
-            "disabled (--hf-overrides '{\"encoder_cuda_graph\": false}')."
-        )
-        # A background capture's exception reached no caller: the first refusal carries it.
-        error.__cause__ = self._failure_exc
-        return error
+        return terminal_error(self.name, self._failure, self._failure_exc)
 
-    def _timer(self, device: torch.device) -> DeviceTimer:
-        timers = self._timers
-        assert timers is not None
-        timer = timers.get(device)
-        if timer is None:
-            with self._lock:
-                timer = timers.get(device)
-                if timer is None:
-                    clock = self.backend.device_clock(device)
-                    timer = timers[device] = DeviceTimer(clock, self._emit)
-                    _THREADED.add(self)
-        return timer
+    def _new_timer(self, device: torch.device) -> DeviceTimer:
+        """The device timer of ``device`` (lock held); the adapter closes its thread."""
+        _THREADED.add(self)
+        return DeviceTimer(self.backend.device_clock(device), self._emit)
 
     def _eager(
         self,
@@ -496,7 +368,7 @@ class EncoderCudaGraph:
             # Another thread's capture failed since this call was admitted: terminal at once.
             raise self._terminal_error()
         phase = self._phase
-        timer = None if self._timers is None or device is None else self._timer(device)
+        timer = None if self._timers is None or device is None else self._timers.timer(device)
         marker = timer.start() if timer is not None else None
         # A compiling preparation pauses while eager calls are in flight (graphs/gil.py).
         token = COMPILE_YIELD.begin()
@@ -532,7 +404,7 @@ class EncoderCudaGraph:
                 return self._replay(entry, inputs, device)
         return self._call_slow(inputs, found)
 
-    def _replay(self, entry: _Entry, inputs: tuple[Any, ...], device: torch.device) -> Any:
+    def _replay(self, entry: Entry, inputs: tuple[Any, ...], device: torch.device) -> Any:
         """Serve a hit; raise the terminal error if a capture failed meanwhile."""
         with self._lock:
             if self._failure is not None:
@@ -543,7 +415,7 @@ class EncoderCudaGraph:
                 out = entry.graph.replay(inputs)
                 duration = _perf() - start
             else:
-                timer = self._timer(device)
+                timer = self._timers.timer(device)
                 marker = timer.start()
                 start = _perf()
                 out = entry.graph.replay(inputs)
@@ -609,20 +481,21 @@ class EncoderCudaGraph:
     ) -> tuple[Any, tuple[MissReason, str, Signature] | None]:
         """Decide for an uncaptured key with the lock held: capture now, or name the miss."""
         signature = signature_of(inputs, stream)
-        if key in self._preparing:
+        prep = self._prep
+        if key in prep.preparing:
             return None, (_WARMUP, "preparing", signature)
-        due = _Due(key, inputs, device, stream, signature)
-        if key in self._ready:
+        due = Due(key, inputs, device, stream, signature)
+        if key in prep.ready:
             # Prepared in the background: captured here, on this call's thread, but never
             # waiting for another capture or a compiling preparation; while one holds the
             # capture lock, the call runs eagerly as "preparing" and a later call captures.
             if not CAPTURE_LOCK.acquire(blocking=False):
-                self._wanted.add(key)
+                prep.wanted.add(key)
                 return None, (_WARMUP, "preparing", signature)
             try:
                 return self._capture(due), None
             finally:
-                self._wanted.discard(key)
+                prep.wanted.discard(key)
                 CAPTURE_LOCK.release()
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
@@ -652,48 +525,24 @@ class EncoderCudaGraph:
         # The floor's read, when admission made one, is this call's: the capture reuses it.
         return self._capture(due, decision.free_bytes), None
 
-    def _compile_guard(self) -> contextlib.AbstractContextManager[Any]:
-        """With compile on, hold torch.compile's own lock around warm-up and capture.
-
-        torch.compile's tracing state is process-wide: a compiled forward called while
-        another thread traces or compiles raises ("using FX to symbolically trace a
-        dynamo-optimized function"). Holding dynamo's compile lock makes the two wait for
-        each other instead.
-        """
-        if not self.config.compile:
-            return contextlib.nullcontext()
-        convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
-        lock = getattr(convert_frame, "compile_lock", None)
-        return lock if lock is not None else contextlib.nullcontext()
-
     def _capture_forward(self) -> Callable[..., Any]:
         """The forward graphs are captured from: the encoder, or torch.compile of it."""
         if not self.config.compile:
             return self._forward
         if self._compiled is None:
-            # Default mode: inductor's fused kernels and no CUDA graphs of its own, since
-            # the adapter captures them, one graph per exact shape.
-            self._compiled = torch.compile(self._forward, dynamic=False)
-            limit = _recompile_limit()
-            if limit is not None and self.config.max_graphs > limit:
-                logger.warning(
-                    "omnitrace: %r may capture %d compiled shapes but torch.compile recompiles "
-                    "a forward at most %d times; later shapes are captured from the uncompiled "
-                    "kernels (correct, not fused). Raise torch._dynamo.config.recompile_limit "
-                    "to compile them all.",
-                    self.name,
-                    self.config.max_graphs,
-                    limit,
-                )
+            self._compiled = compile_forward(
+                self._forward, name=self.name, max_graphs=self.config.max_graphs
+            )
         return self._compiled
 
     def _fail(
         self, exc: BaseException, signature: Signature, device: torch.device, stream: int
-    ) -> None:
+    ) -> str:
+        """Go terminal and report the failure; return it as text (type and message)."""
         # The message goes to logs, spans and event logs: bounded, and without the tensor
         # values a forward's exception may carry. The exception itself propagates untouched.
         message = failure_message(exc)
-        self._failure = f"{type(exc).__name__}: {message}"
+        self._failure = failure = f"{type(exc).__name__}: {message}"
         self._failure_exc = exc
         self._emit(
             CaptureFailed(
@@ -708,208 +557,37 @@ class EncoderCudaGraph:
                 phase=self._phase,
             )
         )
+        return failure
 
-    def _install(
-        self,
-        key: Hashable,
-        graph: CapturedGraph,
-        signature: Signature,
-        slot: PoolSlot,
-        device: torch.device,
-        stream: int,
-        start: tuple[int, int, float],
-        free_bytes: int | None,
-    ) -> None:
-        """Hold ``graph`` for ``key`` and report the capture (lock held)."""
-        start_mono, start_epoch, start_perf = start
-        index = len(self._graphs)
-        self._graphs[key] = _Entry(graph, signature)
-        self._emit(
-            GraphCaptured(
-                self.name,
-                signature,
-                start_mono,
-                start_epoch,
-                _perf() - start_perf,
-                slot.pool_id,
-                str(device),
-                stream,
-                slot.capture_stream_id,
-                int(graph.bytes_reserved),
-                int(graph.static_bytes),
-                index,
-                free_bytes,
-                phase=self._phase,
-            )
-        )
-
-    def _device_free_bytes(self, device: torch.device) -> int | None:
-        """Device-free memory for a capture's event; None when the backend cannot tell.
-
-        Only captures call it (rare): a hit never reads device memory.
-        """
-        try:
-            return int(self.backend.device_free_bytes(device))
-        except Exception as exc:  # a report must never fail the capture it describes
-            logger.debug("omnitrace: %r cannot read free memory of %s: %s", self.name, device, exc)
-            return None
-
-    def _capture(self, due: _Due, free_bytes: int | None = None) -> Any:
-        key, inputs, device, stream, signature = due
+    def _capture(self, due: Due, free_bytes: int | None = None) -> Any:
         # A key prepared in the background took its slot at admission and was warmed up.
-        ready = self._ready.pop(key, None)
-        slot = self._pools.slot_for(device, stream)
-        if free_bytes is None:
-            # No floor read for this call (floor off, or a prepared key admitted earlier):
-            # one read now, outside the capture's timing.
-            free_bytes = self._device_free_bytes(device)
-        start = (_mono(), _epoch(), _perf())
-        try:
-            request = CaptureRequest(
-                self._capture_forward(),
-                inputs,
-                device,
-                slot.pool,
-                slot.capture_stream,
-                capture_error_mode=self._error_mode,
-                # A prepared key: the device was settled by the preparation, and a call
-                # must not stall on a device-wide sync.
-                quiet=ready is not None,
-                layout=None if ready is None else ready[0],
-            )
-            with CAPTURE_LOCK, self._compile_guard():
-                graph = self.backend.capture(request)
-        except BaseException as exc:
-            self._fail(exc, signature, device, stream)
-            raise
+        ready = self._prep.ready.pop(due.key, None)
+        layout = None if ready is None else ready[0]
+        graph = self._capturer.capture(
+            due, layout, prepared=ready is not None, free_bytes=free_bytes
+        )
         if ready is None:
-            self._admission.captured(key)
-        self._install(key, graph, signature, slot, device, stream, start, free_bytes)
+            self._admission.captured(due.key)
         # The capturing call is served by the graph it just captured, and counts as a hit.
         replay_start = _perf()
-        out = graph.replay(inputs)
+        out = graph.replay(due.inputs)
         self._emit(
-            replayed(self.name, signature, _mono(), _epoch(), _perf() - replay_start, self._phase)
+            replayed(
+                self.name, due.signature, _mono(), _epoch(), _perf() - replay_start, self._phase
+            )
         )
         return out
 
     # -- background preparation -------------------------------------------------------------
 
-    def _submit(self, due: _Due) -> None:
+    def _submit(self, due: Due) -> None:
         """Reserve the key's slot and hand a copy of the inputs to the preparation thread."""
-        key, inputs, device, stream, signature = due
-        self._admission.captured(key)  # the slot is taken now: no other key may claim it
-        self._preparing.add(key)
-        # The caller may reuse its tensors once this call returns: the thread gets copies,
-        # made on the caller's stream, laid out as the capture's static inputs will be (so a
-        # compiled forward's guards match at capture).
-        job = _Job(
-            key,
-            static_copies(inputs),
-            device,
-            stream,
-            self.backend_stream(device),
-            signature,
-            torch.is_inference_mode_enabled(),
-        )
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            self._worker = threading.Thread(
-                target=self._capture_loop,
-                args=(self._jobs,),
-                name=f"omnitrace-prepare-{self.name}",
-                daemon=True,
-            )
-            self._worker.start()
-            _THREADED.add(self)
-        self._jobs.put(job)
+        self._admission.captured(due.key)  # the slot is taken now: no other key may claim it
+        self._prep.submit(due, self.backend_stream(due.device), owner=self)
+        _THREADED.add(self)
 
     def backend_stream(self, device: torch.device) -> Any:
         """The current stream object of ``device`` (None on a simulated device)."""
         if device.type != "cuda":
             return None
         return torch.cuda.current_stream(device)
-
-    def _capture_loop(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
-        side: dict[torch.device, Any] = {}
-        while True:
-            job = jobs.get()
-            if job is None or self._failure is not None:
-                return
-            self._prepare(job, side)
-
-    def _prepare(self, job: _Job, side: dict[torch.device, Any]) -> None:
-        """Warm up (and compile) on a side stream, then mark the key ready for capture."""
-        try:
-            with self._preparation_scope(job), self._grad_scope(job):
-                if job.device.type == "cuda":
-                    with torch.cuda.device(job.device):
-                        stream = side.get(job.device)
-                        if stream is None:
-                            stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
-                        # The copies were made on the caller's stream: the side stream waits.
-                        stream.wait_stream(job.replay_stream)
-                        with torch.cuda.stream(stream):
-                            layout = self.backend.warm_up(self._capture_forward(), job.inputs)
-                else:
-                    layout = self.backend.warm_up(self._capture_forward(), job.inputs)
-        except BaseException as exc:
-            with self._lock:
-                self._preparing.discard(job.key)
-                self._fail(exc, job.signature, job.device, job.stream)
-            logger.error(
-                "omnitrace: background preparation of %s for %r failed: %s; "
-                "the adapter is terminal",
-                job.signature.text,
-                self.name,
-                self._failure,
-            )
-            return
-        with self._lock:
-            self._preparing.discard(job.key)
-            # A compiled forward warms up once more at capture, on the caller's thread: a
-            # guard that differs there (a thread-local mode) recompiles outside the capture.
-            self._ready[job.key] = (None if self.config.compile else layout, time.monotonic())
-
-    @contextlib.contextmanager
-    def _preparation_scope(self, job: _Job) -> Iterator[None]:
-        """What a preparation holds while it warms up.
-
-        An eager warm-up holds nothing: its kernels and allocations on a side stream are
-        allowed beside a thread-local capture on another thread. A compiled one holds the
-        capture lock and torch.compile's own lock: compiling may synchronise the device
-        (autotuning), which no capture may overlap. A call whose key is ready then runs
-        eagerly rather than wait, and the next compile first gives fresh ready keys a
-        moment to be captured (``_DEFER_S``).
-        """
-        if not self.config.compile:
-            yield
-            return
-        deadline = time.monotonic() + _DEFER_S
-        while time.monotonic() < deadline and _waiting_ready_keys():
-            time.sleep(0.002)
-        for adapter in list(_THREADED):
-            adapter._wanted.clear()  # each wait is earned once; a later miss earns another
-        with (
-            CAPTURE_LOCK,
-            self._compile_guard(),
-            COMPILE_SWITCH_INTERVAL.short(),
-            COMPILE_YIELD.yielding(),
-        ):
-            # Compiles hold the capture lock one at a time: the difference is this one's.
-            began, yielded = time.monotonic(), COMPILE_YIELD.statistics()
-            yield
-            took, now = time.monotonic() - began, COMPILE_YIELD.statistics()
-        logger.debug(
-            "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
-            self.name,
-            job.signature.text,
-            took,
-            now.pauses - yielded.pauses,
-            (now.paused_s - yielded.paused_s) * 1e3,
-        )
-
-    @staticmethod
-    def _grad_scope(job: _Job) -> contextlib.AbstractContextManager[Any]:
-        """The admitting call's autograd mode (calls with grad enabled are never graphed)."""
-        return torch.inference_mode() if job.inference else torch.no_grad()

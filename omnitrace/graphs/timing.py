@@ -7,7 +7,8 @@ pending pairs, and once the device has passed the second marker reads the elapse
 emits a :class:`~omnitrace.events.DeviceTimed` event. Nothing on the call path waits for the
 device: the cost there is two marker records and a deque append.
 
-Markers are reused: a resolved pair goes back to the clock's free list.
+Markers are reused: a resolved pair goes back to the clock's free list. An adapter holds one
+timer per device (:class:`DeviceTimers`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 from omnitrace.events import DeviceTimed, Event, Phase
 from omnitrace.signature import Signature
 
-__all__ = ["DeviceClock", "DeviceTimer", "HostClock"]
+__all__ = ["DeviceClock", "DeviceTimer", "DeviceTimers", "HostClock"]
 
 _mono = time.monotonic_ns
 _epoch = time.time_ns
@@ -172,3 +173,39 @@ class DeviceTimer:
         self._closed = True
         self._wake.set()
         return done
+
+
+class DeviceTimers:
+    """One adapter's device timers, one per device, each made on first use.
+
+    Args:
+        new_timer: makes the timer of a device (its thread is the adapter's to close).
+        lock: the adapter's lock, held while a timer is made.
+    """
+
+    def __init__(self, new_timer: Callable[[Any], DeviceTimer], lock: threading.RLock) -> None:
+        self._new_timer = new_timer
+        self._lock = lock
+        self._timers: dict[Any, DeviceTimer] = {}
+
+    def timer(self, device: Any) -> DeviceTimer:
+        """The timer of ``device``, made on first use."""
+        timers = self._timers
+        timer = timers.get(device)
+        if timer is None:
+            with self._lock:
+                timer = timers.get(device)
+                if timer is None:
+                    timer = timers[device] = self._new_timer(device)
+        return timer
+
+    def resolve(self, timeout: float) -> bool:
+        """Resolve every timer's pairs, each waiting up to ``timeout``; True when none is left."""
+        return all(timer.resolve(timeout) for timer in list(self._timers.values()))
+
+    def close(self, deadline: float) -> bool:
+        """Close every timer by ``deadline`` (``time.monotonic()``); True when none was left."""
+        return all(
+            timer.close(max(0.0, deadline - time.monotonic()))
+            for timer in list(self._timers.values())
+        )

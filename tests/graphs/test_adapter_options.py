@@ -600,7 +600,7 @@ def test_a_compiling_preparation_pauses_while_the_adapters_eager_calls_run(
         return encoder(x)
 
     monkeypatch.setattr(torch, "compile", compile_)
-    caplog.set_level(logging.DEBUG, logger="omnitrace.graphs.adapter")
+    caplog.set_level(logging.DEBUG, logger="omnitrace.graphs.preparation")
     config = CFG.replace(background_capture=True, compile=True)
     adapter = EncoderCudaGraph(watched, name="a", config=config, backend=SimulatedGraphBackend())
     try:

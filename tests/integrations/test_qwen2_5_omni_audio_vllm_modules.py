@@ -28,7 +28,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (the v
 
 from integrations.test_qwen2_5_omni import CapturingBackend
 from omnitrace import EventBus, GraphMissed, derive_stats
-from omnitrace.integrations import qwen2_5_omni
+from omnitrace.integrations import qwen2_5_omni, qwen2_5_omni_masked_attention
 from omnitrace.integrations.qwen2_5_omni import (
     MASKED_AUDIO_ATTENTION,
     audio_seam,
@@ -191,7 +191,7 @@ def test_masked_graphed_forward_reads_no_device_value_on_the_host() -> None:
         model = tower()
         seam = audio_seam(model)
         assert seam is not None
-        binding = qwen2_5_omni._masked_binding(model) if masked else None
+        binding = qwen2_5_omni_masked_attention.masked_binding(model) if masked else None
         stack = qwen2_5_omni._audio_stack(model.forward, binding)
         lengths = torch.tensor(FRAMES[2])
         padded, chunk_lengths = seam.chunk_and_pad_features(
@@ -243,7 +243,7 @@ def test_masked_route_binds_per_call_and_leaves_transformers_as_it_was() -> None
 def test_binding_restores_only_when_the_last_overlapping_forward_leaves() -> None:
     """Overlapping forwards (a capture beside an eager call) keep the name until both are done."""
     model = tower()
-    binding = qwen2_5_omni._masked_binding(model)
+    binding = qwen2_5_omni_masked_attention.masked_binding(model)
     assert binding is not None
     with binding:
         with binding:

@@ -1,0 +1,25 @@
+"""The benchmarks and the suites that name them: what the runner runs and the report reads.
+
+One table both use, so neither imports the other for it (``benchmarks.run`` prints
+``benchmarks.report``'s summary).
+"""
+
+from __future__ import annotations
+
+__all__ = ["BENCHMARKS", "SUITES"]
+
+#: Benchmarks in the order ``all`` runs them: memory first, while the device is clean;
+#: latency last, because its compiles are bounded by what is left of the time budget (the
+#: capture benchmark's compiles run before it, under a timeout of their own).
+#: Order matters: torch.compile's reduce-overhead mode keeps its CUDA graph trees in
+#: thread-local state of the thread that first used it, and the capture benchmark compiles in
+#: a background thread, so the latency benchmark (main thread) runs before it.
+BENCHMARKS = ("overhead", "memory", "traffic", "latency", "capture", "observability")
+SUITES: dict[str, tuple[str, ...]] = {
+    "all": BENCHMARKS,
+    "cpu": ("overhead",),
+    **{name: (name,) for name in BENCHMARKS},
+    # End to end through vllm serve, one engine per configuration: a suite of its own (it
+    # needs vLLM, and a full run takes tens of minutes); --quick runs it on a CPU.
+    "engine": ("engine",),
+}

@@ -1,0 +1,257 @@
+"""Background preparation: an adapter's thread that warms up (and compiles) admitted keys.
+
+With ``background_capture``, the call that admits a key hands a copy of its inputs to its
+adapter's :class:`Preparation` and runs eagerly; the preparation thread warms the key up (and
+compiles it) on a side stream, never capturing, and marks the key ready. The next call of the
+key captures it on its own thread, without the warm-up (eager forward) or with one quick
+compiled call (compiled forward), and is served by the graph. Until then calls of that key are
+``warmup`` misses with detail ``preparing``. The stream capture itself stays on the calling
+thread because it cannot run beside other threads' CUDA-graph recordings or device
+synchronisations (``cudaErrorStreamCaptureUnsupported`` in whichever thread hits it). A failed
+preparation makes the adapter terminal like a failed capture; the next call raises, chained to
+the original error.
+
+The preparation keeps the keys in flight (``preparing``), those ready for capture (``ready``)
+and those whose call found the capture lock taken (``wanted``); the adapter reads and updates
+them under its own lock, which it lends the preparation. The thread starts on the first
+submitted job and stops on :meth:`Preparation.stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from omnitrace.config import ConfigError
+from omnitrace.graphs.backends.base import CAPTURE_LOCK, OutputLayout, static_copies
+from omnitrace.graphs.capture import Due
+from omnitrace.graphs.compiling import compile_lock
+from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
+from omnitrace.graphs.hooks import AdapterHooks
+from omnitrace.signature import Signature
+
+__all__ = ["Job", "Preparation", "check_backend"]
+
+logger = logging.getLogger(__name__)
+
+# A compiling preparation holds the capture lock, so a prepared key's call meanwhile runs
+# eagerly. Before it starts compiling, a preparation thread waits up to this long while any
+# adapter holds a key that became ready less than this long ago or whose call found the lock
+# taken since the last such wait: back-to-back compiles never starve the captures of shapes
+# that recur, and a shape that never recurs holds nobody up for long.
+_DEFER_S = 1.0
+
+# Preparations whose thread started: the ones a compile's deferral looks at.
+_STARTED: weakref.WeakSet[Preparation] = weakref.WeakSet()
+
+
+def check_backend(backend_name: str, error_modes: tuple[str, ...]) -> None:
+    """Refuse background preparation for a backend that captures in the global mode only.
+
+    Raises:
+        ConfigError: ``error_modes`` lacks ``thread_local``.
+    """
+    if "thread_local" not in error_modes:
+        raise ConfigError(
+            f"encoder_cuda_graph_background_capture: the {backend_name} backend captures in "
+            "CUDA's global capture mode only (vLLM's encoder graph manager opens the capture "
+            "itself), which other threads' CUDA work would break; use it with the torch "
+            "backend, or capture synchronously"
+        )
+
+
+class Job(NamedTuple):
+    """A background preparation: what the preparation thread needs, taken on the call path."""
+
+    key: Hashable
+    inputs: list[torch.Tensor | None]
+    device: torch.device
+    stream: int
+    replay_stream: Any
+    signature: Signature
+    inference: bool
+
+
+def _waiting_ready_keys() -> bool:
+    """Whether any adapter holds a ready key that a compile should let be captured first:
+    one ready less than ``_DEFER_S`` ago, or one whose call found the lock taken."""
+    since = time.monotonic() - _DEFER_S
+    for preparation in list(_STARTED):
+        if preparation._hooks.failed():
+            continue
+        if preparation.wanted or any(at > since for _, at in list(preparation.ready.values())):
+            return True
+    return False
+
+
+class Preparation:
+    """One adapter's preparation thread, its job queue and the keys it prepared.
+
+    Args:
+        hooks: the adapter's name, lock and callbacks (a failed preparation goes to its
+            ``fail``, which makes the adapter terminal).
+        compiled: whether the forward is compiled (a compiling warm-up holds the capture
+            lock and torch.compile's own lock, see :meth:`_scope`).
+        warm_up: runs the capture forward once on a job's inputs, returns the output layout.
+    """
+
+    def __init__(
+        self,
+        hooks: AdapterHooks,
+        *,
+        compiled: bool,
+        warm_up: Callable[[list[torch.Tensor | None]], OutputLayout],
+    ) -> None:
+        self._hooks = hooks
+        self._compiled = compiled
+        self._warm_up = warm_up
+        self.preparing: set[Hashable] = set()
+        # Keys whose preparation finished: the next call captures them. Values: the
+        # warm-up's output layout (None: warm up again at capture) and when it was ready.
+        self.ready: dict[Hashable, tuple[OutputLayout | None, float]] = {}
+        # Ready keys whose call found the capture lock taken by a compiling preparation.
+        self.wanted: set[Hashable] = set()
+        self._jobs: queue.SimpleQueue[Job | None] | None = None
+        self._worker: threading.Thread | None = None
+
+    def submit(self, due: Due, replay_stream: Any, *, owner: object) -> None:
+        """Prepare ``due``'s key on the thread, started on the first job (adapter lock held).
+
+        ``replay_stream``: the stream the call runs on (None on a simulated device).
+        ``owner``: the adapter, which the thread keeps alive until it stops (it calls back
+        into it), so the exit-time close still finds it.
+        """
+        self.preparing.add(due.key)
+        # The caller may reuse its tensors once this call returns: the thread gets copies,
+        # made on the caller's stream, laid out as the capture's static inputs will be (so a
+        # compiled forward's guards match at capture).
+        job = Job(
+            due.key,
+            static_copies(due.inputs),
+            due.device,
+            due.stream,
+            replay_stream,
+            due.signature,
+            torch.is_inference_mode_enabled(),
+        )
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            self._worker = threading.Thread(
+                target=self._loop,
+                args=(self._jobs, owner),
+                name=f"omnitrace-prepare-{self._hooks.name}",
+                daemon=True,
+            )
+            self._worker.start()
+            _STARTED.add(self)
+        self._jobs.put(job)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until no preparation is running; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self.preparing and not self._hooks.failed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return not self.preparing
+
+    def stop(self, timeout: float) -> None:
+        """Stop the thread after the jobs already queued, waiting up to ``timeout`` for it."""
+        jobs = self._jobs
+        if jobs is not None:
+            jobs.put(None)
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+
+    def _loop(self, jobs: queue.SimpleQueue[Job | None], owner: object) -> None:
+        side: dict[torch.device, Any] = {}
+        while True:
+            job = jobs.get()
+            if job is None or self._hooks.failed():
+                return
+            self._prepare(job, side)
+
+    def _prepare(self, job: Job, side: dict[torch.device, Any]) -> None:
+        """Warm up (and compile) on a side stream, then mark the key ready for capture."""
+        try:
+            with self._scope(job), _grad_scope(job):
+                if job.device.type == "cuda":
+                    with torch.cuda.device(job.device):
+                        stream = side.get(job.device)
+                        if stream is None:
+                            stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
+                        # The copies were made on the caller's stream: the side stream waits.
+                        stream.wait_stream(job.replay_stream)
+                        with torch.cuda.stream(stream):
+                            layout = self._warm_up(job.inputs)
+                else:
+                    layout = self._warm_up(job.inputs)
+        except BaseException as exc:
+            with self._hooks.lock:
+                self.preparing.discard(job.key)
+                failure = self._hooks.fail(exc, job.signature, job.device, job.stream)
+            logger.error(
+                "omnitrace: background preparation of %s for %r failed: %s; "
+                "the adapter is terminal",
+                job.signature.text,
+                self._hooks.name,
+                failure,
+            )
+            return
+        with self._hooks.lock:
+            self.preparing.discard(job.key)
+            # A compiled forward warms up once more at capture, on the caller's thread: a
+            # guard that differs there (a thread-local mode) recompiles outside the capture.
+            self.ready[job.key] = (None if self._compiled else layout, time.monotonic())
+
+    @contextlib.contextmanager
+    def _scope(self, job: Job) -> Iterator[None]:
+        """What a preparation holds while it warms up.
+
+        An eager warm-up holds nothing: its kernels and allocations on a side stream are
+        allowed beside a thread-local capture on another thread. A compiled one holds the
+        capture lock and torch.compile's own lock: compiling may synchronise the device
+        (autotuning), which no capture may overlap. A call whose key is ready then runs
+        eagerly rather than wait, and the next compile first gives fresh ready keys a
+        moment to be captured (``_DEFER_S``).
+        """
+        if not self._compiled:
+            yield
+            return
+        deadline = time.monotonic() + _DEFER_S
+        while time.monotonic() < deadline and _waiting_ready_keys():
+            time.sleep(0.002)
+        for preparation in list(_STARTED):
+            preparation.wanted.clear()  # each wait is earned once; a later miss earns another
+        with (
+            CAPTURE_LOCK,
+            compile_lock(True),
+            COMPILE_SWITCH_INTERVAL.short(),
+            COMPILE_YIELD.yielding(),
+        ):
+            # Compiles hold the capture lock one at a time: the difference is this one's.
+            began, yielded = time.monotonic(), COMPILE_YIELD.statistics()
+            yield
+            took, now = time.monotonic() - began, COMPILE_YIELD.statistics()
+        logger.debug(
+            "omnitrace: %r compiled %s in %.2f s; it paused %d times (%.0f ms) for eager calls",
+            self._hooks.name,
+            job.signature.text,
+            took,
+            now.pauses - yielded.pauses,
+            (now.paused_s - yielded.paused_s) * 1e3,
+        )
+
+
+def _grad_scope(job: Job) -> contextlib.AbstractContextManager[Any]:
+    """The admitting call's autograd mode (calls with grad enabled are never graphed)."""
+    return torch.inference_mode() if job.inference else torch.no_grad()
