@@ -755,11 +755,21 @@ def _keys() -> Iterator[Callable[[float], str]]:
 
 
 def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
+    from omnitrace.ranks import totals, totals_json
+
     snapshot = board.snapshot()
+    workers = [((e.rank, e.pid), e.stats) for e in snapshot.encoders]
+    caps: dict[str, set[int | None]] = {}
+    for e in snapshot.encoders:
+        caps.setdefault(e.stats.adapter, set()).add(e.max_graphs)
+    # A cap the workers do not agree on is unknown.
+    cap = {name: next(iter(c)) if len(c) == 1 else None for name, c in caps.items()}
     return {
         "logs": [str(p) for p in paths],
         "events": snapshot.emitted,
         "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
+        # Every worker's encoders summed (the view's total row, with several workers).
+        "total": totals_json(totals(workers), cap),
     }
 
 
@@ -812,6 +822,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     from omnitrace.eventlog import EventLogError, EventLogFollower
+    from omnitrace.logset import LogSet
     from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     names = ", ".join(str(p) for p in args.paths)
@@ -838,8 +849,12 @@ def _cmd_top(args: argparse.Namespace) -> int:
     board = RecordBoard(title=f"omnitrace top · following {names}")
     board.footer = ("q or Ctrl-C quits",) if tui else ()
     followers = [EventLogFollower(path) for path in args.paths]
+    logset = LogSet(args.patterns)
 
     def poll() -> None:
+        for path in logset.new_paths():  # a rank that started late matches the pattern now
+            _say(f"following {path} too")
+            followers.append(EventLogFollower(path))
         for follower in followers:
             board.add(follower.poll())
 
@@ -957,6 +972,7 @@ def _replay_into_sinks(
 ) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
+    from omnitrace.logset import LogSet
     from omnitrace.relay import LogRelay, feed
     from omnitrace.sinks.live import BusBoard, LiveView
     from omnitrace.sinks.registry import build_sinks
@@ -983,15 +999,15 @@ def _replay_into_sinks(
             prometheus = args.prometheus_port is not None
             otlp = endpoint is not None or args.otlp
             if otlp or prometheus:
-                from omnitrace.sinks.otel_sdk import sdk_sink
+                # Each worker of the logs exports under a resource of its own (its rank, its
+                # pid), fed by the relay's tap rather than by this bus.
+                from omnitrace.sinks.otel_workers import WorkerExport
 
                 try:
-                    sink, setup = sdk_sink(
-                        bus,
+                    setup = WorkerExport(
                         default_service_name="omnitrace-replay",
                         endpoint=endpoint,
                         otlp=otlp,
-                        prometheus=prometheus,
                         prometheus_port=args.prometheus_port,
                         prometheus_host=args.prometheus_host,
                     )
@@ -1000,7 +1016,6 @@ def _replay_into_sinks(
                     return _error("replay", f"cannot serve /metrics on {where}: {exc}", status=1)
                 except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
                     return _error("replay", str(exc))
-                bus.add_sink(sink)
                 if otlp:
                     where = endpoint or setup.endpoint
                     _say(f"{'relaying' if follow else 'replaying'} into OTLP at {where}")
@@ -1026,10 +1041,18 @@ def _replay_into_sinks(
             with view:
                 if records is None:
                     offsets = [args.from_offset] * len(args.paths)
-                    relay = LogRelay(bus, args.paths, offsets=offsets)
+                    relay = LogRelay(bus, args.paths, offsets=offsets, tap=setup)
+                    logset = LogSet(args.patterns)
+
+                    def poll() -> None:
+                        for path in logset.new_paths():  # a rank that started late
+                            _say(f"following {path} too")
+                            relay.add(path)
+                        relay.poll()
+
                     try:
                         _follow(
-                            relay.poll,
+                            poll,
                             args.duration,
                             stop,
                             keys=args.tui,
@@ -1041,7 +1064,7 @@ def _replay_into_sinks(
                         replayed = relay.events
                         bad_lines = relay.bad_lines
                 else:
-                    replayed = feed(bus, records, pace=_pacer(speed))
+                    replayed = feed(bus, records, pace=_pacer(speed), tap=setup)
         except KeyboardInterrupt:
             interrupted = True
         except EventLogError as exc:
@@ -1051,6 +1074,7 @@ def _replay_into_sinks(
             dropped = bus.statistics().dropped
             if setup is not None:
                 exported = setup.shutdown()
+                dropped += setup.dropped
     # The stats are the bus's folds of what was read: printed however the run ended (a failed
     # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
     _print_replayed(args, bus, replayed, endpoint, console)
@@ -1296,6 +1320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omnitrace`` command line; return the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "paths", None) is not None:
+        from omnitrace.logset import expand
+
+        # Patterns a shell did not expand ('events-*.jsonl', quoted): the logs they match.
+        args.patterns, args.paths = args.paths, expand(args.paths)
     handlers = {
         "demo": _cmd_demo,
         "top": _cmd_top,
