@@ -1287,8 +1287,13 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         min_free_bytes=args.min_free_bytes,
     )
     advice = advise(recording, grid, memory_budget=args.memory_budget)
+    from omnitrace.spread import per_worker, spread_json, spread_line, spread_table
+
+    # The one setting for every rank, replayed rank by rank: how far apart they are.
+    spread = None if advice.best is None else per_worker(recording, advice.best.setting)
     if args.json:
-        _print_json(advice_json(advice))
+        by_worker = None if spread is None else spread_json(spread)
+        _print_json({**advice_json(advice), "per_worker": by_worker})
         return 0 if advice.best is not None else 1
     if advice.best is None:
         # Nothing to recommend: one line saying why and what to change, not a table of
@@ -1309,6 +1314,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     console.print(_advise_table(advice, args.top))
     if any(r.estimated_sizes for r in advice.results[: args.top]):
         console.print("  * pool memory includes estimated capture sizes")
+    if spread is not None and len(spread) > 1:
+        console.print(spread_table(spread, timed=advice.objective == "time"))
+        console.print(f"  {spread_line(spread)}")
     console.print("recommended:")
     overrides = safe_markup(json.dumps(advice.overrides))
     console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)

@@ -269,3 +269,33 @@ def test_replay_follow_serves_each_ranks_series_on_one_scrape_endpoint(
         scraper.join()
     assert code == 0, capsys.readouterr().err
     assert scraped == expected
+
+
+def test_advise_over_two_ranks_recommends_one_setting_and_shows_the_spread(
+    rank_logs: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One recommendation for both ranks, then each rank under it and the spread line."""
+    assert main(["advise", *map(str, rank_logs)]) == 0
+    out = capsys.readouterr().out
+    assert "encoder calls of 2 workers" in out
+    assert out.count("recommended:") == 1
+    assert out.index("per worker, under the recommended setting") < out.index("recommended:")
+    assert re.search(r"spread over 2 workers: hit rate [\d.]+ to [\d.]+ %", out), out
+
+
+def test_advise_json_per_worker_rows_add_up_to_the_recommended_setting(
+    rank_logs: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank replayed alone under the best setting: their calls, hits and graphs sum to
+    the best's, and its pool memory is the largest rank's (the budget is per worker)."""
+    assert main(["advise", "--json", *map(str, rank_logs)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best, spread = data["best"], data["per_worker"]
+    rows = spread["workers"]
+    assert [(row["rank"], row["pid"]) for row in rows] == [(0, 4100), (1, 4101)]
+    for key in ("calls", "hits", "graphs"):
+        assert sum(row[key] for row in rows) == best[key], key
+    assert max(row["pool_bytes"] for row in rows) == best["pool_bytes"]
+    rates = [row["hit_rate"] for row in rows]
+    assert (spread["hit_rate_low"], spread["hit_rate_high"]) == (min(rates), max(rates))
+    assert rates[0] != rates[1]  # the two ranks' traffic differs
