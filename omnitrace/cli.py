@@ -176,6 +176,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     traffic.add_argument("--seed", type=_seed, default=0, help="traffic and weight seed")
     traffic.add_argument(
+        "--ranks",
+        type=_int_range(1, 16, "a number of ranks"),
+        default=1,
+        metavar="N",
+        help=(
+            "run N demo processes, one per rank as a tensor-parallel engine's workers (RANK "
+            "set, seed plus rank, a CUDA device each or the simulated backend), each writing "
+            "its own --events-log ({rank} added when the path names neither {rank} nor "
+            "{pid}); the live view follows them all"
+        ),
+    )
+    traffic.add_argument(
         "--rate",
         type=_positive_float,
         default=None,
@@ -286,6 +298,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also write the final stats as JSON",
     )
+
+    # The ranks of `demo --ranks` run the demo with the options it was given.
+    demo.set_defaults(demo_parser=demo)
 
     top = _log_command(
         commands,
@@ -664,6 +679,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _error(
             "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
         )
+    if args.ranks > 1:  # checked above once, rather than once by each rank
+        from omnitrace.demo.ranks import run_command
+
+        outcome = run_command(args, console=_stdout_console(), say=_say)
+        return _error("demo", outcome) if isinstance(outcome, str) else outcome
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
     rate = args.rate if args.rate is not None else (60.0 if tui else None)
