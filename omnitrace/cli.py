@@ -176,6 +176,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     traffic.add_argument("--seed", type=_seed, default=0, help="traffic and weight seed")
     traffic.add_argument(
+        "--ranks",
+        type=_int_range(1, 16, "a number of ranks"),
+        default=1,
+        metavar="N",
+        help=(
+            "run N demo processes, one per rank as a tensor-parallel engine's workers (RANK "
+            "set, seed plus rank, a CUDA device each or the simulated backend), each writing "
+            "its own --events-log ({rank} added when the path names neither {rank} nor "
+            "{pid}); the live view follows them all"
+        ),
+    )
+    traffic.add_argument(
         "--rate",
         type=_positive_float,
         default=None,
@@ -286,6 +298,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also write the final stats as JSON",
     )
+
+    # The ranks of `demo --ranks` run the demo with the options it was given.
+    demo.set_defaults(demo_parser=demo)
 
     top = _log_command(
         commands,
@@ -664,6 +679,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _error(
             "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
         )
+    if args.ranks > 1:  # checked above once, rather than once by each rank
+        from omnitrace.demo.ranks import run_command
+
+        outcome = run_command(args, console=_stdout_console(), say=_say)
+        return _error("demo", outcome) if isinstance(outcome, str) else outcome
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal
     rate = args.rate if args.rate is not None else (60.0 if tui else None)
@@ -755,11 +775,21 @@ def _keys() -> Iterator[Callable[[float], str]]:
 
 
 def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
+    from omnitrace.ranks import totals, totals_json
+
     snapshot = board.snapshot()
+    workers = [((e.rank, e.pid), e.stats) for e in snapshot.encoders]
+    caps: dict[str, set[int | None]] = {}
+    for e in snapshot.encoders:
+        caps.setdefault(e.stats.adapter, set()).add(e.max_graphs)
+    # A cap the workers do not agree on is unknown.
+    cap = {name: next(iter(c)) if len(c) == 1 else None for name, c in caps.items()}
     return {
         "logs": [str(p) for p in paths],
         "events": snapshot.emitted,
         "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
+        # Every worker's encoders summed (the view's total row, with several workers).
+        "total": totals_json(totals(workers), cap),
     }
 
 
@@ -812,6 +842,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     from omnitrace.eventlog import EventLogError, EventLogFollower
+    from omnitrace.logset import LogSet
     from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     names = ", ".join(str(p) for p in args.paths)
@@ -838,8 +869,12 @@ def _cmd_top(args: argparse.Namespace) -> int:
     board = RecordBoard(title=f"omnitrace top · following {names}")
     board.footer = ("q or Ctrl-C quits",) if tui else ()
     followers = [EventLogFollower(path) for path in args.paths]
+    logset = LogSet(args.patterns)
 
     def poll() -> None:
+        for path in logset.new_paths():  # a rank that started late matches the pattern now
+            _say(f"following {path} too")
+            followers.append(EventLogFollower(path))
         for follower in followers:
             board.add(follower.poll())
 
@@ -957,6 +992,7 @@ def _replay_into_sinks(
 ) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
+    from omnitrace.logset import LogSet
     from omnitrace.relay import LogRelay, feed
     from omnitrace.sinks.live import BusBoard, LiveView
     from omnitrace.sinks.registry import build_sinks
@@ -983,15 +1019,15 @@ def _replay_into_sinks(
             prometheus = args.prometheus_port is not None
             otlp = endpoint is not None or args.otlp
             if otlp or prometheus:
-                from omnitrace.sinks.otel_sdk import sdk_sink
+                # Each worker of the logs exports under a resource of its own (its rank, its
+                # pid), fed by the relay's tap rather than by this bus.
+                from omnitrace.sinks.otel_workers import WorkerExport
 
                 try:
-                    sink, setup = sdk_sink(
-                        bus,
+                    setup = WorkerExport(
                         default_service_name="omnitrace-replay",
                         endpoint=endpoint,
                         otlp=otlp,
-                        prometheus=prometheus,
                         prometheus_port=args.prometheus_port,
                         prometheus_host=args.prometheus_host,
                     )
@@ -1000,7 +1036,6 @@ def _replay_into_sinks(
                     return _error("replay", f"cannot serve /metrics on {where}: {exc}", status=1)
                 except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
                     return _error("replay", str(exc))
-                bus.add_sink(sink)
                 if otlp:
                     where = endpoint or setup.endpoint
                     _say(f"{'relaying' if follow else 'replaying'} into OTLP at {where}")
@@ -1026,10 +1061,18 @@ def _replay_into_sinks(
             with view:
                 if records is None:
                     offsets = [args.from_offset] * len(args.paths)
-                    relay = LogRelay(bus, args.paths, offsets=offsets)
+                    relay = LogRelay(bus, args.paths, offsets=offsets, tap=setup)
+                    logset = LogSet(args.patterns)
+
+                    def poll() -> None:
+                        for path in logset.new_paths():  # a rank that started late
+                            _say(f"following {path} too")
+                            relay.add(path)
+                        relay.poll()
+
                     try:
                         _follow(
-                            relay.poll,
+                            poll,
                             args.duration,
                             stop,
                             keys=args.tui,
@@ -1041,7 +1084,7 @@ def _replay_into_sinks(
                         replayed = relay.events
                         bad_lines = relay.bad_lines
                 else:
-                    replayed = feed(bus, records, pace=_pacer(speed))
+                    replayed = feed(bus, records, pace=_pacer(speed), tap=setup)
         except KeyboardInterrupt:
             interrupted = True
         except EventLogError as exc:
@@ -1051,6 +1094,7 @@ def _replay_into_sinks(
             dropped = bus.statistics().dropped
             if setup is not None:
                 exported = setup.shutdown()
+                dropped += setup.dropped
     # The stats are the bus's folds of what was read: printed however the run ended (a failed
     # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
     _print_replayed(args, bus, replayed, endpoint, console)
@@ -1263,8 +1307,13 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         min_free_bytes=args.min_free_bytes,
     )
     advice = advise(recording, grid, memory_budget=args.memory_budget)
+    from omnitrace.spread import per_worker, spread_json, spread_line, spread_table
+
+    # The one setting for every rank, replayed rank by rank: how far apart they are.
+    spread = None if advice.best is None else per_worker(recording, advice.best.setting)
     if args.json:
-        _print_json(advice_json(advice))
+        by_worker = None if spread is None else spread_json(spread)
+        _print_json({**advice_json(advice), "per_worker": by_worker})
         return 0 if advice.best is not None else 1
     if advice.best is None:
         # Nothing to recommend: one line saying why and what to change, not a table of
@@ -1285,6 +1334,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     console.print(_advise_table(advice, args.top))
     if any(r.estimated_sizes for r in advice.results[: args.top]):
         console.print("  * pool memory includes estimated capture sizes")
+    if spread is not None and len(spread) > 1:
+        console.print(spread_table(spread, timed=advice.objective == "time"))
+        console.print(f"  {spread_line(spread)}")
     console.print("recommended:")
     overrides = safe_markup(json.dumps(advice.overrides))
     console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)
@@ -1296,6 +1348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omnitrace`` command line; return the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "paths", None) is not None:
+        from omnitrace.logset import expand
+
+        # Patterns a shell did not expand ('events-*.jsonl', quoted): the logs they match.
+        args.patterns, args.paths = args.paths, expand(args.paths)
     handlers = {
         "demo": _cmd_demo,
         "top": _cmd_top,

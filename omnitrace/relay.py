@@ -21,7 +21,7 @@ from omnitrace.bus import EventBus
 from omnitrace.eventlog import AdapterInfo, EventLogFollower, EventRecord
 from omnitrace.events import Event
 
-__all__ = ["CHUNK", "LogRelay", "feed", "qualified_name"]
+__all__ = ["CHUNK", "LogRelay", "Tap", "feed", "qualified_name"]
 
 #: Events emitted between two waits for the sinks (well below the bus's default queue).
 CHUNK = 1_000
@@ -33,6 +33,11 @@ DRAIN_TIMEOUT_S = 30.0
 
 #: Seconds each later wait may take once one timed out.
 STUCK_DRAIN_TIMEOUT_S = 0.5
+
+
+#: Also given every record relayed, with its writer's suffix (see :func:`qualified_name`;
+#: empty for a writer that keeps its names): the per-writer OpenTelemetry export.
+Tap = Callable[[EventRecord, str], None]
 
 
 def qualified_name(adapter: str, source: tuple[int, int]) -> str:
@@ -49,9 +54,14 @@ class _Emitter:
     """Emit records into a bus under their (possibly qualified) adapter names, in chunks."""
 
     def __init__(
-        self, bus: EventBus, chunk: int, pace: Callable[[Event], None] | None = None
+        self,
+        bus: EventBus,
+        chunk: int,
+        pace: Callable[[Event], None] | None = None,
+        tap: Tap | None = None,
     ) -> None:
         self.bus = bus
+        self.tap = tap
         # Half the bus's queue at most, so a chunk always fits beside what the pump holds.
         self.chunk = min(check_int("chunk", chunk, minimum=1), max(1, bus.queue_size // 2))
         self.pace = pace
@@ -66,10 +76,14 @@ class _Emitter:
             item = record.item
             suffix = suffix_of[record.source]
             if isinstance(item, AdapterInfo):
+                if self.tap is not None:
+                    self.tap(record, suffix)
                 self.bus.register_adapter(item.adapter + suffix, item.info)
                 continue
             if self.pace is not None:
                 self.pace(item)
+            if self.tap is not None:
+                self.tap(record, suffix)
             if suffix:
                 item = dataclasses.replace(item, adapter=item.adapter + suffix)
             self.bus.emit(item)
@@ -94,16 +108,18 @@ def feed(
     *,
     pace: Callable[[Event], None] | None = None,
     chunk: int = CHUNK,
+    tap: Tap | None = None,
 ) -> int:
     """Emit recorded ``records`` into ``bus`` in their order; return the events emitted.
 
     With records of more than one writer, every adapter is named after its writer
     (:func:`qualified_name`), so each worker's stats stay apart. Waits for the sinks after
     every ``chunk`` events and at the end; ``pace(event)``, if given, runs before each
-    event is emitted (to replay at the recorded pace).
+    event is emitted (to replay at the recorded pace); ``tap(record, suffix)``, if given, is
+    handed every record too.
     """
     sources = {record.source for record in records}
-    emitter = _Emitter(bus, chunk, pace)
+    emitter = _Emitter(bus, chunk, pace, tap)
     several = len(sources) > 1
     emitter.emit(records, {source: _suffix(source) if several else "" for source in sources})
     emitter.drain()
@@ -129,6 +145,7 @@ class LogRelay:
         offsets: per log, the byte to join it at (None: as ``from_start`` says); a writer
             that starts the relay passes its log's size, so an older run's lines stay out.
         chunk: events between two waits for the sinks.
+        tap: also handed every record relayed, with its writer's suffix.
     """
 
     def __init__(
@@ -139,6 +156,7 @@ class LogRelay:
         from_start: bool = True,
         offsets: Sequence[int | None] | None = None,
         chunk: int = CHUNK,
+        tap: Tap | None = None,
     ) -> None:
         if not paths:
             raise ValueError("LogRelay needs at least one log to follow")
@@ -150,7 +168,7 @@ class LogRelay:
             EventLogFollower(path, from_start=from_start, start_offset=offset, skip_bad_lines=True)
             for path, offset in zip(paths, offsets, strict=True)
         ]
-        self._emitter = _Emitter(bus, chunk)
+        self._emitter = _Emitter(bus, chunk, tap=tap)
         self._several = len(paths) > 1
         self._suffixes: dict[tuple[int, tuple[int, int]], str] = {}
 
@@ -174,6 +192,11 @@ class LogRelay:
     def drained(self) -> bool:
         """False once a wait for the sinks timed out (the bus counted what it dropped)."""
         return self._emitter.drained
+
+    def add(self, path: str | os.PathLike[str]) -> None:
+        """Follow one more log from its start (a rank that started after the relay)."""
+        self._followers.append(EventLogFollower(path, skip_bad_lines=True))
+        self._several = True
 
     def poll(self) -> int:
         """Emit what the logs gained since the last poll; return the number of events."""

@@ -42,6 +42,9 @@ MiB = 1 << 20
 # events_log, OpenTelemetry from OTEL_EXPORTER_OTLP_ENDPOINT and prometheus_port, in process;
 # `omnitrace replay --follow` on its --events-log relays it from outside).
 _OWN_SINKS = frozenset({"jsonl", "otlp", "otlp-relay", "logs"})
+#: The status line saying the run's event log was (re)created, before the path: from then on
+#: the file holds this run's events (``omnitrace demo --ranks`` follows it from then).
+LOG_STARTED = "writing the event log to "
 #: Share of the run after which the burst of new shapes starts.
 BURST_AT = 0.85
 #: The dummy inputs of a profiling run: a batch of ten full 1024-token image slices (nine
@@ -419,7 +422,7 @@ def _run(
             # once every setting has been read (the sinks above, OTEL_*), so a start that
             # fails on one leaves the previous run's log as it was.
             jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
-            say(f"writing the event log to {jsonl.path.resolve()}")
+            say(f"{LOG_STARTED}{jsonl.path.resolve()}")
             bus.add_sink(jsonl)
             board = BusBoard(
                 bus,

@@ -148,6 +148,9 @@ class JsonlSink:
             as ``AdapterInfo`` lines, so a reader of the log can show them too.
         fresh: delete an existing log and its rotated files first (default: append, so a
             restarted worker continues its log).
+        rank: the worker's rank, written on every line and into ``{rank}`` (None: from
+            ``RANK``, else ``LOCAL_RANK``, else 0). vLLM's workers set neither variable: the
+            plugin passes the rank of vLLM's world group.
 
     A full file system (``ENOSPC``, ``EDQUOT``) does not stop the sink: the events it could
     not write are counted (``not_written``; the bus counts them as dropped,
@@ -173,11 +176,12 @@ class JsonlSink:
         backups: int = 3,
         bus: _AdapterSource | None = None,
         fresh: bool = False,
+        rank: int | None = None,
     ) -> None:
         check_int("max_bytes", max_bytes)
         check_int("backups", backups)
         self.pid = os.getpid()
-        self.rank = worker_rank()
+        self.rank = worker_rank() if rank is None else check_int("rank", rank)
         self._encode = LineEncoder(pid=self.pid, rank=self.rank)
         self.path = worker_log_path(path, pid=self.pid, rank=self.rank)
         self.max_bytes = max_bytes
@@ -526,8 +530,9 @@ if hasattr(os, "register_at_fork"):
 def _build_sink(request: SinkRequest) -> JsonlSink:
     # Checked here too, so a bad brace names the variable it came from.
     check_log_path(request.value, SINK_ENV)
-    # The sink finds the worker's rank in the environment itself.
-    return JsonlSink(request.value, bus=request.bus)
+    # The rank the plugin found (RANK, LOCAL_RANK, else vLLM's world group: vLLM's own
+    # workers set no rank variable), so each rank's file and lines name it.
+    return JsonlSink(request.value, bus=request.bus, rank=request.rank)
 
 
 SINK_ENV = "OMNITRACE_EVENTS_LOG"

@@ -40,6 +40,7 @@ from omnitrace.bus import EventBus
 from omnitrace.coverage import AdapterCoverage, CoverageFold, KeyCoverage
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import CaptureFailed, Event, MemoryDeferred, MissReason, Phase
+from omnitrace.sinks.live_total import total_panel
 from omnitrace.stats import AdapterStats, StatsFold
 
 __all__ = [
@@ -706,6 +707,17 @@ def _frame(
     parts.extend(_line(line) for line in snapshot.progress)
     if snapshot.encoders:
         parts.append(_layout(snapshot.encoders, width, notices, key_limit))
+        # Several workers (a tensor-parallel engine's ranks): their sum, under their panels.
+        total = total_panel(
+            [
+                ((e.rank, e.pid), e.stats)
+                for e in snapshot.encoders
+                if e.rank is not None and e.pid is not None
+            ],
+            width,
+        )
+        if total is not None:
+            parts.append(total)
         panel = _missed_panel(snapshot.encoders, width, missed) if missed else None
         if panel is not None:
             parts.append(panel)

@@ -71,6 +71,7 @@ class ATTR:
     # Resource attributes (not per span or metric point): which worker of a distributed job.
     SERVICE_NAME = "service.name"
     PROCESS_PID = "process.pid"
+    SERVICE_INSTANCE_ID = "service.instance.id"
     RANK = "omnitrace.worker.rank"
     LOCAL_RANK = "omnitrace.worker.local_rank"
 

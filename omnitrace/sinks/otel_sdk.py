@@ -319,6 +319,7 @@ def _resource(
     service_name: str | None,
     default_service_name: str,
     extra: Mapping[str, str | int | float | bool] | None,
+    defaults_of_source: Mapping[str, str | int | float | bool] | None = None,
 ) -> Any:
     """Build the SDK resource: explicit arguments, else OTel's variables, else defaults.
 
@@ -337,6 +338,8 @@ def _resource(
         rank = env_rank(variable)
         if rank is not None:
             defaults[key] = rank
+    # The process the telemetry describes, when it is not this one (a replayed worker).
+    defaults.update(defaults_of_source or {})
     from_env = OTELResourceDetector().detect().attributes
     attributes = {key: value for key, value in defaults.items() if key not in from_env}
     if service_name is not None:
@@ -385,6 +388,7 @@ def configure_sdk(
     export_interval_s: float | None = None,
     export_timeout_s: float = 3.0,
     resource_attributes: Mapping[str, str | int | float | bool] | None = None,
+    resource_defaults: Mapping[str, str | int | float | bool] | None = None,
     install_global: bool = False,
 ) -> OTelSetup:
     """Wire the OpenTelemetry SDK for omnitrace at the application edge.
@@ -421,6 +425,9 @@ def configure_sdk(
             short, so a dead collector cannot stall shutdown.
         resource_attributes: more resource attributes (override the defaults and
             ``OTEL_RESOURCE_ATTRIBUTES``).
+        resource_defaults: resource attributes that replace omnitrace's defaults (this
+            process's pid, ``RANK``) and that ``OTEL_RESOURCE_ATTRIBUTES`` overrides: the
+            identity of a worker whose log is replayed.
         install_global: also install the providers as the global ones (once per process).
 
     Returns:
@@ -466,7 +473,7 @@ def configure_sdk(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = _resource(service_name, default_service_name, resource_attributes)
+    resource = _resource(service_name, default_service_name, resource_attributes, resource_defaults)
     # Exporters first (a missing gRPC extra fails here, before anything runs), then the
     # scrape endpoint (a port in use fails there), and only then the threads of the batch
     # processor and the periodic reader, so a failed call leaves nothing running behind.

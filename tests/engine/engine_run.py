@@ -21,8 +21,13 @@ digests are of ``vpm`` (the vision tower, a forward hook) and of what
 pooling as one graph, so no hook inside it would see a replayed call): one digest per call
 of each adapter.
 
+``--tensor-parallel-size 2`` runs one worker process per rank (vLLM's multiprocess
+executor, also on a CPU); the report's top-level fields are rank 0's, and ``workers`` holds
+every rank's. ``--mm-encoder-tp-mode`` passes vLLM's ``mm_encoder_tp_mode``.
+
 Usage: ``python engine_run.py --model DIR --out result.json [--overrides JSON]
-[--model-kind {qwen2_5_omni,minicpmo}]``
+[--model-kind {qwen2_5_omni,minicpmo}] [--tensor-parallel-size N]
+[--mm-encoder-tp-mode {weights,data}]``
 """
 
 from __future__ import annotations
@@ -256,6 +261,12 @@ def _report(worker: Any) -> dict[str, Any]:
         "adapters": _adapters(model),
         "runner": f"{runner.__module__}.{runner.__qualname__}",
         "pid": os.getpid(),
+        "rank": getattr(worker, "rank", None),
+        # The mode the engine runs its encoders in (vLLM falls back to "weights" for a
+        # model that cannot run them data-parallel).
+        "mm_encoder_tp_mode": getattr(
+            worker.vllm_config.model_config.multimodal_config, "mm_encoder_tp_mode", None
+        ),
     }
 
 
@@ -279,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-kind", choices=("qwen2_5_omni", "minicpmo"), default="qwen2_5_omni"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--mm-encoder-tp-mode",
+        choices=("weights", "data"),
+        default=None,
+        help="vLLM's mm_encoder_tp_mode (default: vLLM's, weights)",
+    )
     args = parser.parse_args(argv)
     minicpmo = args.model_kind == "minicpmo"
 
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0},
         hf_overrides=json.loads(args.overrides),
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode} if args.mm_encoder_tp_mode else {}),
         # MiniCPM-o's config class, image processor and tokenizer are the directory's code.
         **({"trust_remote_code": True} if minicpmo else {}),
     )
@@ -312,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens.append([list(output.outputs[0].token_ids) for output in outputs])
         logprobs.append([_chosen_logprobs(output.outputs[0]) for output in outputs])
     chat = llm.chat(chat_messages(), greedy, use_tqdm=False)
-    worker = llm.collective_rpc(_report)[0]
+    workers = llm.collective_rpc(_report)
+    worker = workers[0]
     result = {
         "tokens": tokens,
         "logprobs": logprobs,
@@ -321,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "init_s": round(init_s, 2),
         "total_s": round(time.monotonic() - started, 2),
         **worker,
+        # Every rank's report, rank 0's first (the fields above are rank 0's).
+        "workers": workers,
     }
     with open(args.out, "w", encoding="utf-8") as out:
         json.dump(result, out, indent=1)

@@ -110,6 +110,25 @@ def test_path_placeholders_name_the_worker(tmp_path: Path) -> None:
     assert sink.path.exists()
 
 
+def test_the_rank_the_plugin_found_names_the_file_and_every_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's tensor-parallel workers set no RANK: the rank passed to the sinks (vLLM's world
+    group) fills {rank} and is on every line, so two ranks never write one file as rank 0."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    bus = EventBus()
+    template = str(tmp_path / "events-{rank}.jsonl")
+    (sink,) = build_sinks(bus, {"OMNITRACE_EVENTS_LOG": template}, rank=1)
+    try:
+        sink.handle(EVENTS[:2])
+    finally:
+        sink.close()
+        bus.close()
+    assert sink.path == tmp_path / "events-1.jsonl"
+    assert {record.rank for record in read_records(sink.path)} == {1}
+
+
 def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
     """A half-written final line (no newline) is ignored by the reader."""
     path = tmp_path / "events.jsonl"
