@@ -6,7 +6,10 @@ layers, Whisper-medium), at their released sizes on CUDA (tiny on a CPU). For ea
 checkpoint (written here by :mod:`omnitrace.testing_checkpoints`; dummy weights, so the text is
 meaningless and the timing real), each sent the same seeded traffic by OpenAI clients over
 loopback, streaming, so the time to the first content chunk is the user's TTFT.
-``OMNITRACE_BENCH_ENGINE_MODELS=minicpmo`` (comma-separated kinds) serves only those models.
+``OMNITRACE_BENCH_ENGINE_MODELS=minicpmo`` (comma-separated kinds) serves only those models;
+``OMNITRACE_BENCH_ENGINE_TP=2`` serves each engine tensor-parallel over two devices (each rank
+writes its own event log; graphs and pools are counted per rank, the encoders' device time is
+the slowest rank's).
 
 ============================  ===================================================================
 configuration                 what
@@ -209,7 +212,13 @@ class Server:
     process: subprocess.Popen[bytes]
     port: int
     output: Path
-    events: Path
+    out: Path
+    """The server's directory: its log and each worker's event log."""
+
+    @property
+    def events(self) -> list[Path]:
+        """Each worker's event log (one a tensor-parallel rank), in rank order."""
+        return sorted(self.out.glob("events-*.jsonl"))
 
     def text(self) -> str:
         return self.output.read_text(errors="replace")
@@ -232,17 +241,38 @@ class Server:
                 self.process.wait(timeout=30)
 
 
-def _environment(config: Configuration, events: Path, cuda: bool) -> dict[str, str]:
+def tensor_parallel_size() -> int:
+    """``OMNITRACE_BENCH_ENGINE_TP``: the engines' tensor-parallel size (default 1)."""
+    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_TP", "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise ValueError(f"OMNITRACE_BENCH_ENGINE_TP: expected a whole number 1 to 8, got {raw!r}")
+    return int(raw)
+
+
+def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
     env["OMNITRACE_PLUGIN"] = "1" if config.plugin else "0"
     if config.plugin:
-        env["OMNITRACE_EVENTS_LOG"] = str(events)
+        # One log per worker: each rank of a tensor-parallel engine writes its own.
+        env["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}-{pid}.jsonl")
     if cuda:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     else:
         # A CPU engine otherwise takes most of the machine's memory for its KV cache.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if tp > 1:
+            # vLLM's CPU workers cannot bind their threads themselves on a small machine:
+            # give each rank its share of the cores.
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cores) // tp)
+            env.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "|".join(
+                    ",".join(str(c) for c in cores[r * share : (r + 1) * share] or cores[-1:])
+                    for r in range(tp)
+                ),
+            )
     return env
 
 
@@ -255,12 +285,14 @@ def serving(
     *,
     max_num_seqs: int,
     trust_remote_code: bool = False,
+    tp: int = 1,
 ) -> Iterator[Server]:
     """Start ``vllm serve`` for ``config`` and stop it after the block, whatever happens."""
     out = work / config.name
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("events-*.jsonl"):
+        stale.unlink()
     port = free_port()
-    events = out / "events.jsonl"
     command = serve_command(
         model,
         port,
@@ -274,18 +306,19 @@ def serving(
                 else ("--compilation-config", json.dumps(config.compilation))
             ),
             *(("--trust-remote-code",) if trust_remote_code else ()),
+            *(("--tensor-parallel-size", str(tp)) if tp > 1 else ()),
         ),
     )
     output = out / "serve.log"
     with output.open("wb") as sink:
         process = subprocess.Popen(
             command,
-            env=_environment(config, events, ctx.cuda),
+            env=_environment(config, out, ctx.cuda, tp),
             cwd=out,
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    server = Server(config, process, port, output, events)
+    server = Server(config, process, port, output, out)
     try:
         _wait_ready(server, timeout=ctx.pick(900.0, 600.0, 600.0))
         yield server
@@ -395,42 +428,85 @@ def run_pass(
 # -- what the event log says -------------------------------------------------------------------
 
 
-def event_figures(path: Path) -> dict[str, Any]:
-    """Graphs, pool bytes, encoder device time and hit counts from a worker's event log."""
+def event_figures(paths: Sequence[Path]) -> dict[str, Any]:
+    """Graphs, pool bytes, encoder device time and hit counts from the workers' event logs:
+    in all, per adapter (misses by reason) and per worker (graphs and pool bytes a device)."""
     figures: dict[str, Any] = {"graphs": 0, "pool_bytes": 0, "hits": 0, "misses": 0}
     device: dict[str, float] = {}
-    if not path.exists():
-        return {**figures, "encoder_device_s": None}
-    for line in path.read_text().splitlines():
-        event = json.loads(line)
-        kind = event.get("type")
-        if kind == "GraphCaptured":
-            figures["graphs"] += 1
-            figures["pool_bytes"] += int(event["bytes_reserved"]) + int(event["static_bytes"])
-        elif kind == "GraphReplayed":
-            figures["hits"] += 1
-        elif kind == "GraphMissed":
-            figures["misses"] += 1
-        elif kind == "DeviceTimed":
-            device[event["adapter"]] = device.get(event["adapter"], 0.0) + float(event["device_s"])
-    figures["encoder_device_s"] = device
+    adapters: dict[str, dict[str, Any]] = {}
+    workers: dict[str, dict[str, int]] = {}
+    for path in paths:
+        worker = workers.setdefault(path.stem, {"graphs": 0, "pool_bytes": 0})
+        _fold_log(path, figures, device, adapters, worker)
+    figures["encoder_device_s"] = device if paths else None
+    figures["workers"] = workers
+    figures["adapters"] = {
+        name: entry
+        for name, entry in adapters.items()
+        if entry["graphs"] or entry["hits"] or entry["misses"]
+    }
     return figures
 
 
-def _line_count(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _fold_log(
+    path: Path,
+    figures: dict[str, Any],
+    device: dict[str, float],
+    adapters: dict[str, dict[str, Any]],
+    worker: dict[str, int],
+) -> None:
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            event = json.loads(line)
+            kind = event.get("type")
+            mine = adapters.setdefault(
+                str(event.get("adapter")), {"graphs": 0, "hits": 0, "misses": {}}
+            )
+            if kind == "GraphCaptured":
+                pool = int(event["bytes_reserved"]) + int(event["static_bytes"])
+                figures["graphs"] += 1
+                mine["graphs"] += 1
+                worker["graphs"] += 1
+                figures["pool_bytes"] += pool
+                worker["pool_bytes"] += pool
+            elif kind == "GraphReplayed":
+                figures["hits"] += 1
+                mine["hits"] += 1
+            elif kind == "GraphMissed":
+                figures["misses"] += 1
+                reason = str(event.get("reason"))
+                mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
+            elif kind == "DeviceTimed":
+                device[event["adapter"]] = device.get(event["adapter"], 0.0) + float(
+                    event["device_s"]
+                )
 
 
-def _device_s_since(path: Path, skip: int) -> float | None:
-    """Encoder device seconds in the events after the first ``skip`` lines.
+def _line_counts(paths: Sequence[Path]) -> dict[Path, int]:
+    counts = {}
+    for path in paths:
+        with path.open("rb") as lines:
+            counts[path] = sum(1 for _ in lines)
+    return counts
+
+
+def _device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:
+    """Encoder device seconds in each log's events after its first ``skip`` lines: the most
+    of any worker (tensor-parallel ranks run their encoders side by side).
 
     None when there are none: device timing needs CUDA events, so a CPU run has no figure.
     """
-    if not path.exists():
-        return None
-    lines = path.read_text().splitlines()[skip:]
-    timed = [float(e["device_s"]) for e in map(json.loads, lines) if e.get("type") == "DeviceTimed"]
-    return sum(timed) if timed else None
+    per_worker = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            timed = [
+                float(e["device_s"])
+                for i, e in enumerate(map(json.loads, lines))
+                if i >= skip.get(path, 0) and e.get("type") == "DeviceTimed"
+            ]
+        if timed:
+            per_worker.append(sum(timed))
+    return max(per_worker) if per_worker else None
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -520,8 +596,18 @@ def run(ctx: Context) -> dict[str, Any]:
     """Serve the traffic through each model's configurations back to back; compare with eager."""
     if ctx.scale == "full" and not ctx.cuda:
         raise RuntimeError("the engine benchmark at full scale needs a CUDA device")
+    tp = tensor_parallel_size()
+    if ctx.cuda and tp > 1:
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            raise RuntimeError(
+                f"OMNITRACE_BENCH_ENGINE_TP={tp} needs {tp} CUDA devices, "
+                f"this machine has {torch.cuda.device_count()}"
+            )
     result: dict[str, Any] = {
         "sizes": "released" if ctx.scale == "full" else "tiny",
+        "tensor_parallel_size": tp,
         "anchors": list(ANCHORS),
         "models": {},
         "targets": [],
@@ -529,7 +615,7 @@ def run(ctx: Context) -> dict[str, Any]:
     }
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")
-        result["models"][model_kind] = entry = _run_model(ctx, model_kind, result)
+        result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp)
         _checks(result, model_kind, entry)
         write_partial(ctx, NAME, result)
     for model_kind, entry in result["models"].items():
@@ -541,9 +627,10 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
-def _run_model(ctx: Context, model_kind: str, result: dict[str, Any]) -> dict[str, Any]:
+def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -> dict[str, Any]:
     # Absolute: each server runs in its own directory.
-    work = (ctx.out_dir / "engine-work" / model_kind).resolve()
+    work = ctx.out_dir / "engine-work" / (model_kind if tp == 1 else f"{model_kind}-tp{tp}")
+    work = work.resolve()
     model = _checkpoint(model_kind, work / "checkpoint", ctx.scale)
     kinds = request_kinds(ctx.scale, model_kind)
     per_kind = ctx.pick(8, 2, 1)
@@ -578,6 +665,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any]) -> dict[st
             ctx,
             max_num_seqs=max(concurrencies),
             trust_remote_code=model_kind == "minicpmo",
+            tp=tp,
         ) as server:
             ready_s = time.perf_counter() - started
             # Warm-up: every shape min_capture_calls times, so the graphs are in place.
@@ -586,7 +674,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any]) -> dict[st
             passes = []
             device_s_c1: float | None = None
             for concurrency in concurrencies:
-                skip = _line_count(server.events)
+                skip = _line_counts(server.events)
                 traffic = schedule(kinds, per_kind, 7)
                 measured = run_pass(
                     server, traffic, seed=200 + concurrency, concurrency=concurrency, tokens=tokens

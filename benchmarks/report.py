@@ -639,7 +639,13 @@ def _engine(result: dict[str, Any]) -> list[Table]:
             {row["concurrency"] for c in configs.values() for row in c["rows"].values()}
         )
         ttft = Table(
-            f"{model['name']} ({result['sizes']} sizes): TTFT p50 / p99 (ms) by request kind",
+            f"{model['name']} ({result['sizes']} sizes"
+            + (
+                f", tensor-parallel over {result['tensor_parallel_size']}"
+                if result.get("tensor_parallel_size", 1) > 1
+                else ""
+            )
+            + "): TTFT p50 / p99 (ms) by request kind",
             ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
         )
         for kind in model["kinds"]:
@@ -693,7 +699,16 @@ def _engine(result: dict[str, Any]) -> list[Table]:
                 ]
             )
         missing = "; ".join(f"{k}: {v}" for k, v in model.get("not_applicable", {}).items())
-        engines.note = "Not applicable: " + missing + "." if missing else ""
+        notes = ["Not applicable: " + missing + "."] if missing else []
+        for name, entry in configs.items():
+            per_adapter = [
+                f"{adapter} {a['graphs']} graphs, {a['hits']} hits, misses "
+                + (", ".join(f"{r} {n}" for r, n in sorted(a["misses"].items())) or "none")
+                for adapter, a in sorted((entry.get("adapters") or {}).items())
+            ]
+            if per_adapter and entry["graphs"]:
+                notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
+        engines.note = " ".join(notes)
         tables += [ttft, engines]
     return tables
 

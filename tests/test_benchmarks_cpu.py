@@ -902,3 +902,89 @@ def test_report_environment_names_every_run_of_combined_results(bench: Any) -> N
     assert "- Command:" not in both
     assert "  - d1: `run a` at abc: overhead, memory" in both
     assert "  - d2: `run b` at abc: latency" in both
+
+
+def _rank_log(path: Path, events: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_time(
+    tmp_path: Path,
+) -> None:
+    """Each rank's log is counted; per worker and per adapter; device time is the slowest's."""
+    from benchmarks import engine
+
+    captured = {"type": "GraphCaptured", "adapter": "vision", "bytes_reserved": 100}
+    rank0 = _rank_log(
+        tmp_path / "events-0-11.jsonl",
+        [
+            {**captured, "static_bytes": 10},
+            {"type": "GraphReplayed", "adapter": "vision"},
+            {"type": "GraphMissed", "adapter": "audio", "reason": "capacity"},
+            {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.5},
+            {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.25},
+        ],
+    )
+    rank1 = _rank_log(
+        tmp_path / "events-1-12.jsonl",
+        [
+            {**captured, "static_bytes": 20},
+            {"type": "GraphMissed", "adapter": "audio", "reason": "warmup"},
+            {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.5},
+        ],
+    )
+    figures = engine.event_figures([rank0, rank1])
+    assert (figures["graphs"], figures["hits"], figures["misses"]) == (2, 1, 2)
+    assert figures["pool_bytes"] == 230
+    assert figures["workers"] == {
+        "events-0-11": {"graphs": 1, "pool_bytes": 110},
+        "events-1-12": {"graphs": 1, "pool_bytes": 120},
+    }
+    assert figures["adapters"]["audio"]["misses"] == {"capacity": 1, "warmup": 1}
+    assert figures["encoder_device_s"] == {"vision": 1.25}
+    # The slowest rank after the lines already read: rank 0 has 0.75 s in all, 0.25 s after
+    # its first four lines; rank 1 has 0.5 s.
+    assert engine._device_s_since([rank0, rank1], {}) == 0.75
+    assert engine._device_s_since([rank0, rank1], {rank0: 4}) == 0.5
+    assert engine._device_s_since([rank0], {rank0: 5}) is None
+    assert engine._line_counts([rank0, rank1]) == {rank0: 5, rank1: 3}
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", 1), ("2", 2), (" 4 ", 4)])
+def test_engine_tensor_parallel_size_reads_its_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: int
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_TP", value)
+    assert engine.tensor_parallel_size() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "9", "two", "-1", "1.5"])
+def test_engine_tensor_parallel_size_refuses_what_is_not_a_size(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_TP", value)
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_TP: expected a whole number"):
+        engine.tensor_parallel_size()
+
+
+@pytest.mark.parametrize("value", ["qwen", ",", "minicpmo,qwen"])
+def test_engine_models_refuses_unknown_names(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MODELS", value)
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_MODELS"):
+        engine.models()
+
+
+def test_engine_models_reads_a_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MODELS", " minicpmo, ")
+    assert engine.models() == ["minicpmo"]
+    monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_MODELS")
+    assert engine.models() == ["qwen2_5_omni", "minicpmo"]

@@ -70,6 +70,12 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
         # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.
         assert graphs > 0 if CUDA else graphs == 0, (model_kind, graphs)
         assert model["configurations"]["eager"]["graphs"] == 0, model_kind
+        for name, entry in model["configurations"].items():
+            # Per adapter: both encoders, and their counts add up to the totals.
+            adapters = entry["adapters"]
+            assert set(adapters) == {"vision", "audio"}, (model_kind, name, adapters)
+            assert sum(a["hits"] for a in adapters.values()) == entry["hits"]
+            assert sum(sum(a["misses"].values()) for a in adapters.values()) == entry["misses"]
         # Device timing needs CUDA events: a CPU run has no encoder share to report.
         shares = {e["encoder_share_of_ttft_c1"] for e in model["configurations"].values()}
         assert all(s > 0 for s in shares) if CUDA else shares == {None}, (model_kind, shares)
