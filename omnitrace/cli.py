@@ -689,11 +689,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     console.print(
         stats_table(result.encoders, max_graphs=result.max_graphs, compact=console.width < 120)
     )
-    console.print(
-        f"requests {result.requests} in {result.elapsed_s:.1f} s · "
-        f"streaming audio {result.streaming_eager_calls} eager calls (never graphed) · "
-        f"bus events {result.emitted}, dropped {result.dropped}"
+    facts = (
+        f"requests {result.requests} in {result.elapsed_s:.1f} s",
+        f"streaming audio {result.streaming_eager_calls} eager calls (never graphed)",
+        f"bus events {result.emitted}, dropped {result.dropped}",
     )
+    # One line where it fits, else one fact a line (never a line wrapped mid-phrase).
+    line = " · ".join(facts)
+    console.print(line if len(line) <= console.width else "\n".join(facts))
     terminal = [name for name, s in result.encoders.items() if s["capture_failures"]]
     if terminal:
         console.print(
