@@ -640,7 +640,6 @@ def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str,
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from omnitrace._files import check_regular
     from omnitrace.demo.run import DemoOptions, run_demo
 
     if args.hf_overrides is not None and not args.hf_overrides.strip():
@@ -675,9 +674,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             for f in fields(DemoOptions)
         }
     )
-    # Checked before the run, so a bad path does not cost the run's results.
-    if args.json_summary is not None:
-        check_regular(args.json_summary, "--json-summary")
+    # Checked before the run, so a bad path or endpoint does not cost the run's results.
+    _check_demo_outputs(args)
     try:
         with _logging(args), _export_reported_by_the_cli():
             result = run_demo(options, console=console, say=_say)
@@ -709,15 +707,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # Exporting is a side output of the demo: said in one line, not a failed run.
         _say(result.otlp_error)
     if args.json_summary is not None:
-        from omnitrace._files import write_regular
+        from omnitrace._paths import write_atomically
 
-        args.json_summary.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(result.to_json(), indent=2) + "\n"
-        write_regular(args.json_summary, text.encode(), "--json-summary")
+        write_atomically(args.json_summary, text.encode(), "--json-summary")
         _say(f"summary: {args.json_summary.resolve()}")
     if result.interrupted:
         return 130
     return 1 if terminal else 0
+
+
+def _check_demo_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before the run, an output path or OTLP endpoint the demo could not use."""
+    from omnitrace._env import env_endpoints
+    from omnitrace._paths import check_output
+    from omnitrace._worker import worker_rank
+    from omnitrace.sinks.jsonl import worker_log_path
+
+    events_log = worker_log_path(
+        args.events_log, pid=os.getpid(), rank=worker_rank(), label="--events-log"
+    )
+    check_output(events_log, "--events-log")
+    if args.log_file is not None:
+        check_output(args.log_file, "--log-file", append=True)
+    if args.json_summary is not None:
+        check_output(args.json_summary, "--json-summary")
+    if _exports_by_variable():
+        env_endpoints(os.environ)
+
+
+def _exports_by_variable() -> bool:
+    """Whether OTEL_EXPORTER_OTLP_ENDPOINT turns the OTLP export on (demo, replay)."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
 
 
 # -- top ------------------------------------------------------------------------------------
@@ -792,6 +813,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
     import stat
 
     from omnitrace._files import kind_of
+    from omnitrace._paths import check_readable
 
     for path in paths:
         try:
@@ -810,6 +832,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
         if not stat.S_ISREG(mode):
             # A named pipe would block the follow in open(), past q, Ctrl-C and SIGTERM.
             return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
+        check_readable(path)
     return None
 
 
@@ -870,6 +893,15 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    # Endpoints are checked before any log is read.
+    if args.otlp_endpoint is not None:
+        from omnitrace._validate import check_endpoint
+
+        args.otlp_endpoint = check_endpoint("--otlp-endpoint", args.otlp_endpoint)
+    elif args.otlp or _exports_by_variable():
+        from omnitrace._env import env_endpoints
+
+        env_endpoints(os.environ)
     if args.follow:
         if args.speed is not None:
             return _error("replay", "--speed paces a recorded log; --follow relays as written")
@@ -1307,9 +1339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return int(handlers[args.command](args))
-    except (OmnitraceError, OSError) as exc:
-        # A bad value or path, or a file that cannot be opened: one line, not a traceback.
+    except OmnitraceError as exc:  # a bad value or path: one line, not a traceback
         return _error(args.command, str(exc))
+    except OSError as exc:  # a file that cannot be opened: "PATH: REASON", as the checks say
+        from omnitrace._paths import describe_os_error
+
+        return _error(args.command, describe_os_error(exc))
 
 
 if __name__ == "__main__":

@@ -1305,9 +1305,8 @@ def test_demo_refuses_output_paths_that_are_not_regular_files(
     argv += ["--events-log", str(tmp_path / "events.jsonl")] if option != "--events-log" else []
     code = _main_with_deadline([*argv, option, str(path)])
     _, err = capsys.readouterr()
-    label = "event log" if option == "--events-log" else option
     expected = (
-        f"omnitrace demo: error: {label}: {path} is {described}, not a regular file; "
+        f"omnitrace demo: error: {option}: {path} is {described}, not a regular file; "
         "omnitrace only writes, rotates and deletes regular files"
     )
     assert code == 2
