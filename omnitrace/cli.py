@@ -1,9 +1,10 @@
-"""The ``omnitrace`` command: ``demo``, ``top``, ``replay`` and ``advise``.
+"""The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise`` and ``receive``.
 
 ``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
 attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
 ``omnitrace replay`` feeds a recorded log into the live view or into OTLP; ``omnitrace
-advise`` replays recorded traffic under other graph settings and recommends one.
+advise`` replays recorded traffic under other graph settings and recommends one;
+``omnitrace receive`` listens for OTLP exports and says what arrives.
 """
 
 from __future__ import annotations
@@ -448,6 +449,49 @@ def _build_parser() -> argparse.ArgumentParser:
         "--top", type=_positive_int, default=10, metavar="N", help="settings to list"
     )
     advise.add_argument("--json", action="store_true", help="print the advice as JSON")
+
+    receive = commands.add_parser(
+        "receive",
+        help="listen for OTLP exports on loopback and print what arrives (no collector needed)",
+        description=(
+            "Listen for OTLP exports (spans, metrics, logs) and print one line per export "
+            "request: the signal, the sending service, how many spans, metrics or log "
+            "records and their names. Point an exporter here to check its settings without "
+            "a collector. Ctrl-C, SIGTERM or --duration stops it with a summary; the exit "
+            "status is 1 when nothing arrived."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    receive.add_argument(
+        "--protocol",
+        choices=("http/protobuf", "grpc"),
+        default="http/protobuf",
+        help="the OTLP protocol to accept (grpc needs the grpc extra)",
+    )
+    receive.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address to listen on (keep loopback unless the exporter is elsewhere)",
+    )
+    receive.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="the port to listen on (default: 4318 for http/protobuf, 4317 for grpc, the "
+        "exporters' defaults; 0: a free one, printed)",
+    )
+    receive.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: until Ctrl-C or SIGTERM)",
+    )
+    receive.add_argument(
+        "--json", action="store_true", help="print a JSON line per request, and the summary"
+    )
     return parser
 
 
@@ -1327,6 +1371,43 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- receive --------------------------------------------------------------------------------
+
+
+def _cmd_receive(args: argparse.Namespace) -> int:
+    try:
+        from omnitrace.receive import DEFAULT_PORTS, receive
+    except ImportError as exc:  # opentelemetry-proto, or grpcio for --protocol grpc
+        return _error("receive", f"cannot receive OTLP: {exc}")
+    if args.protocol == "grpc":
+        import importlib.util
+
+        if importlib.util.find_spec("grpc") is None:
+            return _error(
+                "receive",
+                "--protocol grpc needs grpcio: pip install 'omnitrace-graphs[grpc]'",
+            )
+    port = DEFAULT_PORTS[args.protocol] if args.port is None else args.port
+    stop = threading.Event()
+    try:
+        with _sigterm_stops(stop):
+            tally = receive(
+                protocol=args.protocol,
+                host=args.host,
+                port=port,
+                as_json=args.json,
+                duration_s=args.duration,
+                stop=stop,
+                out=sys.stdout,
+                say=_say,
+            )
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        return _error("receive", f"cannot listen on {args.host}:{port}: {exc.strerror or exc}", 1)
+    if tally.empty:
+        return _error("receive", "nothing arrived: no exporter sent here", status=1)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omnitrace`` command line; return the exit status."""
     parser = _build_parser()
@@ -1336,6 +1417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "top": _cmd_top,
         "replay": _cmd_replay,
         "advise": _cmd_advise,
+        "receive": _cmd_receive,
     }
     try:
         return int(handlers[args.command](args))
