@@ -1375,18 +1375,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
 
 def _cmd_receive(args: argparse.Namespace) -> int:
-    try:
-        from omnitrace.receive import DEFAULT_PORTS, receive
-    except ImportError as exc:  # opentelemetry-proto, or grpcio for --protocol grpc
-        return _error("receive", f"cannot receive OTLP: {exc}")
-    if args.protocol == "grpc":
-        import importlib.util
+    from omnitrace.receive import DEFAULT_PORTS, receive
 
-        if importlib.util.find_spec("grpc") is None:
-            return _error(
-                "receive",
-                "--protocol grpc needs grpcio: pip install 'omnitrace-graphs[grpc]'",
-            )
     port = DEFAULT_PORTS[args.protocol] if args.port is None else args.port
     stop = threading.Event()
     try:

@@ -11,6 +11,7 @@ same as JSON lines. Nothing is kept but the counts, so it can run for as long as
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import queue
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from omnitrace._display import safe
+from omnitrace.errors import MissingExtraError
 from omnitrace.testing_otlp import OTLPReceiver, ReceiverProtocol, attributes
 
 __all__ = ["DEFAULT_PORTS", "Received", "Tally", "describe_request", "receive"]
@@ -209,8 +211,13 @@ def receive(
     ``out`` as it arrives and the summary at the end; return what arrived.
 
     Raises:
+        MissingExtraError: gRPC is asked for without grpcio (the grpc extra).
         OSError: the port cannot be listened on (in use, not allowed).
     """
+    if protocol == "grpc" and importlib.util.find_spec("grpc") is None:
+        raise MissingExtraError(
+            "--protocol grpc needs grpcio: pip install 'omnitrace-graphs[grpc]'"
+        )
     arrived: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     receiver = OTLPReceiver(
         protocol,
