@@ -83,12 +83,14 @@ def blocks(page: Path) -> list[Block]:
 
 
 def test_every_mark_is_known_and_every_skip_says_why() -> None:
-    """A mark is skip with a reason, or collector and/or stop after N s."""
+    """A mark is skip with a reason, or collector and/or stop after N s; a block that
+    installs packages is marked skip (it would install into the environment of the tests)."""
     for page in PAGES:
         for block in blocks(page):
             if block.mark.startswith("skip: "):
                 assert len(block.mark) > len("skip: ") + 10, f"{block.where}: say why"
                 continue
+            assert not _INSTALLS.search(block.body), f"{block.where} installs: mark it skip"
             for part in block.parts:
                 ok = part == "collector" or bool(_STOP.fullmatch(part))
                 assert ok, f"{block.where}: unknown docs-test mark {part!r}"
@@ -135,8 +137,14 @@ def _shims(directory: Path) -> Path:
     return directory
 
 
+#: What no block may do in the test's environment: install packages into it.
+_INSTALLS = re.compile(r"\bpip3?\b[^\n]*\binstall\b|\bapt(-get)?\b[^\n]*\binstall\b")
+
+
 def _run(block: Block, body: str, cwd: Path, env: dict[str, str], ports: dict[int, int]) -> str:
     """Run ``body`` as ``block`` says; return what it printed."""
+    # Checked before anything runs: the shims' python is the one running the tests.
+    assert not _INSTALLS.search(body), f"{block.where} installs packages: mark it skip"
     receivers = []
     if "collector" in block.parts:
         receivers.append(OTLPReceiver(port=ports[4318]).start())
