@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omnitrace._validate import check_duration
+from omnitrace._validate import check_duration, check_endpoint
 from omnitrace.errors import ConfigError
 
-__all__ = ["env_flag", "env_seconds"]
+__all__ = ["OTLP_ENDPOINT_VARIABLES", "env_endpoints", "env_flag", "env_seconds"]
+
+#: The variables an OTLP exporter reads its endpoint from: the base one, then per signal.
+OTLP_ENDPOINT_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -28,6 +35,23 @@ def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {raw!r}")
+
+
+def env_endpoints(
+    environ: Mapping[str, str], *, example: str = "http://localhost:4318"
+) -> dict[str, str]:
+    """Return the OTLP endpoint variables that are set, each checked to be an http(s) URL.
+
+    Raises:
+        ConfigError: a set variable is not an http:// or https:// URL with a host (and a
+            port from 1 to 65535, if any); one line naming it.
+    """
+    found = {}
+    for name in OTLP_ENDPOINT_VARIABLES:
+        text = environ.get(name, "").strip()
+        if text:
+            found[name] = check_endpoint(name, text, example=example)
+    return found
 
 
 def env_seconds(

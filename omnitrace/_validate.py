@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import reprlib
 import unicodedata
+import urllib.parse
 
 from omnitrace.errors import ConfigError
 
@@ -17,6 +18,7 @@ __all__ = [
     "OversizedInt",
     "check_bool",
     "check_duration",
+    "check_endpoint",
     "check_int",
     "check_name",
     "check_number",
@@ -199,3 +201,42 @@ def check_name(name: str, value: object) -> str:
             f"cannot carry them), got {describe(value)}"
         )
     return text
+
+
+def check_endpoint(name: str, value: object, *, example: str = "http://localhost:4318") -> str:
+    """Return ``value`` if it is an OTLP endpoint URL: ``http`` or ``https``, a host, and
+    a port from 1 to 65535 if any (and no query, fragment or white space).
+
+    An exporter given ``collector:4318`` or ``notaurl`` fails only when it first exports,
+    with a message the SDK cuts short; checked here, it is one line before anything runs.
+
+    Raises:
+        ConfigError: naming ``name``, what is expected and the value.
+    """
+    problem = ""
+    text = value.strip() if isinstance(value, str) else ""
+    if not isinstance(value, str) or not text:
+        problem = ""
+    elif any(char.isspace() or unicodedata.category(char) == "Cc" for char in text):
+        problem = ", which has white space or a control character in it"
+    else:
+        parts = urllib.parse.urlsplit(text)
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or past 65535
+            port = 0
+        if "://" not in text or parts.scheme.lower() not in ("http", "https"):
+            problem = ", which does not start with http:// or https://"
+        elif not parts.hostname:
+            problem = ", which has no host"
+        elif port == 0:
+            problem = ", whose port is not a number from 1 to 65535"
+        elif parts.query or parts.fragment or "?" in text or "#" in text:
+            problem = ", which has a query or a fragment"
+        else:
+            return text
+    shown = describe(value) if not isinstance(value, str) else _short.repr(value)
+    raise ConfigError(
+        f"{name}: expected a URL such as {example} (http:// or https://, a host, and a port "
+        f"from 1 to 65535 if any), got {shown}{problem}"
+    )

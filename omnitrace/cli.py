@@ -1,9 +1,10 @@
-"""The ``omnitrace`` command: ``demo``, ``top``, ``replay`` and ``advise``.
+"""The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise`` and ``receive``.
 
 ``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
 attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
 ``omnitrace replay`` feeds a recorded log into the live view or into OTLP; ``omnitrace
-advise`` replays recorded traffic under other graph settings and recommends one.
+advise`` replays recorded traffic under other graph settings and recommends one;
+``omnitrace receive`` listens for OTLP exports and says what arrives.
 """
 
 from __future__ import annotations
@@ -463,6 +464,49 @@ def _build_parser() -> argparse.ArgumentParser:
         "--top", type=_positive_int, default=10, metavar="N", help="settings to list"
     )
     advise.add_argument("--json", action="store_true", help="print the advice as JSON")
+
+    receive = commands.add_parser(
+        "receive",
+        help="listen for OTLP exports on loopback and print what arrives (no collector needed)",
+        description=(
+            "Listen for OTLP exports (spans, metrics, logs) and print one line per export "
+            "request: the signal, the sending service, how many spans, metrics or log "
+            "records and their names. Point an exporter here to check its settings without "
+            "a collector. Ctrl-C, SIGTERM or --duration stops it with a summary; the exit "
+            "status is 1 when nothing arrived."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    receive.add_argument(
+        "--protocol",
+        choices=("http/protobuf", "grpc"),
+        default="http/protobuf",
+        help="the OTLP protocol to accept (grpc needs the grpc extra)",
+    )
+    receive.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address to listen on (keep loopback unless the exporter is elsewhere)",
+    )
+    receive.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="the port to listen on (default: 4318 for http/protobuf, 4317 for grpc, the "
+        "exporters' defaults; 0: a free one, printed)",
+    )
+    receive.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: until Ctrl-C or SIGTERM)",
+    )
+    receive.add_argument(
+        "--json", action="store_true", help="print a JSON line per request, and the summary"
+    )
     return parser
 
 
@@ -655,7 +699,6 @@ def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str,
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from omnitrace._files import check_regular
     from omnitrace.demo.run import DemoOptions, run_demo
 
     if args.hf_overrides is not None and not args.hf_overrides.strip():
@@ -695,9 +738,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             for f in fields(DemoOptions)
         }
     )
-    # Checked before the run, so a bad path does not cost the run's results.
-    if args.json_summary is not None:
-        check_regular(args.json_summary, "--json-summary")
+    # Checked before the run, so a bad path or endpoint does not cost the run's results.
+    _check_demo_outputs(args)
     try:
         with _logging(args), _export_reported_by_the_cli():
             result = run_demo(options, console=console, say=_say)
@@ -709,11 +751,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     console.print(
         stats_table(result.encoders, max_graphs=result.max_graphs, compact=console.width < 120)
     )
-    console.print(
-        f"requests {result.requests} in {result.elapsed_s:.1f} s · "
-        f"streaming audio {result.streaming_eager_calls} eager calls (never graphed) · "
-        f"bus events {result.emitted}, dropped {result.dropped}"
+    facts = (
+        f"requests {result.requests} in {result.elapsed_s:.1f} s",
+        f"streaming audio {result.streaming_eager_calls} eager calls (never graphed)",
+        f"bus events {result.emitted}, dropped {result.dropped}",
     )
+    # One line where it fits, else one fact a line (never a line wrapped mid-phrase).
+    line = " · ".join(facts)
+    console.print(line if len(line) <= console.width else "\n".join(facts))
     terminal = [name for name, s in result.encoders.items() if s["capture_failures"]]
     if terminal:
         console.print(
@@ -726,15 +771,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # Exporting is a side output of the demo: said in one line, not a failed run.
         _say(result.otlp_error)
     if args.json_summary is not None:
-        from omnitrace._files import write_regular
+        from omnitrace._paths import write_atomically
 
-        args.json_summary.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(result.to_json(), indent=2) + "\n"
-        write_regular(args.json_summary, text.encode(), "--json-summary")
+        write_atomically(args.json_summary, text.encode(), "--json-summary")
         _say(f"summary: {args.json_summary.resolve()}")
     if result.interrupted:
         return 130
     return 1 if terminal else 0
+
+
+def _check_demo_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before the run, an output path or OTLP endpoint the demo could not use."""
+    from omnitrace._env import env_endpoints
+    from omnitrace._paths import check_output
+    from omnitrace._worker import worker_rank
+    from omnitrace.sinks.jsonl import worker_log_path
+
+    events_log = worker_log_path(
+        args.events_log, pid=os.getpid(), rank=worker_rank(), label="--events-log"
+    )
+    check_output(events_log, "--events-log")
+    if args.log_file is not None:
+        check_output(args.log_file, "--log-file", append=True)
+    if args.json_summary is not None:
+        check_output(args.json_summary, "--json-summary")
+    if _exports_by_variable():
+        env_endpoints(os.environ)
+
+
+def _exports_by_variable() -> bool:
+    """Whether OTEL_EXPORTER_OTLP_ENDPOINT turns the OTLP export on (demo, replay)."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
 
 
 # -- top ------------------------------------------------------------------------------------
@@ -819,6 +887,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
     import stat
 
     from omnitrace._files import kind_of
+    from omnitrace._paths import check_readable
 
     for path in paths:
         try:
@@ -837,6 +906,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
         if not stat.S_ISREG(mode):
             # A named pipe would block the follow in open(), past q, Ctrl-C and SIGTERM.
             return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
+        check_readable(path)
     return None
 
 
@@ -902,6 +972,15 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    # Endpoints are checked before any log is read.
+    if args.otlp_endpoint is not None:
+        from omnitrace._validate import check_endpoint
+
+        args.otlp_endpoint = check_endpoint("--otlp-endpoint", args.otlp_endpoint)
+    elif args.otlp or _exports_by_variable():
+        from omnitrace._env import env_endpoints
+
+        env_endpoints(os.environ)
     if args.follow:
         if args.speed is not None:
             return _error("replay", "--speed paces a recorded log; --follow relays as written")
@@ -1344,6 +1423,33 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- receive --------------------------------------------------------------------------------
+
+
+def _cmd_receive(args: argparse.Namespace) -> int:
+    from omnitrace.receive import DEFAULT_PORTS, receive
+
+    port = DEFAULT_PORTS[args.protocol] if args.port is None else args.port
+    stop = threading.Event()
+    try:
+        with _sigterm_stops(stop):
+            tally = receive(
+                protocol=args.protocol,
+                host=args.host,
+                port=port,
+                as_json=args.json,
+                duration_s=args.duration,
+                stop=stop,
+                out=sys.stdout,
+                say=_say,
+            )
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        return _error("receive", f"cannot listen on {args.host}:{port}: {exc.strerror or exc}", 1)
+    if tally.empty:
+        return _error("receive", "nothing arrived: no exporter sent here", status=1)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``omnitrace`` command line; return the exit status."""
     parser = _build_parser()
@@ -1358,12 +1464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "top": _cmd_top,
         "replay": _cmd_replay,
         "advise": _cmd_advise,
+        "receive": _cmd_receive,
     }
     try:
         return int(handlers[args.command](args))
-    except (OmnitraceError, OSError) as exc:
-        # A bad value or path, or a file that cannot be opened: one line, not a traceback.
+    except OmnitraceError as exc:  # a bad value or path: one line, not a traceback
         return _error(args.command, str(exc))
+    except OSError as exc:  # a file that cannot be opened: "PATH: REASON", as the checks say
+        from omnitrace._paths import describe_os_error
+
+        return _error(args.command, describe_os_error(exc))
 
 
 if __name__ == "__main__":

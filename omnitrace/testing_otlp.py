@@ -12,16 +12,21 @@ check the messages field by field::
         setup.force_flush()
         assert receiver.wait_for(lambda r: r.spans())
 
-It needs ``opentelemetry-proto`` (both protocols) and ``grpcio`` (gRPC only), which the
-``dev`` extra installs. It is a test double, not a collector: nothing is forwarded or kept
-beyond the process.
+It needs ``opentelemetry-proto`` (both protocols; the OTLP exporter omnitrace depends on
+installs it) and ``grpcio`` (gRPC only: the ``grpc`` extra). It is a test double, not a
+collector: nothing is forwarded or kept beyond the process. ``omnitrace receive`` runs one
+as a command (:mod:`omnitrace.receive`), to check an exporter's settings without a
+collector; it passes ``keep=False`` and an ``on_request`` callback, so a long run keeps
+nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import http.server
 import importlib
+import socket
 import threading
 import time
 import zlib
@@ -45,6 +50,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
+from omnitrace._validate import check_int
 from omnitrace.errors import ConfigError
 
 __all__ = [
@@ -89,6 +95,11 @@ class OTLPReceiver:
     Args:
         protocol: ``"http/protobuf"`` or ``"grpc"``.
         host: the address to bind (loopback by default; tests should keep it so).
+        port: the port to listen on (0, the default: a free one, see :attr:`port`).
+        on_request: called with the signal (``"traces"``, ``"metrics"``, ``"logs"``) and
+            the parsed request of each export accepted, on the server's thread.
+        keep: keep the accepted requests (for :meth:`spans`, :meth:`metrics`...); a
+            long-running receiver that only reports them passes False.
 
     Attributes:
         reject: when true, answer every export with a non-retryable error (HTTP 400, gRPC
@@ -98,11 +109,22 @@ class OTLPReceiver:
         rejected: how many export requests were rejected.
     """
 
-    def __init__(self, protocol: ReceiverProtocol = "http/protobuf", *, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        protocol: ReceiverProtocol = "http/protobuf",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_request: Callable[[str, _Request], None] | None = None,
+        keep: bool = True,
+    ):
         if protocol not in ("http/protobuf", "grpc"):
             raise ConfigError(f"protocol: expected 'http/protobuf' or 'grpc', got {protocol!r}")
         self.protocol = protocol
         self.host = host
+        self._bind_port = check_int("port", port, maximum=65535, meaning="a port in [0, 65535]")
+        self._on_request = on_request
+        self._keep = keep
         self.reject = False
         self.reject_signals: set[str] = set()
         self.rejected = 0
@@ -154,7 +176,8 @@ class OTLPReceiver:
     @property
     def endpoint(self) -> str:
         """The base endpoint to give an OTLP exporter (``http://127.0.0.1:PORT``)."""
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     # -- what was received ----------------------------------------------------------------
 
@@ -242,11 +265,13 @@ class OTLPReceiver:
             signal, store = "logs", self._logs
         with self._changed:
             accepted = not (self.reject or signal in self.reject_signals)
-            if accepted:
-                store.append(request)
-            else:
+            if not accepted:
                 self.rejected += 1
+            elif self._keep:
+                store.append(request)
             self._changed.notify_all()
+        if accepted and self._on_request is not None:
+            self._on_request(signal, request)
         return accepted
 
     # -- HTTP -----------------------------------------------------------------------------
@@ -289,7 +314,14 @@ class OTLPReceiver:
                 # Test output should show assertions, not an access log.
                 return
 
-        server = http.server.ThreadingHTTPServer((self.host, 0), Handler)
+        server_class = http.server.ThreadingHTTPServer
+        if ":" in self.host:  # an IPv6 address, such as ::1
+
+            class ServerV6(http.server.ThreadingHTTPServer):
+                address_family = socket.AF_INET6
+
+            server_class = ServerV6
+        server = server_class((self.host, self._bind_port), Handler)
         server.daemon_threads = True
         self._http = server
         self._port = int(server.server_address[1])
@@ -336,9 +368,14 @@ class OTLPReceiver:
         ):
             add = getattr(module, f"add_{service}Servicer_to_server")
             add(servicer(getattr(module, f"{service}Servicer"), response), server)
-        port = server.add_insecure_port(f"{self.host}:0")
+        where = f"[{self.host}]" if ":" in self.host else self.host
+        try:
+            port = server.add_insecure_port(f"{where}:{self._bind_port}")
+        except RuntimeError:  # grpcio raises this for a port it cannot bind
+            port = 0
         if not port:
-            raise OSError(f"cannot bind a gRPC port on {self.host}")
+            server.stop(None)
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {where}:{self._bind_port} (gRPC)")
         server.start()
         self._grpc = server
         self._port = int(port)

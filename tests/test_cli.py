@@ -35,6 +35,7 @@ from omnitrace.sinks.jsonl import JsonlSink, read_events
 from omnitrace.testing import sig
 from omnitrace.testing_otlp import OTLPReceiver, attributes
 
+ROOT = Path(__file__).resolve().parent.parent
 HAS_OTEL_SINK = importlib.util.find_spec("omnitrace.sinks.otel") is not None
 REQUESTS = 100
 
@@ -1156,6 +1157,69 @@ def test_q_quits_top_follow_on_a_terminal(recorded: tuple[dict[str, Any], Path])
         os.close(master)
 
 
+def _on_a_terminal(argv: list[str], cwd: Path, timeout: float = 60.0) -> tuple[int, str]:
+    """Run ``omnitrace ARGV`` on an 80x24 pseudo-terminal; return its exit status and what
+    it wrote there, escape sequences removed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnitrace", *argv],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env={**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(ROOT)},
+        close_fds=True,
+    )
+    os.close(slave)
+    screen = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                screen.extend(chunk)
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    escapes = r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r"
+    return code, re.sub(escapes, "", screen.decode(errors="replace"))
+
+
+def test_demo_view_on_a_terminal_ends_with_the_summary_not_log_lines(tmp_path: Path) -> None:
+    """After the live view closes, the terminal shows the line counting the log lines the
+    view kept, then the stats table: no JSON log line (the final graph_summary ones
+    included) is printed across it, and the count includes those final lines."""
+    code, screen = _on_a_terminal(
+        ["demo", "--cpu", "--requests", "60", "--rate", "200", "--events-log", "e.jsonl"],
+        cwd=tmp_path,
+    )
+    assert code == 0, screen
+    marker = re.search(r"omnitrace: (\d+) log lines were shown in the live view", screen)
+    assert marker is not None, screen
+    after = screen[marker.end() :]
+    assert "encoder graph stats" in after
+    assert '{"' not in after, after
+    assert "graph_summary" not in after
+    # The log lines are the captures, the deferrals and one final summary per encoder.
+    records = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    logged = sum(r["type"] in ("GraphCaptured", "MemoryDeferred") for r in records) + 2
+    assert int(marker.group(1)) == logged
+    # Every line after the view fits the terminal (but the one with the long tmp path).
+    assert all(len(line) <= 80 for line in after.splitlines() if str(tmp_path) not in line)
+
+
 # -- bad input: one line, no traceback, nothing harmed --------------------------------------
 
 
@@ -1241,9 +1305,8 @@ def test_demo_refuses_output_paths_that_are_not_regular_files(
     argv += ["--events-log", str(tmp_path / "events.jsonl")] if option != "--events-log" else []
     code = _main_with_deadline([*argv, option, str(path)])
     _, err = capsys.readouterr()
-    label = "event log" if option == "--events-log" else option
     expected = (
-        f"omnitrace demo: error: {label}: {path} is {described}, not a regular file; "
+        f"omnitrace demo: error: {option}: {path} is {described}, not a regular file; "
         "omnitrace only writes, rotates and deletes regular files"
     )
     assert code == 2

@@ -433,8 +433,11 @@ def _run(
             start = progress.start = time.monotonic()
             with _progress(options, console, board, progress) as advance, torch.no_grad():
                 served, interrupted = _drive(options, encoders, advance, start)
-            elapsed = time.monotonic() - start
-            bus.close()
+                elapsed = time.monotonic() - start
+                # Closed while the view still holds stderr: the log lines the close writes
+                # (the final graph_summary per encoder) go where the view's lines go, not
+                # across the terminal after it, and the final frame shows the closed bus.
+                bus.close()
         statistics = bus.statistics()
     finally:
         bus.close()

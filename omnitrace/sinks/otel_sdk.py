@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from omnitrace._env import env_seconds
-from omnitrace._validate import check_duration, check_int, check_text
+from omnitrace._env import env_endpoints, env_seconds
+from omnitrace._validate import check_duration, check_endpoint, check_int, check_text
 from omnitrace._worker import env_rank
 from omnitrace.errors import ConfigError, MissingExtraError
 from omnitrace.sinks.names import ATTR
@@ -451,6 +451,13 @@ def configure_sdk(
             f"{protocol_name}: expected one of {', '.join(_PROTOCOLS)} (the OTLP protocols the "
             f"OpenTelemetry Python exporters support), got {protocol_text!r}"
         )
+    if otlp:
+        # The exporters read the variables only when no endpoint is given.
+        example = _DEFAULT_ENDPOINTS[protocol_text]
+        if endpoint is not None:
+            check_endpoint("endpoint", endpoint, example=example)
+        else:
+            env_endpoints(os.environ, example=example)
     if export_interval_s is None:
         interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
     else:

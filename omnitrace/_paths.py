@@ -1,0 +1,173 @@
+"""The paths a command reads or writes, checked before its work starts.
+
+A run that finds at its end that it cannot write its summary has lost the run, and one that
+fails on its event log after loading its models has wasted the start-up. So the commands
+check every path first, and every problem is one line in one wording, ``LABEL: PATH:
+REASON`` (``--json-summary: rodir/s.json: Permission denied (cannot create files in
+rodir)``), raised as a :class:`~omnitrace.config.ConfigError`, which the command line
+prints with exit status 2 like any other bad argument.
+
+A check never creates, truncates or writes the file it checks: an existing file is opened
+for writing without truncation and closed, and a directory is tried by creating and
+deleting a file of another name in it. Results that replace a file are written to a
+temporary file beside it and renamed over it (:func:`write_atomically`), so a failure
+midway leaves the previous file whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from omnitrace._files import check_regular, write_all
+from omnitrace.config import ConfigError
+
+__all__ = ["check_output", "check_readable", "describe_os_error", "write_atomically"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """Say what ``exc`` is about in the commands' wording: ``PATH: REASON``.
+
+    ``str(OSError)`` is ``[Errno 13] Permission denied: 'x'``; the commands say
+    ``x: Permission denied``.
+    """
+    if exc.filename is None:
+        return _reason(exc)
+    where = os.fsdecode(exc.filename)
+    if exc.filename2 is not None:
+        where += f" -> {os.fsdecode(exc.filename2)}"
+    return f"{where}: {_reason(exc)}"
+
+
+def _refuse(label: str, path: Path, reason: str) -> ConfigError:
+    return ConfigError(f"{label}: {path}: {reason}" if label else f"{path}: {reason}")
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    """The nearest of ``directory`` and its parents that exists (the first to be written)."""
+    current = directory
+    while True:
+        try:
+            os.stat(current)
+        except OSError as exc:
+            # Missing, or under a file: the nearest one that exists says which.
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR) and current.parent != current:
+                current = current.parent
+                continue
+        return current  # (for another error, the probe below reports it)
+
+
+def _probe_directory(directory: Path, label: str, path: Path) -> None:
+    """Refuse ``path`` unless a file can be created (and is deleted again) in ``directory``."""
+    probe = directory / f".omnitrace-check-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            raise _refuse(label, path, f"{directory} is not a directory") from None
+        raise _refuse(label, path, f"{_reason(exc)} (cannot create files in {directory})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_output(path: Path, label: str, *, append: bool = False) -> None:
+    """Refuse, before any work, an output ``path`` the command could not write at its end.
+
+    ``path`` may be missing, with missing directories above it (they are created when it is
+    written); if it exists it must be a regular file that can be written. Its directory, or
+    the nearest existing one above it, must take new files, since the output is written
+    through a new file (the JSON summary is renamed over the old one, the event log is
+    replaced) or creates one; only a file that is ``append``-ed to and exists needs no more
+    than being writable. Nothing is created at ``path``, and nothing there is changed.
+
+    Raises:
+        ConfigError: naming ``label``, ``path`` and the reason, in one line.
+    """
+    try:
+        # A link, a pipe, a device or a directory: refused in the wording of omnitrace._files.
+        exists = check_regular(path, label)
+    except OSError as exc:
+        if exc.errno != errno.ENOTDIR:  # ENOTDIR: a file above it, named below
+            raise _refuse(label, path, _reason(exc)) from None
+        exists = False
+    if exists:
+        try:
+            # No O_TRUNC, no O_CREAT: opening for writing changes nothing in the file.
+            fd = os.open(path, os.O_WRONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+        except OSError as exc:
+            raise _refuse(label, path, _reason(exc)) from None
+        os.close(fd)
+        if append:
+            return
+    parent = path.parent
+    ancestor = _existing_ancestor(parent)
+    if ancestor != parent:
+        try:
+            kind = os.stat(ancestor).st_mode
+        except OSError as exc:
+            raise _refuse(label, path, f"{ancestor}: {_reason(exc)}") from None
+        if not stat.S_ISDIR(kind):
+            raise _refuse(label, path, f"{ancestor} is not a directory")
+    _probe_directory(ancestor, label, path)
+
+
+def check_readable(path: Path, label: str = "") -> None:
+    """Refuse an input ``path`` that exists but cannot be opened for reading.
+
+    The open is non-blocking and the file is closed at once (a named pipe is not waited on;
+    what kind of file it is the readers check).
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        ConfigError: ``path`` cannot be opened (permissions, a file above it that is not a
+            directory), in one line naming it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _refuse(label, path, _reason(exc)) from None
+    os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes, label: str) -> None:
+    """Replace ``path`` with a regular file holding ``data``, whole or not at all.
+
+    The data goes to a temporary file in the same directory (created, with any missing
+    directory above it), which is flushed to disk and renamed over ``path``: a reader sees
+    the old file or the new one, and a failure (a full disk) leaves the old one as it was.
+    An existing file keeps its permission bits.
+
+    Raises:
+        ConfigError: ``path`` is not a regular file (a link, a directory...).
+        OSError: the file cannot be written.
+    """
+    existing = check_regular(path, label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(path).st_mode) if existing else 0o644
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    try:
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if existing:
+            os.chmod(temporary, mode)  # the umask applied to os.open's mode
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
