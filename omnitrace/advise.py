@@ -40,7 +40,7 @@ graphs, then less pool memory, a lower ``max_graphs``, a higher floor, a higher
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -744,6 +744,7 @@ def advise(
     grid: Sequence[Setting] | None = None,
     *,
     memory_budget: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Advice:
     """Replay ``recording`` for every setting of ``grid`` and rank them.
 
@@ -751,11 +752,16 @@ def advise(
         recording: the traffic, from :meth:`Recording.from_records`.
         grid: the settings to try (default: :func:`default_grid`).
         memory_budget: most pool memory one worker's graphs may hold, in bytes.
+        progress: called with 1 as each setting has been replayed.
     """
     if grid is None:
         grid = default_grid(recording)
     objective = "time" if recording.time_known else "hits"
-    results = [replay(recording, setting) for setting in grid]
+    results = []
+    for setting in grid:
+        results.append(replay(recording, setting))
+        if progress is not None:
+            progress(1)
 
     def fits(result: Result) -> bool:
         # A setting that graphs no call is graphs turned off, not a graph setting: it would

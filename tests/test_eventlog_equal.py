@@ -24,7 +24,8 @@ DATA = Path(__file__).resolve().parent / "data" / "eventlog"
 
 def _make() -> ModuleType:
     spec = importlib.util.spec_from_file_location("eventlog_fixtures", DATA / "make.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
