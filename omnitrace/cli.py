@@ -1284,7 +1284,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     from omnitrace._display import safe_markup
 
     console = _stdout_console()
-    workers = len(recording.calls)
+    workers = recording.workers
     # Adapter names and the notes quoting them come from the logs: escaped, never markup.
     adapters = safe_markup(", ".join(recording.adapters))
     console.print(
