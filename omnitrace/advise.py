@@ -40,17 +40,14 @@ graphs, then less pool memory, a lower ``max_graphs``, a higher floor, a higher
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnitrace._units import format_bytes
 from omnitrace.advise_record import KeyCost, Recording, Setting, Worker
+from omnitrace.advise_replay import EncoderOutcome, Result, replay, replay_grid
 from omnitrace.config import MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
-from omnitrace.events import MissReason
-from omnitrace.graphs.admission import Admission, Verdict
-from omnitrace.signature import Signature
-from omnitrace.stats import HitRate
 
 __all__ = [
     "Advice",
@@ -66,6 +63,7 @@ __all__ = [
     "format_seconds",
     "parse_size",
     "replay",
+    "replay_grid",
 ]
 
 MiB = 1 << 20
@@ -77,172 +75,6 @@ MAX_GRAPHS_GRID: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_CALLS_GRID: tuple[int, ...] = (2, 3, 4, 6, 8)
 #: Floors tried by default when device-free memory is known (with the logged one).
 FLOOR_GRID: tuple[int, ...] = (0, 256 * MiB, 512 * MiB, GiB, 2 * GiB, 4 * GiB)
-
-# -- the replay ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderOutcome(HitRate):
-    """One encoder's calls under one setting (all workers together)."""
-
-    adapter: str
-    calls: int
-    hits: int
-    captures: int
-    misses: Mapping[MissReason, int]
-    pool_bytes: int
-    """Sizes of the graphs captured, summed over workers."""
-    saved_s: float | None
-    """Time the hits saved over eager runs; None when some key's saving is unknown."""
-    estimated_sizes: int
-    """Graphs captured whose size is an estimate."""
-
-
-@dataclass(frozen=True, slots=True)
-class Result(HitRate):
-    """What one setting would have done with the recorded traffic."""
-
-    setting: Setting
-    encoders: tuple[EncoderOutcome, ...]
-    pool_bytes: int
-    """The most graph memory any one worker's device would hold."""
-    min_free_bytes: int | None = None
-    """The least device-free memory left after a capture, on any worker's device (None:
-    free memory unknown); below zero the device would have run out of memory."""
-
-    @property
-    def exhausts_memory(self) -> bool:
-        """Whether a capture would not have fit in the device-free memory."""
-        return self.min_free_bytes is not None and self.min_free_bytes < 0
-
-    @property
-    def calls(self) -> int:
-        return sum(e.calls for e in self.encoders)
-
-    @property
-    def hits(self) -> int:
-        return sum(e.hits for e in self.encoders)
-
-    @property
-    def graphs(self) -> int:
-        """Graphs captured, all encoders and workers."""
-        return sum(e.captures for e in self.encoders)
-
-    @property
-    def saved_s(self) -> float | None:
-        saved = [e.saved_s for e in self.encoders]
-        return None if any(s is None for s in saved) else sum(s or 0.0 for s in saved)
-
-    @property
-    def estimated_sizes(self) -> int:
-        return sum(e.estimated_sizes for e in self.encoders)
-
-
-class _EncoderState:
-    __slots__ = ("admission", "captured", "hits", "misses")
-
-    def __init__(self, config: EncoderGraphConfig) -> None:
-        self.admission = Admission(config)
-        self.captured: dict[Signature, int] = {}
-        """Per captured key: its hits (the capturing call included)."""
-        self.hits = 0
-        self.misses = dict.fromkeys(MissReason, 0)
-
-
-_VERDICT_REASON = {
-    Verdict.CAPACITY: MissReason.CAPACITY,
-    Verdict.WARMUP: MissReason.WARMUP,
-    Verdict.MEMORY: MissReason.MEMORY,
-}
-
-
-def replay(recording: Recording, setting: Setting) -> Result:
-    """Replay the recorded calls under ``setting`` and return what it would have done."""
-    config = setting.config()
-    floor = setting.min_free_bytes
-    per_adapter: dict[str, list[_EncoderState]] = {}
-    worker_bytes: list[int] = []
-    lowest: int | None = None
-    # Admission reads free memory through a callable, only when a capture is due.
-    free_now = floor
-
-    def read_free() -> int:
-        return free_now
-
-    for worker, calls in recording.calls.items():
-        states: dict[str, _EncoderState] = {}
-        used: dict[str | None, int] = {}
-        for call in calls:
-            state = states.get(call.adapter)
-            if state is None:
-                state = states[call.adapter] = _EncoderState(config)
-            if not call.eligible or (call.profiling and setting.skip_profiling):
-                state.misses[MissReason.INELIGIBLE] += 1
-                continue
-            captured = state.captured
-            if call.key in captured:
-                captured[call.key] += 1
-                state.hits += 1
-                continue
-            start = recording.free_bytes.get((worker, call.device or ""))
-            # Unknown free memory never bites: the floor itself is what admission reads.
-            free_now = floor if start is None else start - used.get(call.device, 0)
-            decision = state.admission.decide(call.key, read_free)
-            verdict = decision.verdict
-            if verdict is Verdict.CAPTURE:
-                state.admission.captured(call.key)
-                captured[call.key] = 1
-                state.hits += 1
-                size = recording.costs[call.adapter][call.key].capture_bytes
-                used[call.device] = used.get(call.device, 0) + size
-                if start is not None:
-                    left = start - used[call.device]
-                    lowest = left if lowest is None else min(lowest, left)
-            else:
-                state.misses[_VERDICT_REASON[verdict]] += 1
-        worker_bytes.append(sum(used.values()) if used else 0)
-        for name, state in states.items():
-            per_adapter.setdefault(name, []).append(state)
-    encoders = tuple(
-        _outcome(name, states, recording.costs.get(name, {}), recording.time_known)
-        for name, states in per_adapter.items()
-    )
-    return Result(setting, encoders, max(worker_bytes, default=0), lowest)
-
-
-def _outcome(
-    adapter: str,
-    states: Sequence[_EncoderState],
-    costs: Mapping[Signature, KeyCost],
-    time_known: bool,
-) -> EncoderOutcome:
-    misses = dict.fromkeys(MissReason, 0)
-    hits = captures = pool = estimated = 0
-    saved: float | None = 0.0
-    for state in states:
-        hits += state.hits
-        for reason, count in state.misses.items():
-            misses[reason] += count
-        for key, key_hits in state.captured.items():
-            cost = costs[key]
-            captures += 1
-            pool += cost.capture_bytes
-            estimated += cost.estimated_bytes
-            saving = cost.saving_s
-            if saved is not None:
-                # The capturing call ran the warm-up and the capture: it saved nothing.
-                saved = None if saving is None else saved + (key_hits - 1) * saving
-    return EncoderOutcome(
-        adapter=adapter,
-        calls=hits + sum(misses.values()),
-        hits=hits,
-        captures=captures,
-        misses=misses,
-        pool_bytes=pool,
-        saved_s=saved if time_known else None,
-        estimated_sizes=estimated,
-    )
-
 
 # -- the grid and the advice -----------------------------------------------------------------
 
@@ -441,11 +273,7 @@ def advise(
     if grid is None:
         grid = default_grid(recording)
     objective = "time" if recording.time_known else "hits"
-    results = []
-    for setting in grid:
-        results.append(replay(recording, setting))
-        if progress is not None:
-            progress(1)
+    results = replay_grid(recording, grid, progress=progress)
 
     def fits(result: Result) -> bool:
         # A setting that graphs no call is graphs turned off, not a graph setting: it would
@@ -479,7 +307,7 @@ def _logged_result(recording: Recording, results: Sequence[Result]) -> Result | 
         return None
     (setting,) = settings
     logged = next((r for r in results if r.setting == setting), None)
-    return replay(recording, setting) if logged is None else logged
+    return replay_grid(recording, [setting])[0] if logged is None else logged
 
 
 def _notes(recording: Recording) -> tuple[str, ...]:
