@@ -222,6 +222,18 @@ def test_unknown_type_and_missing_field_are_errors(tmp_path: Path) -> None:
         list(read_events(path))
 
 
+def test_unknown_type_lists_every_record_type_a_log_holds(tmp_path: Path) -> None:
+    """The error for an unknown record type names every type a reader takes, the segment
+    header a rotated file starts with included."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"v": 2, "type": "GraphExploded", "pid": 1, "rank": 0}\n')
+    with pytest.raises(EventLogError) as caught:
+        list(read_events(path))
+    valid = str(caught.value).split("(valid: ")[1].rstrip(")").split(", ")
+    assert valid == sorted(valid)
+    assert {"AdapterInfo", "LogSegment", "GraphReplayed", "ProfilingObserved"} <= set(valid)
+
+
 def test_bad_reason_and_wrong_field_type_are_errors(tmp_path: Path) -> None:
     """An unknown miss reason or a string where a number belongs is rejected."""
     record = json.loads(
