@@ -268,10 +268,9 @@ class _Calls:
         if skip_profiling:
             eligible &= (flags & PROFILING) == 0
         self.ids: npt.NDArray[np.int32] = sequence.ids[eligible]
-        self.id_list: list[int] = self.ids.tolist()
         size = len(sequence.keys)
         # Per key: its admission calls' positions, in order (offsets into one array).
-        self.order = np.argsort(self.ids, kind="stable")
+        self.order = np.argsort(self.ids, kind="stable").astype(np.int32)
         self.per_key = np.bincount(self.ids, minlength=size)
         self.offsets = np.concatenate(([0], np.cumsum(self.per_key)))
         self.ineligible = np.bincount(sequence.ids[~eligible], minlength=size)
@@ -390,14 +389,15 @@ class _WorkerReplay:
         used: dict[str | None, int] = {}
         lowest: int | None = None
         reached: int | None = None
-        ids = calls.id_list
         every = calls.ids
         for begin in range(0, len(every), _BLOCK):
             # The calls of this block whose key is neither captured nor full, as of its
             # start: a key captured within the block is skipped by ``live``.
-            block = np.flatnonzero(active[every[begin : begin + _BLOCK]])
-            for position in (block + begin).tolist():
-                key_id = ids[position]
+            block = every[begin : begin + _BLOCK]
+            chosen = np.flatnonzero(active[block])
+            for position, key_id in zip(
+                (chosen + begin).tolist(), block[chosen].tolist(), strict=True
+            ):
                 if not live[key_id]:
                     continue
                 adapter = adapter_of[key_id]
@@ -455,14 +455,15 @@ class _WorkerReplay:
         counts = self._history_counts(skip, config.history_size)
         for adapter, name in enumerate(self.adapters):
             state = states[name]
-            warm = int(np.count_nonzero(counts[adapter] < c))
+            # counts[adapter][n]: calls that were the n-th of their key in the history.
+            warm = int(counts[adapter][:c].sum())
             state.misses[MissReason.WARMUP] = warm
-            state.misses[MissReason.MEMORY] = len(counts[adapter]) - warm
+            state.misses[MissReason.MEMORY] = int(counts[adapter].sum()) - warm
         return _Run(states, 0, None, None)
 
     def _history_counts(self, skip: bool, limit: int) -> list[npt.NDArray[np.int64]]:
-        """Per adapter, each admission call's count in a history of ``limit`` keys, with
-        nothing ever captured (shared by every ``min_capture_calls``)."""
+        """Per adapter, how many admission calls had each count in a history of ``limit``
+        keys, with nothing ever captured (shared by every ``min_capture_calls``)."""
         found = self._counts.get((skip, limit))
         if found is not None:
             return found
@@ -471,7 +472,7 @@ class _WorkerReplay:
         out = []
         for adapter in range(len(self.adapters)):
             ids = calls.ids[adapter_of[calls.ids] == adapter] if len(calls.ids) else calls.ids
-            out.append(_counts(ids, limit))
+            out.append(np.bincount(_counts(ids, limit)))
         self._counts[(skip, limit)] = out
         return out
 
