@@ -3,10 +3,12 @@
 Usage::
 
     python -m benchmarks.run --suite all --out bench-results     # CUDA machine, ~8 min
-    python -m benchmarks.run --suite cpu                          # any machine, seconds
+    python -m benchmarks.run --suite cpu                          # any machine, ~20 min
+    python -m benchmarks.run --suite eventlog --quick             # the event-log tools, small logs
     python -m benchmarks.run --suite latency,memory --quick       # a subset, shorter
 
-Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split; no GPU),
+Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split, and the
+event-log tools on logs of up to ten million events; no GPU), ``eventlog`` (that last part),
 ``overhead`` (the same plus adapter-vs-bare on CUDA), ``latency``, ``traffic``, ``capture``,
 ``memory``, ``observability``, and ``all``; and ``engine`` (end to end through ``vllm
 serve``; needs vLLM; not part of ``all``; ``--quick`` runs its plumbing on a CPU). Every other
@@ -56,8 +58,10 @@ from benchmarks.common import (
 BENCHMARKS = ("overhead", "memory", "traffic", "latency", "capture", "observability")
 SUITES: dict[str, tuple[str, ...]] = {
     "all": BENCHMARKS,
-    "cpu": ("overhead",),
+    # The event-log tools at 100k, 1M and 10M events (the 10M log alone is 3.4 GB).
+    "cpu": ("overhead", "eventlog"),
     **{name: (name,) for name in BENCHMARKS},
+    "eventlog": ("eventlog",),
     # End to end through vllm serve, one engine per configuration: a suite of its own (it
     # needs vLLM, and a full run takes tens of minutes); --quick runs it on a CPU.
     "engine": ("engine",),
