@@ -257,7 +257,13 @@ class _Builder:
         worker = record.source
         ident = (item.adapter, item.signature)  # type: ignore[union-attr]
         if isinstance(item, ev.DeviceTimed):
-            self.device_timed.add(item.adapter)
+            if item.adapter not in self.device_timed:
+                self.device_timed.add(item.adapter)
+                # Its keys' costs are device times from now on: the host times would never
+                # be read, and they are as many as the calls.
+                for store in (self.eager, self.replay):
+                    for stale in [ident for ident in store if ident[0] == item.adapter]:
+                        del store[stale]
             target = self.replay_dev if item.kind == "replay" else self.eager_dev
             _append(target, ident, item.device_s)
         elif isinstance(item, ev.GraphCaptured):
@@ -279,16 +285,18 @@ class _Builder:
         profiling = item.phase is Phase.PROFILING
         if profiling:
             self.profiling = True
+        host = adapter not in self.device_timed
         if type(item) is ev.GraphReplayed:
             eligible, skipped = True, False
-            _append(self.replay, ident, item.duration_s)
+            if host:
+                _append(self.replay, ident, item.duration_s)
         else:
             assert isinstance(item, ev.GraphMissed)
             skipped = item.reason is MissReason.INELIGIBLE and item.detail == "profiling"
             eligible = item.reason is not MissReason.INELIGIBLE or skipped
             if skipped:
                 self.skipped_profiling.add(adapter)
-            if eligible and item.duration_s is not None:
+            if eligible and item.duration_s is not None and host:
                 _append(self.eager, ident, item.duration_s)
         if eligible and signature.stream is not None:
             counts = self.streams.get((adapter, signature.device))
@@ -322,8 +330,9 @@ class _Builder:
 
     def _sequence(self, raw: _Worker) -> CallSequence:
         """The worker's calls with their admission keys (see :meth:`_key`)."""
-        flags = np.frombuffer(bytes(raw.flags), dtype=np.uint8)
-        ids = np.frombuffer(raw.ids.tobytes(), dtype=raw.ids.typecode).astype(np.int32)
+        # Views of what was recorded, not copies: the arrays are as long as the log.
+        flags = np.frombuffer(raw.flags, dtype=np.uint8)
+        ids = np.frombuffer(raw.ids, dtype=np.intc)
         table: dict[tuple[str, Signature], int] = {}
         plain = np.empty(len(raw.index), dtype=np.int32)
         skipped = np.empty(len(raw.index), dtype=np.int32)
@@ -331,12 +340,17 @@ class _Builder:
             for target, kept in ((plain, False), (skipped, True)):
                 key = self._key(adapter, signature, kept)
                 target[raw_id] = table.setdefault((adapter, key), len(table))
-        mapped = np.where(flags & _SKIPPED != 0, skipped[ids], plain[ids]).astype(np.int32)
+        mapped = plain[ids]
+        kept_out = np.flatnonzero(flags & _SKIPPED)
+        mapped[kept_out] = skipped[ids[kept_out]]
         keys = tuple((adapter, key, key.device) for adapter, key in table)
         return CallSequence(keys, mapped, (flags & (ELIGIBLE | PROFILING)).astype(np.uint8))
 
     def build(self, free_bytes: int | None) -> Recording:
-        sequences = {worker: self._sequence(raw) for worker, raw in self.workers.items()}
+        sequences = {}
+        for worker in list(self.workers):
+            # Each worker's raw arrays go as soon as its sequence is made.
+            sequences[worker] = self._sequence(self.workers.pop(worker))
         keys: dict[str, dict[Signature, None]] = {}
         for sequence in sequences.values():
             # The eligible keys in the order their first calls came.

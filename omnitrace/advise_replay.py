@@ -269,16 +269,23 @@ class _Calls:
             eligible &= (flags & PROFILING) == 0
         self.ids: npt.NDArray[np.int32] = sequence.ids[eligible]
         size = len(sequence.keys)
-        # Per key: its admission calls' positions, in order (offsets into one array).
-        self.order = np.argsort(self.ids, kind="stable").astype(np.int32)
         self.per_key = np.bincount(self.ids, minlength=size)
-        self.offsets = np.concatenate(([0], np.cumsum(self.per_key)))
         self.ineligible = np.bincount(sequence.ids[~eligible], minlength=size)
+        # Each key's calls before every stride-th call: a few million counts at most,
+        # however long the log and however many keys.
+        self.stride = max(4096, -(-len(self.ids) * size // _RANK_COUNTS))
+        starts = range(0, len(self.ids), self.stride)
+        self.before = np.zeros((len(starts) + 1, size), dtype=np.int64)
+        for row, begin in enumerate(starts, start=1):
+            block = self.ids[begin : begin + self.stride]
+            self.before[row] = self.before[row - 1] + np.bincount(block, minlength=size)
 
     def rank(self, key_id: int, position: int) -> int:
         """How many of ``key_id``'s admission calls come before ``position``."""
-        begin, end = self.offsets[key_id], self.offsets[key_id + 1]
-        return int(np.searchsorted(self.order[begin:end], position))
+        row, start = divmod(position, self.stride)
+        begin = position - start
+        earlier = np.count_nonzero(self.ids[begin:position] == key_id)
+        return int(self.before[row, key_id]) + int(earlier)
 
 
 class _WorkerReplay:
@@ -468,42 +475,75 @@ class _WorkerReplay:
         if found is not None:
             return found
         calls = self.calls(skip)
-        adapter_of = np.asarray(self.adapter_of, dtype=np.int64)
+        adapter_of = np.asarray(self.adapter_of, dtype=np.int16)
         out = []
         for adapter in range(len(self.adapters)):
             ids = calls.ids[adapter_of[calls.ids] == adapter] if len(calls.ids) else calls.ids
-            out.append(np.bincount(_counts(ids, limit)))
+            out.append(_count_histogram(ids, limit))
         self._counts[(skip, limit)] = out
         return out
 
+
+#: Counts kept for :meth:`_Calls.rank` (per key, at every stride-th call).
+_RANK_COUNTS = 1 << 21
 
 #: Calls whose keys are listed at once by the replay (a key captured within a block is
 #: skipped one by one; past a block, no captured key's calls are visited).
 _BLOCK = 4096
 
 
-def _counts(ids: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.int64]:
-    """Each call's count of its key in a least-recently-called history of ``limit`` keys."""
-    if len(np.unique(ids)) <= limit:
-        # Nothing is ever pushed out: a call's count is its rank among its key's calls.
-        order = np.argsort(ids, kind="stable")
-        ranked = ids[order]
-        starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-        group = np.repeat(starts, np.diff(np.r_[starts, len(ranked)]))
-        counts = np.empty(len(ids), dtype=np.int64)
-        counts[order] = np.arange(len(ids)) - group + 1
-        return counts
+def _count_histogram(ids: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.int64]:
+    """How many calls were the n-th of their key in a least-recently-called history of
+    ``limit`` keys (index n), taken a block of calls at a time."""
+    histogram = np.zeros(1, dtype=np.int64)
+    if not len(ids):
+        return histogram
+    evicts = len(np.unique(ids)) > limit
+    seen = np.zeros(int(ids.max()) + 1, dtype=np.int64)
     history: OrderedDict[int, int] = OrderedDict()
+    held = [0]
+    for begin in range(0, len(ids), _COUNT_BLOCK):
+        block = ids[begin : begin + _COUNT_BLOCK]
+        counts = _lru_counts(block, limit, history, held) if evicts else _ranks(block, seen)
+        found = np.bincount(counts)
+        if len(found) > len(histogram):
+            histogram = np.concatenate((histogram, np.zeros(len(found) - len(histogram), np.int64)))
+        histogram[: len(found)] += found
+    return histogram
+
+
+#: Calls whose history counts are taken at once (bounds the memory to a block's).
+_COUNT_BLOCK = 1 << 16
+
+
+def _ranks(block: npt.NDArray[np.int32], seen: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Nothing is ever pushed out of the history: a call's count is its rank among its
+    key's calls (``seen``: each key's calls before the block, updated)."""
+    order = np.argsort(block, kind="stable")
+    ranked = block[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    group = np.repeat(starts, np.diff(np.r_[starts, len(ranked)]))
+    counts = np.empty(len(block), dtype=np.int64)
+    counts[order] = np.arange(len(block)) - group + 1 + seen[ranked]
+    seen += np.bincount(block, minlength=len(seen))
+    return counts
+
+
+def _lru_counts(
+    block: npt.NDArray[np.int32], limit: int, history: OrderedDict[int, int], held: list[int]
+) -> npt.NDArray[np.int64]:
+    """Admission's history, one call at a time (``history`` and ``held`` carry over)."""
     out: list[int] = []
     pop, oldest, append = history.pop, history.popitem, out.append
-    held = 0
-    for key_id in ids.tolist():
+    size = held[0]
+    for key_id in block.tolist():
         count = pop(key_id, 0) + 1
         history[key_id] = count
         if count == 1:
-            held += 1
-            if held > limit:
+            size += 1
+            if size > limit:
                 oldest(last=False)
-                held -= 1
+                size -= 1
         append(count)
+    held[0] = size
     return np.asarray(out, dtype=np.int64)
