@@ -217,6 +217,13 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: What a tool's memory growth means, where it is not flat by design.
+_GROWTH_NOTES = {
+    "advise": "grows with the calls: the recording keeps each call's key (5 bytes) and each "
+    "call's time (8 bytes); the reading itself is flat",
+}
+
+
 def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mine = _mine(rows)
     out = []
@@ -236,7 +243,7 @@ def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 growth,
                 "x",
                 goal="eventlog_scale",
-                note="flat: about 1x while the log grows",
+                note=_GROWTH_NOTES.get(tool, "flat: about 1x while the log grows"),
             )
         )
     for row in mine:
@@ -289,4 +296,16 @@ def tables(result: dict[str, Any]) -> list[Any]:
         + ("n/a" if not load else ", ".join(f"{x:.2f}" for x in load))
         + "."
     )
-    return [t]
+    goals = Table("Goals (event-log tools at scale)", ["check", "measured", "bar", "verdict"])
+    for item in result.get("targets", []):
+        value = item["value"]
+        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[item["met"]]
+        goals.rows.append(
+            [item["name"], shown, f"{item['op']} {item['limit']:g} {item['unit']}", verdict]
+        )
+    for item in result.get("figures", []):
+        value = item["value"]
+        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
+        goals.rows.append([item["name"], shown, "-", item.get("note") or "reported"])
+    return [t, goals]

@@ -761,10 +761,12 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
-    from benchmarks.run import BENCHMARKS
+    from benchmarks.run import BENCHMARKS, SUITES
 
     outputs: dict[str, dict[str, Any]] = {}
-    for name in BENCHMARKS:
+    # The ``all`` suite's first, then those of suites of their own (eventlog, engine).
+    names = dict.fromkeys([*BENCHMARKS, *(n for suite in SUITES.values() for n in suite)])
+    for name in names:
         path = out_dir / f"{name}.json"
         if path.exists():
             outputs[name] = json.loads(path.read_text(encoding="utf-8"))
@@ -859,6 +861,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("results", type=Path, help="folder written by benchmarks.run --out")
     parser.add_argument("--write", type=Path, help="update the marked sections of this file")
+    parser.add_argument(
+        "--only",
+        help="comma-separated sections to render or write (default: all it has results for), "
+        "e.g. eventlog: a CPU run beside the GPU machine's tables",
+    )
     args = parser.parse_args(argv)
     outputs = load(args.results)
     if not outputs:
@@ -869,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Links in the document are relative to the document's own folder.
         image_dir = os.path.relpath(args.results.resolve(), args.write.resolve().parent)
     sections = markdown_sections(outputs, image_dir)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+        sections = {name: body for name, body in sections.items() if name in wanted}
     if args.write is None:
         for name, body in sections.items():
             print(f"## {name}\n\n{body}\n")

@@ -154,7 +154,7 @@ class Recording:
     def adapters(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for sequence in self.sequences.values():
-            for key_id in _first_seen(sequence.ids):
+            for key_id in first_seen(sequence.ids):
                 seen.setdefault(sequence.keys[key_id][0])
         return tuple(seen)
 
@@ -354,7 +354,7 @@ class _Builder:
         keys: dict[str, dict[Signature, None]] = {}
         for sequence in sequences.values():
             # The eligible keys in the order their first calls came.
-            for key_id in _first_seen(sequence.ids[(sequence.flags & ELIGIBLE) != 0]):
+            for key_id in first_seen(sequence.ids, (sequence.flags & ELIGIBLE) != 0):
                 adapter, key, _ = sequence.keys[key_id]
                 keys.setdefault(adapter, {})[key] = None
         time_source = {
@@ -460,17 +460,26 @@ def _numel(signature: Signature) -> int:
     return min(sum(spec.numel for spec in signature.inputs if spec is not None), INT64_MAX)
 
 
-def _first_seen(ids: npt.NDArray[np.int32]) -> list[int]:
-    """The distinct ids, in the order of their first occurrence."""
-    found, first = np.unique(ids, return_index=True)
-    order: list[int] = found[np.argsort(first, kind="stable")].tolist()
-    return order
+def first_seen(ids: npt.NDArray[np.int32], mask: npt.NDArray[np.bool_] | None = None) -> list[int]:
+    """The distinct ids (where ``mask``), in the order of their first occurrence.
+
+    A block at a time: sorting a log-long array would take several times its memory.
+    """
+    seen: dict[int, None] = {}
+    for begin in range(0, len(ids), 1 << 16):
+        block = ids[begin : begin + (1 << 16)]
+        if mask is not None:
+            block = block[mask[begin : begin + (1 << 16)]]
+        found, first = np.unique(block, return_index=True)
+        for key_id in found[np.argsort(first, kind="stable")].tolist():
+            seen.setdefault(key_id)
+    return list(seen)
 
 
 def _devices(sequence: CallSequence) -> list[str]:
     """The devices of a worker's calls, in the order they first came."""
     seen: dict[str, None] = {}
-    for key_id in _first_seen(sequence.ids):
+    for key_id in first_seen(sequence.ids):
         device = sequence.keys[key_id][2]
         if device:
             seen.setdefault(device)

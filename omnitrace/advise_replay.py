@@ -37,6 +37,7 @@ from omnitrace.advise_record import (
     Recording,
     Setting,
     Worker,
+    first_seen,
 )
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.events import MissReason
@@ -224,7 +225,11 @@ def replay_grid(
     ``progress``, if given, is called with 1 as each setting is done.
     """
     time_known = recording.time_known
-    workers = [_WorkerReplay(recording, worker, seq) for worker, seq in recording.sequences.items()]
+    # History counts past the highest min_capture_calls all decide alike: kept as one.
+    cap = max((setting.min_capture_calls for setting in grid), default=1)
+    workers = [
+        _WorkerReplay(recording, worker, seq, cap) for worker, seq in recording.sequences.items()
+    ]
     results = []
     for setting in grid:
         runs = [worker.run(setting) for worker in workers]
@@ -291,14 +296,16 @@ class _Calls:
 class _WorkerReplay:
     """Replays of one worker's calls, remembering what settings share."""
 
-    def __init__(self, recording: Recording, worker: Worker, sequence: CallSequence) -> None:
+    def __init__(
+        self, recording: Recording, worker: Worker, sequence: CallSequence, cap: int
+    ) -> None:
         self.worker = worker
+        self.cap = cap
         self.sequence = sequence
         keys = sequence.keys
         # Adapters in the order of their first call (every call, eligible or not).
-        found, first = np.unique(sequence.ids, return_index=True)
         adapters: dict[str, None] = {}
-        for key_id in found[np.argsort(first, kind="stable")].tolist():
+        for key_id in first_seen(sequence.ids):
             adapters.setdefault(keys[key_id][0])
         self.adapters = list(adapters)
         index = {name: i for i, name in enumerate(self.adapters)}
@@ -475,37 +482,49 @@ class _WorkerReplay:
         if found is not None:
             return found
         calls = self.calls(skip)
-        adapter_of = np.asarray(self.adapter_of, dtype=np.int16)
-        out = []
-        for adapter in range(len(self.adapters)):
-            ids = calls.ids[adapter_of[calls.ids] == adapter] if len(calls.ids) else calls.ids
-            out.append(_count_histogram(ids, limit))
+        adapter_of = np.asarray(self.adapter_of, dtype=np.int32)
+        out = [
+            _count_histogram(calls.ids, adapter_of, adapter, limit, self.cap)
+            for adapter in range(len(self.adapters))
+        ]
         self._counts[(skip, limit)] = out
         return out
 
 
 #: Counts kept for :meth:`_Calls.rank` (per key, at every stride-th call).
-_RANK_COUNTS = 1 << 21
+_RANK_COUNTS = 1 << 19
 
 #: Calls whose keys are listed at once by the replay (a key captured within a block is
 #: skipped one by one; past a block, no captured key's calls are visited).
 _BLOCK = 4096
 
 
-def _count_histogram(ids: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.int64]:
-    """How many calls were the n-th of their key in a least-recently-called history of
-    ``limit`` keys (index n), taken a block of calls at a time."""
+def _count_histogram(
+    every: npt.NDArray[np.int32],
+    adapter_of: npt.NDArray[np.int32],
+    adapter: int,
+    limit: int,
+    cap: int,
+) -> npt.NDArray[np.int64]:
+    """How many of ``adapter``'s calls were the n-th of their key in a least-recently-called
+    history of ``limit`` keys (index n; the last index counts every count from ``cap`` on),
+    taken a block of calls at a time."""
     histogram = np.zeros(1, dtype=np.int64)
-    if not len(ids):
+    mine = adapter_of == adapter
+    calls = np.bincount(every, minlength=len(adapter_of))
+    if not calls[mine].any():
         return histogram
-    evicts = len(np.unique(ids)) > limit
-    seen = np.zeros(int(ids.max()) + 1, dtype=np.int64)
+    evicts = np.count_nonzero(calls[mine]) > limit
+    seen = np.zeros(len(adapter_of), dtype=np.int64)
     history: OrderedDict[int, int] = OrderedDict()
     held = [0]
-    for begin in range(0, len(ids), _COUNT_BLOCK):
-        block = ids[begin : begin + _COUNT_BLOCK]
+    for begin in range(0, len(every), _COUNT_BLOCK):
+        block = every[begin : begin + _COUNT_BLOCK]
+        block = block[mine[block]]
+        if not len(block):
+            continue
         counts = _lru_counts(block, limit, history, held) if evicts else _ranks(block, seen)
-        found = np.bincount(counts)
+        found = np.bincount(np.minimum(counts, cap))
         if len(found) > len(histogram):
             histogram = np.concatenate((histogram, np.zeros(len(found) - len(histogram), np.int64)))
         histogram[: len(found)] += found

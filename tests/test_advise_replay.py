@@ -151,5 +151,12 @@ def test_history_counts_are_those_of_admission_with_nothing_captured(
     histogram = np.bincount(np.asarray(want, dtype=np.int64), minlength=1)
     # Blocks of 7 calls: the history and the counts carry over from block to block.
     monkeypatch.setattr(advise_replay, "_COUNT_BLOCK", 7)
-    got = advise_replay._count_histogram(np.asarray(keys, dtype=np.int32), limit)
+    # Two adapters' calls interleaved: only the first one's are counted.
+    every = np.asarray([k for key in keys for k in (key, 13 + key % 3)], dtype=np.int32)
+    adapter_of = np.asarray([0] * 13 + [1] * 3, dtype=np.int32)
+    got = advise_replay._count_histogram(every, adapter_of, 0, limit, 10**9)
     assert got.tolist() == histogram.tolist()
+    # Counts from the cap on are one bin: the last.
+    capped = advise_replay._count_histogram(every, adapter_of, 0, limit, 3)
+    assert capped[:3].tolist() == histogram[:3].tolist()
+    assert capped.sum() == histogram.sum()
