@@ -123,7 +123,9 @@ def measure(tool: str, log: Path, root: Path, out: Path) -> dict[str, Any]:
             _command(tool, log, peak), cwd=root, env=env, stdout=stdout, stderr=subprocess.PIPE
         )
         assert child.stderr is not None
-        err = child.stderr.read()
+        with child.stderr:
+            err = child.stderr.read()
+        # wait4, not wait: it also gives the child's CPU time.
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - start
     child.returncode = os.waitstatus_to_exitcode(status)
