@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suites import BENCHMARKS
+from benchmarks.suites import BENCHMARKS, SUITES
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -46,6 +46,12 @@ GOALS: dict[str, str] = {
 #: Goals of benchmarks outside the ``all`` suite, by goal: the benchmark and the text. The
 #: goals table lists one only when that benchmark's results are among those it renders.
 OWN_SUITE_GOALS: dict[str, tuple[str, str]] = {
+    "eventlog_scale": (
+        "eventlog",
+        "Event-log tools at production scale: peak memory flat in the log's size (at most "
+        "300 MB at 10M events); at 1M events top within 10 s, replay within 20 s, advise "
+        "(default grid) within 60 s; all three complete at 10M",
+    ),
     "end_to_end": (
         "engine",
         "vllm serve end to end: image and audio TTFT p50 at concurrency 1 at least 30 % below "
@@ -713,8 +719,16 @@ def _engine(result: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _eventlog(result: dict[str, Any]) -> list[Table]:
+    from benchmarks.eventlog import tables
+
+    rendered: list[Table] = tables(result)
+    return rendered
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
     "engine": _engine,
+    "eventlog": _eventlog,
     "overhead": _overhead,
     "latency": _latency,
     "traffic": _traffic,
@@ -842,8 +856,9 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
     outputs: dict[str, dict[str, Any]] = {}
-    # The suites of their own after the ``all`` suite's benchmarks.
-    for name in (*BENCHMARKS, *(n for n in RENDERERS if n not in BENCHMARKS)):
+    # The ``all`` suite's first, then those of suites of their own (eventlog, engine).
+    names = dict.fromkeys([*BENCHMARKS, *(n for suite in SUITES.values() for n in suite)])
+    for name in names:
         path = out_dir / f"{name}.json"
         if path.exists():
             outputs[name] = json.loads(path.read_text(encoding="utf-8"))
@@ -938,6 +953,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("results", type=Path, help="folder written by benchmarks.run --out")
     parser.add_argument("--write", type=Path, help="update the marked sections of this file")
+    parser.add_argument(
+        "--only",
+        help="comma-separated sections to render or write (default: all it has results for), "
+        "e.g. eventlog: a CPU run beside the GPU machine's tables",
+    )
     args = parser.parse_args(argv)
     outputs = load(args.results)
     if not outputs:
@@ -948,6 +968,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Links in the document are relative to the document's own folder.
         image_dir = os.path.relpath(args.results.resolve(), args.write.resolve().parent)
     sections = markdown_sections(outputs, image_dir)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+        sections = {name: body for name, body in sections.items() if name in wanted}
     if args.write is None:
         for name, body in sections.items():
             print(f"## {name}\n\n{body}\n")

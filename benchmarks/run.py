@@ -3,10 +3,12 @@
 Usage::
 
     python -m benchmarks.run --suite all --out bench-results     # CUDA machine, ~8 min
-    python -m benchmarks.run --suite cpu                          # any machine, seconds
+    python -m benchmarks.run --suite cpu                          # any machine, ~20 min
+    python -m benchmarks.run --suite eventlog --quick             # the event-log tools, small logs
     python -m benchmarks.run --suite latency,memory --quick       # a subset, shorter
 
-Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split; no GPU),
+Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split, and the
+event-log tools on logs of up to ten million events; no GPU), ``eventlog`` (that last part),
 ``overhead`` (the same plus adapter-vs-bare on CUDA), ``latency``, ``traffic``, ``capture``,
 ``memory``, ``observability``, and ``all``; and ``engine`` (end to end through ``vllm
 serve``; needs vLLM; not part of ``all``; ``--quick`` runs its plumbing on a CPU). Every other

@@ -17,8 +17,10 @@ __all__ = ["BENCHMARKS", "SUITES"]
 BENCHMARKS = ("overhead", "memory", "traffic", "latency", "capture", "observability")
 SUITES: dict[str, tuple[str, ...]] = {
     "all": BENCHMARKS,
-    "cpu": ("overhead",),
+    # The event-log tools at 100k, 1M and 10M events (the 10M log alone is 3.4 GB).
+    "cpu": ("overhead", "eventlog"),
     **{name: (name,) for name in BENCHMARKS},
+    "eventlog": ("eventlog",),
     # End to end through vllm serve, one engine per configuration: a suite of its own (it
     # needs vLLM, and a full run takes tens of minutes); --quick runs it on a CPU.
     "engine": ("engine",),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import heapq
 import json
 import logging
 import math
@@ -661,33 +660,6 @@ def _export_reported_by_the_cli() -> Iterator[None]:
         otel_logger.propagate = saved
 
 
-def _read_logs(command: str, paths: Sequence[Path]) -> list[list[EventRecord]] | int:
-    """Read each log whole; on a bad path return the exit status after a one-line error."""
-    from omnitrace.eventlog import EventLogError, read_records
-
-    logs: list[list[EventRecord]] = []
-    for path in paths:
-        try:
-            logs.append(list(read_records(path)))
-        except (FileNotFoundError, EventLogError) as exc:
-            return _error(command, str(exc))
-        except OSError as exc:
-            return _error(command, f"{path}: {exc.strerror or exc}")
-    if not any(logs):
-        names = ", ".join(str(p) for p in paths)
-        return _error(command, f"{names}: no events in the event log", status=1)
-    return logs
-
-
-def _merged(logs: Sequence[Sequence[EventRecord]]) -> list[EventRecord]:
-    """Merge several logs in time order (adapter facts first), each log's order kept."""
-    from omnitrace.eventlog import AdapterInfo
-
-    infos = [r for log in logs for r in log if isinstance(r.item, AdapterInfo)]
-    events = [[r for r in log if not isinstance(r.item, AdapterInfo)] for log in logs]
-    return [*infos, *heapq.merge(*events, key=lambda r: r.item.epoch_ns)]  # type: ignore[union-attr]
-
-
 def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str, Any]:
     calls = int(stats["graph_hits"] + stats["graph_misses"])
     return {**stats, "calls": calls, "max_graphs": max_graphs}
@@ -917,12 +889,15 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
     names = ", ".join(str(p) for p in args.paths)
     if not args.follow:
-        logs = _read_logs("top", args.paths)
-        if isinstance(logs, int):
-            return logs
+        from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+
         board = RecordBoard(title=f"omnitrace top · {names}")
-        for log in logs:
-            board.add(log)
+        try:
+            with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
+                for _, chunk in read_logs(args.paths, progress=progress.advance):
+                    board.add(chunk)
+        except LogReadError as exc:
+            return _error("top", str(exc), exc.status)
         if args.json:
             _print_json(_top_json(board, args.paths))
         else:
@@ -997,11 +972,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         if value is not None and value is not False:
             flag = "--" + option.replace("_", "-")
             return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
-    logs = _read_logs("replay", args.paths)
-    if isinstance(logs, int):
-        return logs
     from omnitrace.eventlog import log_gap
+    from omnitrace.logread import LogReadError, read_logs, writers
 
+    for path in args.paths:
+        if not path.exists():
+            return _error("replay", f"no event log at {path}")
+    # Whether several workers wrote the logs decides the adapters' names before the first
+    # event: a quick pass finds the writers (and the adapter facts, registered first).
+    sources, infos = writers(args.paths)
+    if not sources:
+        try:  # nothing reads as a record: reading says why (a bad line, or no events)
+            for _ in read_logs(args.paths):
+                pass
+        except LogReadError as exc:
+            return _error("replay", str(exc), exc.status)
     for path in args.paths:
         gap = log_gap(path)
         if gap is not None:
@@ -1010,7 +995,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 f"are not in the log ({gap.events_deleted} deleted by rotation); the replayed "
                 "stats do not include them"
             )
-    return _replay(args, _merged(logs))
+    return _replay(args, _Recorded(infos, sources))
 
 
 def _stoppable(args: argparse.Namespace) -> int | None:
@@ -1059,18 +1044,27 @@ def _sigterm_stops(stop: threading.Event, follow: bool = True) -> Iterator[None]
         signal.signal(signal.SIGTERM, previous)
 
 
-def _replay(args: argparse.Namespace, records: Sequence[EventRecord] | None) -> int:
-    """Feed recorded ``records`` (None: follow ``args.paths``) through a bus with sinks."""
+class _Recorded:
+    """Recorded logs to replay: their adapter facts and writers, found before reading."""
+
+    def __init__(self, infos: Sequence[EventRecord], sources: set[tuple[int, int]]) -> None:
+        self.infos = infos
+        self.sources = sources
+
+
+def _replay(args: argparse.Namespace, records: _Recorded | None) -> int:
+    """Feed recorded logs (None: follow ``args.paths``) through a bus with sinks."""
     stop = threading.Event()
     with _sigterm_stops(stop, follow=records is None):
         return _replay_into_sinks(args, records, stop)
 
 
 def _replay_into_sinks(
-    args: argparse.Namespace, records: Sequence[EventRecord] | None, stop: threading.Event
+    args: argparse.Namespace, records: _Recorded | None, stop: threading.Event
 ) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
+    from omnitrace.logread import LogReadError, ReadProgress, merged_records, total_bytes
     from omnitrace.logset import LogSet
     from omnitrace.relay import LogRelay, feed
     from omnitrace.sinks.live import BusBoard, LiveView
@@ -1163,11 +1157,25 @@ def _replay_into_sinks(
                         replayed = relay.events
                         bad_lines = relay.bad_lines
                 else:
-                    replayed = feed(bus, records, pace=_pacer(speed), tap=setup)
+                    # The live view has the terminal while it runs: no progress bar then.
+                    shown = not (args.json or args.tui)
+                    with ReadProgress(total_bytes(args.paths), enabled=shown) as progress:
+                        stream = merged_records(
+                            args.paths, records.infos, progress=progress.advance
+                        )
+                        replayed = feed(
+                            bus,
+                            progress.until_done(stream),
+                            pace=_pacer(speed),
+                            sources=records.sources,
+                            tap=setup,
+                        )
         except KeyboardInterrupt:
             interrupted = True
         except EventLogError as exc:
             return _error("replay", str(exc))
+        except LogReadError as exc:
+            return _error("replay", str(exc), exc.status)
         finally:
             bus.close()
             dropped = bus.statistics().dropped
@@ -1368,24 +1376,28 @@ def _advise_table(advice: Any, top: int) -> Table:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
-    logs = _read_logs("advise", args.paths)
-    if isinstance(logs, int):
-        return logs
     from omnitrace.advise import Recording, advice_json, advise, default_grid
+    from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
 
-    recording = Recording.from_records(
-        (record for log in logs for record in log), free_bytes=args.free_bytes
-    )
-    if not recording.costs:
-        names = ", ".join(str(p) for p in args.paths)
-        return _error("advise", f"{names}: no encoder call could use a graph", status=1)
-    grid = default_grid(
-        recording,
-        max_graphs=args.max_graphs,
-        min_capture_calls=args.min_capture_calls,
-        min_free_bytes=args.min_free_bytes,
-    )
-    advice = advise(recording, grid, memory_budget=args.memory_budget)
+    with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
+        chunks = read_logs(args.paths, progress=progress.advance)
+        try:
+            recording = Recording.from_records(
+                (record for _, chunk in chunks for record in chunk), free_bytes=args.free_bytes
+            )
+        except LogReadError as exc:
+            return _error("advise", str(exc), exc.status)
+        if not recording.costs:
+            names = ", ".join(str(p) for p in args.paths)
+            return _error("advise", f"{names}: no encoder call could use a graph", status=1)
+        grid = default_grid(
+            recording,
+            max_graphs=args.max_graphs,
+            min_capture_calls=args.min_capture_calls,
+            min_free_bytes=args.min_free_bytes,
+        )
+        step = progress.phase("replaying settings", len(grid))
+        advice = advise(recording, grid, memory_budget=args.memory_budget, progress=step)
     from omnitrace.spread import per_worker, spread_json, spread_line, spread_table
 
     # The one setting for every rank, replayed rank by rank: how far apart they are.
@@ -1401,7 +1413,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     from omnitrace._display import safe_markup
 
     console = _stdout_console()
-    workers = len(recording.calls)
+    workers = recording.workers
     # Adapter names and the notes quoting them come from the logs: escaped, never markup.
     adapters = safe_markup(", ".join(recording.adapters))
     console.print(

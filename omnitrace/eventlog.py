@@ -1,55 +1,56 @@
-"""The event log format: schema, codec and reader, shared by the writer and every reader.
+"""Event logs read back: whole finished logs a chunk at a time, and logs still written.
 
-One record per line, JSON, with a versioned schema::
+The format (schema, records, the codec of one line) is :mod:`omnitrace.eventlog_codec`;
+its names are re-exported here, so readers and the writer import one module. The writer
+is :class:`omnitrace.sinks.jsonl.JsonlSink`; ``omnitrace top``, ``replay`` and ``advise``
+only read, through this module, so they never load a sink.
 
-    {"v": 2, "type": "GraphCaptured", "pid": 4242, "rank": 0, "adapter": "vision",
-     "signature": {"inputs": [{"dtype": "bfloat16", "shape": [1, 1024, 1152],
-                               "device": "cuda:0"}, null], "stream": 94},
-     "key": "bfloat16[1,1024,1152], None @cuda:0 s=94", ...}
-
-Every line names the writing process (``pid``) and its worker rank, so the logs of several
-workers can be merged and still told apart. Events carry their structured signature; ``key``
-repeats its text form for people reading or grepping the file (readers ignore it in version
-2). Version 1 logs, which had only the text ``key``, are still read: the signature is parsed
-back from the text.
-
-The version counts changes a reader cannot follow (how a signature is written), not
-additions: a field added later with a default (``GraphCaptured.free_bytes``) reads as that
-default from older lines and is ignored by older readers, and a record type added later
-(``ProfilingObserved``) is refused by name by an older reader, whose error says which.
-
-Besides events a log holds ``"type": "AdapterInfo"`` lines (what the bus knew about each
-adapter: its graph cap and memory floor), which :func:`read_records` yields and
-:func:`read_events` skips, and, at the top of a file started by rotation, a
-``"type": "LogSegment"`` line counting the events before it and how many of those rotation
-deleted, which :func:`log_gap` reads.
-
-The writer is :class:`omnitrace.sinks.jsonl.JsonlSink`; ``omnitrace top`` and
-``omnitrace replay`` only read, through this module, so they never load a sink.
+A finished log is read a chunk (:data:`READ_CHUNK`) at a time, so a reader's memory does
+not grow with the log: :func:`read_records` and :func:`read_events` yield as they read.
+Nearly every line is decoded by the fast path (:mod:`omnitrace.eventlog_fast`); any line it
+does not take goes through :func:`decode_record`, which converts it or says what is wrong.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import contextlib
 import logging
-import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import orjson
 
 from omnitrace._files import open_regular_for_reading
-from omnitrace.errors import OmnitraceError
-from omnitrace.events import EVENT_TYPES, DeviceTimed, Event, MissReason, Phase, event_fields
-from omnitrace.signature import InputSpec, Signature, SignatureParseError
+from omnitrace.eventlog_codec import (
+    HEADER_MAX,
+    INFO_TYPE,
+    SCHEMA_VERSION,
+    SEGMENT_TYPE,
+    AdapterInfo,
+    EventLogError,
+    EventRecord,
+    LineEncoder,
+    LogSegment,
+    decode_record,
+    decode_signature,
+    dumps,
+    encode_event,
+    encode_signature,
+    segment_of,
+)
+from omnitrace.eventlog_fast import FastDecoder
+from omnitrace.events import Event, _fast_constructor
 
 __all__ = [
+    "HEADER_MAX",
+    "INFO_TYPE",
+    "READ_CHUNK",
     "SCHEMA_VERSION",
+    "SEGMENT_TYPE",
+    "UNREADABLE_SHOWN",
     "AdapterInfo",
     "EventLogError",
     "EventLogFollower",
@@ -63,266 +64,34 @@ __all__ = [
     "encode_event",
     "encode_signature",
     "follow",
+    "log_bytes",
     "log_gap",
+    "read_chunks",
     "read_events",
     "read_records",
     "rotated_files",
     "segment_of",
 ]
 
-#: Version written on every line; a reader refuses lines of a newer version.
-#: 2: events carry their structured ``signature`` (1: the text ``key`` only).
-SCHEMA_VERSION = 2
-
 logger = logging.getLogger(__name__)
-
-_EVENT_CLASSES: dict[str, type[Event]] = {cls.__name__: cls for cls in EVENT_TYPES}
-_EVENT_FIELDS: dict[str, tuple[dataclasses.Field[Any], ...]] = {
-    cls.__name__: event_fields(cls) for cls in EVENT_TYPES
-}
-_DEVICE_TIMED_KINDS = ("replay", "eager")
-INFO_TYPE = "AdapterInfo"
-SEGMENT_TYPE = "LogSegment"
-#: Longest first line :func:`log_gap` reads (a segment header is about 120 bytes).
-HEADER_MAX = 4096
-
-
-class EventLogError(OmnitraceError, ValueError):
-    """An event log line cannot be read (newer schema, unknown type, missing field)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterInfo:
-    """Static facts about an adapter as its bus registered them (cap, floor, backend)."""
-
-    adapter: str
-    info: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class LogSegment:
-    """The first line of a file started by rotation: what the log held before this file."""
-
-    events_before: int
-    """Events in the earlier files of the log, as far as the writer knew."""
-    events_deleted: int
-    """Events rotation had deleted from the log when this file began (older files past
-    ``backups``, or truncation with ``backups=0``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EventRecord:
-    """One line of an event log: the event (or adapter info) and the process that wrote it."""
-
-    item: Event | AdapterInfo
-    pid: int
-    rank: int
-
-    @property
-    def source(self) -> tuple[int, int]:
-        """``(rank, pid)``: identifies the writing worker."""
-        return self.rank, self.pid
-
-
-def encode_signature(signature: Signature) -> dict[str, Any]:
-    """Return the JSON form of a signature (schema version 2)."""
-    return {
-        "inputs": [
-            None
-            if spec is None
-            else {"dtype": spec.dtype, "shape": list(spec.shape), "device": spec.device}
-            for spec in signature.inputs
-        ],
-        "stream": signature.stream,
-    }
-
-
-def encode_event(event: Event, *, pid: int, rank: int) -> dict[str, Any]:
-    """Return the JSON-ready record of ``event`` (schema version :data:`SCHEMA_VERSION`)."""
-    record: dict[str, Any] = {
-        "v": SCHEMA_VERSION,
-        "type": type(event).__name__,
-        "pid": pid,
-        "rank": rank,
-    }
-    for field in _EVENT_FIELDS[type(event).__name__]:
-        value = getattr(event, field.name)
-        if isinstance(value, Signature):
-            record[field.name] = encode_signature(value)
-            record["key"] = value.text
-        else:
-            record[field.name] = value.value if isinstance(value, (MissReason, Phase)) else value
-    return record
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "int | None": (int, type(None)),
-    "float": (int, float),
-    "float | None": (int, float, type(None)),
-}
-_ENUM_FIELDS: dict[str, type[MissReason] | type[Phase]] = {"MissReason": MissReason, "Phase": Phase}
-
-
-def _int_list(value: object) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
-    )
-
-
-def decode_signature(value: object, *, where: str = "signature") -> Signature:
-    """Rebuild a signature from its JSON form (schema version 2).
-
-    Raises:
-        EventLogError: ``value`` is not a signature's JSON form.
-    """
-    inputs_raw = value.get("inputs") if isinstance(value, dict) else None
-    stream = value.get("stream") if isinstance(value, dict) else None
-    if not isinstance(inputs_raw, list) or not (
-        stream is None or (isinstance(stream, int) and not isinstance(stream, bool))
-    ):
-        raise EventLogError(f"{where}: expected {{inputs: [...], stream: int|null}}, got {value!r}")
-    inputs: list[InputSpec | None] = []
-    for item in inputs_raw:
-        if item is None:
-            inputs.append(None)
-            continue
-        ok = (
-            isinstance(item, dict)
-            and isinstance(item.get("dtype"), str)
-            and isinstance(item.get("device"), str)
-            and _int_list(item.get("shape"))
-        )
-        if not ok:
-            raise EventLogError(
-                f"{where}: expected an input {{dtype, shape, device}}, got {item!r}"
-            )
-        inputs.append(InputSpec(item["dtype"], tuple(item["shape"]), item["device"]))
-    return Signature(tuple(inputs), stream)
-
-
-def _decode_field(
-    cls_name: str,
-    field: dataclasses.Field[Any],
-    record: Mapping[str, Any],
-    version: int,
-    where: str,
-) -> Any:
-    name = field.name
-    if name == "signature":
-        if version >= 2:
-            if name not in record:
-                raise EventLogError(f"{where}: {cls_name} is missing field 'signature'")
-            return decode_signature(record[name], where=f"{where}: {cls_name}.signature")
-        # Version 1 wrote only the text form.
-        if "key" not in record:
-            raise EventLogError(f"{where}: {cls_name} is missing field 'key'")
-        key = record["key"]
-        if not isinstance(key, str):
-            raise EventLogError(f"{where}: {cls_name}.key: expected str, got {key!r}")
-        try:
-            return Signature.parse(key)
-        except SignatureParseError as exc:
-            raise EventLogError(f"{where}: {cls_name}.key: {exc}") from None
-    if name not in record:
-        if field.default is not dataclasses.MISSING:
-            # Added after the log was written (phase, an eager call's duration).
-            return field.default
-        raise EventLogError(f"{where}: {cls_name} is missing field {name!r}")
-    value = record[name]
-    enum_type = _ENUM_FIELDS.get(str(field.type))
-    if enum_type is not None:
-        # The enums (MissReason, Phase) are the only other non-JSON types in an event.
-        try:
-            return enum_type(value)
-        except ValueError:
-            valid = ", ".join(member.value for member in enum_type)
-            raise EventLogError(
-                f"{where}: {cls_name}.{name}: expected one of {valid}, got {value!r}"
-            ) from None
-    if value is None and str(field.type) == "float":
-        # JSON has no NaN or infinity: the writer (orjson) writes a non-finite float as
-        # null, which reads back as NaN.
-        return math.nan
-    expected = _JSON_TYPES.get(str(field.type))
-    if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
-        raise EventLogError(f"{where}: {cls_name}.{name}: expected {field.type}, got {value!r}")
-    return value
-
-
-def decode_record(record: Mapping[str, Any], *, where: str = "record") -> EventRecord:
-    """Rebuild the typed event (or adapter info) from one parsed log line.
-
-    Reads schema versions 1 and 2.
-
-    Raises:
-        EventLogError: the line has a newer schema version, an unknown type or a missing
-            field; the message says where and what.
-    """
-    version = record.get("v")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise EventLogError(f"{where}: expected an integer schema version 'v', got {version!r}")
-    if version > SCHEMA_VERSION:
-        raise EventLogError(
-            f"{where}: event log schema version {version} is newer than this omnitrace reads "
-            f"(version {SCHEMA_VERSION}); upgrade omnitrace to read this log"
-        )
-    if version < 1:
-        raise EventLogError(f"{where}: unknown event log schema version {version}")
-    type_name = record.get("type")
-    pid = record.get("pid", 0)
-    rank = record.get("rank", 0)
-    if not isinstance(pid, int) or not isinstance(rank, int):
-        raise EventLogError(f"{where}: expected integer 'pid' and 'rank', got {pid!r}, {rank!r}")
-    if type_name == INFO_TYPE:
-        adapter = record.get("adapter")
-        info = record.get("info")
-        if not isinstance(adapter, str) or not isinstance(info, dict):
-            raise EventLogError(f"{where}: AdapterInfo needs 'adapter' (str) and 'info' (object)")
-        return EventRecord(AdapterInfo(adapter, info), pid, rank)
-    cls = _EVENT_CLASSES.get(type_name) if isinstance(type_name, str) else None
-    if cls is None:
-        valid = ", ".join(sorted([*_EVENT_CLASSES, INFO_TYPE]))
-        raise EventLogError(f"{where}: unknown record type {type_name!r} (valid: {valid})")
-    kwargs = {
-        field.name: _decode_field(cls.__name__, field, record, version, where)
-        for field in _EVENT_FIELDS[cls.__name__]
-    }
-    if cls is DeviceTimed and kwargs["kind"] not in _DEVICE_TIMED_KINDS:
-        # Folds tell replayed from eager device time by this field: nothing else is one.
-        valid = ", ".join(_DEVICE_TIMED_KINDS)
-        raise EventLogError(
-            f"{where}: DeviceTimed.kind: expected one of {valid}, got {kwargs['kind']!r}"
-        )
-    return EventRecord(cls(**kwargs), pid, rank)
 
 
 def count_events(path: Path) -> int:
     """Count the complete event lines of a log file written by this module."""
-    data = path.read_bytes()
-    lines = data.count(b"\n")
     # The writer's compact JSON puts the type right after the version; a quote inside a
     # string value is escaped, so these markers only match record types.
-    return (
-        lines
-        - data.count(b'"type":"' + INFO_TYPE.encode() + b'"')
-        - data.count(b'"type":"' + SEGMENT_TYPE.encode() + b'"')
-    )
-
-
-def segment_of(line: bytes) -> LogSegment | None:
-    """Decode ``line`` as a segment header; None when it is anything else."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(record, dict) or record.get("type") != SEGMENT_TYPE:
-        return None
-    before, deleted = record.get("events_before"), record.get("events_deleted")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (before, deleted)):
-        return None
-    return LogSegment(int(before), int(deleted))  # type: ignore[arg-type]
+    markers = [b'"type":"' + name.encode() + b'"' for name in (INFO_TYPE, SEGMENT_TYPE)]
+    count = 0
+    rest = b""
+    with path.open("rb") as file:
+        # By whole lines, a chunk at a time: no marker is cut in two, and the memory is a
+        # chunk's whatever the file's size.
+        while block := file.read(READ_CHUNK):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            rest = data[cut:]
+            count += data.count(b"\n", 0, cut) - sum(data.count(m, 0, cut) for m in markers)
+    return count
 
 
 def _open_log(path: Path) -> IO[bytes]:
@@ -368,43 +137,15 @@ def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
     return LogSegment(oldest.events_before, deleted)
 
 
-def dumps(record: Mapping[str, Any]) -> bytes:
-    """One compact JSON line (UTF-8, ending in a newline)."""
-    return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+_FAST = FastDecoder(decode_signature)
+_record = _fast_constructor(EventRecord)
 
 
-class LineEncoder:
-    """Encode events as log lines of one writer (its pid and rank), at C speed.
-
-    The same line :func:`encode_event` describes, field order aside: orjson serialises the
-    frozen event (signature and enums included) in one call, and the per-type head and each
-    signature's text form are made once. The writer's thread holds the GIL while it encodes,
-    so its cost is taken from the serving thread.
-    """
-
-    __slots__ = ("_heads", "_keys")
-
-    #: Signatures whose text is remembered; a hit reuses its graph's signature object.
-    _KEYS_KEPT = 4096
-
-    def __init__(self, *, pid: int, rank: int) -> None:
-        self._heads = {
-            cls: b'{"v":%d,"type":"%s","pid":%d,"rank":%d,"key":'
-            % (SCHEMA_VERSION, cls.__name__.encode(), pid, rank)
-            for cls in EVENT_TYPES
-        }
-        self._keys: dict[int, tuple[Signature, bytes]] = {}
-
-    def __call__(self, event: Event) -> bytes:
-        signature = event.signature
-        cached = self._keys.get(id(signature))
-        if cached is None or cached[0] is not signature:
-            if len(self._keys) >= self._KEYS_KEPT:
-                self._keys.clear()
-            cached = (signature, orjson.dumps(signature.text))
-            self._keys[id(signature)] = cached
-        body = orjson.dumps(event)
-        return b"".join((self._heads[type(event)], cached[1], b",", body[1:], b"\n"))
+def _skipped(path: Path, line_no: int, torn: bool) -> None:
+    if torn:
+        logger.warning("%s:%d: skipping a torn last line", path, line_no)
+    else:
+        logger.warning("%s:%d: skipping an unreadable line (not JSON)", path, line_no)
 
 
 def _parse_lines(
@@ -413,55 +154,62 @@ def _parse_lines(
     first_line: int,
     *,
     final: bool,
-    torn: list[int] | None = None,
+    skipped: list[tuple[int, bool]] | None = None,
     bad: list[EventLogError] | None = None,
 ) -> tuple[list[EventRecord], int]:
     """Decode the complete lines of ``data``; return the records and bytes consumed.
 
     A trailing piece without a newline is a batch still being written: it is left
     unconsumed, unless ``final`` (a finished file), where it is a torn line and skipped.
-    Skipped lines are logged, or, with ``torn``, their numbers are appended to it instead.
-    A line that is no record this reader knows raises :class:`EventLogError`, or, with
-    ``bad``, is appended to it as one and skipped.
+    A line that is not JSON is skipped as unreadable. Skipped lines are logged, or, with
+    ``skipped``, appended to it as ``(line number, torn)`` instead. A line that is no
+    record this reader knows raises :class:`EventLogError`, or, with ``bad``, is appended
+    to it as one and skipped.
     """
     records: list[EventRecord] = []
-    consumed = 0
+    append = records.append
+    fast = _FAST
+    lines = data.split(b"\n")
+    rest = lines.pop()  # after the last newline: empty, or a line still being written
+    consumed = len(data) - len(rest)
     line_no = first_line
-    while consumed < len(data):
-        end = data.find(b"\n", consumed)
-        if end < 0:
-            if final:
-                if torn is None:
-                    logger.warning("%s:%d: skipping a torn last line", path, line_no + 1)
-                else:
-                    torn.append(line_no + 1)
-                consumed = len(data)
-            break
-        raw = data[consumed:end]
-        consumed = end + 1
+    for raw in lines:
         line_no += 1
-        if not raw.strip():
-            continue
         try:
             parsed = orjson.loads(raw)
         except (ValueError, RecursionError):
+            if not raw.strip():
+                continue
             # A writer that crashed mid-write leaves one torn line; the next writer starts
-            # on a fresh line, so this loses that one record only.
-            if torn is None:
-                logger.warning("%s:%d: skipping a torn line", path, line_no)
+            # on a fresh line, so this loses that one record only. Any other line that is
+            # not JSON (an edit, a stray write) is skipped as unreadable the same way.
+            if skipped is None:
+                _skipped(path, line_no, False)
             else:
-                torn.append(line_no)
+                skipped.append((line_no, False))
             continue
+        if type(parsed) is dict:
+            # The writer's own lines, nearly all of them, take the fast path.
+            decoded = fast(parsed)
+            if decoded is not None:
+                append(_record(*decoded))
+                continue
         try:
             if not isinstance(parsed, dict):
                 raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
             if parsed.get("type") == SEGMENT_TYPE:
                 continue  # describes the file, not an event: see log_gap()
-            records.append(decode_record(parsed, where=f"{path}:{line_no}"))
+            append(decode_record(parsed, where=f"{path}:{line_no}"))
         except EventLogError as exc:
             if bad is None:
                 raise
             bad.append(exc)
+    if rest and final:
+        if skipped is None:
+            _skipped(path, line_no + 1, True)
+        else:
+            skipped.append((line_no + 1, True))
+        consumed = len(data)
     return records, consumed
 
 
@@ -475,36 +223,102 @@ def rotated_files(path: Path) -> list[Path]:
     return [p for _, p in sorted(backups, reverse=True)] + [path]
 
 
+#: Bytes a reader takes from a file at a time: its memory is this, whatever the log's size.
+READ_CHUNK = 1 << 22
+#: Unreadable lines of a file warned about one by one; the rest are counted in one line.
+UNREADABLE_SHOWN = 20
+
+
+def log_bytes(path: str | os.PathLike[str], *, include_rotated: bool = True) -> int:
+    """Return the bytes :func:`read_records` reads for ``path`` (for a progress display)."""
+    base = Path(os.fspath(path))
+    total = 0
+    for file in rotated_files(base) if include_rotated else [base]:
+        with contextlib.suppress(OSError):
+            total += file.stat().st_size
+    return total
+
+
 def read_records(
-    path: str | os.PathLike[str], *, include_rotated: bool = True
+    path: str | os.PathLike[str],
+    *,
+    include_rotated: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> Iterator[EventRecord]:
-    """Yield every record of a finished log, oldest first.
+    """Yield every record of a finished log, oldest first, reading it a chunk at a time.
 
     With ``include_rotated``, the rotated files (``path.N`` … ``path.1``) are read before
-    ``path``. A torn last line is skipped.
+    ``path``. A torn last line and lines that are not JSON are skipped, with a warning
+    naming each (the unreadable ones past :data:`UNREADABLE_SHOWN` of a file counted in
+    one). ``progress(n)``, if given, is called with the bytes of each chunk read.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         EventLogError: ``path`` (or a rotated file) is not a regular file (a directory, a
             named pipe, a device), a file with no event record at all (not an event log),
-            or has a line of a newer schema version or an unknown type.
+            or has a line of a newer schema version or an unknown type (raised when the
+            reading reaches it: the records before it have been yielded).
     """
+    for chunk in read_chunks(path, include_rotated=include_rotated, progress=progress):
+        yield from chunk
+
+
+def read_chunks(
+    path: str | os.PathLike[str],
+    *,
+    include_rotated: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[list[EventRecord]]:
+    """Yield the records of :func:`read_records` a chunk's worth at a time (same errors)."""
     base = Path(os.fspath(path))
     if not base.exists():
         raise FileNotFoundError(f"no event log at {base}")
     files = rotated_files(base) if include_rotated else [base]
     for file in files:
-        data = _read_log(file)
-        torn: list[int] = []
-        records, _ = _parse_lines(data, file, 0, final=True, torn=torn)
-        if torn and not records:
-            raise EventLogError(
-                f"{file}: not an omnitrace event log (no line is an event record; "
-                f"line {torn[0]} is not JSON)"
-            )
-        for line_no in torn:
-            logger.warning("%s:%d: skipping a torn line", file, line_no)
-        yield from records
+        yield from _file_chunks(file, progress)
+
+
+def _file_chunks(file: Path, progress: Callable[[int], None] | None) -> Iterator[list[EventRecord]]:
+    with _open_log(file) as handle:
+        pending = b""
+        line = 0
+        # Lines skipped before the file's first record: a file with none is no event log.
+        held: list[tuple[int, bool]] = []
+        found = False
+        unreadable = 0
+        while True:
+            block = handle.read(READ_CHUNK)
+            data = pending + block if pending else block
+            skipped: list[tuple[int, bool]] = []
+            records, consumed = _parse_lines(data, file, line, final=not block, skipped=skipped)
+            line += data.count(b"\n", 0, consumed)
+            pending = data[consumed:]
+            if progress is not None and block:
+                progress(len(block))
+            if not found:
+                held += skipped
+                skipped = held if records else []
+            for line_no, torn in skipped:
+                unreadable += not torn
+                if torn or unreadable <= UNREADABLE_SHOWN:
+                    _skipped(file, line_no, torn)
+            if records:
+                found = True
+                yield records
+            if not block:
+                break
+    if held and not found:
+        raise EventLogError(
+            f"{file}: not an omnitrace event log (no line is an event record; "
+            f"line {held[0][0]} is not JSON)"
+        )
+    if unreadable > UNREADABLE_SHOWN:
+        logger.warning(
+            "%s: %d unreadable lines skipped in all (%d more than shown)",
+            file,
+            unreadable,
+            unreadable - UNREADABLE_SHOWN,
+        )
 
 
 def read_events(path: str | os.PathLike[str], *, include_rotated: bool = True) -> Iterator[Event]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from omnitrace._validate import check_int
 from omnitrace.bus import EventBus
@@ -102,13 +102,26 @@ class _Emitter:
         self.drained &= self.bus.flush(timeout=timeout)
 
 
+class _Suffixes(dict[tuple[int, int], str]):
+    """Each writer's suffix, looked up as it is first met."""
+
+    def __init__(self, several: bool) -> None:
+        super().__init__()
+        self._several = several
+
+    def __missing__(self, source: tuple[int, int]) -> str:
+        suffix = self[source] = _suffix(source) if self._several else ""
+        return suffix
+
+
 def feed(
     bus: EventBus,
-    records: Sequence[EventRecord],
+    records: Iterable[EventRecord],
     *,
     pace: Callable[[Event], None] | None = None,
     chunk: int = CHUNK,
     tap: Tap | None = None,
+    sources: Collection[tuple[int, int]] | None = None,
 ) -> int:
     """Emit recorded ``records`` into ``bus`` in their order; return the events emitted.
 
@@ -116,12 +129,17 @@ def feed(
     (:func:`qualified_name`), so each worker's stats stay apart. Waits for the sinks after
     every ``chunk`` events and at the end; ``pace(event)``, if given, runs before each
     event is emitted (to replay at the recorded pace); ``tap(record, suffix)``, if given, is
-    handed every record too.
+    handed every record too. ``sources``, the writers of the records when known beforehand,
+    lets ``records`` be read once as they stream (a log read a chunk at a time); without it
+    ``records`` must be a sequence.
     """
-    sources = {record.source for record in records}
+    if sources is None:
+        if not isinstance(records, Sequence):
+            raise TypeError("feed: records must be a sequence unless sources are given")
+        sources = {record.source for record in records}
     emitter = _Emitter(bus, chunk, pace, tap)
     several = len(sources) > 1
-    emitter.emit(records, {source: _suffix(source) if several else "" for source in sources})
+    emitter.emit(records, _Suffixes(several))
     emitter.drain()
     return emitter.events
 

@@ -36,10 +36,10 @@ class WorkerResult:
 def per_worker(recording: Recording, setting: Setting) -> tuple[WorkerResult, ...]:
     """Replay ``setting`` on each worker's calls alone, in ``(rank, pid)`` order."""
     rows = []
-    for worker in sorted(recording.calls):
+    for worker in sorted(recording.sequences):
         alone = dataclasses.replace(
             recording,
-            calls={worker: recording.calls[worker]},
+            sequences={worker: recording.sequences[worker]},
             free_bytes={k: v for k, v in recording.free_bytes.items() if k[0] == worker},
         )
         rows.append(WorkerResult(worker[0], worker[1], replay(alone, setting)))

@@ -42,7 +42,10 @@ def cpu_results(
 ) -> tuple[Path, dict[str, Any]]:
     run, _ = bench
     out = tmp_path_factory.mktemp("bench-cpu")
-    code = run.main(["--suite", "cpu", "--tiny", "--no-plots", "--out", str(out)])
+    with pytest.MonkeyPatch.context() as mp:
+        # The event-log benchmark's logs, written for this run only.
+        mp.setenv("OMNITRACE_BENCH_EVENTLOG_DIR", str(tmp_path_factory.mktemp("eventlogs")))
+        code = run.main(["--suite", "cpu", "--tiny", "--no-plots", "--out", str(out)])
     assert code == 0
     return out, json.loads((out / "overhead.json").read_text(encoding="utf-8"))
 
@@ -153,6 +156,34 @@ def test_cpu_suite_has_targets_and_skips_cuda_part(
     assert hit["met"] is None
 
 
+def test_eventlog_runs_every_tool_on_every_log_in_a_child_of_its_own(
+    cpu_results: tuple[Path, dict[str, Any]],
+) -> None:
+    """The event-log benchmark runs top, replay, advise and read_events on each log, each
+    exiting 0 with output, and reports each one's time, CPU time and peak memory."""
+    out, _ = cpu_results
+    payload = json.loads((out / "eventlog.json").read_text(encoding="utf-8"))
+    assert payload["status"] == "ok"
+    result = payload["result"]
+    sizes = [log["events"] for log in result["logs"]]
+    assert sizes == [1_000, 4_000]
+    assert all(log["bytes"] > 100 * log["events"] for log in result["logs"])
+    rows = result["rows"]
+    assert sorted((r["tool"], r["events"]) for r in rows) == sorted(
+        (tool, size) for tool in ("top", "replay", "advise", "read_events") for size in sizes
+    )
+    for row in rows:
+        assert row["status"] == 0, row["stderr"]
+        assert row["stdout_bytes"] > 0
+        assert _positive(row["wall_s"])
+        assert _positive(row["cpu_s"])
+        # The tool's own process image: far below the runner's, which holds torch.
+        assert 5 < row["peak_rss_mb"] < 200
+    figures = {f["name"] for f in result["figures"]}
+    assert "advise peak memory, 4,000 over 1,000 events" in figures
+    assert all(f["goal"] == "eventlog_scale" for f in result["figures"])
+
+
 def test_report_renders_and_updates_marked_sections(
     bench: Any, cpu_results: tuple[Path, dict[str, Any]]
 ) -> None:
@@ -160,7 +191,8 @@ def test_report_renders_and_updates_marked_sections(
     _, report = bench
     out, _ = cpu_results
     sections = report.markdown_sections(report.load(out))
-    assert set(sections) == {"environment", "goals", "targets", "overhead"}
+    assert set(sections) == {"environment", "goals", "targets", "overhead", "eventlog"}
+    assert "Event-log tools by log size" in sections["eventlog"]
     assert "EventBus.emit() cost" in sections["overhead"]
     doc = (
         "intro\n<!-- BEGIN bench:overhead -->\nOUTDATED\n<!-- END bench:overhead -->\n"

@@ -118,9 +118,10 @@ def _clock(epoch_ns: int) -> str:
 
 def _notice(event: Event) -> Notice | None:
     # The key, error type and message are data (from a log, or a model's exception text).
-    key = safe(event.key)
+    # The key's text is made only for the events that make a notice: every event comes here.
     match event:
         case MemoryDeferred():
+            key = safe(event.key)
             return Notice(
                 event.epoch_ns,
                 False,
@@ -129,6 +130,7 @@ def _notice(event: Event) -> Notice | None:
                 key,
             )
         case CaptureFailed():
+            key = safe(event.key)
             return Notice(
                 event.epoch_ns,
                 True,

@@ -159,17 +159,53 @@ def test_a_file_without_any_event_record_is_not_an_event_log(
     assert caplog.records == []
 
 
-def test_torn_line_among_records_is_logged_with_its_line_number(
+def test_unreadable_line_among_records_is_logged_as_unreadable_with_its_line_number(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A torn line between good records is skipped with one warning naming file and line."""
+    """A line that is not JSON between good records is skipped with one warning naming file
+    and line and calling it unreadable: only the last line of a file can be torn."""
     path = tmp_path / "events.jsonl"
     _write(path, EVENTS[:2])
     with open(path, "ab") as f:
         f.write(b'{"v": 1, "type": "Gra\n')
     _write(path, EVENTS[2:])
     assert list(read_events(path)) == EVENTS
-    assert [r.getMessage() for r in caplog.records] == [f"{path}:3: skipping a torn line"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:3: skipping an unreadable line (not JSON)"
+    ]
+
+
+def test_torn_last_line_is_logged_as_torn(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A last line cut short (no newline) is called torn, with its line number."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[:2])
+    with open(path, "ab") as f:
+        f.write(b'{"v": 2, "type": "GraphRepl')
+    assert list(read_events(path)) == EVENTS[:2]
+    assert [r.getMessage() for r in caplog.records] == [f"{path}:3: skipping a torn last line"]
+
+
+def test_many_unreadable_lines_are_shown_up_to_a_bound_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the first UNREADABLE_SHOWN unreadable lines of a file, one line counts them all."""
+    from omnitrace.eventlog import UNREADABLE_SHOWN
+
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[:1])
+    with open(path, "ab") as f:
+        f.write(b"garbage\n" * (UNREADABLE_SHOWN + 5))
+    _write(path, EVENTS[1:])
+    assert list(read_events(path)) == EVENTS
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[:2] == [
+        f"{path}:2: skipping an unreadable line (not JSON)",
+        f"{path}:3: skipping an unreadable line (not JSON)",
+    ]
+    assert len(messages) == UNREADABLE_SHOWN + 1
+    assert messages[-1] == (
+        f"{path}: {UNREADABLE_SHOWN + 5} unreadable lines skipped in all (5 more than shown)"
+    )
 
 
 def test_writer_after_a_crash_starts_on_a_fresh_line(tmp_path: Path) -> None:
@@ -203,6 +239,18 @@ def test_unknown_type_and_missing_field_are_errors(tmp_path: Path) -> None:
     path.write_text('{"v": 1, "type": "GraphReplayed", "pid": 1, "rank": 0, "adapter": "a"}\n')
     with pytest.raises(EventLogError, match=r"GraphReplayed is missing field 'key'"):
         list(read_events(path))
+
+
+def test_unknown_type_lists_every_record_type_a_log_holds(tmp_path: Path) -> None:
+    """The error for an unknown record type names every type a reader takes, the segment
+    header a rotated file starts with included."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"v": 2, "type": "GraphExploded", "pid": 1, "rank": 0}\n')
+    with pytest.raises(EventLogError) as caught:
+        list(read_events(path))
+    valid = str(caught.value).split("(valid: ")[1].rstrip(")").split(", ")
+    assert valid == sorted(valid)
+    assert {"AdapterInfo", "LogSegment", "GraphReplayed", "ProfilingObserved"} <= set(valid)
 
 
 def test_bad_reason_and_wrong_field_type_are_errors(tmp_path: Path) -> None:

@@ -1,0 +1,313 @@
+"""The event-log tools at production scale: top, replay and advise on logs of millions of events.
+
+A busy encoder server writes about one event per encoder call (two with device timing),
+millions a day. This benchmark writes logs of MiniCPM-o-shaped traffic with the writer's own
+codec (:mod:`benchmarks.eventlog_traffic`) and runs, each in a child process of its own,
+
+* ``omnitrace top --json LOG``, ``omnitrace replay --json LOG`` (no export) and
+  ``omnitrace advise --json LOG`` (its default grid),
+* ``read_events`` (the generator) over the whole log,
+
+recording each one's wall time, CPU time (``os.wait4``) and peak resident memory (the
+child's own ``VmHWM``). The goals: peak memory flat in the log's size and at most
+300 MB at 10 million events; at a million events top within 10 s, replay within 20 s and
+advise within 60 s; every tool completes at 10 million.
+
+Logs are written once and kept (``OMNITRACE_BENCH_EVENTLOG_DIR``, default a folder in the
+temporary directory; ten million events take 3.4 GB). Sizes by scale: 100k, 1M and 10M
+events (full), 20k and 100k (quick), 1k and 4k (tiny); ``OMNITRACE_BENCH_EVENTLOG_SIZES`` (say
+``100000,1000000``) picks others. ``OMNITRACE_BENCH_EVENTLOG_BASELINE=DIR`` also runs the
+tools of the omnitrace checkout in DIR on logs up to ``OMNITRACE_BENCH_EVENTLOG_BASELINE_MAX``
+events (default 100000), side by side, and checks that both print the same.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Context, figure, target
+from benchmarks.eventlog_traffic import GENERATOR_VERSION, write_log
+
+NAME = "eventlog"
+NEEDS_CUDA = False
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 10**6
+TOOLS = ("top", "replay", "advise", "read_events")
+#: Seconds each tool may take at a million events.
+LIMITS_1M = {"top": 10.0, "replay": 20.0, "advise": 60.0}
+#: Peak resident memory any tool may reach, at ten million events.
+MEMORY_LIMIT_MB = 300.0
+
+_READ_EVENTS = (
+    "import sys\n"
+    "from omnitrace.eventlog import read_events\n"
+    "count = 0\n"
+    "for _ in read_events(sys.argv[1]):\n"
+    "    count += 1\n"
+    "print(count)\n"
+)
+#: Runs a tool (``-m omnitrace`` or ``-c CODE``) and, however it ends, writes the peak
+#: resident memory of its own process image (``VmHWM``) to the file named first. A child's
+#: ``ru_maxrss`` would count what it held between fork and exec: the benchmark runner's
+#: memory, torch included.
+_PEAK = (
+    "import runpy, sys\n"
+    "peak_file, mode, what = sys.argv[1:4]\n"
+    "sys.argv = [what, *sys.argv[4:]]\n"
+    "try:\n"
+    "    if mode == '-m':\n"
+    "        runpy.run_module(what, run_name='__main__', alter_sys=True)\n"
+    "    else:\n"
+    "        exec(compile(what, '<tool>', 'exec'), {'__name__': '__main__'})\n"
+    "finally:\n"
+    "    with open('/proc/self/status') as status, open(peak_file, 'w') as out:\n"
+    "        out.write(''.join(l for l in status if l.startswith('VmHWM')))\n"
+)
+
+
+def _sizes(ctx: Context) -> list[int]:
+    given = os.environ.get("OMNITRACE_BENCH_EVENTLOG_SIZES")
+    if given:
+        return [int(size) for size in given.split(",") if size.strip()]
+    sizes: list[int] = ctx.pick([100_000, 1_000_000, 10_000_000], [20_000, 100_000], [1_000, 4_000])
+    return sizes
+
+
+def _log(size: int, ctx: Context) -> tuple[Path, float | None]:
+    """The log of ``size`` events (written now, or found from an earlier run)."""
+    folder = Path(
+        os.environ.get("OMNITRACE_BENCH_EVENTLOG_DIR")
+        or Path(tempfile.gettempdir()) / "omnitrace-eventlog-bench"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"events-{size}-s0-g{GENERATOR_VERSION}.jsonl"
+    if path.exists():
+        return path, None
+    ctx.log(f"  writing {size:,} events to {path}")
+    start = time.perf_counter()
+    write_log(path, size)
+    return path, time.perf_counter() - start
+
+
+def _command(tool: str, log: Path, peak: Path) -> list[str]:
+    wrapper = [sys.executable, "-c", _PEAK, str(peak)]
+    if tool == "read_events":
+        return [*wrapper, "-c", _READ_EVENTS, str(log)]
+    return [*wrapper, "-m", "omnitrace", tool, "--json", str(log)]
+
+
+def _peak_mb(peak: Path) -> float | None:
+    try:
+        text = peak.read_text()
+    except OSError:
+        return None  # no /proc (not Linux): unknown
+    fields = text.split()
+    return int(fields[1]) * 1024 / MB if len(fields) >= 2 else None
+
+
+def measure(tool: str, log: Path, root: Path, out: Path) -> dict[str, Any]:
+    """Run ``tool`` on ``log`` with the omnitrace of ``root``; stdout goes to ``out``."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    peak = out.with_suffix(".peak")
+    peak.unlink(missing_ok=True)
+    with out.open("wb") as stdout:
+        start = time.perf_counter()
+        child = subprocess.Popen(
+            _command(tool, log, peak), cwd=root, env=env, stdout=stdout, stderr=subprocess.PIPE
+        )
+        assert child.stderr is not None
+        with child.stderr:
+            err = child.stderr.read()
+        # wait4, not wait: it also gives the child's CPU time.
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return {
+        "tool": tool,
+        "status": child.returncode,
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": _peak_mb(peak),
+        "stderr": err.decode(errors="replace")[-500:],
+        "stdout_bytes": out.stat().st_size,
+    }
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Write the logs, run every tool on each, and check the goals."""
+    baseline = os.environ.get("OMNITRACE_BENCH_EVENTLOG_BASELINE")
+    baseline_max = int(os.environ.get("OMNITRACE_BENCH_EVENTLOG_BASELINE_MAX", "100000"))
+    outputs = ctx.out_dir / "eventlog-outputs"
+    outputs.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    logs: list[dict[str, Any]] = []
+    for size in _sizes(ctx):
+        path, written_s = _log(size, ctx)
+        logs.append(
+            {
+                "events": size,
+                "bytes": path.stat().st_size,
+                "written_s": written_s,
+                "path": str(path),
+            }
+        )
+        arms = [("this tree", ROOT)]
+        if baseline and size <= baseline_max:
+            arms.append(("baseline", Path(baseline).resolve()))
+        for tool in TOOLS:
+            printed: dict[str, bytes] = {}
+            for arm, root in arms:
+                out = outputs / f"{tool}-{size}-{arm.replace(' ', '-')}.out"
+                row = measure(tool, path, root, out)
+                row.update(events=size, arm=arm)
+                printed[arm] = out.read_bytes()
+                rows.append(row)
+                ctx.log(
+                    f"  {tool:<11} {size:>10,} events  {arm:<9}  {row['wall_s']:7.1f} s  "
+                    f"cpu {row['cpu_s']:7.1f} s  peak {row['peak_rss_mb'] or 0:7.1f} MB"
+                    + ("" if row["status"] == 0 else f"  EXIT {row['status']}")
+                )
+            if len(printed) == 2:
+                same = printed["this tree"] == printed["baseline"]
+                for row in rows[-2:]:
+                    row["same_output"] = same
+    return {
+        "logs": logs,
+        "rows": rows,
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "targets": _targets(rows),
+        "figures": _figures(rows),
+    }
+
+
+def _mine(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["arm"] == "this tree"]
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    mine = _mine(rows)
+    out = []
+    at_1m = {r["tool"]: r for r in mine if r["events"] == 1_000_000}
+    for tool, limit in LIMITS_1M.items():
+        row = at_1m.get(tool)
+        if row is not None:
+            value = row["wall_s"] if row["status"] == 0 else None
+            out.append(
+                target(f"{tool} at 1M events", value, "<=", limit, "s", goal="eventlog_scale")
+            )
+    largest = max((r["events"] for r in mine), default=0)
+    for row in (r for r in mine if r["events"] == largest and largest >= 10_000_000):
+        value = row["peak_rss_mb"] if row["status"] == 0 else None
+        out.append(
+            target(
+                f"{row['tool']} peak memory at {largest / 1e6:g}M events",
+                value,
+                "<=",
+                MEMORY_LIMIT_MB,
+                "MB",
+                goal="eventlog_scale",
+            )
+        )
+    return out
+
+
+#: What a tool's memory growth means, where it is not flat by design.
+_GROWTH_NOTES = {
+    "advise": "grows with the calls: the recording keeps each call's key (5 bytes) and each "
+    "call's time (8 bytes); the reading itself is flat",
+}
+
+
+def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    mine = _mine(rows)
+    out = []
+    for tool in TOOLS:
+        runs = sorted((r for r in mine if r["tool"] == tool), key=lambda r: r["events"])
+        if len(runs) < 2:
+            continue
+        small, large = runs[0], runs[-1]
+        growth = (
+            large["peak_rss_mb"] / small["peak_rss_mb"]
+            if small["peak_rss_mb"] and large["peak_rss_mb"]
+            else None
+        )
+        out.append(
+            figure(
+                f"{tool} peak memory, {large['events']:,} over {small['events']:,} events",
+                growth,
+                "x",
+                goal="eventlog_scale",
+                note=_GROWTH_NOTES.get(tool, "flat: about 1x while the log grows"),
+            )
+        )
+    for row in mine:
+        if row["events"] >= 10_000_000:
+            out.append(
+                figure(
+                    f"{row['tool']} at {row['events'] / 1e6:g}M events",
+                    row["wall_s"] if row["status"] == 0 else None,
+                    "s",
+                    goal="eventlog_scale",
+                    note="completes" if row["status"] == 0 else f"exit {row['status']}",
+                )
+            )
+    return out
+
+
+def tables(result: dict[str, Any]) -> list[Any]:
+    """The benchmark's table for ``BENCHMARKS.md`` (rendered by :mod:`benchmarks.report`)."""
+    from benchmarks.report import Table
+
+    t = Table(
+        "Event-log tools by log size",
+        ["tool", "events", "log MB", "omnitrace", "wall s", "CPU s", "peak RSS MB", "output"],
+    )
+    sizes = {log["events"]: log["bytes"] for log in result.get("logs", [])}
+    for row in sorted(result["rows"], key=lambda r: (TOOLS.index(r["tool"]), r["events"])):
+        same = row.get("same_output")
+        output = "ok" if row["status"] == 0 else f"exit {row['status']}"
+        if same is not None:
+            output += ", same as baseline" if same else ", DIFFERS from baseline"
+        t.rows.append(
+            [
+                row["tool"],
+                f"{row['events']:,}",
+                f"{sizes.get(row['events'], 0) / MB:,.0f}",
+                row["arm"],
+                f"{row['wall_s']:,.1f}",
+                f"{row['cpu_s']:,.1f}",
+                "n/a" if row["peak_rss_mb"] is None else f"{row['peak_rss_mb']:,.0f}",
+                output,
+            ]
+        )
+    load = result.get("load_average")
+    t.note = (
+        "Each tool in a child process of its own (`omnitrace TOOL --json LOG`; `read_events` "
+        "counts the events of the generator); peak RSS is that process's `VmHWM`. Logs of "
+        "MiniCPM-o-shaped traffic written by the writer's codec "
+        "(`benchmarks/eventlog_traffic.py`), about two events per encoder call. "
+        f"{result.get('cpus', 'n/a')} CPUs; load average at the end "
+        + ("n/a" if not load else ", ".join(f"{x:.2f}" for x in load))
+        + "."
+    )
+    goals = Table("Goals (event-log tools at scale)", ["check", "measured", "bar", "verdict"])
+    for item in result.get("targets", []):
+        value = item["value"]
+        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[item["met"]]
+        goals.rows.append(
+            [item["name"], shown, f"{item['op']} {item['limit']:g} {item['unit']}", verdict]
+        )
+    for item in result.get("figures", []):
+        value = item["value"]
+        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
+        goals.rows.append([item["name"], shown, "-", item.get("note") or "reported"])
+    return [t, goals]

@@ -1,0 +1,486 @@
+"""Recorded encoder traffic for ``omnitrace advise``: each worker's calls as compact arrays.
+
+:meth:`Recording.from_records` reads event-log records once, as they stream, into what the
+replay needs: per worker, the key of every call as a small integer (:class:`CallSequence`:
+an ``int32`` and one byte of flags per call, however long the log), and per key its mean
+times and capture size, summed as the reference summed them (the values in order, through
+the builtin ``sum``), so every figure equals what a list of every value would give.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from omnitrace import events as ev
+from omnitrace._validate import INT64_MAX
+from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
+from omnitrace.eventlog import AdapterInfo, EventRecord
+from omnitrace.events import MissReason, Phase
+from omnitrace.signature import Signature
+
+__all__ = ["CallSequence", "KeyCost", "Recording", "Setting", "Worker"]
+
+Worker = tuple[int, int]
+"""``(rank, pid)`` of the process that wrote a log line."""
+
+_KEYS = {name: key for key, name in HF_OVERRIDE_KEYS.items()}
+
+#: Flags of a call in :attr:`CallSequence.flags`.
+ELIGIBLE = 1
+"""Could reach admission (under settings that do not skip profiling)."""
+PROFILING = 2
+"""Ran in the profiling phase (a call kept out of admission as profiling too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One point of the grid: the admission settings every encoder runs with.
+
+    Each field is the :class:`~omnitrace.config.EncoderGraphConfig` option of the same name
+    (documented there, set by its ``encoder_cuda_graph_*`` key); the other options keep
+    their defaults.
+    """
+
+    max_graphs: int
+    min_capture_calls: int
+    min_free_bytes: int
+    skip_profiling: bool = False
+
+    def config(self) -> EncoderGraphConfig:
+        """Return the config this setting stands for (other fields at their defaults)."""
+        return EncoderGraphConfig(**asdict(self))
+
+    def overrides(self, *, profiling: bool = True) -> dict[str, int | bool]:
+        """Return the ``--hf-overrides`` keys of this setting (``skip_profiling`` only when
+        ``profiling``, i.e. when the grid varied it)."""
+        values = asdict(self)
+        if not profiling:
+            del values["skip_profiling"]
+        return {_KEYS[name]: value for name, value in values.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCost:
+    """What one key of one encoder costs: its call times and its capture size."""
+
+    eager_s: float | None
+    """Mean eager time of one call (None: not measured and not estimable)."""
+    replay_s: float | None
+    capture_bytes: int
+    estimated_time: bool = False
+    """``eager_s`` or ``replay_s`` comes from the encoder's replay-to-eager ratio."""
+    estimated_bytes: bool = False
+    """``capture_bytes`` comes from the encoder's recorded bytes per input element."""
+
+    @property
+    def saving_s(self) -> float | None:
+        """What a hit saves over an eager run (never below zero); None when unknown."""
+        if self.eager_s is None or self.replay_s is None:
+            return None
+        return max(0.0, self.eager_s - self.replay_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    adapter: str
+    key: Signature
+    device: str | None
+    eligible: bool
+    """Could reach admission (under settings that do not skip profiling)."""
+    profiling: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CallSequence:
+    """One worker's encoder calls in the order written, as arrays.
+
+    ``keys[ids[i]]`` is call ``i``'s adapter, key (the signature admission sees) and
+    device; ``flags[i]`` has :data:`ELIGIBLE` and :data:`PROFILING` bits.
+    """
+
+    keys: tuple[tuple[str, Signature, str | None], ...]
+    ids: npt.NDArray[np.int32]
+    flags: npt.NDArray[np.uint8]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def calls(self) -> tuple[_Call, ...]:
+        """Every call as an object (for inspection and the reference replay)."""
+        calls = []
+        for key_id, flag in zip(self.ids.tolist(), self.flags.tolist(), strict=True):
+            adapter, key, device = self.keys[key_id]
+            calls.append(_Call(adapter, key, device, bool(flag & ELIGIBLE), bool(flag & PROFILING)))
+        return tuple(calls)
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """What the replay needs from event logs: calls per worker, costs per key, settings."""
+
+    sequences: Mapping[Worker, CallSequence]
+    """Each worker's calls, in the order written."""
+    costs: Mapping[str, Mapping[Signature, KeyCost]]
+    """Per encoder, per eligible key."""
+    logged: Mapping[str, Setting]
+    """The settings each encoder ran with, as the log's adapter facts said."""
+    free_bytes: Mapping[tuple[Worker, str], int]
+    """Device-free memory at a worker's start, per device (empty: floor not simulated)."""
+    free_source: str
+    """``"given"``, ``"estimated"`` (from memory deferrals) or ``"unknown"``."""
+    time_source: Mapping[str, str]
+    """Per encoder: ``"device"`` or ``"host"``."""
+    simulated: bool
+    """Some encoder ran on the simulated backend (replays there run the forward again)."""
+    profiling: bool
+    """The log holds calls of the profiling phase."""
+
+    @property
+    def calls(self) -> dict[Worker, tuple[_Call, ...]]:
+        """Each worker's calls as objects (an object per call: for inspection and tests)."""
+        return {worker: sequence.calls() for worker, sequence in self.sequences.items()}
+
+    @property
+    def workers(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for sequence in self.sequences.values():
+            for key_id in first_seen(sequence.ids):
+                seen.setdefault(sequence.keys[key_id][0])
+        return tuple(seen)
+
+    @property
+    def call_count(self) -> int:
+        return sum(len(sequence) for sequence in self.sequences.values())
+
+    @property
+    def time_known(self) -> bool:
+        """Whether every eligible key has an estimated saving (and replays are real)."""
+        if self.simulated:
+            return False
+        return all(
+            cost.saving_s is not None for costs in self.costs.values() for cost in costs.values()
+        )
+
+    @property
+    def estimated_sizes(self) -> int:
+        """Keys whose capture size is estimated."""
+        return sum(cost.estimated_bytes for costs in self.costs.values() for cost in costs.values())
+
+    @classmethod
+    def from_records(
+        cls, records: Iterable[EventRecord], *, free_bytes: int | None = None
+    ) -> Recording:
+        """Read the calls, key costs and logged settings out of event-log records.
+
+        Args:
+            records: the records of one or more logs, each worker's in the order written;
+                read once, as they come.
+            free_bytes: device-free memory at each worker's start, when known (else it is
+                estimated from memory deferrals, if the log has any).
+        """
+        builder = _Builder()
+        add = builder.add
+        for record in records:
+            add(record)
+        return builder.build(free_bytes)
+
+
+_SKIPPED = 4
+"""A flag while recording: kept out of admission as profiling (its key gets a stream)."""
+
+
+def _append(
+    store: dict[tuple[str, Signature], Any], ident: tuple[str, Signature], value: Any
+) -> None:
+    """Append a time, in 8 bytes while every value of the key is a float; a key with an
+    integer time keeps its values as objects, so their sum is the reference's exactly."""
+    values = store.get(ident)
+    if values is None:
+        values = store[ident] = array("d")
+    if type(value) is float and type(values) is array:
+        values.append(value)
+    elif type(values) is array:
+        store[ident] = [*values, value]
+    else:
+        values.append(value)
+
+
+class _Worker:
+    """One worker's calls while recording: raw key ids and flags."""
+
+    __slots__ = ("flags", "ids", "index")
+
+    def __init__(self) -> None:
+        self.index: dict[tuple[str, Signature], int] = {}
+        self.ids = array("i")
+        self.flags = bytearray()
+
+
+class _Builder:
+    """Accumulate records into a :class:`Recording`."""
+
+    def __init__(self) -> None:
+        self.workers: dict[Worker, _Worker] = {}
+        self.infos: dict[str, Mapping[str, Any]] = {}
+        self.eager: dict[tuple[str, Signature], Any] = {}
+        self.replay: dict[tuple[str, Signature], Any] = {}
+        self.eager_dev: dict[tuple[str, Signature], Any] = {}
+        self.replay_dev: dict[tuple[str, Signature], Any] = {}
+        self.sizes: dict[tuple[str, Signature], list[int]] = {}
+        self.device_timed: set[str] = set()
+        self.skipped_profiling: set[str] = set()
+        self.streams: dict[tuple[str, str | None], dict[int, int]] = {}
+        # Per worker and device: bytes captured so far, and free memory + that at deferrals.
+        self.captured_bytes: dict[tuple[Worker, str], int] = {}
+        self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
+        self.profiling = False
+
+    def add(self, record: EventRecord) -> None:
+        item = record.item
+        kind = type(item)
+        if kind is ev.GraphReplayed or kind is ev.GraphMissed:
+            self._call(record)
+            return
+        if kind is AdapterInfo:
+            self.infos[item.adapter] = item.info  # type: ignore[union-attr]
+            return
+        worker = record.source
+        ident = (item.adapter, item.signature)  # type: ignore[union-attr]
+        if isinstance(item, ev.DeviceTimed):
+            if item.adapter not in self.device_timed:
+                self.device_timed.add(item.adapter)
+                # Its keys' costs are device times from now on: the host times would never
+                # be read, and they are as many as the calls.
+                for store in (self.eager, self.replay):
+                    for stale in [ident for ident in store if ident[0] == item.adapter]:
+                        del store[stale]
+            target = self.replay_dev if item.kind == "replay" else self.eager_dev
+            _append(target, ident, item.device_s)
+        elif isinstance(item, ev.GraphCaptured):
+            size = item.bytes_reserved + item.static_bytes
+            self.sizes.setdefault(ident, []).append(size)
+            place = (worker, item.device)
+            self.captured_bytes[place] = self.captured_bytes.get(place, 0) + size
+        elif isinstance(item, ev.MemoryDeferred):
+            place = (worker, item.device)
+            start = item.free_bytes + self.captured_bytes.get(place, 0)
+            self.deferral_starts.setdefault(place, []).append(start)
+
+    def _call(self, record: EventRecord) -> None:
+        item = record.item
+        assert isinstance(item, (ev.GraphReplayed, ev.GraphMissed))
+        adapter = item.adapter
+        signature = item.signature
+        ident = (adapter, signature)
+        profiling = item.phase is Phase.PROFILING
+        if profiling:
+            self.profiling = True
+        host = adapter not in self.device_timed
+        if type(item) is ev.GraphReplayed:
+            eligible, skipped = True, False
+            if host:
+                _append(self.replay, ident, item.duration_s)
+        else:
+            assert isinstance(item, ev.GraphMissed)
+            skipped = item.reason is MissReason.INELIGIBLE and item.detail == "profiling"
+            eligible = item.reason is not MissReason.INELIGIBLE or skipped
+            if skipped:
+                self.skipped_profiling.add(adapter)
+            if eligible and item.duration_s is not None and host:
+                _append(self.eager, ident, item.duration_s)
+        if eligible and signature.stream is not None:
+            counts = self.streams.get((adapter, signature.device))
+            if counts is None:
+                counts = self.streams[(adapter, signature.device)] = {}
+            counts[signature.stream] = counts.get(signature.stream, 0) + 1
+        worker = self.workers.get(record.source)
+        if worker is None:
+            worker = self.workers[record.source] = _Worker()
+        key_id = worker.index.get(ident)
+        if key_id is None:
+            key_id = worker.index[ident] = len(worker.index)
+        worker.ids.append(key_id)
+        # A call skipped as profiling ran in the profiling phase.
+        worker.flags.append(
+            (ELIGIBLE if eligible else 0)
+            | (PROFILING if profiling or skipped else 0)
+            | (_SKIPPED if skipped else 0)
+        )
+
+    def _key(self, adapter: str, signature: Signature, skipped: bool) -> Signature:
+        """The key of a call: a call kept out of admission has no stream, so it gets the
+        stream the encoder's eligible calls on its device used most."""
+        if not skipped or signature.stream is not None:
+            return signature
+        counts = self.streams.get((adapter, signature.device))
+        if not counts:
+            return signature
+        stream = max(counts, key=lambda s: counts[s])
+        return Signature(signature.inputs, stream)
+
+    def _sequence(self, raw: _Worker) -> CallSequence:
+        """The worker's calls with their admission keys (see :meth:`_key`)."""
+        # Views of what was recorded, not copies: the arrays are as long as the log.
+        flags = np.frombuffer(raw.flags, dtype=np.uint8)
+        ids = np.frombuffer(raw.ids, dtype=np.intc)
+        table: dict[tuple[str, Signature], int] = {}
+        plain = np.empty(len(raw.index), dtype=np.int32)
+        skipped = np.empty(len(raw.index), dtype=np.int32)
+        for (adapter, signature), raw_id in raw.index.items():
+            for target, kept in ((plain, False), (skipped, True)):
+                key = self._key(adapter, signature, kept)
+                target[raw_id] = table.setdefault((adapter, key), len(table))
+        mapped = plain[ids]
+        kept_out = np.flatnonzero(flags & _SKIPPED)
+        mapped[kept_out] = skipped[ids[kept_out]]
+        keys = tuple((adapter, key, key.device) for adapter, key in table)
+        return CallSequence(keys, mapped, (flags & (ELIGIBLE | PROFILING)).astype(np.uint8))
+
+    def build(self, free_bytes: int | None) -> Recording:
+        sequences = {}
+        for worker in list(self.workers):
+            # Each worker's raw arrays go as soon as its sequence is made.
+            sequences[worker] = self._sequence(self.workers.pop(worker))
+        keys: dict[str, dict[Signature, None]] = {}
+        for sequence in sequences.values():
+            # The eligible keys in the order their first calls came.
+            for key_id in first_seen(sequence.ids, (sequence.flags & ELIGIBLE) != 0):
+                adapter, key, _ = sequence.keys[key_id]
+                keys.setdefault(adapter, {})[key] = None
+        time_source = {
+            adapter: ("device" if adapter in self.device_timed else "host") for adapter in keys
+        }
+        costs = {
+            adapter: self._costs(adapter, tuple(adapter_keys), time_source[adapter])
+            for adapter, adapter_keys in keys.items()
+        }
+        if free_bytes is not None:
+            free = {
+                (worker, device): free_bytes
+                for worker, sequence in sequences.items()
+                for device in _devices(sequence)
+            }
+            free_source = "given"
+        elif self.deferral_starts:
+            # The lowest start any deferral implies: the floor bites at least where it did.
+            free = {place: min(starts) for place, starts in self.deferral_starts.items()}
+            free_source = "estimated"
+        else:
+            free, free_source = {}, "unknown"
+        return Recording(
+            sequences=sequences,
+            costs=costs,
+            logged={adapter: self._logged(adapter) for adapter in keys},
+            free_bytes=free,
+            free_source=free_source,
+            time_source=time_source,
+            simulated=any(bool(info.get("simulated")) for info in self.infos.values()),
+            profiling=self.profiling or bool(self.skipped_profiling),
+        )
+
+    def _logged(self, adapter: str) -> Setting:
+        info = self.infos.get(adapter, {})
+        default = EncoderGraphConfig()
+
+        def number(name: str, fallback: int) -> int:
+            value = info.get(name)
+            return value if isinstance(value, int) and not isinstance(value, bool) else fallback
+
+        return Setting(
+            number("max_graphs", default.max_graphs),
+            number("min_capture_calls", default.min_capture_calls),
+            number("min_free_bytes", default.min_free_bytes),
+            bool(info.get("skip_profiling", adapter in self.skipped_profiling)),
+        )
+
+    def _costs(
+        self, adapter: str, keys: Sequence[Signature], source: str
+    ) -> dict[Signature, KeyCost]:
+        eager_times = self.eager_dev if source == "device" else self.eager
+        replay_times = self.replay_dev if source == "device" else self.replay
+
+        def mean(values: Sequence[float] | None) -> float | None:
+            return sum(values) / len(values) if values else None
+
+        eager = {key: mean(eager_times.get((adapter, key))) for key in keys}
+        replay = {key: mean(replay_times.get((adapter, key))) for key in keys}
+        # The replay-to-eager ratio of keys with both, weighted by their replays.
+        replay_total = eager_equiv = 0.0
+        for key in keys:
+            e, times = eager[key], replay_times.get((adapter, key))
+            if e is not None and times:
+                replay_total += sum(times)
+                eager_equiv += len(times) * e
+        ratio = replay_total / eager_equiv if eager_equiv > 0 else None
+        # Bytes per input element of the keys captured, for the keys never captured.
+        size = {key: self.sizes.get((adapter, key)) for key in keys}
+        recorded = [(sum(s) / len(s), _numel(key)) for key, s in size.items() if s]
+        if not recorded:
+            # No capture of this encoder: another encoder's rate beats nothing.
+            recorded = [(sum(s) / len(s), _numel(key)) for (_, key), s in self.sizes.items()]
+        elements = sum(n for _, n in recorded)
+        per_element = sum(b for b, _ in recorded) / elements if elements else 0.0
+        known = [e for e in eager.values() if e is not None]
+        typical = sum(known) / len(known) if known else None
+        costs: dict[Signature, KeyCost] = {}
+        for key in keys:
+            e, r = eager[key], replay[key]
+            estimated_time = False
+            if e is None and r is None and typical is not None:
+                # Neither time measured (a device timing never resolved): the encoder's
+                # typical eager time stands in.
+                e, estimated_time = typical, True
+            if ratio is not None and ratio > 0:
+                if r is None and e is not None:
+                    r, estimated_time = e * ratio, True
+                elif e is None and r is not None:
+                    e, estimated_time = r / ratio, True
+            sizes = size[key]
+            if sizes:
+                capture_bytes, estimated_bytes = round(sum(sizes) / len(sizes)), False
+            else:
+                capture_bytes, estimated_bytes = round(per_element * _numel(key)), True
+            costs[key] = KeyCost(e, r, capture_bytes, estimated_time, estimated_bytes)
+        return costs
+
+
+def _numel(signature: Signature) -> int:
+    # Capped at the largest byte count omnitrace exports: a logged shape of hundreds of
+    # dimensions has more elements than a float holds, and no device holds that many.
+    return min(sum(spec.numel for spec in signature.inputs if spec is not None), INT64_MAX)
+
+
+def first_seen(ids: npt.NDArray[np.int32], mask: npt.NDArray[np.bool_] | None = None) -> list[int]:
+    """The distinct ids (where ``mask``), in the order of their first occurrence.
+
+    A block at a time: sorting a log-long array would take several times its memory.
+    """
+    seen: dict[int, None] = {}
+    for begin in range(0, len(ids), 1 << 16):
+        block = ids[begin : begin + (1 << 16)]
+        if mask is not None:
+            block = block[mask[begin : begin + (1 << 16)]]
+        found, first = np.unique(block, return_index=True)
+        for key_id in found[np.argsort(first, kind="stable")].tolist():
+            seen.setdefault(key_id)
+    return list(seen)
+
+
+def _devices(sequence: CallSequence) -> list[str]:
+    """The devices of a worker's calls, in the order they first came."""
+    seen: dict[str, None] = {}
+    for key_id in first_seen(sequence.ids):
+        device = sequence.keys[key_id][2]
+        if device:
+            seen.setdefault(device)
+    return list(seen)
