@@ -1,7 +1,8 @@
 """Write the event logs of this folder and record what the commands print for them.
 
 The outputs (``expected.tar.xz``) were recorded with the readers, ``top``, ``replay`` and
-``advise`` as they were before they streamed (omnitrace at 76bbef3), so
+``advise`` as they were before they streamed (omnitrace at 5439577, with the multi-rank
+commands: `advise --json` has `per_worker`), so
 ``tests/test_eventlog_equal.py`` can check that the streaming ones print the same. Run it
 from the repository root with the omnitrace to record:
 
