@@ -118,7 +118,7 @@ def test_the_wheel_holds_the_package_and_the_license_with_an_spdx_expression(
         metadata = email.message_from_bytes(archive.read(f"{info}/METADATA"))
         license_text = archive.read(f"{info}/licenses/LICENSE").decode()
     assert "omnitrace/py.typed" in names
-    assert "omnitrace/cli.py" in names
+    assert "omnitrace/cli/__init__.py" in names
     assert {n.split("/")[0] for n in names} == {"omnitrace", info}
     assert metadata["License-Expression"] == "Apache-2.0"
     assert metadata.get_all("License-File") == ["LICENSE"]

@@ -14,6 +14,10 @@ Export problems never reach the host: a failing exporter is counted and reported
 module's logger (and again only after it has recovered and failed anew), exporter timeouts are
 short, and shutdown is bounded (0.8 s by default): it skips attempts against an endpoint already
 known dead, cancels retry back-offs and abandons an export still waiting.
+
+This module wires the providers and owns their lifecycle; the guarded exporters and their
+export monitor are ``otel_export.py``, the resource and the intervals read from ``OTEL_*``
+variables ``otel_env.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,18 +32,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from omnitrace._env import env_endpoints, env_seconds
+from omnitrace._env import env_endpoints
 from omnitrace._validate import check_duration, check_endpoint, check_int, check_text
-from omnitrace._worker import env_rank
-from omnitrace.errors import ConfigError, MissingExtraError
-from omnitrace.sinks.names import ATTR
+from omnitrace.errors import ConfigError
 from omnitrace.sinks.otel import (
     _DEFAULT_ENDPOINTS,
     _PROTOCOLS,
     OTelSink,
     OTLPProtocol,
-    _name,
 )
+from omnitrace.sinks.otel_env import INTERVAL_RANGE_S, TIMEOUT_RANGE_S, env_millis, sdk_resource
+from omnitrace.sinks.otel_export import EXPORTER_LOGGERS, ExportMonitor, guarded_exporters
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 if TYPE_CHECKING:
@@ -53,131 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["OTelSetup", "SdkSink", "configure_sdk", "sdk_sink"]
 
 logger = logging.getLogger(__name__)
-
-
-class _ExportMonitor(logging.Filter):
-    """Count export outcomes per signal; report an outage once and its end once.
-
-    Signals are tracked apart because one endpoint may take one and refuse the other (Jaeger
-    takes traces, not metrics), but reported together: a dead endpoint fails both, and that
-    is one problem for the operator, logged once; the all-clear comes when every signal
-    exports again.
-
-    Also a logging filter for the OTLP exporters' own loggers: while an outage is reported,
-    their per-attempt errors and retry warnings for the failing signal are suppressed, so a
-    dead collector costs the host one log line instead of one per export interval.
-    """
-
-    def __init__(self, protocol: str, endpoint: str) -> None:
-        super().__init__()
-        self.protocol = protocol
-        self.endpoint = endpoint
-        self._lock = threading.Lock()
-        self.failures: dict[str, int] = {"traces": 0, "metrics": 0}
-        self.successes: dict[str, int] = {"traces": 0, "metrics": 0}
-        self.in_outage: dict[str, bool] = {"traces": False, "metrics": False}
-        self.causes: dict[str, str] = {}
-        self.reported = False
-        self.closing = False
-        self.unfinished: float | None = None
-        """The shutdown deadline (s) an export was still running at, if one was."""
-        #: The exporters by signal, shut down to cancel a retry once the host is closing.
-        self.exporters: dict[str, Any] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Every failure reaches the host as this monitor's own report, so the exporters'
-        # per-attempt lines ("Transient error ... retrying") are kept only as the cause.
-        signal = _LOGGER_SIGNALS.get(record.name, "any")
-        if record.levelno >= logging.WARNING:
-            with self._lock:
-                self.causes.setdefault(signal, _cause(record.getMessage()))
-        if self.closing and "retrying" in str(record.msg):
-            # Waiting out a back-off at exit only delays it: the exporter's shutdown ends
-            # the wait, and the batch is reported as failed.
-            for name, exporter in self.exporters.items():
-                if signal in (name, "any"):
-                    exporter.shutdown()
-        return False
-
-    def skip(self, signal: str) -> bool:
-        """Whether to drop a batch without trying: shutting down, and the endpoint is dead."""
-        return self.closing and self.in_outage[signal]
-
-    def error(self) -> str | None:
-        """One line saying what failed and where, or None when every export succeeded."""
-        with self._lock:
-            failed = [signal for signal, count in self.failures.items() if count]
-            if not failed and self.unfinished is None:
-                return None
-            signals = failed or [s for s in ("traces", "metrics") if s in self.causes]
-            parts = []
-            for signal in signals:
-                cause = self.causes.get(signal) or self.causes.get("any")
-                parts.append(f"{signal}: {cause}" if cause else signal)
-            if not parts:
-                parts.append(
-                    self.causes.get("any")
-                    or f"no answer within {self.unfinished:g} s, the shutdown deadline"
-                )
-        return f"OTLP export to {self.endpoint} ({self.protocol}) failed: {', '.join(parts)}"
-
-    def outcome(self, signal: str, ok: bool, error: str | None = None) -> None:
-        with self._lock:
-            self.in_outage[signal] = not ok
-            if ok:
-                self.successes[signal] += 1
-            else:
-                self.failures[signal] += 1
-                if error:
-                    self.causes.setdefault(signal, _cause(error))
-            report = not ok and not self.reported
-            recovered = ok and self.reported and not any(self.in_outage.values())
-            if report:
-                self.reported = True
-            elif recovered:
-                self.reported = False
-                self.causes.clear()
-            cause = self.causes.get(signal) or self.causes.get("any")
-        if report:
-            logger.warning(
-                "OpenTelemetry %s export to %s (%s) failed%s; telemetry is dropped until the "
-                "endpoint recovers. Further failures are counted, not logged.",
-                signal,
-                self.endpoint,
-                self.protocol,
-                f": {cause}" if cause else "",
-            )
-        elif recovered:
-            logger.info("OpenTelemetry export to %s recovered", self.endpoint)
-
-
-_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
-_HTTP_STATUS = re.compile(r"code: (\d{3}), reason: ([^,]+)")
-_GRPC_STATUS = re.compile(r"StatusCode\.([A-Z_]+)")
-
-
-def _cause(message: str) -> str:
-    """Return the gist of an exporter's error text ("Connection refused", "HTTP 404 ...")."""
-    if match := _ERRNO.search(message):
-        return match[1].strip()
-    if match := _HTTP_STATUS.search(message):
-        return f"HTTP {match[1]} {match[2].strip()}"
-    if match := _GRPC_STATUS.search(message):
-        return f"gRPC {match[1]}"
-    if "timed out" in message.lower() or "timeout" in message.lower():
-        return "timed out"
-    return message if len(message) <= 120 else message[:119] + "…"
-
-
-_LOGGER_SIGNALS: Mapping[str, str] = {
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter": "traces",
-    "opentelemetry.exporter.otlp.proto.http.metric_exporter": "metrics",
-}
-_EXPORTER_LOGGERS = (
-    *_LOGGER_SIGNALS,
-    "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.exporter.otlp.common.http",
-)
 
 
 class OTelSetup:
@@ -199,7 +76,7 @@ class OTelSetup:
         meter_provider: SDKMeterProvider,
         protocol: str | None,
         endpoint: str | None,
-        monitor: _ExportMonitor | None,
+        monitor: ExportMonitor | None,
         prometheus_reader: Any = None,
         prometheus_server: Any = None,
         prometheus_thread: threading.Thread | None = None,
@@ -283,7 +160,7 @@ class OTelSetup:
                 done.set()
                 # Only now: an abandoned export may still log its retries until it ends.
                 if monitor is not None:
-                    for name in _EXPORTER_LOGGERS:
+                    for name in EXPORTER_LOGGERS:
                         logging.getLogger(name).removeFilter(monitor)
 
         # A daemon thread, so an export stuck on a silent endpoint cannot delay the exit.
@@ -313,64 +190,6 @@ class OTelSetup:
     def __repr__(self) -> str:
         target = f"{self.protocol} {self.endpoint}" if self.endpoint else "no OTLP"
         return f"<OTelSetup {target} prometheus={self.prometheus_reader is not None}>"
-
-
-def _resource(
-    service_name: str | None,
-    default_service_name: str,
-    extra: Mapping[str, str | int | float | bool] | None,
-    defaults_of_source: Mapping[str, str | int | float | bool] | None = None,
-) -> Any:
-    """Build the SDK resource: explicit arguments, else OTel's variables, else defaults.
-
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (read by the SDK's own detector)
-    override omnitrace's defaults (service name, pid, worker ranks) and are overridden by
-    ``service_name`` and ``resource_attributes`` when those are given.
-    """
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-
-    defaults: dict[str, str | int | float | bool] = {
-        ATTR.SERVICE_NAME: default_service_name,
-        ATTR.PROCESS_PID: os.getpid(),
-    }
-    # torchrun and most launchers export these; they tell the workers of one job apart.
-    for variable, key in (("RANK", ATTR.RANK), ("LOCAL_RANK", ATTR.LOCAL_RANK)):
-        rank = env_rank(variable)
-        if rank is not None:
-            defaults[key] = rank
-    # The process the telemetry describes, when it is not this one (a replayed worker).
-    defaults.update(defaults_of_source or {})
-    from_env = OTELResourceDetector().detect().attributes
-    attributes = {key: value for key, value in defaults.items() if key not in from_env}
-    if service_name is not None:
-        attributes[ATTR.SERVICE_NAME] = service_name
-    if extra:
-        attributes.update(extra)
-    # Resource.create merges the same variables again, under these attributes.
-    return Resource.create(attributes)
-
-
-#: Export intervals and delays, in seconds: from 10 ms (shorter only spins the SDK's export
-#: thread) to a day. The SDK takes any positive number, but past threading.TIMEOUT_MAX
-#: (about 292 years) its thread's wait raises OverflowError, far from where it was set.
-INTERVAL_RANGE_S = (0.01, 86_400.0)
-#: The deadline of one export, retries included: 10 ms to 10 minutes.
-TIMEOUT_RANGE_S = (0.01, 600.0)
-
-
-def _env_millis(name: str) -> float | None:
-    """Return the seconds in the millisecond variable ``name``; None when it is unset.
-
-    Raises:
-        ConfigError: the value is no number of milliseconds in :data:`INTERVAL_RANGE_S`.
-    """
-    if not os.environ.get(name, "").strip():
-        return None
-    low, high = INTERVAL_RANGE_S
-    millis = env_seconds(
-        os.environ, name, 0.0, low=low * 1000, high=high * 1000, unit="milliseconds"
-    )
-    return millis / 1000
 
 
 def configure_sdk(
@@ -459,11 +278,11 @@ def configure_sdk(
         else:
             env_endpoints(os.environ, example=example)
     if export_interval_s is None:
-        interval = _env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
+        interval = env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
     else:
         low, high = INTERVAL_RANGE_S
         interval = check_duration("export_interval_s", export_interval_s, low=low, high=high)
-    span_delay = _env_millis("OTEL_BSP_SCHEDULE_DELAY")
+    span_delay = env_millis("OTEL_BSP_SCHEDULE_DELAY")
     low, high = TIMEOUT_RANGE_S
     timeout = check_duration("export_timeout_s", export_timeout_s, low=low, high=high)
     if prometheus_port is not None:
@@ -480,11 +299,13 @@ def configure_sdk(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = _resource(service_name, default_service_name, resource_attributes, resource_defaults)
+    resource = sdk_resource(
+        service_name, default_service_name, resource_attributes, resource_defaults
+    )
     # Exporters first (a missing gRPC extra fails here, before anything runs), then the
     # scrape endpoint (a port in use fails there), and only then the threads of the batch
     # processor and the periodic reader, so a failed call leaves nothing running behind.
-    monitor: _ExportMonitor | None = None
+    monitor: ExportMonitor | None = None
     span_exporter = metric_exporter = None
     base: str | None = None
     if otlp:
@@ -493,8 +314,8 @@ def configure_sdk(
             or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
             or _DEFAULT_ENDPOINTS[protocol_text]
         )
-        monitor = _ExportMonitor(protocol_text, base)
-        span_exporter, metric_exporter = _guarded_exporters(
+        monitor = ExportMonitor(protocol_text, base, logger)
+        span_exporter, metric_exporter = guarded_exporters(
             protocol_text, endpoint, timeout, monitor, metrics=otlp_metrics
         )
         monitor.exporters = {"traces": span_exporter}
@@ -538,7 +359,7 @@ def configure_sdk(
             )
         )
     if monitor is not None:
-        for name in _EXPORTER_LOGGERS:
+        for name in EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(monitor)
 
     meter_provider = MeterProvider(
@@ -593,118 +414,6 @@ def sdk_sink(bus: EventBus, **settings: Any) -> SdkSink:
         setup.shutdown()
         raise
     return SdkSink(sink, setup)
-
-
-def _guarded_exporters(
-    protocol: str, endpoint: str | None, timeout: float, monitor: _ExportMonitor, *, metrics: bool
-) -> tuple[Any, Any | None]:
-    """Build the OTLP span and metric exporters, wrapped so they count and never raise."""
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    inner_spans: SpanExporter
-    inner_metrics: MetricExporter | None = None
-    if protocol == "grpc":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                OTLPMetricExporter as GrpcMetricExporter,
-            )
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                OTLPSpanExporter as GrpcSpanExporter,
-            )
-        except ImportError as exc:
-            raise MissingExtraError(
-                "protocol 'grpc' needs the OTLP gRPC exporter: pip install "
-                "'opentelemetry-exporter-otlp-proto-grpc>=1.25' (omnitrace's grpc extra)"
-            ) from exc
-        inner_spans = GrpcSpanExporter(endpoint=endpoint, timeout=timeout)
-        if metrics:
-            inner_metrics = GrpcMetricExporter(endpoint=endpoint, timeout=timeout)
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter as HttpMetricExporter,
-        )
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HttpSpanExporter,
-        )
-
-        def url(path: str) -> str | None:
-            return None if endpoint is None else f"{endpoint.rstrip('/')}/{path}"
-
-        inner_spans = HttpSpanExporter(endpoint=url("v1/traces"), timeout=timeout)
-        if metrics:
-            inner_metrics = HttpMetricExporter(endpoint=url("v1/metrics"), timeout=timeout)
-
-    class GuardedSpanExporter(SpanExporter):
-        closed = False
-
-        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-            if monitor.skip("traces"):
-                monitor.outcome("traces", False)
-                return SpanExportResult.FAILURE
-            try:
-                result = inner_spans.export(spans)
-            except Exception as exc:
-                monitor.outcome("traces", False, f"{_name(exc)}: {exc}")
-                return SpanExportResult.FAILURE
-            monitor.outcome("traces", result is SpanExportResult.SUCCESS)
-            return result
-
-        def shutdown(self) -> None:
-            # Called by the provider and, when an export outlives the shutdown deadline,
-            # by OTelSetup.shutdown too.
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                inner_spans.shutdown()
-            except Exception:
-                logger.debug("OTLP span exporter raised on shutdown", exc_info=True)
-
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return inner_spans.force_flush(timeout_millis)
-
-    if inner_metrics is None:
-        return GuardedSpanExporter(), None
-    metric_exporter: MetricExporter = inner_metrics
-
-    class GuardedMetricExporter(MetricExporter):
-        closed = False
-
-        def __init__(self) -> None:
-            super().__init__(
-                preferred_temporality=metric_exporter._preferred_temporality,
-                preferred_aggregation=metric_exporter._preferred_aggregation,
-            )
-
-        def export(
-            self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-        ) -> MetricExportResult:
-            if monitor.skip("metrics"):
-                monitor.outcome("metrics", False)
-                return MetricExportResult.FAILURE
-            try:
-                result = metric_exporter.export(metrics_data, timeout_millis=timeout_millis)
-            except Exception as exc:
-                monitor.outcome("metrics", False, f"{_name(exc)}: {exc}")
-                return MetricExportResult.FAILURE
-            monitor.outcome("metrics", result is MetricExportResult.SUCCESS)
-            return result
-
-        def force_flush(self, timeout_millis: float = 10_000) -> bool:
-            return metric_exporter.force_flush(timeout_millis=timeout_millis)
-
-        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                metric_exporter.shutdown(timeout_millis=timeout_millis)
-            except Exception:
-                logger.debug("OTLP metric exporter raised on shutdown", exc_info=True)
-
-    return GuardedSpanExporter(), GuardedMetricExporter()
 
 
 def _build_sink(request: SinkRequest) -> OTelSink:

@@ -1,0 +1,132 @@
+"""``omnitrace advise``: recorded traffic replayed under other graph settings, and the best."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from omnitrace.cli.output import _error, _print_json, _stdout_console
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["_cmd_advise"]
+
+
+def _advise_table(advice: Any, top: int) -> Table:
+    """Return the table of the best ``top`` settings, and the logged one if it is not there."""
+    from rich import box
+    from rich.table import Table
+
+    from omnitrace._display import safe_markup
+    from omnitrace._units import format_bytes
+    from omnitrace.advise import format_seconds
+
+    recording = advice.recording
+    table = Table(
+        title="settings, best first",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+    )
+    for heading in ("#", "max_graphs", "min_calls", "floor"):
+        table.add_column(heading, justify="right")
+    if recording.profiling:
+        table.add_column("skip prof.")
+    for heading in ("hit rate", "graphs", "pool"):
+        table.add_column(heading, justify="right")
+    free_known = bool(recording.free_bytes)
+    if free_known:
+        table.add_column("least free", justify="right")
+    timed = advice.objective == "time"
+    source = safe_markup("/".join(sorted(set(recording.time_source.values()))))
+    table.add_column(f"saved ({source})" if timed else "hits", justify="right")
+    table.add_column("")
+    shown = list(advice.results[:top])
+    if advice.logged is not None and advice.logged not in shown:
+        shown.append(advice.logged)
+    for result in shown:
+        setting = result.setting
+        rank = next((str(i + 1) for i, r in enumerate(advice.results) if r.setting == setting), "—")
+        marks = []
+        if advice.best is not None and setting == advice.best.setting:
+            marks.append("[bold green]recommended[/]")
+        if advice.logged is not None and setting == advice.logged.setting:
+            marks.append("logged")
+        if advice.memory_budget is not None and result.pool_bytes > advice.memory_budget:
+            marks.append("[yellow]over budget[/]")
+        if result.exhausts_memory:
+            marks.append("[red]out of memory[/]")
+        cells = [rank, str(setting.max_graphs), str(setting.min_capture_calls)]
+        cells.append(format_bytes(setting.min_free_bytes))
+        if recording.profiling:
+            cells.append("yes" if setting.skip_profiling else "no")
+        pool = format_bytes(result.pool_bytes) + ("*" if result.estimated_sizes else "")
+        cells += [f"{result.hit_rate * 100:.1f} %", str(result.graphs), pool]
+        if free_known:
+            cells.append(format_bytes(result.min_free_bytes))
+        cells.append(format_seconds(result.saved_s) if timed else str(result.hits))
+        cells.append(", ".join(marks))
+        table.add_row(*cells)
+    return table
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from omnitrace.advise import Recording, advice_json, advise, default_grid
+    from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+
+    with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
+        chunks = read_logs(args.paths, progress=progress.advance)
+        try:
+            recording = Recording.from_records(
+                (record for _, chunk in chunks for record in chunk), free_bytes=args.free_bytes
+            )
+        except LogReadError as exc:
+            return _error("advise", str(exc), exc.status)
+        if not recording.costs:
+            names = ", ".join(str(p) for p in args.paths)
+            return _error("advise", f"{names}: no encoder call could use a graph", status=1)
+        grid = default_grid(
+            recording,
+            max_graphs=args.max_graphs,
+            min_capture_calls=args.min_capture_calls,
+            min_free_bytes=args.min_free_bytes,
+        )
+        step = progress.phase("replaying settings", len(grid))
+        advice = advise(recording, grid, memory_budget=args.memory_budget, progress=step)
+    from omnitrace.spread import per_worker, spread_json, spread_line, spread_table
+
+    # The one setting for every rank, replayed rank by rank: how far apart they are.
+    spread = None if advice.best is None else per_worker(recording, advice.best.setting)
+    if args.json:
+        by_worker = None if spread is None else spread_json(spread)
+        _print_json({**advice_json(advice), "per_worker": by_worker})
+        return 0 if advice.best is not None else 1
+    if advice.best is None:
+        # Nothing to recommend: one line saying why and what to change, not a table of
+        # settings none of which can be used.
+        return _error("advise", f"no recommendation: {advice.why()}", status=1)
+    from omnitrace._display import safe_markup
+
+    console = _stdout_console()
+    workers = recording.workers
+    # Adapter names and the notes quoting them come from the logs: escaped, never markup.
+    adapters = safe_markup(", ".join(recording.adapters))
+    console.print(
+        f"replayed {recording.call_count} encoder calls of {workers} worker"
+        f"{'s' if workers > 1 else ''} ({adapters}) under {len(grid)} settings"
+    )
+    for note in advice.notes:
+        console.print(f"  · {safe_markup(note)}", soft_wrap=True)
+    console.print(_advise_table(advice, args.top))
+    if any(r.estimated_sizes for r in advice.results[: args.top]):
+        console.print("  * pool memory includes estimated capture sizes")
+    if spread is not None and len(spread) > 1:
+        console.print(spread_table(spread, timed=advice.objective == "time"))
+        console.print(f"  {spread_line(spread)}")
+    console.print("recommended:")
+    overrides = safe_markup(json.dumps(advice.overrides))
+    console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)
+    console.print(f"why: {safe_markup(advice.why())}", soft_wrap=True)
+    return 0

@@ -1,0 +1,316 @@
+"""``omnitrace replay``: event logs fed through a fresh bus into the live view, OTLP or
+Prometheus, recorded (at once or paced) or followed as their writers append."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from omnitrace.cli.export import _export_reported_by_the_cli, _exports_by_variable
+from omnitrace.cli.follow import _exited, _follow, _followable, _sigterm_stops
+from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdout_console
+from omnitrace.cli.tables import stats_table
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from omnitrace.eventlog import EventRecord
+    from omnitrace.events import Event
+
+__all__ = ["_cmd_replay"]
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    # Endpoints are checked before any log is read.
+    if args.otlp_endpoint is not None:
+        from omnitrace._validate import check_endpoint
+
+        args.otlp_endpoint = check_endpoint("--otlp-endpoint", args.otlp_endpoint)
+    elif args.otlp or _exports_by_variable():
+        from omnitrace._env import env_endpoints
+
+        env_endpoints(os.environ)
+    if args.follow:
+        if args.speed is not None:
+            return _error("replay", "--speed paces a recorded log; --follow relays as written")
+        refused = _followable("replay", args.paths) or _stoppable(args)
+        return _replay(args, None) if refused is None else refused
+    for option in (
+        "prometheus_port",
+        "duration",
+        "until_exit",
+        "until_stdin_closes",
+        "from_offset",
+    ):
+        value = getattr(args, option)
+        if value is not None and value is not False:
+            flag = "--" + option.replace("_", "-")
+            return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
+    from omnitrace.eventlog import log_gap
+    from omnitrace.logread import LogReadError, read_logs, writers
+
+    for path in args.paths:
+        if not path.exists():
+            return _error("replay", f"no event log at {path}")
+    # Whether several workers wrote the logs decides the adapters' names before the first
+    # event: a quick pass finds the writers (and the adapter facts, registered first).
+    sources, infos = writers(args.paths)
+    if not sources:
+        try:  # nothing reads as a record: reading says why (a bad line, or no events)
+            for _ in read_logs(args.paths):
+                pass
+        except LogReadError as exc:
+            return _error("replay", str(exc), exc.status)
+    for path in args.paths:
+        gap = log_gap(path)
+        if gap is not None:
+            _say(
+                f"warning: the start of {path} is missing: {gap.events_before} earlier events "
+                f"are not in the log ({gap.events_deleted} deleted by rotation); the replayed "
+                "stats do not include them"
+            )
+    return _replay(args, _Recorded(infos, sources))
+
+
+def _stoppable(args: argparse.Namespace) -> int | None:
+    """Refuse a follow that would stop at once for no reason (exit status 2)."""
+    if args.from_offset is not None and len(args.paths) != 1:
+        return _error("replay", "--from-offset joins one log; give exactly one")
+    if args.until_exit is not None and _exited(args.until_exit, os.getppid()):
+        # Not refused: a server that died before its exporter started still gets its log
+        # exported.
+        _say(
+            f"warning: process {args.until_exit} is not running: relaying what the logs "
+            "hold, then stopping"
+        )
+    if args.until_stdin_closes:
+        import stat
+
+        try:
+            mode = os.fstat(sys.stdin.fileno()).st_mode
+            piped = stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or sys.stdin.isatty()
+        except (AttributeError, OSError, ValueError):
+            piped = False
+        if not piped:
+            return _error(
+                "replay",
+                "--until-stdin-closes: standard input is not a pipe (closed, /dev/null or "
+                "a file), so the follow would stop at once",
+            )
+    return None
+
+
+class _Recorded:
+    """Recorded logs to replay: their adapter facts and writers, found before reading."""
+
+    def __init__(self, infos: Sequence[EventRecord], sources: set[tuple[int, int]]) -> None:
+        self.infos = infos
+        self.sources = sources
+
+
+def _replay(args: argparse.Namespace, records: _Recorded | None) -> int:
+    """Feed recorded logs (None: follow ``args.paths``) through a bus with sinks."""
+    stop = threading.Event()
+    with _sigterm_stops(stop, follow=records is None):
+        return _replay_into_sinks(args, records, stop)
+
+
+def _replay_into_sinks(
+    args: argparse.Namespace, records: _Recorded | None, stop: threading.Event
+) -> int:
+    from omnitrace.bus import EventBus
+    from omnitrace.eventlog import EventLogError
+    from omnitrace.logread import LogReadError, ReadProgress, merged_records, total_bytes
+    from omnitrace.logset import LogSet
+    from omnitrace.relay import LogRelay, feed
+    from omnitrace.sinks.live import BusBoard, LiveView
+    from omnitrace.sinks.registry import build_sinks
+
+    follow = records is None
+    endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    console = _stdout_console()
+    speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
+    names = ", ".join(str(p) for p in args.paths)
+    if not 0 <= speed < float("inf"):
+        return _error("replay", f"--speed: expected a nonnegative number, got {speed}")
+    bus = EventBus()
+    setup: Any = None
+    replayed = 0
+    exported = True
+    drained = True
+    interrupted = False
+    bad_lines = 0
+    # A recorded replay reports a failed export once, at the end; a follow runs for long,
+    # so the SDK wiring's outage warnings are printed as they happen.
+    quiet = contextlib.nullcontext() if follow else _export_reported_by_the_cli()
+    with quiet:
+        try:
+            prometheus = args.prometheus_port is not None
+            otlp = endpoint is not None or args.otlp
+            if otlp or prometheus:
+                # Each worker of the logs exports under a resource of its own (its rank, its
+                # pid), fed by the relay's tap rather than by this bus.
+                from omnitrace.sinks.otel_workers import WorkerExport
+
+                try:
+                    setup = WorkerExport(
+                        default_service_name="omnitrace-replay",
+                        endpoint=endpoint,
+                        otlp=otlp,
+                        prometheus_port=args.prometheus_port,
+                        prometheus_host=args.prometheus_host,
+                    )
+                except OSError as exc:  # the scrape port is taken, or the address is bad
+                    where = f"{args.prometheus_host}:{args.prometheus_port}"
+                    return _error("replay", f"cannot serve /metrics on {where}: {exc}", status=1)
+                except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
+                    return _error("replay", str(exc))
+                if otlp:
+                    where = endpoint or setup.endpoint
+                    _say(f"{'relaying' if follow else 'replaying'} into OTLP at {where}")
+                if setup.prometheus_port is not None:
+                    _say(
+                        f"serving Prometheus metrics at "
+                        f"http://{args.prometheus_host}:{setup.prometheus_port}/metrics"
+                    )
+            # Sinks the environment asks for, as in the vLLM plugin; never the event log
+            # (it could be the log being replayed) nor a second OpenTelemetry export.
+            extras = build_sinks(bus, os.environ, exclude=("jsonl", "otlp", "otlp-relay"))
+            for extra in extras:
+                bus.add_sink(extra)
+            if follow and setup is None and not extras and not args.tui:
+                return _error(
+                    "replay",
+                    "--follow has nowhere to send the events: give --otlp-endpoint (or set "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT), --otlp, --prometheus-port or --tui",
+                )
+            title = f"omnitrace replay · {'following ' if follow else ''}{names}"
+            board = BusBoard(bus, title=title)
+            view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
+            with view:
+                if records is None:
+                    offsets = [args.from_offset] * len(args.paths)
+                    relay = LogRelay(bus, args.paths, offsets=offsets, tap=setup)
+                    logset = LogSet(args.patterns)
+
+                    def poll() -> None:
+                        for path in logset.new_paths():  # a rank that started late
+                            _say(f"following {path} too")
+                            relay.add(path)
+                        relay.poll()
+
+                    try:
+                        _follow(
+                            poll,
+                            args.duration,
+                            stop,
+                            keys=args.tui,
+                            until_exit=args.until_exit,
+                            stdin_stops=args.until_stdin_closes,
+                        )
+                    finally:
+                        drained = relay.finish()
+                        replayed = relay.events
+                        bad_lines = relay.bad_lines
+                else:
+                    # The live view has the terminal while it runs: no progress bar then.
+                    shown = not (args.json or args.tui)
+                    with ReadProgress(total_bytes(args.paths), enabled=shown) as progress:
+                        stream = merged_records(
+                            args.paths, records.infos, progress=progress.advance
+                        )
+                        replayed = feed(
+                            bus,
+                            progress.until_done(stream),
+                            pace=_pacer(speed),
+                            sources=records.sources,
+                            tap=setup,
+                        )
+        except KeyboardInterrupt:
+            interrupted = True
+        except EventLogError as exc:
+            return _error("replay", str(exc))
+        except LogReadError as exc:
+            return _error("replay", str(exc), exc.status)
+        finally:
+            bus.close()
+            dropped = bus.statistics().dropped
+            if setup is not None:
+                exported = setup.shutdown()
+                dropped += setup.dropped
+    # The stats are the bus's folds of what was read: printed however the run ended (a failed
+    # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
+    _print_replayed(args, bus, replayed, endpoint, console)
+    if interrupted:
+        _say(f"interrupted after {replayed} events")
+        return 130
+    if not exported:
+        # Exporting was what this run was for: a failed export fails the command.
+        return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
+    if dropped:
+        return _error(
+            "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
+        )
+    if bad_lines:
+        lines = "1 line of the logs is" if bad_lines == 1 else f"{bad_lines} lines of the logs are"
+        message = f"{lines} no record this version reads (skipped)"
+        return _error("replay", f"{message}; {replayed} events relayed", status=1)
+    if not drained:
+        message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
+        return _error("replay", message, status=1)
+    return 0
+
+
+def _print_replayed(
+    args: argparse.Namespace, bus: Any, replayed: int, endpoint: str | None, console: Console
+) -> None:
+    """Print the stats of the replayed events: the table, or with ``--json`` the JSON."""
+    encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
+    caps = {
+        name: info["max_graphs"]
+        for name, info in bus.adapters().items()
+        if isinstance(info.get("max_graphs"), int)
+    }
+    if args.json:
+        _print_json(
+            {
+                "logs": [str(p) for p in args.paths],
+                "events": replayed,
+                "otlp_endpoint": endpoint,
+                "encoders": {
+                    name: _encoder_json(stats, caps.get(name)) for name, stats in encoders.items()
+                },
+            }
+        )
+    else:
+        console.print(
+            stats_table(
+                encoders,
+                max_graphs=caps,
+                title=f"replayed {replayed} events",
+                compact=console.width < 120,
+            )
+        )
+
+
+def _pacer(speed: float) -> Callable[[Event], None] | None:
+    """Return a hook that sleeps the recorded gaps, sped up ``speed`` times (0: no pacing)."""
+    if not speed:
+        return None
+    previous: list[int] = []
+
+    def pace(event: Event) -> None:
+        if previous:
+            # Recorded gaps, sped up, and capped so an idle hour does not stall.
+            time.sleep(min(max(event.epoch_ns - previous[0], 0) / 1e9 / speed, 2.0))
+            previous[0] = event.epoch_ns
+        else:
+            previous.append(event.epoch_ns)
+
+    return pace

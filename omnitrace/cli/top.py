@@ -1,0 +1,115 @@
+"""``omnitrace top``: the stats of event logs, or the logs a serving process writes, followed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omnitrace.cli.follow import _follow, _followable, _sigterm_stops
+from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdout_console
+
+__all__ = ["_cmd_top"]
+
+
+def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
+    from omnitrace.ranks import totals, totals_json
+
+    snapshot = board.snapshot()
+    workers = [((e.rank, e.pid), e.stats) for e in snapshot.encoders]
+    caps: dict[str, set[int | None]] = {}
+    for e in snapshot.encoders:
+        caps.setdefault(e.stats.adapter, set()).add(e.max_graphs)
+    # A cap the workers do not agree on is unknown.
+    cap = {name: next(iter(c)) if len(c) == 1 else None for name, c in caps.items()}
+    return {
+        "logs": [str(p) for p in paths],
+        "events": snapshot.emitted,
+        "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
+        # Every worker's encoders summed (the view's total row, with several workers).
+        "total": totals_json(totals(workers), cap),
+    }
+
+
+def _top_encoder_json(encoder: Any) -> dict[str, Any]:
+    """One worker's encoder in ``top --json``: what its panel in the view shows."""
+    stats, coverage = encoder.stats, encoder.coverage
+    entry = {
+        "encoder": stats.adapter,
+        "rank": encoder.rank,
+        "pid": encoder.pid,
+        "backend": encoder.backend,
+        **_encoder_json(stats.as_dict(), encoder.max_graphs),
+        # What the first graph had to fit in (None: not read, or no graph yet).
+        "first_capture_free_bytes": stats.graphs[0].free_bytes if stats.graphs else None,
+        **(coverage.summary() if coverage is not None else {}),
+    }
+    if encoder.backend == "simulated" and "lost_s" in entry:
+        # A simulated replay runs the forward again, so no time is lost to a miss: the view
+        # says "lost n/a (simulated)", and the JSON says null.
+        entry["lost_s"] = None
+    return entry
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from omnitrace.eventlog import EventLogError, EventLogFollower
+    from omnitrace.logset import LogSet
+    from omnitrace.sinks.live import LiveView, RecordBoard, render
+
+    names = ", ".join(str(p) for p in args.paths)
+    if not args.follow:
+        from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+
+        board = RecordBoard(title=f"omnitrace top · {names}")
+        try:
+            with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
+                for _, chunk in read_logs(args.paths, progress=progress.advance):
+                    board.add(chunk)
+        except LogReadError as exc:
+            return _error("top", str(exc), exc.status)
+        if args.json:
+            _print_json(_top_json(board, args.paths))
+        else:
+            _stdout_console().print(render(board.snapshot()))
+        return 0
+    if args.json:
+        return _error("top", "--json prints one snapshot; it cannot be combined with --follow")
+    refused = _followable("top", args.paths)
+    if refused is not None:
+        return refused
+
+    console = _stdout_console()
+    tui = not args.no_tui and console.is_terminal
+    board = RecordBoard(title=f"omnitrace top · following {names}")
+    board.footer = ("q or Ctrl-C quits",) if tui else ()
+    followers = [EventLogFollower(path) for path in args.paths]
+    logset = LogSet(args.patterns)
+
+    def poll() -> None:
+        for path in logset.new_paths():  # a rank that started late matches the pattern now
+            _say(f"following {path} too")
+            followers.append(EventLogFollower(path))
+        for follower in followers:
+            board.add(follower.poll())
+
+    stop = threading.Event()
+    try:
+        with (
+            _sigterm_stops(stop),
+            LiveView(board, console=console) if tui else contextlib.nullcontext(),
+        ):
+            _follow(poll, args.duration, stop, keys=tui)
+            poll()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C during the last read ends it too.
+    except EventLogError as exc:
+        return _error("top", str(exc))
+    finally:
+        for follower in followers:
+            follower.close()
+    if not tui:
+        console.print(render(board.snapshot()))
+    return 0

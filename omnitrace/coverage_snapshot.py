@@ -1,0 +1,351 @@
+"""The frozen coverage of an adapter, and the questions asked of it.
+
+What :class:`omnitrace.coverage.CoverageFold` freezes: per input signature, the calls, hits
+and misses by reason, its capture and the time of its eager and replayed calls, each split by
+:class:`~omnitrace.events.Phase` (:class:`KeyCoverage`, of :class:`CallCounts` and
+:class:`Timing`), and per adapter its rows, the ``other`` bucket and what the engine's
+start-up profiling runs reported (:class:`AdapterCoverage`, :class:`ProfilingRuns`). The
+queries are the snapshot's own: the top missed signatures, the summary the command line and
+the OTel sink print, and the estimated time eager calls lost (:class:`EagerLoss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from omnitrace.events import MissReason, Phase
+from omnitrace.signature import Signature
+from omnitrace.stats import HitRate
+
+__all__ = [
+    "GRAPHABLE_REASONS",
+    "NO_CALLS",
+    "NO_RUNS",
+    "PHASES",
+    "REASONS",
+    "AdapterCoverage",
+    "CallCounts",
+    "EagerLoss",
+    "KeyCoverage",
+    "ProfilingRuns",
+    "Timing",
+]
+
+#: Miss reasons a graph could have served (ineligible calls can never use one).
+GRAPHABLE_REASONS: tuple[MissReason, ...] = (
+    MissReason.WARMUP,
+    MissReason.CAPACITY,
+    MissReason.MEMORY,
+)
+#: The order of :attr:`CallCounts.miss_counts` and of :attr:`KeyCoverage.by_phase`.
+REASONS = tuple(MissReason)
+PHASES = tuple(Phase)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The sum and count of measured call times, in seconds."""
+
+    count: int = 0
+    total_s: float = 0.0
+
+    @property
+    def mean_s(self) -> float | None:
+        """The mean time of one call; None when none was measured."""
+        return self.total_s / self.count if self.count else None
+
+    def __add__(self, other: Timing) -> Timing:
+        return Timing(self.count + other.count, self.total_s + other.total_s)
+
+
+_NO_TIME = Timing()
+
+
+@dataclass(frozen=True, slots=True)
+class CallCounts(HitRate):
+    """Calls of one signature (or bucket, or adapter) in one phase or in all of them.
+
+    ``eager`` and ``replay`` are host times from the call events (eager calls a model
+    recorded without running them have none); ``eager_device`` and ``replay_device`` are
+    device times from DeviceTimed events, present only with device timing on.
+    """
+
+    hits: int = 0
+    miss_counts: tuple[int, ...] = (0,) * len(REASONS)
+    """Misses per :class:`MissReason`, in the enum's order (see :attr:`misses`)."""
+    captures: int = 0
+    eager: Timing = _NO_TIME
+    replay: Timing = _NO_TIME
+    eager_device: Timing = _NO_TIME
+    replay_device: Timing = _NO_TIME
+
+    @property
+    def misses(self) -> Mapping[MissReason, int]:
+        """Misses by reason."""
+        return MappingProxyType(dict(zip(REASONS, self.miss_counts, strict=True)))
+
+    @property
+    def graph_misses(self) -> int:
+        return sum(self.miss_counts)
+
+    @property
+    def graphable_misses(self) -> int:
+        """Misses a graph could have served (warm-up, capacity, memory)."""
+        misses = self.misses
+        return sum(misses[reason] for reason in GRAPHABLE_REASONS)
+
+    @property
+    def calls(self) -> int:
+        return self.hits + self.graph_misses
+
+    def eager_time(self, source: str) -> Timing:
+        """Return the eager calls' ``"host"`` or ``"device"`` timing."""
+        return self.eager_device if source == "device" else self.eager
+
+    def replay_time(self, source: str) -> Timing:
+        """Return the replayed calls' ``"host"`` or ``"device"`` timing."""
+        return self.replay_device if source == "device" else self.replay
+
+    def __add__(self, other: CallCounts) -> CallCounts:
+        return CallCounts(
+            self.hits + other.hits,
+            tuple(a + b for a, b in zip(self.miss_counts, other.miss_counts, strict=True)),
+            self.captures + other.captures,
+            self.eager + other.eager,
+            self.replay + other.replay,
+            self.eager_device + other.eager_device,
+            self.replay_device + other.replay_device,
+        )
+
+
+NO_CALLS = CallCounts()
+
+
+def _sum(counts: Iterable[CallCounts]) -> CallCounts:
+    total = NO_CALLS
+    for item in counts:
+        total = total + item
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCoverage:
+    """One tracked signature of an adapter, or its ``other`` bucket (``signature`` None)."""
+
+    signature: Signature | None
+    by_phase: tuple[CallCounts, ...]
+    """The counts per :class:`Phase`, in the enum's order (see :meth:`in_phase`)."""
+    captured: bool = False
+    capture_bytes: int = 0
+    """Bytes the capture took: allocator growth across it plus its static buffers."""
+    capture_phase: Phase | None = None
+    """The phase the graph was captured in (None if it holds none)."""
+
+    @property
+    def key(self) -> str:
+        """The signature's text, or ``"other"`` for the bucket."""
+        return "other" if self.signature is None else self.signature.text
+
+    def in_phase(self, phase: Phase) -> CallCounts:
+        """Return the counts of ``phase``."""
+        return self.by_phase[PHASES.index(phase)]
+
+    @property
+    def total(self) -> CallCounts:
+        """The counts of every phase together."""
+        return _sum(self.by_phase)
+
+    @property
+    def calls(self) -> int:
+        return self.total.calls
+
+    @property
+    def hits(self) -> int:
+        return self.total.hits
+
+    @property
+    def graph_misses(self) -> int:
+        return self.total.graph_misses
+
+    @property
+    def main_reason(self) -> MissReason | None:
+        """The reason most of its misses had (ties: display order); None without misses."""
+        misses = self.total.misses
+        ranked = sorted(MissReason.display_order(), key=lambda r: -misses[r])
+        return ranked[0] if misses[ranked[0]] else None
+
+
+@dataclass(frozen=True, slots=True)
+class EagerLoss:
+    """What the eager calls a graph could have served cost, and what graphs would save.
+
+    Per signature: its graphable misses times its mean eager time (``eager_s``), and times
+    its mean eager time minus its mean replay time (``lost_s``, never below zero per
+    signature). A signature never replayed gets the adapter's replay-to-eager ratio of the
+    signatures that have both. Times are device times when the adapter's events carry any
+    (``source`` ``"device"``), else host times.
+    """
+
+    misses: int
+    """Misses a graph could have served (warm-up, capacity, memory)."""
+    timed: int
+    """Of those, misses of signatures with a measured eager time (the rest count nowhere)."""
+    eager_s: float
+    lost_s: float | None
+    """None when no replay time is known to estimate from."""
+    source: str
+    """``"device"`` or ``"host"``."""
+    estimated: int
+    """Signatures whose replay time is estimated from other signatures' ratio."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilingRuns:
+    """What the engine's profiling runs reported of one adapter (ProfilingObserved events)."""
+
+    runs: int = 0
+    """Profiling runs observed."""
+    encoder_calls: int = 0
+    """Calls of this encoder those runs made, in all."""
+    without_calls: int = 0
+    """Runs that did not call this encoder: its graphs' memory was not profiled by them."""
+    runner: str = ""
+    """The profiling method of the latest run (empty before any)."""
+
+
+NO_RUNS = ProfilingRuns()
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCoverage:
+    """A frozen snapshot of one adapter's per-signature coverage."""
+
+    adapter: str
+    keys: tuple[KeyCoverage, ...]
+    """The tracked signatures, most calls first (first seen first among equals)."""
+    other: KeyCoverage
+    """Calls of signatures not tracked (``signature`` None)."""
+    limit: int
+    """Signatures tracked at most, beside captured ones beyond it."""
+    evictions: int = 0
+    """Rows folded into ``other`` so far (one signature may count more than once)."""
+    profiling_runs: ProfilingRuns = NO_RUNS
+    """What the engine's start-up profiling runs reported of this encoder."""
+
+    @property
+    def total(self) -> CallCounts:
+        """Every call of the adapter: the tracked rows plus ``other``, exactly."""
+        return _sum(row.total for row in (*self.keys, self.other))
+
+    def in_phase(self, phase: Phase) -> CallCounts:
+        """Every call of the adapter in ``phase``."""
+        return _sum(row.in_phase(phase) for row in (*self.keys, self.other))
+
+    @property
+    def captured(self) -> tuple[KeyCoverage, ...]:
+        """The tracked rows that hold a graph, in :attr:`keys` order."""
+        return tuple(row for row in self.keys if row.captured)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the captured graphs took (allocator growth plus static buffers)."""
+        return sum(row.capture_bytes for row in self.keys)
+
+    def key(self, signature: Signature) -> KeyCoverage | None:
+        """Return the row of ``signature``, or None when it is not tracked."""
+        for row in self.keys:
+            if row.signature == signature:
+                return row
+        return None
+
+    def top_missed(self, count: int = 5) -> tuple[KeyCoverage, ...]:
+        """Return up to ``count`` rows with the most misses (``other`` included), most first."""
+        rows = [row for row in (*self.keys, self.other) if row.graph_misses]
+        rows.sort(key=lambda row: -row.graph_misses)
+        return tuple(rows[:count])
+
+    def summary(self, count: int = 5) -> dict[str, Any]:
+        """Return the coverage in a few JSON-ready fields (log summaries, ``top --json``).
+
+        ``top_missed``: up to ``count`` rows with the most misses, each with its ``key``,
+        ``misses``, the ``reason`` most of them had and their ``share`` of the adapter's
+        calls; ``eager_s`` and ``lost_s`` (see :class:`EagerLoss`) in ``time_source`` time;
+        and ``profiling`` (``calls``, ``hits``, ``captures`` and ``replayed_in_serving``,
+        graphs captured while profiling that serving replayed) when there were any, with
+        ``runs``, ``runs_without_calls`` and ``runner`` (see :class:`ProfilingRuns`) when a
+        profiling run was observed, so a run that called no encoder shows too.
+        """
+        calls = self.total.calls or 1
+        fields: dict[str, Any] = {
+            "top_missed": [
+                {
+                    "key": row.key,
+                    "misses": row.graph_misses,
+                    "reason": None if row.main_reason is None else row.main_reason.value,
+                    "share": round(row.graph_misses / calls, 4),
+                }
+                for row in self.top_missed(count)
+            ]
+        }
+        loss = self.eager_loss()
+        fields.update(eager_s=loss.eager_s, lost_s=loss.lost_s, time_source=loss.source)
+        profiling = self.in_phase(Phase.PROFILING)
+        runs = self.profiling_runs
+        if profiling.calls or profiling.captures or runs.runs:
+            captured = [row for row in self.captured if row.capture_phase is Phase.PROFILING]
+            fields["profiling"] = {
+                "calls": profiling.calls,
+                "hits": profiling.hits,
+                "captures": profiling.captures,
+                "replayed_in_serving": sum(
+                    1 for row in captured if row.in_phase(Phase.SERVING).hits
+                ),
+            }
+            if runs.runs:
+                fields["profiling"].update(
+                    runs=runs.runs, runs_without_calls=runs.without_calls, runner=runs.runner
+                )
+        return fields
+
+    @property
+    def time_source(self) -> str:
+        """``"device"`` when any call of the adapter was timed on the device, else ``"host"``."""
+        total = self.total
+        return "device" if total.eager_device.count or total.replay_device.count else "host"
+
+    def eager_loss(self) -> EagerLoss:
+        """Estimate the time eager calls cost that graphs could have saved (see EagerLoss)."""
+        source = self.time_source
+        rows = [row.total for row in (*self.keys, self.other)]
+        # Replay-to-eager ratio of the rows that have both, weighted by their replays.
+        replay_total = eager_equiv = 0.0
+        for counts in rows:
+            eager = counts.eager_time(source).mean_s
+            replays = counts.replay_time(source)
+            if eager is not None and replays.count:
+                replay_total += replays.total_s
+                eager_equiv += replays.count * eager
+        ratio = replay_total / eager_equiv if eager_equiv > 0 else None
+        misses = timed = estimated = 0
+        eager_s = lost_s = 0.0
+        known = True
+        for counts in rows:
+            graphable = counts.graphable_misses
+            misses += graphable
+            eager = counts.eager_time(source).mean_s
+            if not graphable or eager is None:
+                continue
+            timed += graphable
+            eager_s += graphable * eager
+            replay = counts.replay_time(source).mean_s
+            if replay is None:
+                if ratio is None:
+                    known = False
+                    continue
+                replay = eager * ratio
+                estimated += 1
+            lost_s += graphable * max(0.0, eager - replay)
+        return EagerLoss(misses, timed, eager_s, lost_s if known else None, source, estimated)

@@ -1,0 +1,272 @@
+"""The live view's data model: the frozen snapshot of a frame, and the boards that freeze it.
+
+A board keeps the folded stats (and a short list of recent deferrals and failures) and
+``snapshot()`` freezes them into a :class:`LiveSnapshot`, the one thing
+:func:`omnitrace.sinks.live_layout.render` reads. :class:`BusBoard` folds an in-process
+EventBus; :class:`RecordBoard` folds event-log records, one column per worker pid and rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from omnitrace._display import safe
+from omnitrace._units import format_bytes
+from omnitrace.bus import EventBus
+from omnitrace.coverage import AdapterCoverage, CoverageFold
+from omnitrace.eventlog import AdapterInfo, EventRecord
+from omnitrace.events import CaptureFailed, Event, MemoryDeferred
+from omnitrace.stats import AdapterStats, StatsFold
+
+__all__ = [
+    "RECENT_NOTICES",
+    "Board",
+    "BusBoard",
+    "EncoderSnapshot",
+    "LiveSnapshot",
+    "Notice",
+    "RecordBoard",
+    "clock",
+]
+
+#: Deferrals and failures a board keeps per encoder.
+RECENT_NOTICES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A recent memory deferral or capture failure, as one line of text."""
+
+    epoch_ns: int
+    failed: bool
+    text: str
+    key: str = ""
+    """The graph key quoted in ``text`` (shortened there when the panel is narrow)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderSnapshot:
+    """What the view shows of one encoder adapter (of one worker)."""
+
+    stats: AdapterStats
+    source: str = ""
+    """The worker it belongs to (``"rank 0 · pid 4242"``), empty in-process."""
+    max_graphs: int | None = None
+    min_free_bytes: int | None = None
+    backend: str | None = None
+    notices: tuple[Notice, ...] = ()
+    rank: int | None = None
+    """The writing worker's rank and pid (from an event log); None in-process."""
+    pid: int | None = None
+    coverage: AdapterCoverage | None = None
+    """Per-signature coverage (missed signatures, eager time, profiling), when known."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSnapshot:
+    """Everything one frame of the view shows; ``render`` reads nothing else."""
+
+    title: str
+    taken_epoch_ns: int
+    encoders: tuple[EncoderSnapshot, ...]
+    emitted: int | None = None
+    dropped: int | None = None
+    """Events the bus's sinks lost; None where unknown (a log read from another process)."""
+    footer: tuple[str, ...] = ()
+    progress: tuple[str, ...] = ()
+    """Lines under the title (the demo's requests done of total and elapsed time)."""
+    log: tuple[str, ...] = ()
+    """The last log lines written while the view is up (the view adds them)."""
+
+
+class Board(Protocol):
+    """Something that can freeze the current state into a :class:`LiveSnapshot`."""
+
+    def snapshot(self) -> LiveSnapshot: ...
+
+
+def clock(epoch_ns: int) -> str:
+    """Return the UTC time of day of ``epoch_ns``, as the view prints it."""
+    return datetime.fromtimestamp(epoch_ns / 1e9, tz=timezone.utc).strftime("%H:%M:%SZ")
+
+
+def _notice(event: Event) -> Notice | None:
+    # The key, error type and message are data (from a log, or a model's exception text).
+    # The key's text is made only for the events that make a notice: every event comes here.
+    match event:
+        case MemoryDeferred():
+            key = safe(event.key)
+            return Notice(
+                event.epoch_ns,
+                False,
+                f"{clock(event.epoch_ns)} deferred {key}: free "
+                f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}",
+                key,
+            )
+        case CaptureFailed():
+            key = safe(event.key)
+            return Notice(
+                event.epoch_ns,
+                True,
+                f"{clock(event.epoch_ns)} FAILED {key}: {safe(event.error_type)}: "
+                f"{safe(event.message)}",
+                key,
+            )
+    return None
+
+
+def _int_or_none(info: Mapping[str, Any], key: str) -> int | None:
+    value = info.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _backend(info: Mapping[str, Any]) -> str | None:
+    value = info.get("backend")
+    return value if isinstance(value, str) else None
+
+
+class BusBoard:
+    """Board of an in-process bus: stats from its fold, notices from a tiny sink.
+
+    Args:
+        bus: the bus the adapters emit on (a notice collector sink is attached to it).
+        title: the header line.
+        footer: called at each frame for extra lines (e.g. the demo's streaming calls).
+        progress: called at each frame for the lines under the title (e.g. requests done).
+    """
+
+    def __init__(
+        self,
+        bus: EventBus,
+        *,
+        title: str = "omnitrace",
+        footer: Callable[[], Sequence[str]] | None = None,
+        progress: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
+        self._bus = bus
+        self._title = title
+        self._footer = footer
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._notices: dict[str, deque[Notice]] = {}
+        bus.add_sink(self)
+
+    name = "live"
+
+    def handle(self, events: Sequence[Event]) -> None:
+        """Keep the last few deferrals and failures per encoder (the rest is in the fold)."""
+        for event in events:
+            notice = _notice(event)
+            if notice is not None:
+                with self._lock:
+                    recent = self._notices.setdefault(event.adapter, deque(maxlen=RECENT_NOTICES))
+                    recent.append(notice)
+
+    def snapshot(self) -> LiveSnapshot:
+        """Freeze the bus's stats fold, adapter facts and counters."""
+        stats = self._bus.adapter_stats()
+        coverage = self._bus.coverage()
+        infos = self._bus.adapters()
+        bus_stats = self._bus.statistics()
+        names = list(infos) + [name for name in stats if name not in infos]
+        with self._lock:
+            notices = {name: tuple(q) for name, q in self._notices.items()}
+        encoders = tuple(
+            EncoderSnapshot(
+                stats=stats.get(name, AdapterStats(adapter=name)),
+                max_graphs=_int_or_none(infos.get(name, {}), "max_graphs"),
+                min_free_bytes=_int_or_none(infos.get(name, {}), "min_free_bytes"),
+                backend=_backend(infos.get(name, {})),
+                notices=notices.get(name, ()),
+                coverage=coverage.get(name),
+            )
+            for name in names
+        )
+        return LiveSnapshot(
+            title=self._title,
+            taken_epoch_ns=time.time_ns(),
+            encoders=encoders,
+            emitted=bus_stats.emitted,
+            dropped=bus_stats.dropped,
+            footer=tuple(self._footer()) if self._footer is not None else (),
+            progress=tuple(self._progress()) if self._progress is not None else (),
+        )
+
+
+class RecordBoard:
+    """Board of event-log records, folded per worker (rank, pid) and adapter."""
+
+    def __init__(self, *, title: str = "omnitrace") -> None:
+        self._title = title
+        self._lock = threading.Lock()
+        self._folds: dict[tuple[int, int], StatsFold] = {}
+        self._coverage: dict[tuple[int, int], CoverageFold] = {}
+        self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
+        self._notices: dict[tuple[tuple[int, int], str], deque[Notice]] = {}
+        self._count = 0
+        self.footer: tuple[str, ...] = ()
+        self.progress: tuple[str, ...] = ()
+
+    def add(self, records: Iterable[EventRecord]) -> None:
+        """Fold ``records`` (thread-safe against ``snapshot``)."""
+        with self._lock:
+            for record in records:
+                source = record.source
+                item = record.item
+                if isinstance(item, AdapterInfo):
+                    self._infos.setdefault(source, {})[item.adapter] = item.info
+                    continue
+                self._count += 1
+                self._folds.setdefault(source, StatsFold()).fold(item)
+                self._coverage.setdefault(source, CoverageFold()).fold(item)
+                notice = _notice(item)
+                if notice is not None:
+                    key = (source, item.adapter)
+                    self._notices.setdefault(key, deque(maxlen=RECENT_NOTICES)).append(notice)
+
+    @property
+    def events(self) -> int:
+        """Events folded so far."""
+        return self._count
+
+    def snapshot(self) -> LiveSnapshot:
+        """Freeze the per-worker stats."""
+        with self._lock:
+            sources = sorted(set(self._folds) | set(self._infos))
+            encoders: list[EncoderSnapshot] = []
+            for source in sources:
+                fold = self._folds.get(source, StatsFold())
+                coverage = self._coverage.get(source, CoverageFold())
+                infos = self._infos.get(source, {})
+                names = list(infos) + [n for n in fold.adapters() if n not in infos]
+                label = f"rank {source[0]} · pid {source[1]}" if len(sources) > 1 else ""
+                for name in names:
+                    info = infos.get(name, {})
+                    encoders.append(
+                        EncoderSnapshot(
+                            stats=fold.snapshot(name),
+                            source=label,
+                            max_graphs=_int_or_none(info, "max_graphs"),
+                            min_free_bytes=_int_or_none(info, "min_free_bytes"),
+                            backend=_backend(info),
+                            notices=tuple(self._notices.get((source, name), ())),
+                            rank=source[0],
+                            pid=source[1],
+                            coverage=coverage.snapshot(name),
+                        )
+                    )
+            return LiveSnapshot(
+                title=self._title,
+                taken_epoch_ns=time.time_ns(),
+                encoders=tuple(encoders),
+                emitted=self._count,
+                dropped=None,
+                footer=self.footer,
+                progress=self.progress,
+            )
