@@ -42,7 +42,7 @@ from omnitrace.eventlog_codec import (
     segment_of,
 )
 from omnitrace.eventlog_fast import FastDecoder
-from omnitrace.events import Event, _fast_constructor
+from omnitrace.events import Event
 
 __all__ = [
     "HEADER_MAX",
@@ -137,8 +137,7 @@ def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
     return LogSegment(oldest.events_before, deleted)
 
 
-_FAST = FastDecoder(decode_signature)
-_record = _fast_constructor(EventRecord)
+_FAST = FastDecoder()
 
 
 def _skipped(path: Path, line_no: int, torn: bool) -> None:
@@ -192,7 +191,7 @@ def _parse_lines(
             # The writer's own lines, nearly all of them, take the fast path.
             decoded = fast(parsed)
             if decoded is not None:
-                append(_record(*decoded))
+                append(decoded)
                 continue
         try:
             if not isinstance(parsed, dict):

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from omnitrace.eventlog_codec import EventRecord, decode_signature
 from omnitrace.events import (
     EVENT_TYPES,
     DeviceTimed,
@@ -112,22 +113,17 @@ def _compile(cls: type[Event]) -> Callable[[dict[str, Any], str, Signature], Eve
 
 
 class FastDecoder:
-    """Decode well-formed version-2 event lines; None for anything else.
+    """Decode well-formed version-2 event lines into records; None for anything else."""
 
-    Args:
-        decode_signature: the reference decoder of a signature's JSON form; it raises
-            ``ValueError`` for a form it refuses (that line then goes the reference way).
-    """
+    __slots__ = ("_record", "_signatures", "_types")
 
-    __slots__ = ("_decode_signature", "_signatures", "_types")
-
-    def __init__(self, decode_signature: Callable[[object], Signature]) -> None:
-        self._decode_signature = decode_signature
+    def __init__(self) -> None:
         self._signatures: dict[bytes, Signature] = {}
         self._types = {cls.__name__: _compile(cls) for cls in EVENT_TYPES}
+        self._record = _fast_constructor(EventRecord)
 
-    def __call__(self, record: dict[str, Any]) -> tuple[Event, int, int] | None:
-        """Return ``(event, pid, rank)`` of a parsed line, or None to use the reference."""
+    def __call__(self, record: dict[str, Any]) -> EventRecord | None:
+        """Return the record of a parsed line, or None to use the reference decoder."""
         if record.get("v") != 2 or type(record.get("v")) is not int:
             return None
         kind = record.get("type")
@@ -147,7 +143,8 @@ class FastDecoder:
         event = decoder(record, adapter, signature)
         if event is None or (type(event) is DeviceTimed and event.kind not in _DEVICE_TIMED_KINDS):
             return None
-        return event, pid, rank
+        built: EventRecord = self._record(event, pid, rank)
+        return built
 
     def _signature(self, value: object) -> Signature | None:
         if type(value) is not dict:
@@ -157,7 +154,7 @@ class FastDecoder:
         signature = self._signatures.get(text)
         if signature is None:
             try:
-                signature = self._decode_signature(value)
+                signature = decode_signature(value)
             except ValueError:
                 return None
             if len(self._signatures) >= SIGNATURES_KEPT:

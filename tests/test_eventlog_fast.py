@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from omnitrace import events as ev
 from omnitrace.eventlog import EventLogError, EventRecord, decode_record, encode_event
-from omnitrace.eventlog_codec import decode_signature
 from omnitrace.eventlog_fast import FastDecoder
 from omnitrace.events import MissReason, Phase
 from omnitrace.signature import InputSpec, Signature
@@ -51,7 +50,7 @@ def _check(decoder: FastDecoder, record: dict[str, Any]) -> bool:
         return False
     want = _reference(record)
     assert isinstance(want, EventRecord), (record, want)
-    assert fast == (want.item, want.pid, want.rank)
+    assert fast == want
     return True
 
 
@@ -64,7 +63,7 @@ def _line(event: ev.Event) -> dict[str, Any]:
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
 def test_the_writers_lines_take_the_fast_path_and_equal_the_reference(event: ev.Event) -> None:
     """Every event type as the writer writes it is decoded fast, equal to the reference."""
-    assert _check(FastDecoder(decode_signature), _line(event))
+    assert _check(FastDecoder(), _line(event))
 
 
 @pytest.mark.parametrize(
@@ -87,21 +86,21 @@ def test_values_the_reference_converts_or_refuses_are_declined(field: str, value
     """A value the reference decoder would convert or refuse is left to it."""
     record = _line(EVENTS[0])
     record[field] = value
-    assert not _check(FastDecoder(decode_signature), record)
+    assert not _check(FastDecoder(), record)
 
 
 def test_a_device_timing_of_another_kind_is_declined() -> None:
     """DeviceTimed's kind must be replay or eager; anything else goes the reference way."""
     record = _line(EVENTS[7])
     record["kind"] = "compile"
-    assert FastDecoder(decode_signature)(record) is None
+    assert FastDecoder()(record) is None
     assert isinstance(_reference(record), EventLogError)
 
 
 def test_a_cached_signature_is_not_reused_for_a_different_json_text() -> None:
     """A signature that equals a cached one as Python values (true == 1) but not as JSON is
     decoded anew, and refused as the reference refuses it."""
-    decoder = FastDecoder(decode_signature)
+    decoder = FastDecoder()
     good = _line(EVENTS[2])
     good["signature"]["stream"] = 1
     assert _check(decoder, good)
@@ -116,11 +115,11 @@ def test_a_cached_signature_is_not_reused_for_a_different_json_text() -> None:
 
 def test_repeated_signatures_are_one_object() -> None:
     """Lines of the same key share one decoded signature (and its cached hash)."""
-    decoder = FastDecoder(decode_signature)
+    decoder = FastDecoder()
     first, second = decoder(_line(EVENTS[2])), decoder(_line(EVENTS[3]))
     assert first is not None
     assert second is not None
-    assert first[0].signature is second[0].signature
+    assert first.item.signature is second.item.signature
 
 
 _JSON = st.recursive(
@@ -169,4 +168,4 @@ def test_any_mutation_is_declined_or_decoded_as_the_reference(
         walk(record)
     # Only values a JSON line can hold.
     record = json.loads(json.dumps(record))
-    _check(FastDecoder(decode_signature), record)
+    _check(FastDecoder(), record)
