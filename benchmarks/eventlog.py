@@ -264,7 +264,7 @@ def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def tables(result: dict[str, Any]) -> list[Any]:
     """The benchmark's table for ``BENCHMARKS.md`` (rendered by :mod:`benchmarks.report`)."""
-    from benchmarks.report import Table
+    from benchmarks.table import Table
 
     t = Table(
         "Event-log tools by log size",

@@ -19,11 +19,11 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.suites import BENCHMARKS, SUITES
+from benchmarks.table import Table
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -59,16 +59,6 @@ OWN_SUITE_GOALS: dict[str, tuple[str, str]] = {
         "smaller than without graphs by more than the pools' bytes",
     ),
 }
-
-
-@dataclass
-class Table:
-    """A titled table of preformatted cells."""
-
-    title: str
-    headers: list[str]
-    rows: list[list[str]] = field(default_factory=list)
-    note: str = ""
 
 
 def _us(value: float | None, digits: int = 1) -> str:
