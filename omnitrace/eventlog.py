@@ -172,8 +172,7 @@ def _parse_lines(
     rest = lines.pop()  # after the last newline: empty, or a line still being written
     consumed = len(data) - len(rest)
     line_no = first_line
-    for raw in lines:
-        line_no += 1
+    for line_no, raw in enumerate(lines, first_line + 1):
         try:
             parsed = orjson.loads(raw)
         except (ValueError, RecursionError):

@@ -223,8 +223,15 @@ class RecordBoard:
                     self._infos.setdefault(source, {})[item.adapter] = item.info
                     continue
                 self._count += 1
-                self._folds.setdefault(source, StatsFold()).fold(item)
-                self._coverage.setdefault(source, CoverageFold()).fold(item)
+                # get() first: setdefault would build (and validate) two folds per event.
+                fold = self._folds.get(source)
+                if fold is None:
+                    fold = self._folds[source] = StatsFold()
+                coverage = self._coverage.get(source)
+                if coverage is None:
+                    coverage = self._coverage[source] = CoverageFold()
+                fold.fold(item)
+                coverage.fold(item)
                 notice = _notice(item)
                 if notice is not None:
                     key = (source, item.adapter)
