@@ -6,7 +6,7 @@ commands: `advise --json` has `per_worker`), so
 ``tests/test_eventlog_equal.py`` can check that the streaming ones print the same. Run it
 from the repository root with the omnitrace to record:
 
-    python tests/data/eventlog/make.py logs       # rewrite logs.tar.gz (changes the outputs)
+    python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
     python tests/data/eventlog/make.py outputs    # record the outputs of this omnitrace
 
 Each log is built to reach a part of the format: the demo's own log, two writers in one
