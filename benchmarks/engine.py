@@ -134,37 +134,27 @@ def request_kinds(scale: str, model_kind: str = "qwen2_5_omni") -> list[RequestK
     MiniCPM-o's images are sized by their slices of 448 px: one (the overview only), 2, 4, 6
     and 9 slices beside the overview.
     """
-    if scale == "full" and model_kind == "minicpmo":
+    if scale != "full":
         return [
-            RequestKind("image-448", images=((448, 448),)),
-            RequestKind("image-896x448", images=((896, 448),)),
-            RequestKind("image-896x896", images=((896, 896),)),
-            RequestKind("image-1344x896", images=((1344, 896),)),
-            RequestKind("image-1344x1344", images=((1344, 1344),)),
-            RequestKind("images-2x448", images=((448, 448), (672, 448))),
+            RequestKind("image-224", images=((224, 224),)),
             RequestKind("audio-1s", clips=(1.0,)),
-            RequestKind("audio-5s", clips=(5.0,)),
-            RequestKind("audio-10s", clips=(10.0,)),
-            RequestKind("audio-30s", clips=(30.0,)),
-            RequestKind("image+audio", images=((448, 448),), clips=(5.0,)),
+            RequestKind("image+audio", images=((224, 168),), clips=(0.5,)),
         ]
-    if scale == "full":
-        return [
-            RequestKind("image-448", images=((448, 448),)),
-            RequestKind("image-896x672", images=((896, 672),)),
-            RequestKind("image-1344x1008", images=((1344, 1008),)),
-            RequestKind("images-2x448", images=((448, 448), (672, 448))),
-            RequestKind("audio-1s", clips=(1.0,)),
-            RequestKind("audio-5s", clips=(5.0,)),
-            RequestKind("audio-10s", clips=(10.0,)),
-            RequestKind("audio-30s", clips=(30.0,)),
-            RequestKind("image+audio", images=((448, 448),), clips=(5.0,)),
-        ]
+    if model_kind == "minicpmo":
+        sizes = ((448, 448), (896, 448), (896, 896), (1344, 896), (1344, 1344))
+    else:
+        sizes = ((448, 448), (896, 672), (1344, 1008))
     return [
-        RequestKind("image-224", images=((224, 224),)),
-        RequestKind("audio-1s", clips=(1.0,)),
-        RequestKind("image+audio", images=((224, 168),), clips=(0.5,)),
+        *(RequestKind(_image_name(w, h), images=((w, h),)) for w, h in sizes),
+        RequestKind("images-2x448", images=((448, 448), (672, 448))),
+        *(RequestKind(f"audio-{s:g}s", clips=(s,)) for s in (1.0, 5.0, 10.0, 30.0)),
+        RequestKind("image+audio", images=((448, 448),), clips=(5.0,)),
     ]
+
+
+def _image_name(width: int, height: int) -> str:
+    return f"image-{width}" if width == height == 448 else f"image-{width}x{height}"
+
 
 
 def _png(seed: int, width: int, height: int) -> str:
