@@ -156,7 +156,6 @@ def _image_name(width: int, height: int) -> str:
     return f"image-{width}" if width == height == 448 else f"image-{width}x{height}"
 
 
-
 def _png(seed: int, width: int, height: int) -> str:
     from PIL import Image
 
