@@ -32,8 +32,9 @@ short outputs. Each configuration serves a warm-up pass first (the graphs'
 samples of the same sizes each pass (vLLM caches encoder outputs by content). Reported per
 configuration: TTFT p50 and p99 per request kind and concurrency, requests/s, the encoders'
 device time as a share of TTFT (``DeviceTimed`` events; concurrency 1), graphs and pool bytes
-from the event log, the KV cache vLLM chose (its log), and whether every completion equals the
-eager configuration's.
+from the event log, the KV cache vLLM chose (its log), whether every completion equals the
+eager configuration's, and at concurrency 1 where each kind's TTFT went (the engine's own
+histograms around each request: :mod:`benchmarks.engine_phases`).
 
 A server that fails to start, dies or answers an error fails the benchmark with its output;
 it is never skipped. On a CPU (``--quick`` or ``--tiny``) everything runs on a tiny model:
@@ -59,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import engine_phases
 from benchmarks.common import (
     BenchmarkFailedError,
     Context,
@@ -346,6 +348,9 @@ class Completion:
     total_s: float
     tokens: list[int]
     text: str
+    #: Where the TTFT went (seconds, :data:`benchmarks.engine_phases.PHASES`): measured one
+    #: request at a time, None otherwise.
+    phases: dict[str, float] | None = None
 
 
 def _token_ids(choice: Any) -> list[int]:
@@ -357,13 +362,16 @@ def _token_ids(choice: Any) -> list[int]:
 
 
 def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int) -> Completion:
+    # The request's media are made before the clock starts: a user's TTFT begins when the
+    # request is sent, not while its PNG is encoded (up to a third of a second at 1344x1344).
+    prompt = messages(kind, seed)
     start = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
     parts: list[str] = []
     stream = client.chat.completions.create(
         model=model,
-        messages=messages(kind, seed),
+        messages=prompt,
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
@@ -404,6 +412,8 @@ def run_pass(
         base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=600
     )
     model = client.models.list().data[0].id
+    if concurrency == 1:
+        return _run_alone(server, client, model, traffic, seed=seed, tokens=tokens)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         futures = [
@@ -412,6 +422,31 @@ def run_pass(
         ]
         completions = [f.result() for f in futures]
     return Pass(concurrency, time.perf_counter() - start, completions)
+
+
+def _run_alone(
+    server: Server,
+    client: Any,
+    model: str,
+    traffic: Sequence[RequestKind],
+    *,
+    seed: int,
+    tokens: int,
+) -> Pass:
+    """One request at a time, each between two scrapes of the engine's metrics (where its
+    TTFT went); the pass's wall time is the requests' own, without the scrapes."""
+    completions = []
+    wall_s = 0.0
+    for i, kind in enumerate(traffic):
+        before = engine_phases.scrape(server.port)
+        completion = _one(client, model, kind, seed * 1000 + i, tokens)
+        wall_s += completion.total_s
+        after = engine_phases.settled(server.port, before)
+        completion.phases = engine_phases.split(
+            completion.ttft_s, engine_phases.one_request(before, after)
+        )
+        completions.append(completion)
+    return Pass(1, wall_s, completions)
 
 
 # -- what the event log says -------------------------------------------------------------------
@@ -544,6 +579,10 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
                 "ttft_p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
                 * 1e3,
             }
+            if p.concurrency == 1:
+                mine = [c.phases for c in p.completions if c.kind == kind]
+                rows[f"c1/{kind}"]["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
+                rows[f"c1/{kind}"]["engine_ttft_p50_ms"] = engine_phases.engine_ttft_p50_ms(mine)
     return rows
 
 

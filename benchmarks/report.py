@@ -705,8 +705,38 @@ def _engine(result: dict[str, Any]) -> list[Table]:
             if per_adapter and entry["graphs"]:
                 notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
         engines.note = " ".join(notes)
-        tables += [ttft, engines]
+        tables += [ttft, engines, *_engine_phases(model, configs)]
     return tables
+
+
+def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:
+    """Where each kind's TTFT went at concurrency 1, when the run measured it."""
+    from benchmarks.engine_phases import PHASES
+
+    table = Table(
+        f"{model['name']}: where the TTFT goes, c1 (mean ms)",
+        ["request kind", "configuration", "TTFT", *PHASES],
+    )
+    for kind in model["kinds"]:
+        for name, entry in configs.items():
+            phases = (entry["rows"].get(f"c1/{kind}") or {}).get("phases_mean_ms")
+            if phases is None:
+                continue
+            total = sum(phases[p] for p in PHASES)
+            table.rows.append([kind, name, _ms(total), *(_ms(phases[p]) for p in PHASES)])
+    if not table.rows:
+        return []
+    table.note = (
+        "From vLLM's own histograms read around each request, one request at a time: "
+        "rendering is from the request's arrival at vLLM's renderer (chat template, decoding "
+        "the media, the model's processor) to the first token, less queue and prefill, so it "
+        "also holds the hand-offs between the server and the engine core; queue is the "
+        "scheduler's wait; "
+        "prefill is from the first schedule to the first token (the encoders and the language "
+        "model's prefill); outside is the rest of the client's TTFT (HTTP and request "
+        "handling). Means, so the phases add up to the mean TTFT."
+    )
+    return [table]
 
 
 def _eventlog(result: dict[str, Any]) -> list[Table]:

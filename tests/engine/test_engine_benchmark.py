@@ -65,6 +65,16 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
             assert {row["concurrency"] for row in entry["rows"].values()} == {1, 2}, where
             assert entry["kv_cache_tokens"] > 0, where
             assert all(row["ttft_p50_ms"] > 0 for row in entry["rows"].values()), where
+            # One request at a time, the engine's histograms split each kind's TTFT.
+            for row in entry["rows"].values():
+                phases = row.get("phases_mean_ms")
+                if row["concurrency"] != 1:
+                    assert phases is None, (where, row)
+                    continue
+                assert phases is not None, (where, row["kind"])
+                assert phases["prefill"] > 0, (where, phases)
+                assert phases["rendering"] > 0, (where, phases)
+                assert phases["queue"] >= 0, (where, phases)
         assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
         graphs = model["configurations"]["omnitrace"]["graphs"]
         # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.

@@ -1,0 +1,243 @@
+"""Where a request's TTFT goes, as the engine benchmark reads it from vLLM's ``/metrics``.
+
+The reading is checked against a loopback HTTP server that serves Prometheus pages this test
+writes: one request between two scrapes, a request still finishing, a missing histogram.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def phases(request: pytest.FixtureRequest) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT))
+        from benchmarks import engine_phases
+
+        yield engine_phases
+
+
+def _page(ttft: tuple[float, int], queue: tuple[float, int], prefill: tuple[float, int]) -> str:
+    labels = '{engine="0",model_name="m"}'
+    lines = ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token"]
+    for name, (total, count) in (
+        ("vllm:time_to_first_token_seconds", ttft),
+        ("vllm:request_queue_time_seconds", queue),
+        ("vllm:request_prefill_time_seconds", prefill),
+    ):
+        lines += [
+            f"# TYPE {name} histogram",
+            f'{name}_bucket{{engine="0",le="0.5",model_name="m"}} {count}',
+            f"{name}_sum{labels} {total}",
+            f"{name}_count{labels} {count}",
+            f"{name}_created{labels} 1.7e9",
+        ]
+    lines.append(f"vllm:request_success_total{labels} {ttft[1]}")
+    return "\n".join(lines) + "\n"
+
+
+class _Pages:
+    """A loopback server answering ``/metrics`` with the next of its pages (the last repeats)."""
+
+    def __init__(self, pages: list[str]) -> None:
+        self.pages = pages
+        served = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (served.pages.pop(0) if len(served.pages) > 1 else served.pages[0]).encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Pages:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_parse_sums_and_counts_only_the_three_histograms(phases: Any) -> None:
+    parsed = phases.parse(_page((1.5, 3), (0.25, 3), (0.75, 3)) + "garbage line\nx_sum nan?\n")
+    assert parsed == {
+        "vllm:time_to_first_token_seconds": (1.5, 3.0),
+        "vllm:request_queue_time_seconds": (0.25, 3.0),
+        "vllm:request_prefill_time_seconds": (0.75, 3.0),
+    }
+
+
+def test_one_request_between_two_scrapes_splits_the_clients_ttft(phases: Any) -> None:
+    before = phases.parse(_page((1.0, 2), (0.1, 2), (0.5, 2)))
+    after = phases.parse(_page((1.4, 3), (0.15, 3), (0.7, 3)))
+    engine = phases.one_request(before, after)
+    assert engine == pytest.approx({"engine_ttft": 0.4, "queue": 0.05, "prefill": 0.2})
+    split = phases.split(0.45, engine)
+    assert split == pytest.approx(
+        {"outside": 0.05, "rendering": 0.15, "queue": 0.05, "prefill": 0.2}
+    )
+    # The four phases are the client's TTFT.
+    assert sum(split.values()) == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        _page((1.4, 3), (0.1, 2), (0.5, 2)),  # finished requests not yet recorded
+        _page((1.9, 4), (0.2, 4), (0.9, 4)),  # two requests, not one
+        "",  # no histograms (a server without metrics)
+    ],
+)
+def test_anything_but_exactly_one_request_gives_no_figures(phases: Any, after: str) -> None:
+    before = phases.parse(_page((1.0, 2), (0.1, 2), (0.5, 2)))
+    assert phases.one_request(before, phases.parse(after)) is None
+    assert phases.split(0.3, phases.one_request(before, phases.parse(after))) is None
+
+
+def test_settled_waits_until_the_finished_request_is_counted(phases: Any) -> None:
+    first = _page((1.0, 2), (0.1, 2), (0.5, 2))
+    # The first token is counted before the request finishes: a scrape in between sees the
+    # TTFT but not yet the queue and prefill times.
+    midway = _page((1.4, 3), (0.1, 2), (0.5, 2))
+    done = _page((1.4, 3), (0.15, 3), (0.7, 3))
+    with _Pages([first, midway, midway, done]) as server:
+        before = phases.scrape(server.port)
+        after = phases.settled(server.port, before, wait_s=5.0)
+    assert phases.one_request(before, after) == pytest.approx(
+        {"engine_ttft": 0.4, "queue": 0.05, "prefill": 0.2}
+    )
+
+
+def test_settled_gives_up_after_its_wait(phases: Any) -> None:
+    stuck = _page((1.0, 2), (0.1, 2), (0.5, 2))
+    with _Pages([stuck]) as server:
+        before = phases.scrape(server.port)
+        after = phases.settled(server.port, before, wait_s=0.2)
+    assert phases.one_request(before, after) is None
+
+
+def test_means_add_up_and_a_request_without_figures_voids_the_kind(phases: Any) -> None:
+    a = {"outside": 0.01, "rendering": 0.1, "queue": 0.0, "prefill": 0.2}
+    b = {"outside": 0.03, "rendering": 0.3, "queue": 0.002, "prefill": 0.4}
+    means = phases.mean_phases_ms([a, b])
+    assert means == pytest.approx(
+        {"outside": 20.0, "rendering": 200.0, "queue": 1.0, "prefill": 300.0}
+    )
+    assert phases.mean_phases_ms([a, None]) is None
+    assert phases.mean_phases_ms([]) is None
+
+
+def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
+    from benchmarks import report
+
+    def config(scale: float, with_phases: bool) -> dict[str, Any]:
+        rows = {}
+        for kind in ("image-1", "audio-1s"):
+            for c in (1, 8):
+                rows[f"c{c}/{kind}"] = {
+                    "concurrency": c,
+                    "kind": kind,
+                    "n": 8,
+                    "ttft_p50_ms": 100.0 * scale,
+                    "ttft_p99_ms": 120.0 * scale,
+                }
+            if with_phases:
+                rows[f"c1/{kind}"]["phases_mean_ms"] = {
+                    "outside": 2.0,
+                    "rendering": 40.0 * scale,
+                    "queue": 1.0,
+                    "prefill": 60.0 * scale,
+                }
+        return {
+            "ready_s": 80.0,
+            "kv_cache_tokens": 1000,
+            "rows": rows,
+            "requests_per_s": {"c1": 3.0, "c8": 9.0},
+            "encoder_share_of_ttft_c1": 0.1,
+            "graphs": 4,
+            "hits": 10,
+            "misses": 2,
+            "pool_bytes": 1 << 20,
+            "adapters": {},
+        }
+
+    model = {
+        "name": "Model",
+        "kinds": ["image-1", "audio-1s"],
+        "per_kind": 8,
+        "max_tokens": 8,
+        "configurations": {"eager": config(1.0, True), "omnitrace": config(0.5, True)},
+    }
+    tables = report._engine({"sizes": "released", "models": {"m": model}})
+    where = [t for t in tables if "where the TTFT goes" in t.title]
+    assert len(where) == 1
+    rows = {(r[0], r[1]): r[2:] for r in where[0].rows}
+    # TTFT is the phases' sum: 2 + 40 + 1 + 60 and 2 + 20 + 1 + 30.
+    assert rows[("image-1", "eager")] == ["103", "2", "40", "1", "60"]
+    assert rows[("audio-1s", "omnitrace")] == ["53", "2", "20", "1", "30"]
+    assert len(rows) == 4
+    # A run that did not measure the phases has no such table.
+    for entry in model["configurations"].values():
+        for row in entry["rows"].values():
+            row.pop("phases_mean_ms", None)
+    tables = report._engine({"sizes": "released", "models": {"m": model}})
+    assert not [t for t in tables if "where the TTFT goes" in t.title]
+
+
+def test_engine_ttft_median_leaves_out_what_happens_before_the_renderer(phases: Any) -> None:
+    samples = [
+        {"outside": 0.5, "rendering": 0.1, "queue": 0.0, "prefill": 0.2},
+        {"outside": 0.5, "rendering": 0.1, "queue": 0.1, "prefill": 0.2},
+        {"outside": 0.0, "rendering": 0.3, "queue": 0.1, "prefill": 0.4},
+    ]
+    assert phases.engine_ttft_p50_ms(samples) == pytest.approx(400.0)
+    assert phases.engine_ttft_p50_ms([*samples, None]) is None
+
+
+def test_a_requests_ttft_starts_after_its_media_are_made(
+    phases: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encoding a request's PNG is the client's work, not the server's: it must not count."""
+    import time
+    from types import SimpleNamespace
+
+    from benchmarks import engine
+
+    def slow_messages(kind: Any, seed: int) -> list[dict[str, Any]]:
+        time.sleep(0.5)
+        return [{"role": "user", "content": "x"}]
+
+    def chunk(ids: list[int]) -> Any:
+        choice = SimpleNamespace(token_ids=ids, delta=SimpleNamespace(content="t"))
+        return SimpleNamespace(choices=[choice])
+
+    def create(**request: Any) -> Any:
+        assert request["messages"] == [{"role": "user", "content": "x"}]
+        return iter([chunk([7]), chunk([8])])
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    monkeypatch.setattr(engine, "messages", slow_messages)
+    kind = engine.request_kinds("quick")[0]
+    done = engine._one(client, "m", kind, seed=1, max_tokens=2)
+    assert done.tokens == [7, 8]
+    assert done.ttft_s < 0.25, done.ttft_s
+    assert done.total_s < 0.25, done.total_s
