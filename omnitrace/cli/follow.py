@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
+from omnitrace._signals import sigterm_sets as _sigterm_stops
 from omnitrace.cli.output import _error, _say
 
 __all__ = ["FOLLOW_POLL_S", "_exited", "_follow", "_followable", "_sigterm_stops"]
@@ -85,24 +85,6 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
             return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
         check_readable(path)
     return None
-
-
-@contextlib.contextmanager
-def _sigterm_stops(stop: threading.Event, follow: bool = True) -> Iterator[None]:
-    """While a follow runs, make SIGTERM set ``stop`` instead of killing the process.
-
-    A follow is stopped with SIGTERM by supervisors and sidecar runners: it ends as Ctrl-C
-    does (the final frame or table still prints), and one that arrives during the final
-    read or export does not cut it short. Off the main thread no handler can be set.
-    """
-    if not follow or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _exited(pid: int, parent: int) -> bool:

@@ -117,7 +117,7 @@ class _Recorded:
 def _replay(args: argparse.Namespace, records: _Recorded | None) -> int:
     """Feed recorded logs (None: follow ``args.paths``) through a bus with sinks."""
     stop = threading.Event()
-    with _sigterm_stops(stop, follow=records is None):
+    with _sigterm_stops(stop, enabled=records is None):
         return _replay_into_sinks(args, records, stop)
 
 

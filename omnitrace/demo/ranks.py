@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +36,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from omnitrace._files import check_regular, write_regular
+from omnitrace._signals import sigterm_sets
 from omnitrace.demo.run import LOG_STARTED
 from omnitrace.eventlog import EventLogFollower
 from omnitrace.ranks import totals, totals_json
@@ -183,19 +184,6 @@ def _start(
     return started
 
 
-@contextlib.contextmanager
-def _signals_stop(stop: threading.Event) -> Iterator[None]:
-    """While the ranks run, SIGTERM sets ``stop`` (it is passed on to every rank)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _stop(ranks: Sequence[_Rank], signum: int) -> None:
     """Pass ``signum`` on to every rank still running, then wait for them (killed past the
     grace period)."""
@@ -255,7 +243,7 @@ def run_ranks(
     stop = threading.Event()
     interrupted = False
     started: list[_Rank] = []
-    with tempfile.TemporaryDirectory(prefix="omnitrace-ranks-") as scratch, _signals_stop(stop):
+    with tempfile.TemporaryDirectory(prefix="omnitrace-ranks-") as scratch, sigterm_sets(stop):
         try:
             for index in range(ranks):
                 argv = [*command, "demo", *child_argv, "--no-tui", "--events-log", str(pattern)]

@@ -1,0 +1,30 @@
+"""SIGTERM as a request to stop: the long-running commands end as Ctrl-C ends them."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = ["sigterm_sets"]
+
+
+@contextlib.contextmanager
+def sigterm_sets(stop: threading.Event, *, enabled: bool = True) -> Iterator[None]:
+    """While the block runs, SIGTERM sets ``stop`` instead of killing the process.
+
+    Supervisors and sidecar runners stop a process with SIGTERM: the command then finishes as
+    after Ctrl-C (its final frame or table still prints, its children are stopped), and one
+    that arrives during that ending does not cut it short. The previous handler is restored
+    after the block. Off the main thread no handler can be set, and nothing is changed; nor
+    when ``enabled`` is false.
+    """
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
