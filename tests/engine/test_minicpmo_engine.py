@@ -12,7 +12,7 @@ wide and tall) and clips of 1 s to 30 s.
 On a CPU (the engine CI tier) every call runs eagerly (``ineligible``, detail ``cpu``) and
 the baseline is the same engine with the plugin off. On a CUDA device the same tests expect
 captures and replays on both of vLLM's model runners, against a baseline with
-``encoder_cuda_graph: false``; those expectations are written but have only run on a CPU.
+``encoder_cuda_graph: false``; all of them passed on an H200 with vLLM 0.26.0 on both runners.
 """
 
 from __future__ import annotations
