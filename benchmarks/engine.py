@@ -747,9 +747,15 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
 
 
 def _median_change(
-    entry: dict[str, Any], model_kind: str, scale: str, config: str, modality: str
+    entry: dict[str, Any],
+    model_kind: str,
+    scale: str,
+    config: str,
+    modality: str,
+    field: str = "ttft_p50_ms",
 ) -> float | None:
-    """Relative change of the median TTFT p50 of ``modality`` requests at concurrency 1."""
+    """Relative change of the median over ``modality``'s kinds of their ``field`` (TTFT p50,
+    or vLLM's own) at concurrency 1."""
     configs = entry["configurations"]
     if config not in configs or "eager" not in configs:
         return None
@@ -757,11 +763,13 @@ def _median_change(
 
     def p50(name: str) -> float | None:
         rows = [
-            r["ttft_p50_ms"]
+            r.get(field)
             for r in configs[name]["rows"].values()
             if r["concurrency"] == 1 and kinds[r["kind"]].modality == modality
         ]
-        return float(np.median(rows)) if rows else None
+        if not rows or any(v is None for v in rows):
+            return None
+        return float(np.median(rows))
 
     base, new = p50("eager"), p50(config)
     return None if base is None or new is None or base <= 0 else (new - base) / base
@@ -781,6 +789,20 @@ def _checks(result: dict[str, Any], model_kind: str, entry: dict[str, Any]) -> N
                 -30.0,
                 "%",
                 goal=GOAL,
+            )
+        )
+        # vLLM's own TTFT leaves out the transfer before its renderer: reported beside.
+        inside = _median_change(
+            entry, model_kind, scale, "omnitrace", modality, field="engine_ttft_p50_ms"
+        )
+        result["figures"].append(
+            figure(
+                f"{label}: {modality} TTFT p50 inside vLLM (renderer to first token) at "
+                "concurrency 1, omnitrace vs eager encoders",
+                None if inside is None else 100 * inside,
+                "%",
+                goal=GOAL,
+                note="from vLLM's histograms around each request (benchmarks/engine_phases.py)",
             )
         )
     if "omnitrace" in configs and "eager" in configs:

@@ -241,3 +241,38 @@ def test_a_requests_ttft_starts_after_its_media_are_made(
     assert done.tokens == [7, 8]
     assert done.ttft_s < 0.25, done.ttft_s
     assert done.total_s < 0.25, done.total_s
+
+
+def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
+    from benchmarks import engine
+
+    kinds = [k for k in engine.request_kinds("quick") if k.modality == "image"]
+
+    def config(scale: float, inside: float | None) -> dict[str, Any]:
+        return {
+            "rows": {
+                f"c1/{k.name}": {
+                    "concurrency": 1,
+                    "kind": k.name,
+                    "ttft_p50_ms": 100.0 * scale,
+                    "engine_ttft_p50_ms": inside,
+                }
+                for k in kinds
+            }
+        }
+
+    entry = {"configurations": {"eager": config(1.0, 80.0), "omnitrace": config(0.9, 40.0)}}
+    change = engine._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
+    assert change == pytest.approx(-0.1)
+    inside = engine._median_change(
+        entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
+    )
+    assert inside == pytest.approx(-0.5)
+    # A run without the phase split has no such figure, rather than a median of fewer kinds.
+    entry["configurations"]["omnitrace"]["rows"][f"c1/{kinds[0].name}"]["engine_ttft_p50_ms"] = None
+    assert (
+        engine._median_change(
+            entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
+        )
+        is None
+    )

@@ -92,6 +92,9 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
         # Neither model class implements vLLM's encoder graph protocol in 0.26.
         assert model["vllm_encoder_graphs"]["supported"] is False, model_kind
         assert "SupportsEncoderCudaGraph" in model["vllm_encoder_graphs"]["reason"]
+    inside = {f["name"]: f["value"] for f in result["figures"] if "inside vLLM" in f["name"]}
+    assert len(inside) == 4, inside
+    assert all(isinstance(v, float) for v in inside.values()), inside
     assert {t["name"] for t in result["targets"]} == {
         f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders"
         for label in ("Qwen2.5-Omni-7B thinker", "MiniCPM-o 4.5")
