@@ -244,7 +244,9 @@ def rotated_files(path: Path) -> list[Path]:
 
 
 #: Bytes a reader takes from a file at a time: its memory is this, whatever the log's size.
-READ_CHUNK = 1 << 22
+#: Small enough that a chunk's lines and records stay in the processor's cache while they
+#: are decoded and folded: ``top`` took about 1.4 times as long with chunks of 4 MiB.
+READ_CHUNK = 1 << 16
 #: Unreadable lines of a file warned about one by one; the rest are counted in one line.
 UNREADABLE_SHOWN = 20
 
