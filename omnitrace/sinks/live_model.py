@@ -14,15 +14,18 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omnitrace._display import safe
 from omnitrace._units import format_bytes
-from omnitrace.bus import EventBus
 from omnitrace.coverage import AdapterCoverage, CoverageFold
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import CaptureFailed, Event, MemoryDeferred
 from omnitrace.stats import AdapterStats, StatsFold
+
+if TYPE_CHECKING:
+    # Only BusBoard's argument: a board of event logs runs without the bus's machinery.
+    from omnitrace.bus import EventBus
 
 __all__ = [
     "RECENT_NOTICES",
