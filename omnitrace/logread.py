@@ -59,9 +59,18 @@ class ReadProgress:
 
     ``advance(n)`` counts ``n`` bytes read; :meth:`phase` starts a later phase of
     ``total`` steps. Without a terminal (or with ``enabled=False``) every call does nothing.
+    ``description`` names the first phase (``"reading"``; a pass before the reading names
+    its own).
     """
 
-    def __init__(self, total_bytes: int, *, enabled: bool, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        *,
+        enabled: bool,
+        stream: IO[str] | None = None,
+        description: str = "reading",
+    ) -> None:
         self._progress: Any = None
         self._task: Any = None
         if not enabled:
@@ -89,7 +98,7 @@ class ReadProgress:
             console=console,
             transient=True,
         )
-        self._task = self._progress.add_task("reading", total=total_bytes)
+        self._task = self._progress.add_task(description, total=total_bytes)
 
     @property
     def shown(self) -> bool:
@@ -178,7 +187,9 @@ def read_logs(
 _HEAD = re.compile(rb'\{"v":2,"type":"(\w+)","pid":(\d+),"rank":(\d+),')
 
 
-def writers(paths: Sequence[Path]) -> tuple[set[tuple[int, int]], list[EventRecord]]:
+def writers(
+    paths: Sequence[Path], *, progress: Callable[[int], None] | None = None
+) -> tuple[set[tuple[int, int]], list[EventRecord]]:
     """Return the writers (``(rank, pid)``) of the logs' records, and their adapter facts.
 
     A quick pass before a replay, which must know whether several workers wrote the logs
@@ -186,17 +197,24 @@ def writers(paths: Sequence[Path]) -> tuple[set[tuple[int, int]], list[EventReco
     first bytes; a line of a writer not seen yet, an ``AdapterInfo`` line and any line in
     another form are decoded whole, so a writer counts only once it wrote a line that
     reads as a record. A line no reader knows is left for the replay to report.
+    ``progress(n)``, if given, is called with the bytes of each chunk scanned (as many in
+    all as :func:`total_bytes` counts, for files that can be read).
     """
     sources: set[tuple[int, int]] = set()
     infos: list[EventRecord] = []
     for path in paths:
         for file in rotated_files(path):
             if file.exists():
-                _scan_file(file, sources, infos)
+                _scan_file(file, sources, infos, progress)
     return sources, infos
 
 
-def _scan_file(file: Path, sources: set[tuple[int, int]], infos: list[EventRecord]) -> None:
+def _scan_file(
+    file: Path,
+    sources: set[tuple[int, int]],
+    infos: list[EventRecord],
+    progress: Callable[[int], None] | None,
+) -> None:
     try:
         fd, kind = open_regular_for_reading(file)
     except OSError:
@@ -207,6 +225,8 @@ def _scan_file(file: Path, sources: set[tuple[int, int]], infos: list[EventRecor
     with os.fdopen(fd, "rb") as handle:
         while True:
             block = handle.read(READ_CHUNK)
+            if progress is not None and block:
+                progress(len(block))
             data = rest + block
             lines = data.split(b"\n")
             # A last line without a newline is torn: never a record.
