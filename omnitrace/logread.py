@@ -35,6 +35,7 @@ from omnitrace.eventlog import (
     read_chunks,
     rotated_files,
 )
+from omnitrace.events import EVENT_TYPES
 
 __all__ = [
     "LogReadError",
@@ -222,6 +223,7 @@ def _scan_file(
     if kind is not None:
         return  # not a regular file: the replay's reading refuses it, without blocking
     rest = b""
+    known = _prefixes(sources)
     with os.fdopen(fd, "rb") as handle:
         while True:
             block = handle.read(READ_CHUNK)
@@ -232,6 +234,9 @@ def _scan_file(
             # A last line without a newline is torn: never a record.
             rest = lines.pop() if block else b""
             for line in lines:
+                if line.startswith(known):
+                    # An event of a writer already found: decoded, it would add nothing.
+                    continue
                 head = _HEAD.match(line)
                 if head is not None and head[1] != b"AdapterInfo":
                     source = (int(head[3]), int(head[2]))
@@ -240,11 +245,29 @@ def _scan_file(
                 record = _decoded(line)
                 if record is None:
                     continue
-                sources.add(record.source)
+                if record.source not in sources:
+                    sources.add(record.source)
+                    known = _prefixes(sources)
                 if isinstance(record.item, AdapterInfo):
                     infos.append(record)
             if not block:
                 return
+
+
+#: Writers up to which the scan tells their lines by their first bytes alone.
+_PREFIXED_WRITERS = 16
+
+
+def _prefixes(sources: set[tuple[int, int]]) -> tuple[bytes, ...]:
+    """How the writer starts an event line of each of ``sources`` (none past a few writers:
+    each head is then read by _HEAD)."""
+    if len(sources) > _PREFIXED_WRITERS:
+        return ()
+    return tuple(
+        b'{"v":2,"type":"%s","pid":%d,"rank":%d,' % (cls.__name__.encode(), pid, rank)
+        for rank, pid in sorted(sources)
+        for cls in EVENT_TYPES
+    )
 
 
 def _decoded(line: bytes) -> EventRecord | None:

@@ -154,6 +154,27 @@ def test_writers_counts_only_writers_whose_lines_read_as_records(tmp_path: Path)
     assert [record.source for record in infos] == [(0, 10), (1, 13)]
 
 
+def test_writers_finds_every_writer_and_adapter_fact_of_many_interleaved_writers(
+    tmp_path: Path,
+) -> None:
+    """Twenty writers' lines interleaved, each one's adapter facts written after some of its
+    events: every writer and every fact is found, in the order written (past a few writers
+    the scan reads each head in full; the result is the same)."""
+    path = tmp_path / "events.jsonl"
+    lines: list[bytes] = []
+    for round_ in range(3):
+        for pid in range(100, 120):
+            encode = LineEncoder(pid=pid, rank=pid % 4)
+            lines.append(encode(GraphReplayed("vision", SIG, round_, round_, 0.001)))
+            if round_ == 1:
+                info = {"v": SCHEMA_VERSION, "type": INFO_TYPE, "pid": pid, "rank": pid % 4}
+                lines.append(dumps({**info, "adapter": "vision", "info": {"max_graphs": pid}}))
+    path.write_bytes(b"".join(lines))
+    sources, infos = writers([path])
+    assert sources == {(pid % 4, pid) for pid in range(100, 120)}
+    assert [record.pid for record in infos] == list(range(100, 120))
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_writers_never_opens_a_named_pipe_for_a_blocking_read(tmp_path: Path) -> None:
     """A log path that is a named pipe is skipped by the quick pass (the replay reports it)."""
