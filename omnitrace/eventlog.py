@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import orjson
 
@@ -165,14 +165,41 @@ def _parse_lines(
     record this reader knows raises :class:`EventLogError`, or, with ``bad``, is appended
     to it as one and skipped.
     """
-    records: list[EventRecord] = []
-    append = records.append
-    fast = _FAST
     lines = data.split(b"\n")
     rest = lines.pop()  # after the last newline: empty, or a line still being written
     consumed = len(data) - len(rest)
-    line_no = first_line
-    for line_no, raw in enumerate(lines, first_line + 1):
+    # The writer's own lines, nearly all of them, take the fast path.
+    taken, declined = _FAST.lines(lines)
+    if declined:
+        records = _declined(taken, lines, path, first_line, skipped, bad)
+    else:
+        records = cast("list[EventRecord]", taken)
+    if rest and final:
+        torn = first_line + len(lines) + 1
+        if skipped is None:
+            _skipped(path, torn, True)
+        else:
+            skipped.append((torn, True))
+        consumed = len(data)
+    return records, consumed
+
+
+def _declined(
+    taken: list[EventRecord | None],
+    lines: list[bytes],
+    path: Path,
+    first_line: int,
+    skipped: list[tuple[int, bool]] | None,
+    bad: list[EventLogError] | None,
+) -> list[EventRecord]:
+    """The records of ``lines``: those the fast path took, and the others parsed whole."""
+    records: list[EventRecord] = []
+    append = records.append
+    fast = _FAST
+    for line_no, (record, raw) in enumerate(zip(taken, lines, strict=True), first_line + 1):
+        if record is not None:
+            append(record)
+            continue
         try:
             parsed = orjson.loads(raw)
         except (ValueError, RecursionError):
@@ -187,7 +214,8 @@ def _parse_lines(
                 skipped.append((line_no, False))
             continue
         if type(parsed) is dict:
-            # The writer's own lines, nearly all of them, take the fast path.
+            # A writer's line in another form (keys in another order, say) may take it
+            # parsed.
             decoded = fast(parsed)
             if decoded is not None:
                 append(decoded)
@@ -202,13 +230,7 @@ def _parse_lines(
             if bad is None:
                 raise
             bad.append(exc)
-    if rest and final:
-        if skipped is None:
-            _skipped(path, line_no + 1, True)
-        else:
-            skipped.append((line_no + 1, True))
-        consumed = len(data)
-    return records, consumed
+    return records
 
 
 def rotated_files(path: Path) -> list[Path]:
@@ -222,7 +244,9 @@ def rotated_files(path: Path) -> list[Path]:
 
 
 #: Bytes a reader takes from a file at a time: its memory is this, whatever the log's size.
-READ_CHUNK = 1 << 22
+#: Small enough that a chunk's lines and records stay in the processor's cache while they
+#: are decoded and folded: ``top`` took about 1.4 times as long with chunks of 4 MiB.
+READ_CHUNK = 1 << 16
 #: Unreadable lines of a file warned about one by one; the rest are counted in one line.
 UNREADABLE_SHOWN = 20
 

@@ -35,6 +35,7 @@ from omnitrace.eventlog import (
     read_chunks,
     rotated_files,
 )
+from omnitrace.events import EVENT_TYPES
 
 __all__ = [
     "LogReadError",
@@ -59,9 +60,18 @@ class ReadProgress:
 
     ``advance(n)`` counts ``n`` bytes read; :meth:`phase` starts a later phase of
     ``total`` steps. Without a terminal (or with ``enabled=False``) every call does nothing.
+    ``description`` names the first phase (``"reading"``; a pass before the reading names
+    its own).
     """
 
-    def __init__(self, total_bytes: int, *, enabled: bool, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        *,
+        enabled: bool,
+        stream: IO[str] | None = None,
+        description: str = "reading",
+    ) -> None:
         self._progress: Any = None
         self._task: Any = None
         if not enabled:
@@ -89,7 +99,7 @@ class ReadProgress:
             console=console,
             transient=True,
         )
-        self._task = self._progress.add_task("reading", total=total_bytes)
+        self._task = self._progress.add_task(description, total=total_bytes)
 
     @property
     def shown(self) -> bool:
@@ -178,7 +188,9 @@ def read_logs(
 _HEAD = re.compile(rb'\{"v":2,"type":"(\w+)","pid":(\d+),"rank":(\d+),')
 
 
-def writers(paths: Sequence[Path]) -> tuple[set[tuple[int, int]], list[EventRecord]]:
+def writers(
+    paths: Sequence[Path], *, progress: Callable[[int], None] | None = None
+) -> tuple[set[tuple[int, int]], list[EventRecord]]:
     """Return the writers (``(rank, pid)``) of the logs' records, and their adapter facts.
 
     A quick pass before a replay, which must know whether several workers wrote the logs
@@ -186,17 +198,24 @@ def writers(paths: Sequence[Path]) -> tuple[set[tuple[int, int]], list[EventReco
     first bytes; a line of a writer not seen yet, an ``AdapterInfo`` line and any line in
     another form are decoded whole, so a writer counts only once it wrote a line that
     reads as a record. A line no reader knows is left for the replay to report.
+    ``progress(n)``, if given, is called with the bytes of each chunk scanned (as many in
+    all as :func:`total_bytes` counts, for files that can be read).
     """
     sources: set[tuple[int, int]] = set()
     infos: list[EventRecord] = []
     for path in paths:
         for file in rotated_files(path):
             if file.exists():
-                _scan_file(file, sources, infos)
+                _scan_file(file, sources, infos, progress)
     return sources, infos
 
 
-def _scan_file(file: Path, sources: set[tuple[int, int]], infos: list[EventRecord]) -> None:
+def _scan_file(
+    file: Path,
+    sources: set[tuple[int, int]],
+    infos: list[EventRecord],
+    progress: Callable[[int], None] | None,
+) -> None:
     try:
         fd, kind = open_regular_for_reading(file)
     except OSError:
@@ -204,14 +223,20 @@ def _scan_file(file: Path, sources: set[tuple[int, int]], infos: list[EventRecor
     if kind is not None:
         return  # not a regular file: the replay's reading refuses it, without blocking
     rest = b""
+    known = _prefixes(sources)
     with os.fdopen(fd, "rb") as handle:
         while True:
             block = handle.read(READ_CHUNK)
+            if progress is not None and block:
+                progress(len(block))
             data = rest + block
             lines = data.split(b"\n")
             # A last line without a newline is torn: never a record.
             rest = lines.pop() if block else b""
             for line in lines:
+                if line.startswith(known):
+                    # An event of a writer already found: decoded, it would add nothing.
+                    continue
                 head = _HEAD.match(line)
                 if head is not None and head[1] != b"AdapterInfo":
                     source = (int(head[3]), int(head[2]))
@@ -220,11 +245,29 @@ def _scan_file(file: Path, sources: set[tuple[int, int]], infos: list[EventRecor
                 record = _decoded(line)
                 if record is None:
                     continue
-                sources.add(record.source)
+                if record.source not in sources:
+                    sources.add(record.source)
+                    known = _prefixes(sources)
                 if isinstance(record.item, AdapterInfo):
                     infos.append(record)
             if not block:
                 return
+
+
+#: Writers up to which the scan tells their lines by their first bytes alone.
+_PREFIXED_WRITERS = 16
+
+
+def _prefixes(sources: set[tuple[int, int]]) -> tuple[bytes, ...]:
+    """How the writer starts an event line of each of ``sources`` (none past a few writers:
+    each head is then read by _HEAD)."""
+    if len(sources) > _PREFIXED_WRITERS:
+        return ()
+    return tuple(
+        b'{"v":2,"type":"%s","pid":%d,"rank":%d,' % (cls.__name__.encode(), pid, rank)
+        for rank, pid in sorted(sources)
+        for cls in EVENT_TYPES
+    )
 
 
 def _decoded(line: bytes) -> EventRecord | None:

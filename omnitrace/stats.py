@@ -284,6 +284,11 @@ class StatsFold:
         match event:
             case ev.GraphReplayed():
                 tally.hits += 1
+            case ev.DeviceTimed() | ev.ProfilingObserved():
+                # A measurement of a call already counted (with device timing on, every
+                # call has one: tested second), or a fact about a profiling run: neither is
+                # a call.
+                pass
             case ev.GraphMissed():
                 tally.misses[event.reason] += 1
             case ev.GraphCaptured():
@@ -296,10 +301,6 @@ class StatsFold:
                 tally.capture_failures += 1
                 if tally.failure is None:
                     tally.failure = f"{event.error_type}: {event.message}"
-            case ev.DeviceTimed() | ev.ProfilingObserved():
-                # A measurement of a call already counted, or a fact about a profiling run:
-                # neither is a call.
-                pass
             case _:
                 raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 

@@ -2,7 +2,9 @@
 
 Whatever a line holds, the fast decoder either returns exactly the record
 :func:`~omnitrace.eventlog.decode_record` returns for it, or declines (None), and the line
-then goes the reference way, which converts it or says what is wrong with it.
+then goes the reference way, which converts it or says what is wrong with it. The same holds
+for raw lines read from their head and tail (:meth:`FastDecoder.lines`): a line it takes
+is JSON, and what it returns is what the whole line, parsed and decoded, gives.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omnitrace import eventlog_fast
 from omnitrace import events as ev
-from omnitrace.eventlog import EventLogError, EventRecord, decode_record, encode_event
+from omnitrace.eventlog import (
+    EventLogError,
+    EventRecord,
+    LineEncoder,
+    decode_record,
+    dumps,
+    encode_event,
+)
 from omnitrace.eventlog_fast import FastDecoder
 from omnitrace.events import MissReason, Phase
 from omnitrace.signature import InputSpec, Signature
@@ -169,3 +179,139 @@ def test_any_mutation_is_declined_or_decoded_as_the_reference(
     # Only values a JSON line can hold.
     record = json.loads(json.dumps(record))
     _check(FastDecoder(), record)
+
+
+# -- raw lines: a head parsed once, a tail per line --------------------------------------------
+
+
+def _raw(event: ev.Event) -> bytes:
+    # The writer's own bytes, without the newline.
+    return LineEncoder(pid=7, rank=1)(event).rstrip(b"\n")
+
+
+def _check_line(decoder: FastDecoder, raw: bytes) -> bool:
+    """Check the line path against parsing the line whole and the reference decoder; return
+    whether the line path took it."""
+    (fast,), declined = decoder.lines([raw])
+    assert declined == (fast is None)
+    if fast is None:
+        return False
+    parsed = orjson.loads(raw)  # a line the line path takes is JSON ...
+    assert isinstance(parsed, dict)
+    want = _reference(parsed)  # ... and a record the reference decoder reads the same
+    assert isinstance(want, EventRecord), (raw, want)
+    assert fast == want
+    return True
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_the_writers_raw_lines_take_the_line_path_and_equal_the_reference(event: ev.Event) -> None:
+    """Every event type as the writer's bytes is decoded from its head and tail, equal to the
+    reference, the first time (head checked) and again (head remembered)."""
+    decoder = FastDecoder()
+    assert _check_line(decoder, _raw(event))
+    assert _check_line(decoder, _raw(event))
+
+
+def test_lines_keeps_the_order_and_marks_the_lines_it_leaves() -> None:
+    """Records come in line order, None where a line is left to the caller, with a count."""
+    decoder = FastDecoder()
+    good = [_raw(event) for event in EVENTS[2:5]]
+    info = dumps(
+        {"v": 2, "type": "AdapterInfo", "pid": 7, "rank": 1, "adapter": "vision", "info": {}}
+    )
+    lines = [good[0], b"", info.rstrip(b"\n"), good[1], b"not json", good[2]]
+    records, declined = decoder.lines(lines)
+    assert declined == 3
+    assert [r is None for r in records] == [False, True, True, False, True, False]
+    assert [r.item for r in records if r is not None] == EVENTS[2:5]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # A tail field in the head too: the line holds a key twice.
+        (b'"adapter":', b'"phase":"profiling","adapter":'),
+        (b'"adapter":', b'"duration_s":0.5,"adapter":'),
+        # The tail holds a field of the head, or one no event has.
+        (b'"phase":', b'"adapter":"audio","phase":'),
+        (b'"phase":', b'"extra":1,"phase":'),
+        # A field missing from the tail (the reference fills in its default).
+        (b',"duration_s":0.004', b""),
+        # The cut falls inside the signature: the head is no object.
+        (b'"stream":94}', b'"stream":94,"monotonic_ns":1}'),
+        # Not JSON after the cut.
+        (b'"phase":"serving"', b'"phase":serving'),
+    ],
+)
+def test_lines_whose_head_and_tail_would_not_read_as_the_whole_are_left(
+    old: bytes, new: bytes
+) -> None:
+    """A line the head-and-tail split might read otherwise than the whole line is left to
+    the caller (who parses it whole), also once the same head was taken before."""
+    raw = _raw(EVENTS[3])
+    assert old in raw
+    changed = raw.replace(old, new, 1)
+    decoder = FastDecoder()
+    assert _check_line(decoder, raw)
+    assert not _check_line(decoder, changed)
+
+
+def test_a_full_head_cache_starts_again_and_still_decodes_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past HEADS_KEPT distinct heads the cache is emptied; every line still decodes."""
+    monkeypatch.setattr(eventlog_fast, "HEADS_KEPT", 3)
+    decoder = FastDecoder()
+    for adapter in ("a", "b", "c", "d", "e", "a"):
+        event = ev.GraphReplayed(adapter, SIG, 3, 4, 0.001)
+        assert _check_line(decoder, _raw(event))
+
+
+_BYTES = st.sampled_from([*b'{}[]",:\\ .-+eE0123456789truefalsnul', 0xE9, 0x00])
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    st.sampled_from(EVENTS),
+    st.lists(
+        st.tuples(st.integers(0, 400), st.integers(0, 3), st.lists(_BYTES, max_size=4)),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_any_byte_edit_is_left_or_decoded_as_the_whole_line(
+    event: ev.Event, edits: list[tuple[int, int, list[int]]]
+) -> None:
+    """Deleting or inserting bytes anywhere in a writer's line never makes the line path
+    return something the whole line, parsed and decoded by the reference, would not."""
+    raw = _raw(event)
+    decoder = FastDecoder()
+    decoder.lines([raw])  # its head is remembered: an edited line may share it
+    for position, cut, inserted in edits:
+        at = position % (len(raw) + 1)
+        raw = raw[:at] + bytes(inserted) + raw[at + cut :]
+    _check_line(decoder, raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(EVENTS),
+    st.lists(st.tuples(st.integers(0, 30), _JSON | st.just("<drop>")), min_size=1, max_size=3),
+)
+def test_any_value_change_in_the_writers_layout_is_left_or_decoded_as_the_reference(
+    event: ev.Event, mutations: list[tuple[int, Any]]
+) -> None:
+    """Values changed or dropped in place (the writer's key order kept, so the line still
+    splits where the writer's does) never make the line path differ from the reference."""
+    record: dict[str, Any] = orjson.loads(_raw(event))
+    keys = list(record)
+    for index, value in mutations:
+        key = keys[index % len(keys)]
+        if value == "<drop>":
+            record.pop(key, None)
+        else:
+            record[key] = value
+    decoder = FastDecoder()
+    decoder.lines([_raw(event)])
+    _check_line(decoder, orjson.dumps(json.loads(json.dumps(record))))

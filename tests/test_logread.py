@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace import eventlog
+from omnitrace import eventlog, logread
 from omnitrace.cli import main
 from omnitrace.eventlog import INFO_TYPE, SCHEMA_VERSION, LineEncoder, dumps
 from omnitrace.events import GraphReplayed
@@ -84,6 +84,44 @@ def test_top_and_advise_show_progress_on_a_terminal_stderr_but_not_with_json(
     assert json_out.startswith("{")
 
 
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [([], True), (["--json"], False), (["--tui", "--speed", "0"], False)],
+)
+def test_replay_shows_progress_while_finding_the_writers_only_on_a_bare_terminal(
+    flags: list[str],
+    shown: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The pass that finds a replay's writers has a bar of its own on a terminal stderr; with
+    --json or the live view (--tui) stderr stays clean of bars."""
+    monkeypatch.setattr(eventlog, "READ_CHUNK", 4096)
+    log = _log(tmp_path / "events.jsonl", 400)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["replay", *flags, str(log)]) == 0
+    capsys.readouterr()
+    drawn = terminal.getvalue()
+    assert ("finding writers" in drawn) is shown
+    assert ("reading" in drawn) is shown
+
+
+def test_writers_reports_the_bytes_it_scans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """writers() counts every byte of the logs, rotated files included, to its progress."""
+    monkeypatch.setattr(logread, "READ_CHUNK", 4096)  # several chunks
+    path = _log(tmp_path / "events.jsonl", 300)
+    _log(tmp_path / "events.jsonl.1", 200, pid=2)
+    counted: list[int] = []
+    sources, _ = writers([path], progress=counted.append)
+    assert sources == {(0, 1), (0, 2)}
+    assert len(counted) > 1
+    assert sum(counted) == eventlog.log_bytes(path)
+
+
 def test_read_logs_yields_each_log_in_turn_and_refuses_logs_without_records(
     tmp_path: Path,
 ) -> None:
@@ -114,6 +152,27 @@ def test_writers_counts_only_writers_whose_lines_read_as_records(tmp_path: Path)
     sources, infos = writers([path])
     assert sources == {(0, 10), (1, 13)}
     assert [record.source for record in infos] == [(0, 10), (1, 13)]
+
+
+def test_writers_finds_every_writer_and_adapter_fact_of_many_interleaved_writers(
+    tmp_path: Path,
+) -> None:
+    """Twenty writers' lines interleaved, each one's adapter facts written after some of its
+    events: every writer and every fact is found, in the order written (past a few writers
+    the scan reads each head in full; the result is the same)."""
+    path = tmp_path / "events.jsonl"
+    lines: list[bytes] = []
+    for round_ in range(3):
+        for pid in range(100, 120):
+            encode = LineEncoder(pid=pid, rank=pid % 4)
+            lines.append(encode(GraphReplayed("vision", SIG, round_, round_, 0.001)))
+            if round_ == 1:
+                info = {"v": SCHEMA_VERSION, "type": INFO_TYPE, "pid": pid, "rank": pid % 4}
+                lines.append(dumps({**info, "adapter": "vision", "info": {"max_graphs": pid}}))
+    path.write_bytes(b"".join(lines))
+    sources, infos = writers([path])
+    assert sources == {(pid % 4, pid) for pid in range(100, 120)}
+    assert [record.pid for record in infos] == list(range(100, 120))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")

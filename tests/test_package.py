@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -172,7 +173,11 @@ def _modules_after_cli(args: list[str], cwd: Path) -> set[str]:
         "    pass\n"
         "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
+    # The checkout's package, not whichever one the environment installed.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env
+    )
     return set(proc.stderr.strip().splitlines()[-1].split())
 
 
@@ -203,6 +208,21 @@ def test_top_replay_and_advise_import_no_torch(tmp_path: Path) -> None:
         # Reading a log needs the format, not the sink that writes it.
         assert "omnitrace.sinks.jsonl" not in loaded, args
         assert "torch" not in loaded, args
+
+
+def test_top_json_loads_neither_the_terminal_view_nor_the_bus(tmp_path: Path) -> None:
+    """`top --json LOG` prints JSON: it loads no rich and no bus (nor its asyncio); the
+    table of `top LOG` still loads rich."""
+    log = tmp_path / "e.jsonl"
+    log.write_text(
+        '{"v":1,"type":"GraphReplayed","pid":1,"rank":0,"adapter":"vision",'
+        '"key":"float32[1]","monotonic_ns":1,"epoch_ns":1,"duration_s":0.001}\n'
+    )
+    loaded = _modules_after_cli(["top", "--json", str(log)], tmp_path)
+    assert "omnitrace.sinks.live_model" in loaded
+    unneeded = {"rich", "asyncio", "omnitrace.bus", "omnitrace.sinks.live"}
+    assert {m for m in loaded if m in unneeded or m.split(".")[0] in unneeded} == set()
+    assert "rich" in _modules_after_cli(["top", str(log)], tmp_path)
 
 
 def test_help_answers_in_under_half_a_second() -> None:

@@ -53,14 +53,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             flag = "--" + option.replace("_", "-")
             return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
     from omnitrace.eventlog import log_gap
-    from omnitrace.logread import LogReadError, read_logs, writers
+    from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes, writers
 
     for path in args.paths:
         if not path.exists():
             return _error("replay", f"no event log at {path}")
     # Whether several workers wrote the logs decides the adapters' names before the first
-    # event: a quick pass finds the writers (and the adapter facts, registered first).
-    sources, infos = writers(args.paths)
+    # event: a quick pass finds the writers (and the adapter facts, registered first). It
+    # reads the whole logs too, so it has a bar of its own, on the same terms as the
+    # reading's (never with JSON or the live view).
+    shown = not (args.json or args.tui)
+    with ReadProgress(
+        total_bytes(args.paths), enabled=shown, description="finding writers"
+    ) as progress:
+        sources, infos = writers(args.paths, progress=progress.advance)
     if not sources:
         try:  # nothing reads as a record: reading says why (a bad line, or no events)
             for _ in read_logs(args.paths):

@@ -55,14 +55,13 @@ def _top_encoder_json(encoder: Any) -> dict[str, Any]:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from omnitrace.eventlog import EventLogError, EventLogFollower
-    from omnitrace.logset import LogSet
-    from omnitrace.sinks.live import LiveView, RecordBoard, render
-
     names = ", ".join(str(p) for p in args.paths)
     if not args.follow:
         from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+        from omnitrace.sinks.live_model import RecordBoard
 
+        # No live view here: its terminal code (rich, loaded for the table) is not needed
+        # for JSON.
         board = RecordBoard(title=f"omnitrace top · {names}")
         try:
             with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
@@ -73,6 +72,8 @@ def _cmd_top(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(_top_json(board, args.paths))
         else:
+            from omnitrace.sinks.live_layout import render
+
             _stdout_console().print(render(board.snapshot()))
         return 0
     if args.json:
@@ -80,6 +81,9 @@ def _cmd_top(args: argparse.Namespace) -> int:
     refused = _followable("top", args.paths)
     if refused is not None:
         return refused
+    from omnitrace.eventlog import EventLogError, EventLogFollower
+    from omnitrace.logset import LogSet
+    from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     console = _stdout_console()
     tui = not args.no_tui and console.is_terminal

@@ -14,15 +14,18 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omnitrace._display import safe
 from omnitrace._units import format_bytes
-from omnitrace.bus import EventBus
 from omnitrace.coverage import AdapterCoverage, CoverageFold
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import CaptureFailed, Event, MemoryDeferred
 from omnitrace.stats import AdapterStats, StatsFold
+
+if TYPE_CHECKING:
+    # Only BusBoard's argument: a board of event logs runs without the bus's machinery.
+    from omnitrace.bus import EventBus
 
 __all__ = [
     "RECENT_NOTICES",
@@ -37,6 +40,8 @@ __all__ = [
 
 #: Deferrals and failures a board keeps per encoder.
 RECENT_NOTICES = 5
+#: The events that make a notice (see _notice).
+_NOTICED = (MemoryDeferred, CaptureFailed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +124,10 @@ def _notice(event: Event) -> Notice | None:
                 key,
             )
     return None
+
+
+def _notices(events: Iterable[Event]) -> tuple[Notice, ...]:
+    return tuple(notice for event in events if (notice := _notice(event)) is not None)
 
 
 def _int_or_none(info: Mapping[str, Any], key: str) -> int | None:
@@ -208,7 +217,7 @@ class RecordBoard:
         self._folds: dict[tuple[int, int], StatsFold] = {}
         self._coverage: dict[tuple[int, int], CoverageFold] = {}
         self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
-        self._notices: dict[tuple[tuple[int, int], str], deque[Notice]] = {}
+        self._notices: dict[tuple[tuple[int, int], str], deque[Event]] = {}
         self._count = 0
         self.footer: tuple[str, ...] = ()
         self.progress: tuple[str, ...] = ()
@@ -216,26 +225,32 @@ class RecordBoard:
     def add(self, records: Iterable[EventRecord]) -> None:
         """Fold ``records`` (thread-safe against ``snapshot``)."""
         with self._lock:
+            # The folds of the last record's writer: a log's records come in long runs of
+            # one writer, so most records need no lookup.
+            pid = rank = None
+            fold: CoverageFold | None = None
             for record in records:
-                source = record.source
                 item = record.item
                 if isinstance(item, AdapterInfo):
-                    self._infos.setdefault(source, {})[item.adapter] = item.info
+                    self._infos.setdefault(record.source, {})[item.adapter] = item.info
                     continue
+                if record.pid != pid or record.rank != rank or fold is None:
+                    pid, rank = record.pid, record.rank
+                    fold = self._fold((rank, pid))
                 self._count += 1
-                # get() first: setdefault would build (and validate) two folds per event.
-                fold = self._folds.get(source)
-                if fold is None:
-                    fold = self._folds[source] = StatsFold()
-                coverage = self._coverage.get(source)
-                if coverage is None:
-                    coverage = self._coverage[source] = CoverageFold()
-                fold.fold(item)
-                coverage.fold(item)
-                notice = _notice(item)
-                if notice is not None:
-                    key = (source, item.adapter)
-                    self._notices.setdefault(key, deque(maxlen=RECENT_NOTICES)).append(notice)
+                fold.fold(item)  # the stats too: one call per event
+                if isinstance(item, _NOTICED):
+                    # Kept as events: a snapshot words the few it shows.
+                    key = ((rank, pid), item.adapter)
+                    self._notices.setdefault(key, deque(maxlen=RECENT_NOTICES)).append(item)
+
+    def _fold(self, source: tuple[int, int]) -> CoverageFold:
+        """The coverage fold of ``source``, which also applies its events to its stats."""
+        coverage = self._coverage.get(source)
+        if coverage is None:
+            stats = self._folds[source] = StatsFold()
+            coverage = self._coverage[source] = CoverageFold(stats=stats)
+        return coverage
 
     @property
     def events(self) -> int:
@@ -262,7 +277,7 @@ class RecordBoard:
                             max_graphs=_int_or_none(info, "max_graphs"),
                             min_free_bytes=_int_or_none(info, "min_free_bytes"),
                             backend=_backend(info),
-                            notices=tuple(self._notices.get((source, name), ())),
+                            notices=_notices(self._notices.get((source, name), ())),
                             rank=source[0],
                             pid=source[1],
                             coverage=coverage.snapshot(name),

@@ -41,6 +41,7 @@ from omnitrace.testing import SimulatedGraphBackend, sig
 
 T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _text(renderable: object, width: int = 140) -> str:
@@ -243,6 +244,47 @@ def test_record_board_puts_workers_side_by_side() -> None:
     assert "╭─ vision · rank 1 · pid 200 " in lines[1]
     assert "graphs   1 / 4 " in "\n".join(lines)
     assert "graphs   0 / ? " in "\n".join(lines)
+
+
+def test_record_board_folds_interleaved_writers_apart_and_keeps_their_last_notices() -> None:
+    """Two writers' records interleaved one by one in one add: each worker's stats and
+    coverage are the folds of its own events, and its notices are its last five deferrals
+    and failures, oldest first, worded when the snapshot is taken."""
+    mine: dict[int, list[Event]] = {100: [], 200: []}
+    records = []
+    for n in range(8):
+        for pid in (100, 200):
+            key = sig(f"float32[{n + 1}]")
+            step = [
+                GraphMissed("vision", key, n, T0 + n, MissReason.WARMUP, "call 1 of 2", 0.01),
+                GraphReplayed("vision", key, n, T0 + n, 0.001),
+                MemoryDeferred("vision", key, n, T0 + n, pid * MiB + n, 10 * GiB, "cuda:0"),
+            ]
+            if n == 6:
+                step.append(CaptureFailed("vision", key, n, T0 + n, "E", f"m{pid}", "cuda:0", 0))
+            mine[pid] += step
+            records += [EventRecord(e, pid, 0) for e in step]
+    board = RecordBoard()
+    board.add(records)
+    snapshot = board.snapshot()
+    assert [e.pid for e in snapshot.encoders] == [100, 200]
+    for encoder in snapshot.encoders:
+        events = mine[encoder.pid or 0]
+        stats = StatsFold()
+        stats.extend(events)
+        assert encoder.stats == stats.snapshot("vision")
+        assert encoder.coverage == derive_coverage(events)["vision"]
+        noticed = [e for e in events if isinstance(e, (MemoryDeferred, CaptureFailed))][-5:]
+        assert [n.failed for n in encoder.notices] == [
+            isinstance(e, CaptureFailed) for e in noticed
+        ]
+        assert [n.key for n in encoder.notices] == [e.key for e in noticed]
+        last = noticed[-1]
+        assert isinstance(last, MemoryDeferred)
+        assert encoder.notices[-1].text == (
+            f"22:13:20Z deferred {last.key}: free {format_bytes(last.free_bytes)} < floor 10.0 GiB"
+        )
+    assert snapshot.emitted == len(records)
 
 
 def test_record_board_from_a_written_log_equals_the_bus_board(tmp_path: Path) -> None:
