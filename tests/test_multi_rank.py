@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -299,3 +300,36 @@ def test_advise_json_per_worker_rows_add_up_to_the_recommended_setting(
     rates = [row["hit_rate"] for row in rows]
     assert (spread["hit_rate_low"], spread["hit_rate_high"]) == (min(rates), max(rates))
     assert rates[0] != rates[1]  # the two ranks' traffic differs
+
+
+def test_the_spread_replays_each_worker_without_an_object_per_call(
+    rank_logs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-worker replay is the grid's (the recording's arrays), equal to the reference
+    replay: at ten million calls an object per call is hundreds of megabytes."""
+    from omnitrace import advise_record
+    from omnitrace.advise import Recording, advise, replay
+    from omnitrace.eventlog import read_records
+    from omnitrace.spread import per_worker
+
+    recording = Recording.from_records(r for path in rank_logs for r in read_records(path))
+    best = advise(recording).best
+    assert best is not None
+    reference = [
+        replay(
+            dataclasses.replace(
+                recording,
+                sequences={worker: recording.sequences[worker]},
+                free_bytes={k: v for k, v in recording.free_bytes.items() if k[0] == worker},
+            ),
+            best.setting,
+        )
+        for worker in sorted(recording.sequences)
+    ]
+
+    def no_objects(self: object) -> None:
+        raise AssertionError("the spread made an object per call")
+
+    monkeypatch.setattr(advise_record.CallSequence, "calls", no_objects)
+    rows = per_worker(recording, best.setting)
+    assert [row.result for row in rows] == reference
