@@ -59,6 +59,7 @@ __all__ = [
     "dumps",
     "encode_event",
     "encode_signature",
+    "line_head",
     "segment_of",
 ]
 
@@ -307,6 +308,18 @@ def dumps(record: Mapping[str, Any]) -> bytes:
     return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
 
 
+def line_head(cls: type[Event], *, pid: int, rank: int) -> bytes:
+    """How :class:`LineEncoder` starts every line of a ``cls`` event of the writer ``pid``,
+    ``rank``: the text up to and including the rank and its comma (the event's own fields
+    follow)."""
+    return b'{"v":%d,"type":"%s","pid":%d,"rank":%d,' % (
+        SCHEMA_VERSION,
+        cls.__name__.encode(),
+        pid,
+        rank,
+    )
+
+
 class LineEncoder:
     """Encode events as log lines of one writer (its pid and rank), at C speed.
 
@@ -322,11 +335,7 @@ class LineEncoder:
     _KEYS_KEPT = 4096
 
     def __init__(self, *, pid: int, rank: int) -> None:
-        self._heads = {
-            cls: b'{"v":%d,"type":"%s","pid":%d,"rank":%d,"key":'
-            % (SCHEMA_VERSION, cls.__name__.encode(), pid, rank)
-            for cls in EVENT_TYPES
-        }
+        self._heads = {cls: line_head(cls, pid=pid, rank=rank) + b'"key":' for cls in EVENT_TYPES}
         self._keys: dict[int, tuple[Signature, bytes]] = {}
 
     def __call__(self, event: Event) -> bytes:

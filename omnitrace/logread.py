@@ -35,6 +35,7 @@ from omnitrace.eventlog import (
     read_chunks,
     rotated_files,
 )
+from omnitrace.eventlog_codec import line_head
 from omnitrace.events import EVENT_TYPES
 
 __all__ = [
@@ -264,9 +265,7 @@ def _prefixes(sources: set[tuple[int, int]]) -> tuple[bytes, ...]:
     if len(sources) > _PREFIXED_WRITERS:
         return ()
     return tuple(
-        b'{"v":2,"type":"%s","pid":%d,"rank":%d,' % (cls.__name__.encode(), pid, rank)
-        for rank, pid in sorted(sources)
-        for cls in EVENT_TYPES
+        line_head(cls, pid=pid, rank=rank) for rank, pid in sorted(sources) for cls in EVENT_TYPES
     )
 
 
