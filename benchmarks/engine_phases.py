@@ -111,20 +111,26 @@ def split(client_ttft_s: float, engine: Mapping[str, float] | None) -> dict[str,
 def mean_phases_ms(samples: Iterable[Mapping[str, float] | None]) -> dict[str, float] | None:
     """The mean of each phase over ``samples`` in milliseconds (means add up to the mean
     TTFT, which medians would not); None when any sample lacks figures."""
-    taken: Sequence[Mapping[str, float] | None] = list(samples)
-    if not taken or any(s is None for s in taken):
+    present = _every(samples)
+    if present is None:
         return None
-    present = [s for s in taken if s is not None]
-    means = {p: 1e3 * math.fsum(s[p] for s in present) / len(present) for p in PHASES}
-    return means
+    return {p: 1e3 * math.fsum(s[p] for s in present) / len(present) for p in PHASES}
 
 
 def engine_ttft_p50_ms(samples: Iterable[Mapping[str, float] | None]) -> float | None:
     """The median of vLLM's own TTFT (rendering, queue and prefill: from the request's arrival
     at the renderer) over ``samples`` in milliseconds; None when any sample lacks figures."""
+    present = _every(samples)
+    if present is None:
+        return None
+    return 1e3 * statistics.median(s["rendering"] + s["queue"] + s["prefill"] for s in present)
+
+
+def _every(
+    samples: Iterable[Mapping[str, float] | None],
+) -> Sequence[Mapping[str, float]] | None:
+    """``samples`` when there are some and each has its figures, else None."""
     taken = list(samples)
     if not taken or any(s is None for s in taken):
         return None
-    return 1e3 * statistics.median(
-        s["rendering"] + s["queue"] + s["prefill"] for s in taken if s is not None
-    )
+    return [s for s in taken if s is not None]

@@ -731,10 +731,9 @@ def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table
         "rendering is from the request's arrival at vLLM's renderer (chat template, decoding "
         "the media, the model's processor) to the first token, less queue and prefill, so it "
         "also holds the hand-offs between the server and the engine core; queue is the "
-        "scheduler's wait; "
-        "prefill is from the first schedule to the first token (the encoders and the language "
-        "model's prefill); outside is the rest of the client's TTFT (HTTP and request "
-        "handling). Means, so the phases add up to the mean TTFT."
+        "scheduler's wait; prefill is from the first schedule to the first token (the encoders "
+        "and the language model's prefill); outside is the rest of the client's TTFT (HTTP and "
+        "request handling). Means, so the phases add up to the mean TTFT."
     )
     return [table]
 
