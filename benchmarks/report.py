@@ -717,14 +717,18 @@ def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table
         f"{model['name']}: where the TTFT goes, c1 (mean ms)",
         ["request kind", "configuration", "TTFT", *PHASES],
     )
+    measured = False
     for kind in model["kinds"]:
         for name, entry in configs.items():
             phases = (entry["rows"].get(f"c1/{kind}") or {}).get("phases_mean_ms")
             if phases is None:
+                # A request the histograms did not count alone: shown, not left out.
+                table.rows.append([kind, name, *["n/a"] * (1 + len(PHASES))])
                 continue
+            measured = True
             total = sum(phases[p] for p in PHASES)
             table.rows.append([kind, name, _ms(total), *(_ms(phases[p]) for p in PHASES)])
-    if not table.rows:
+    if not measured:
         return []
     table.note = (
         "From vLLM's own histograms read around each request, one request at a time: "

@@ -187,7 +187,8 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
         "max_tokens": 8,
         "configurations": {"eager": config(1.0, True), "omnitrace": config(0.5, True)},
     }
-    tables = report._engine({"sizes": "released", "models": {"m": model}})
+    payload = {"sizes": "released", "models": {"m": model}}
+    tables = report._engine(payload)
     where = [t for t in tables if "where the TTFT goes" in t.title]
     assert len(where) == 1
     rows = {(r[0], r[1]): r[2:] for r in where[0].rows}
@@ -195,6 +196,12 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     assert rows[("image-1", "eager")] == ["103", "2", "40", "1", "60"]
     assert rows[("audio-1s", "omnitrace")] == ["53", "2", "20", "1", "30"]
     assert len(rows) == 4
+    # A kind whose requests lack figures in one configuration is shown as n/a, not dropped.
+    model["configurations"]["omnitrace"]["rows"]["c1/image-1"]["phases_mean_ms"] = None
+    (where,) = [t for t in report._engine(payload) if "where the TTFT goes" in t.title]
+    rows = {(r[0], r[1]): r[2:] for r in where.rows}
+    assert rows[("image-1", "omnitrace")] == ["n/a"] * 5
+    assert rows[("image-1", "eager")] == ["103", "2", "40", "1", "60"]
     # A run that did not measure the phases has no such table.
     for entry in model["configurations"].values():
         for row in entry["rows"].values():
