@@ -272,6 +272,9 @@ class CoverageFold:
         """
         table = self._tables.get(event.adapter)
         if table is None:
+            if type(event) in ev.REQUEST_EVENT_TYPES:
+                # About requests, not an adapter (their adapter is empty): no table.
+                return
             table = self._table(event.adapter)
         # Hits first: they are nearly every event of a serving encoder.
         if type(event) is ev.GraphReplayed:
@@ -328,7 +331,7 @@ class CoverageFold:
                 runs.without_calls + (event.encoder_calls == 0),
                 event.runner,
             )
-        elif not isinstance(event, (ev.MemoryDeferred, ev.CaptureFailed)):
+        elif not isinstance(event, (ev.MemoryDeferred, ev.CaptureFailed, *ev.REQUEST_EVENT_TYPES)):
             raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 
     def extend(self, events: Iterable[Event]) -> None:

@@ -153,6 +153,10 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "float | None": (int, float, type(None)),
 }
+_TUPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "tuple[str, ...]": (str,),
+    "tuple[int, ...]": (int,),
+}
 _ENUM_FIELDS: dict[str, type[MissReason] | type[Phase]] = {"MissReason": MissReason, "Phase": Phase}
 
 
@@ -236,6 +240,14 @@ def _decode_field(
         # JSON has no NaN or infinity: the writer (orjson) writes a non-finite float as
         # null, which reads back as NaN.
         return math.nan
+    tuple_of = _TUPLE_TYPES.get(str(field.type))
+    if tuple_of is not None:
+        # JSON arrays of one scalar type (a batch's request ids) read back as tuples.
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(item, tuple_of) and not isinstance(item, bool) for item in value
+        ):
+            raise EventLogError(f"{where}: {cls_name}.{name}: expected {field.type}, got {value!r}")
+        return tuple(value)
     expected = _JSON_TYPES.get(str(field.type))
     if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
         raise EventLogError(f"{where}: {cls_name}.{name}: expected {field.type}, got {value!r}")

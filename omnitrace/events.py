@@ -15,6 +15,12 @@ raises. Calls rejected by a terminal adapter raise without an event.
 Two events are not calls and the stats ignore them: :class:`DeviceTimed` (the device time
 of a call already counted) and :class:`ProfilingObserved` (what an engine's start-up
 profiling run did with an encoder, emitted by the engine integration after the run).
+
+Two more are about requests, not adapters (their ``adapter`` is empty and the stats and
+coverage folds skip them): :class:`RequestTimed`, the timestamps of one served request up to
+its first token, and :class:`EncoderBatchRan`, one run of the engine's encoder step with the
+requests it served. :mod:`omnitrace.requests` joins them with the calls into per-request
+phases.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from omnitrace.signature import Signature
 
 __all__ = [
     "EVENT_TYPES",
+    "REQUEST_EVENT_TYPES",
     "CaptureFailed",
     "DeviceTimed",
+    "EncoderBatchRan",
     "Event",
     "GraphCaptured",
     "GraphMissed",
@@ -40,6 +48,7 @@ __all__ = [
     "NO_SIGNATURE",
     "Phase",
     "ProfilingObserved",
+    "RequestTimed",
     "event_fields",
     "missed",
     "now",
@@ -250,6 +259,74 @@ class ProfilingObserved(_Keyed):
     """Calls of this encoder during the run (hits and misses, skipped-profiling ones too)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimed(_Keyed):
+    """One served request reached its first token: the timestamps taken on its way.
+
+    Emitted by the vLLM plugin in the process that sees the first token (vLLM's API server
+    in ``vllm serve``, the engine's own process offline), once per request, with an empty
+    ``adapter`` and :data:`NO_SIGNATURE`. Every ``*_ns`` field is ``time.monotonic_ns()`` of
+    one host (CLOCK_MONOTONIC, shared by vLLM's processes there), or None where that point
+    was not observed (offline there is no HTTP arrival; without vLLM's request stats no
+    engine-core timestamps). ``monotonic_ns`` is when the first token was seen.
+    """
+
+    request_id: str
+    """The request id clients and vLLM's own ``llm_request`` span show."""
+    engine_request_id: str
+    """The id the engine core and the workers know the request by (the join key)."""
+    arrival_ns: int
+    """The request arrived: the HTTP request's headers reached the server, else vLLM's own
+    arrival time."""
+    render_ns: int | None
+    """vLLM's renderer started: chat template, media fetch and decode."""
+    processor_ns: int | None
+    """The model's multimodal processor started (after rendering and tokenising)."""
+    processed_ns: int | None
+    """The processor finished; the request goes to the engine core."""
+    queued_ns: int | None
+    """The engine core queued the request (vLLM's QUEUED event)."""
+    scheduled_ns: int | None
+    """The scheduler first scheduled it (vLLM's SCHEDULED event)."""
+    first_token_ns: int | None
+    """The engine core produced its first token."""
+    ttft_s: float
+    """Arrival to the first token seen here."""
+    images: int
+    """Image items of the request."""
+    image_pixels: int
+    """Pixels of its images, summed (0 where not known)."""
+    audios: int
+    """Audio items of the request."""
+    audio_s: float
+    """Seconds of its audio, summed (0 where not known)."""
+    trace_id: str
+    """The W3C trace id of the request's ``traceparent`` header ('' without one)."""
+    parent_span_id: str
+    """The span id of that header ('' without one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderBatchRan(_Keyed):
+    """The engine ran its encoder step for the multimodal items of one or more requests.
+
+    Emitted by the vLLM plugin in the worker after vLLM's model runner encoded the items
+    scheduled in one step (empty ``adapter``, :data:`NO_SIGNATURE`; ``monotonic_ns`` is when
+    the step ended). The encoder calls of the step are the calls of the same process whose
+    events fall between ``start_ns`` and ``monotonic_ns``; :mod:`omnitrace.requests`
+    attributes them to the requests by their items' tokens.
+    """
+
+    start_ns: int
+    """``time.monotonic_ns()`` when the step started."""
+    request_ids: tuple[str, ...]
+    """The engine request ids the step encoded items of, in the engine's order."""
+    request_tokens: tuple[int, ...]
+    """Embedding tokens of each request's items in this step (same order)."""
+    modalities: tuple[str, ...]
+    """The modalities of each request's items in this step, ``+``-joined (same order)."""
+
+
 Event: TypeAlias = (
     GraphCaptured
     | GraphReplayed
@@ -258,6 +335,8 @@ Event: TypeAlias = (
     | CaptureFailed
     | DeviceTimed
     | ProfilingObserved
+    | RequestTimed
+    | EncoderBatchRan
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -268,7 +347,12 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CaptureFailed,
     DeviceTimed,
     ProfilingObserved,
+    RequestTimed,
+    EncoderBatchRan,
 )
+
+#: The event types about requests rather than one adapter: the adapter folds skip them.
+REQUEST_EVENT_TYPES: frozenset[type[Event]] = frozenset({RequestTimed, EncoderBatchRan})
 
 
 def profiling_observed(adapter: str, runner: str, encoder_calls: int) -> ProfilingObserved:

@@ -279,6 +279,9 @@ class StatsFold:
         """Apply one event."""
         tally = self._tallies.get(event.adapter)
         if tally is None:
+            if type(event) in ev.REQUEST_EVENT_TYPES:
+                # About requests, not an adapter (their adapter is empty): no tally.
+                return
             tally = self._tallies[event.adapter] = _Tally()
         tally.last_epoch_ns = event.epoch_ns
         match event:

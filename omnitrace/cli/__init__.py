@@ -25,6 +25,7 @@ from omnitrace.cli.receive import _cmd_receive
 from omnitrace.cli.replay import _cmd_replay
 from omnitrace.cli.tables import stats_table
 from omnitrace.cli.top import _cmd_top
+from omnitrace.cli.trace import _cmd_trace
 from omnitrace.config import OmnitraceError
 
 __all__ = ["main", "stats_table"]
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": _cmd_replay,
         "advise": _cmd_advise,
         "receive": _cmd_receive,
+        "trace": _cmd_trace,
     }
     try:
         return int(handlers[args.command](args))

@@ -477,4 +477,7 @@ def _build_parser() -> argparse.ArgumentParser:
     receive.add_argument(
         "--json", action="store_true", help="print a JSON line per request, and the summary"
     )
+    from omnitrace.cli.trace import add_trace_parser
+
+    add_trace_parser(commands, _HelpFormatter)
     return parser

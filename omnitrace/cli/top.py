@@ -15,7 +15,7 @@ from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdo
 __all__ = ["_cmd_top"]
 
 
-def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
+def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[str, Any]:
     from omnitrace.ranks import totals, totals_json
 
     snapshot = board.snapshot()
@@ -31,7 +31,40 @@ def _top_json(board: Any, paths: Sequence[Path]) -> dict[str, Any]:
         "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
         # Every worker's encoders summed (the view's total row, with several workers).
         "total": totals_json(totals(workers), cap),
+        # Where each kind of request's TTFT goes (omnitrace.requests.phases_panel).
+        "requests": _requests_panel(requests),
     }
+
+
+def _requests_panel(requests: Any) -> dict[str, Any]:
+    from omnitrace.requests import phases_panel
+
+    return phases_panel([] if requests is None else requests.requests())
+
+
+def _requests_table(panel: dict[str, Any]) -> Any:
+    """The "where TTFT goes" table of ``top``: p50 of each phase per request kind."""
+    from rich.table import Table
+
+    from omnitrace.requests import PHASES
+
+    table = Table(title=f"where TTFT goes · last {panel['window']} requests (p50, ms)")
+    table.add_column("kind")
+    table.add_column("n", justify="right")
+    table.add_column("TTFT p50/p99", justify="right")
+    for phase in PHASES:
+        table.add_column(phase, justify="right")
+    table.add_column("encoders share", justify="right")
+    for kind in panel["kinds"]:
+        table.add_row(
+            kind["kind"],
+            str(kind["requests"]),
+            f"{kind['ttft_p50_s'] * 1e3:.1f}/{kind['ttft_p99_s'] * 1e3:.1f}",
+            *(f"{kind['phases'][p]['p50_s'] * 1e3:.1f}" for p in PHASES),
+            f"{kind['encoder_share']:.0%} "
+            f"(graphs save ≤ {kind['graphs_save_at_most_s'] * 1e3:.1f} ms)",
+        )
+    return table
 
 
 def _top_encoder_json(encoder: Any) -> dict[str, Any]:
@@ -57,24 +90,34 @@ def _top_encoder_json(encoder: Any) -> dict[str, Any]:
 def _cmd_top(args: argparse.Namespace) -> int:
     names = ", ".join(str(p) for p in args.paths)
     if not args.follow:
-        from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
-        from omnitrace.sinks.live_model import RecordBoard
-
         # No live view here: its terminal code (rich, loaded for the table) is not needed
         # for JSON.
+        from omnitrace.events import REQUEST_EVENT_TYPES
+        from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+        from omnitrace.requests import RequestJoin
+        from omnitrace.sinks.live_model import RecordBoard
+
         board = RecordBoard(title=f"omnitrace top · {names}")
+        requests = RequestJoin()
         try:
             with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
                 for _, chunk in read_logs(args.paths, progress=progress.advance):
                     board.add(chunk)
+                    for record in chunk:
+                        if type(record.item) in REQUEST_EVENT_TYPES:
+                            requests.add(record.item, record.pid)
         except LogReadError as exc:
             return _error("top", str(exc), exc.status)
         if args.json:
-            _print_json(_top_json(board, args.paths))
+            _print_json(_top_json(board, args.paths, requests))
         else:
             from omnitrace.sinks.live_layout import render
 
-            _stdout_console().print(render(board.snapshot()))
+            console = _stdout_console()
+            console.print(render(board.snapshot()))
+            panel = _requests_panel(requests)
+            if panel["kinds"]:
+                console.print(_requests_table(panel))
         return 0
     if args.json:
         return _error("top", "--json prints one snapshot; it cannot be combined with --follow")

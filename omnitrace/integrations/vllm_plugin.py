@@ -21,6 +21,10 @@ installed but inert; the sinks come from the environment, as the table of
     rank as resource attributes. Everything else comes from OpenTelemetry's own variables:
     ``OTEL_SERVICE_NAME`` (default ``omnitrace``), ``OTEL_RESOURCE_ATTRIBUTES``,
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``_PROTOCOL``, ``OTEL_METRIC_EXPORT_INTERVAL``.
+``OMNITRACE_REQUESTS=0``
+    leaves out the per-request timing (:mod:`omnitrace.integrations.vllm_requests`: one
+    ``RequestTimed`` per request at its first token, one ``EncoderBatchRan`` per encoder
+    step), which is on by default.
 ``OMNITRACE_LOGS=1``
     structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
     encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker exits.
@@ -54,6 +58,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnitrace._env import env_flag
@@ -72,8 +77,10 @@ __all__ = [
     "ENV_OTLP",
     "ENV_PLUGIN",
     "PluginError",
+    "api_log_path",
     "profiling_phase",
     "register",
+    "request_bus",
     "worker_bus",
 ]
 
@@ -139,6 +146,35 @@ def worker_bus(environ: Mapping[str, str] | None = None) -> EventBus:
         return bus
 
 
+def api_log_path(template: str) -> str:
+    """Return the event log path of vLLM's API server for the workers' path ``template``.
+
+    The API server writes the requests' events beside the workers' logs, never into one of
+    them: ``{rank}`` becomes ``api`` (``events-{rank}.jsonl`` → ``events-api.jsonl``); a path
+    with ``{pid}`` differs by pid already; any other path gains ``.api`` before its suffix
+    (``events.jsonl`` → ``events.api.jsonl``).
+    """
+    if "{rank}" in template:
+        return template.replace("{rank}", "api")
+    if "{pid}" in template:
+        return template
+    path = Path(template)
+    return str(path.with_name(f"{path.stem}.api{path.suffix}"))
+
+
+def request_bus() -> EventBus:
+    """Return the bus request events go to: this process's bus where it has one (a worker,
+    or an engine in one process), else one whose event log is :func:`api_log_path`'s."""
+    with _lock:
+        if _bus is not None and _bus_pid == os.getpid():
+            return _bus
+    env = dict(os.environ)
+    template = env.get(ENV_EVENTS_LOG)
+    if template:
+        env[ENV_EVENTS_LOG] = api_log_path(template)
+    return worker_bus(env)
+
+
 def _after_load(model: Any, vllm_config: Any) -> None:
     # Imported here: the integrations load torch and the graph adapter, which register()
     # (run in every vLLM process) does not need.
@@ -166,6 +202,10 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         raise
     _attached.update(_adapters_of(result))
     _hook_profiling()
+    if _requests_on():
+        from omnitrace.integrations.vllm_requests import hook_worker
+
+        hook_worker(worker_bus)
     pid, rank = worker_identity()
     logger.info(
         "omnitrace: encoder graphs attached (%s, model=%s, pid=%d, rank=%s)",
@@ -352,4 +392,15 @@ def register(environ: Mapping[str, str] | None = None) -> bool:
     with _lock:
         if not getattr(loader.load_model, _PATCHED, False):
             loader.load_model = _wrap_load_model(loader.load_model)
+    if _requests_on(env):
+        from omnitrace.integrations.vllm_requests import hook_api_server
+
+        hook_api_server(request_bus)
     return True
+
+
+def _requests_on(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether per-request timing is on (``OMNITRACE_REQUESTS``, default on)."""
+    from omnitrace.integrations.vllm_requests import ENV_REQUESTS
+
+    return env_flag(os.environ if environ is None else environ, ENV_REQUESTS, True)

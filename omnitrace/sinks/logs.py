@@ -40,6 +40,7 @@ from omnitrace._env import env_seconds
 from omnitrace._validate import check_duration, check_int
 from omnitrace.config import ConfigError
 from omnitrace.events import Event, MissReason, Phase
+from omnitrace.requests import phases_of
 from omnitrace.sinks.names import LOG_EVENTS
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
@@ -382,6 +383,8 @@ _LOG_NAMES: dict[type[Event], str] = {
     ev.MemoryDeferred: "memory_deferred",
     ev.CaptureFailed: "capture_failed",
     ev.ProfilingObserved: "profiling_observed",
+    ev.RequestTimed: "request_timed",
+    ev.EncoderBatchRan: "encoder_batch_ran",
 }
 # Fields every event has: the line names the encoder and key instead, the phase only off
 # serving, and the epoch as event_epoch_ns.
@@ -395,11 +398,19 @@ _OWN_FIELDS: dict[type[Event], tuple[str, ...]] = {
 
 def _describe(event: Event) -> tuple[str, dict[str, Any]]:
     """Return the log event name and fields of ``event``."""
-    fields: dict[str, Any] = {"encoder": event.adapter}
+    cls = type(event)
+    if cls in ev.REQUEST_EVENT_TYPES:
+        # About a request, not an encoder: its own fields, and a request's phases as seen
+        # from this process alone (the encoders' share needs the workers' logs).
+        fields = {name: getattr(event, name) for name in _OWN_FIELDS[cls]}
+        if isinstance(event, ev.RequestTimed):
+            fields["phases"] = phases_of(event)
+        fields["event_epoch_ns"] = event.epoch_ns
+        return _LOG_NAMES[cls], fields
+    fields = {"encoder": event.adapter}
     if not isinstance(event, ev.ProfilingObserved):
         # A profiling run's report is about the encoder, not one of its calls: no key.
         fields["key"] = event.key
-    cls = type(event)
     for name in _OWN_FIELDS[cls]:
         value = getattr(event, name)
         # None: a miss's duration when the adapter did not run the forward, a capture's

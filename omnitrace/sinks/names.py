@@ -180,5 +180,7 @@ LOG_EVENTS: dict[str, str] = {
     "memory_deferred": "warning",
     "capture_failed": "error",
     "profiling_observed": "info",
+    "request_timed": "info",
+    "encoder_batch_ran": "debug",
     "graph_summary": "info",
 }

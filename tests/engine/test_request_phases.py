@@ -1,0 +1,187 @@
+"""Per-request phases inside ``vllm serve``: arrival to first token, joined across processes.
+
+The server runs with the event log template ``events-{rank}.jsonl``: the worker writes
+``events-0.jsonl`` (encoder calls and steps), the API server ``events-api.jsonl`` (one
+``RequestTimed`` per request). Requests come from the ``openai`` client, streamed, so the
+test measures the client's own time to first token.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
+
+from engine.engine_run import chat_messages
+from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.test_qwen2_5_omni_serve import OVERRIDES, Server
+from omnitrace.eventlog import read_records
+from omnitrace.requests import PHASES, RequestJoin, phases_panel
+from omnitrace.testing_checkpoints.serving import free_port, serve_command
+
+pytestmark = pytest.mark.engine
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``vllm serve`` on the tiny Qwen2.5-Omni checkpoint, engine in its own process."""
+    out = tmp_path_factory.mktemp("phases")
+    port = free_port()
+    env = engine_environment(OMNITRACE_EVENTS_LOG=str(out / "events-{rank}.jsonl"))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    output = out / "serve.log"
+    command = serve_command(
+        checkpoint, port, max_model_len=2048, max_num_seqs=4, hf_overrides=OVERRIDES
+    )
+    with output.open("wb") as sink:
+        process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
+    served = Server(process, port, output, out / "events-0.jsonl")
+    try:
+        served.wait_ready(ENGINE_TIMEOUT_S)
+        yield served
+    finally:
+        served.stop()
+
+
+def _stream(server: Server, seed_offset: int, headers: dict[str, str] | None = None) -> Any:
+    """Send one streamed chat request; return (response id, client TTFT in s)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
+    model = client.models.list().data[0].id
+    messages = chat_messages(seed_offset)
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=2,
+        temperature=0.0,
+        stream=True,
+        extra_headers=headers or {},
+    )
+    ttft = None
+    rid = None
+    for chunk in stream:
+        rid = chunk.id
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = time.perf_counter() - start
+    assert ttft is not None
+    assert rid is not None
+    return rid, ttft
+
+
+def _records(out: Path) -> list[Any]:
+    records = []
+    for path in sorted(out.glob("events-*.jsonl")):
+        records.extend(read_records(path))
+    return records
+
+
+def _join(out: Path, *, calls: bool = False, wait_for: set[str] = frozenset()) -> RequestJoin:
+    """Join the logs, waiting (at most 30 s) until every id in ``wait_for`` is there."""
+    deadline = time.monotonic() + 30
+    while True:
+        join = RequestJoin(calls=calls)
+        for record in _records(out):
+            join.add(record.item, record.pid)
+        seen = {v.event.request_id for v in join.requests()}
+        if wait_for <= seen or time.monotonic() > deadline:
+            return join
+        time.sleep(0.5)
+
+
+def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
+    server: Server,
+) -> None:
+    """One streamed request with a traceparent: one RequestTimed in the API server's log,
+    in the client's trace, whose phases add up to its TTFT and to the client's within 5 %,
+    with its encoder steps from the worker's log."""
+    _stream(server, 20)  # warm-up: the first request of a server pays for start-up work
+    rid, client_ttft = _stream(server, 0, {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    out = server.log.parent
+    assert (out / "events-api.jsonl").exists(), sorted(p.name for p in out.iterdir())
+    views = [v for v in _join(out, wait_for={rid}).requests() if v.event.request_id == rid]
+    assert len(views) == 1, [v.event.request_id for v in _join(out).requests()]
+    view = views[0]
+    event = view.event
+    assert (event.trace_id, event.parent_span_id) == (TRACE_ID, PARENT_ID)
+    assert event.images == 1
+    assert event.audios == 1
+    assert event.image_pixels == 252 * 252
+    assert event.audio_s == pytest.approx(1.5, rel=0.01)
+    for name in ("render_ns", "processor_ns", "processed_ns", "queued_ns", "scheduled_ns"):
+        assert getattr(event, name) is not None, name
+    assert sum(view.phases.values()) == pytest.approx(event.ttft_s, rel=1e-6)
+    assert set(view.phases) == set(PHASES)
+    assert abs(event.ttft_s - client_ttft) <= 0.05 * client_ttft, (event.ttft_s, client_ttft)
+    assert view.phases["encoders"] > 0, view.phases
+    assert view.steps
+    assert all(event.engine_request_id in s.request_ids for s in view.steps)
+
+
+def test_concurrent_requests_get_their_own_encoder_steps(server: Server) -> None:
+    """Three requests in flight at once: each one's RequestTimed joins encoder steps that
+    name it, with calls of both encoders, as each does alone."""
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(_stream(server, 30 + s)))
+        for s in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(results) == 3
+    ids = {rid for rid, _ in results}
+    join = _join(server.log.parent, calls=True, wait_for=ids)
+    views = {v.event.request_id: v for v in join.requests() if v.event.request_id in ids}
+    assert set(views) == ids
+    for view in views.values():
+        encoders = {c["encoder"] for s in view.steps for c in s.calls}
+        assert encoders == {"vision", "audio"}, (view.event.request_id, encoders)
+        assert 0 < view.encoder_share_s <= view.phases["encoders"] + 1e-9
+
+
+def test_top_json_and_trace_show_the_requests(server: Server) -> None:
+    """``top --json``'s requests panel equals the fold of the logs' events, and ``omnitrace
+    trace`` prints one request's tree with its encoder calls."""
+    rid, _ = _stream(server, 40)
+    out = server.log.parent
+    join = _join(out, wait_for={rid})
+    logs = [str(p) for p in sorted(out.glob("events-*.jsonl"))]
+    top = subprocess.run(
+        [sys.executable, "-m", "omnitrace", "top", "--json", *logs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert top.returncode == 0, top.stderr
+    panel = json.loads(top.stdout)["requests"]
+    expected = json.loads(json.dumps(phases_panel(join.requests())))
+    # The log may have grown between the two reads only if a request was in flight: none is.
+    assert panel == expected
+    assert any(kind["kind"] == "image+audio" for kind in panel["kinds"])
+    trace = subprocess.run(
+        [sys.executable, "-m", "omnitrace", "trace", rid, *logs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert trace.returncode == 0, trace.stderr
+    assert trace.stdout.startswith(f"request {rid} "), trace.stdout
+    for phase in ("render", "processor", "encoders", "prefill"):
+        assert phase in trace.stdout, trace.stdout
+    assert "vision" in trace.stdout, trace.stdout
+    assert "audio" in trace.stdout, trace.stdout
