@@ -62,6 +62,11 @@ class ATTR:
     PROFILING_CALLS = "omnitrace.profiling.encoder_calls"
     """Calls of the encoder during that profiling run (0: its memory was not profiled)."""
     PHASE = "omnitrace.phase"
+    REQUEST_ID = "gen_ai.request.id"
+    REQUEST_KIND = "omnitrace.request.kind"
+    REQUEST_PHASE = "omnitrace.request.phase"
+    REQUEST_TTFT = "omnitrace.request.ttft"
+    REQUEST_ENGINE_ID = "omnitrace.request.engine_id"
     """``serving``, or ``profiling`` during vLLM's start-up profiling run."""
     CALL_KIND = "omnitrace.call.kind"
     """``replay`` (a hit) or ``eager`` (a miss the adapter ran)."""
@@ -84,6 +89,10 @@ class SPANS:
     CAPTURE_FAILURE = "omnitrace.graph.capture"  # same operation, ERROR status
     PROFILING_RUN = "omnitrace.graph.profiling_run"
     """An instant per encoder when the engine's start-up profiling run ended."""
+    REQUEST = "omnitrace.request"
+    """A served request from its arrival to its first token, in the client's trace."""
+    REQUEST_PHASE = "omnitrace.request.phase"
+    """One phase of a request (a child of its request span)."""
     EXCEPTION_EVENT = "exception"  # span event name the OTel semantic conventions fix
 
 

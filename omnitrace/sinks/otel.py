@@ -323,10 +323,62 @@ class OTelSink:
                     ATTR.PHASE: event.phase.value,
                 }
                 self._emit_span(SPANS.PROFILING_RUN, event.epoch_ns, event.epoch_ns, attributes)
+            case ev.RequestTimed():
+                self._request_spans(event)
             case _:
                 # Hits and misses are counters and histograms: a span event per replay on a
                 # long-lived span would hit the SDK's per-span event cap within seconds.
                 pass
+
+    def _request_spans(self, event: ev.RequestTimed) -> None:
+        """A request span from arrival to first token, in the client's trace when it sent
+        a ``traceparent``, with a child span per phase this process observed."""
+        from omnitrace.requests import PHASES, kind_of, phases_of
+
+        # The event's monotonic timestamps, put on the epoch clock of its own stamp.
+        offset = event.epoch_ns - event.monotonic_ns
+        parent = _ROOT_CONTEXT
+        if event.trace_id and event.parent_span_id:
+            remote = otel_trace.SpanContext(
+                int(event.trace_id, 16),
+                int(event.parent_span_id, 16),
+                is_remote=True,
+                trace_flags=otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED),
+            )
+            parent = otel_trace.set_span_in_context(otel_trace.NonRecordingSpan(remote))
+        kind = kind_of(event)
+        span = self._tracer.start_span(
+            SPANS.REQUEST,
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            attributes={
+                ATTR.REQUEST_ID: event.request_id,
+                ATTR.REQUEST_ENGINE_ID: event.engine_request_id,
+                ATTR.REQUEST_KIND: kind,
+                ATTR.REQUEST_TTFT: event.ttft_s,
+            },
+            start_time=event.arrival_ns + offset,
+        )
+        inside = otel_trace.set_span_in_context(span)
+        start = event.arrival_ns
+        phases = phases_of(event)
+        for phase in PHASES:
+            seconds = phases[phase]
+            if seconds <= 0:
+                continue
+            end = start + int(seconds * 1e9)
+            child = self._tracer.start_span(
+                SPANS.REQUEST_PHASE,
+                context=inside,
+                kind=SpanKind.INTERNAL,
+                attributes={ATTR.REQUEST_PHASE: phase, ATTR.REQUEST_KIND: kind},
+                start_time=start + offset,
+            )
+            child.end(end_time=end + offset)
+            self._spans += 1
+            start = end
+        span.end(end_time=event.monotonic_ns + offset)
+        self._spans += 1
 
     def _emit_span(
         self,

@@ -1054,3 +1054,63 @@ def test_telemetry_doc_lists_every_exported_name() -> None:
         names |= {spec.otel, spec.prometheus, spec.unit}
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert missing == []
+
+
+def test_a_timed_request_is_a_span_in_the_client_s_trace_with_a_child_per_phase(
+    in_memory: tuple[InMemorySpanExporter, InMemoryMetricReader, TracerProvider],
+) -> None:
+    """A RequestTimed with a traceparent becomes an ``omnitrace.request`` span in that trace,
+    parented on the client's span, with one phase span per observed phase inside it."""
+    from omnitrace.events import NO_SIGNATURE, RequestTimed
+
+    spans, _, tracer_provider = in_memory
+    ms = 1_000_000
+    event = RequestTimed(
+        "",
+        NO_SIGNATURE,
+        100 * ms,
+        5_000 * ms,
+        "chatcmpl-1",
+        "chatcmpl-1-ab",
+        10 * ms,
+        12 * ms,
+        20 * ms,
+        50 * ms,
+        51 * ms,
+        52 * ms,
+        99 * ms,
+        0.090,
+        1,
+        448 * 448,
+        0,
+        0.0,
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        "00f067aa0ba902b7",
+    )
+    bus = EventBus()
+    try:
+        sink = OTelSink(bus, tracer_provider=tracer_provider, meter_provider=MeterProvider())
+        sink.handle([event])
+    finally:
+        bus.close()
+    finished = spans.get_finished_spans()
+    (request,) = [s for s in finished if s.name == SPANS.REQUEST]
+    assert format(request.context.trace_id, "032x") == event.trace_id
+    assert request.parent is not None
+    assert format(request.parent.span_id, "016x") == event.parent_span_id
+    assert request.attributes[ATTR.REQUEST_ID] == "chatcmpl-1"
+    assert request.start_time == 4_910 * ms  # arrival on the epoch clock
+    assert request.end_time == 5_000 * ms
+    phases = [s for s in finished if s.name == SPANS.REQUEST_PHASE]
+    assert [s.attributes[ATTR.REQUEST_PHASE] for s in phases] == [
+        "http",
+        "render",
+        "processor",
+        "to_engine",
+        "queue",
+        "prefill",
+        "output",
+    ]
+    assert all(s.parent is not None and s.parent.span_id == request.context.span_id for s in phases)
+    assert phases[0].start_time == request.start_time
+    assert phases[-1].end_time == request.end_time
