@@ -8,8 +8,9 @@ hook is left out and logged once; nothing raises into vLLM.
 
 In the API server (vLLM 0.26; docs/vllm.md lists the points and where 0.33 differs):
 
-* ``vllm/entrypoints/openai/api_server.py::build_app``: an ASGI middleware stamps the
-  arrival of each HTTP request and reads its ``traceparent``;
+* ``vllm/entrypoints/openai/api_server.py::build_app`` (0.33:
+  ``vllm/entrypoints/launchers/app.py``, called from ``launchers/api_server/entry.py``): an
+  ASGI middleware stamps the arrival of each HTTP request and reads its ``traceparent``;
 * ``vllm/renderers/base.py::BaseRenderer.render_chat_async``: the renderer starts;
 * ``BaseRenderer.process_for_engine_async``: the model's multimodal processor starts and
   ends, and the request's media are counted;
@@ -42,7 +43,7 @@ from typing import Any
 
 from omnitrace import events as ev
 
-__all__ = ["ENV_REQUESTS", "hook_api_server", "hook_worker"]
+__all__ = ["ENV_REQUESTS", "HOOK_POINTS", "hook_api_server", "hook_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -284,15 +285,43 @@ def _wrap_build_app(build_app: Callable[..., Any]) -> Callable[..., Any]:
     return build_app_with_arrivals
 
 
+#: The methods the hooks wrap, by module: (class or None for a function, name). Where a
+#: release moved one, either place counts (the tests check each release's source has them).
+HOOK_POINTS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
+    (
+        ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.app"),
+        None,
+        "build_app",
+    ),
+    (("vllm.renderers.base",), "BaseRenderer", "render_chat_async"),
+    (("vllm.renderers.base",), "BaseRenderer", "process_for_engine_async"),
+    (("vllm.v1.engine.async_llm",), "AsyncLLM", "add_request"),
+    (("vllm.v1.engine.output_processor",), "OutputProcessor", "_update_stats_from_output"),
+    (("vllm.v1.worker.gpu_model_runner",), "GPUModelRunner", "_execute_mm_encoder"),
+    (("vllm.v1.worker.gpu.mm.encoder_runner",), "EncoderRunner", "prepare_mm_inputs"),
+    (("vllm.v1.worker.gpu.mm.encoder_runner",), "EncoderRunner", "execute_mm_encoder"),
+)
+
+_APP_MODULES = (
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.entrypoints.launchers.app",
+)
+
+
 def hook_api_server(bus_of: BusGetter) -> None:
     """Install the API server's request hooks (once; safe in any process).
 
     Only modules this process already imported are hooked: a worker never imports the API
     server, and importing it there would cost seconds.
     """
-    api = sys.modules.get("vllm.entrypoints.openai.api_server")
-    if api is not None:
-        _patch(api, "build_app", _wrap_build_app)
+    # Where the server calls build_app from: 0.26's api_server module; 0.33's launcher, which
+    # imports it from vllm/entrypoints/launchers/app.py.
+    servers = [sys.modules.get(name) for name in _APP_MODULES]
+    api = next((module for module in servers if module is not None), None)
+    for module in servers:
+        if module is not None and hasattr(module, "build_app"):
+            _patch(module, "build_app", _wrap_build_app)
     if "vllm.v1.engine.output_processor" not in sys.modules and api is None:
         return
     output = _module("vllm.v1.engine.output_processor")
