@@ -119,4 +119,5 @@ fi
 # Each model's test_<model>_vllm_modules.py runs here by its name: a new one needs no line.
 OMNITRACE_FORBID_SKIPS=1 python3 -m pytest -q -p no:cacheprovider ${deselect[@]+"${deselect[@]}"} \
     tests/integrations/test_vllm_conformance.py tests/integrations/test_vllm_plugin.py \
+    tests/integrations/test_vllm_request_hooks.py \
     tests/integrations/test_*_vllm_modules.py
