@@ -220,12 +220,17 @@ def check_endpoint(name: str, value: object, *, example: str = "http://localhost
     elif any(char.isspace() or unicodedata.category(char) == "Cc" for char in text):
         problem = ", which has white space or a control character in it"
     else:
-        parts = urllib.parse.urlsplit(text)
         try:
-            port = parts.port
+            parts = urllib.parse.urlsplit(text)
+        except ValueError:  # an unclosed or stray bracket: "Invalid IPv6 URL"
+            parts = None
+        try:
+            port = 0 if parts is None else parts.port
         except ValueError:  # not a number, or past 65535
             port = 0
-        if "://" not in text or parts.scheme.lower() not in ("http", "https"):
+        if parts is None:
+            problem = ", whose host is not a valid [IPv6] address"
+        elif "://" not in text or parts.scheme.lower() not in ("http", "https"):
             problem = ", which does not start with http:// or https://"
         elif not parts.hostname:
             problem = ", which has no host"
