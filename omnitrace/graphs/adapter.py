@@ -182,6 +182,7 @@ class EncoderCudaGraph:
         self._failure_exc: BaseException | None = None
         self._phase = _SERVING
         self._skip_profiling = config.skip_profiling
+        self._paused = False
         self._compiled: Callable[..., Any] | None = None
         self._timers = (
             DeviceTimers(lambda device: owner._new_timer(device), self._lock)
@@ -250,6 +251,24 @@ class EncoderCudaGraph:
     def phase(self) -> Phase:
         """The engine phase events are tagged with (``serving`` unless told otherwise)."""
         return self._phase
+
+    @property
+    def graphs_paused(self) -> bool:
+        """Whether graphs are paused (:meth:`pause_graphs`)."""
+        return self._paused
+
+    def pause_graphs(self, paused: bool = True) -> None:
+        """Serve every call eagerly while ``paused`` (``ineligible`` misses, detail
+        ``paused``), keeping the graphs, the admission history and the pools; ``False``
+        resumes replaying. For side-by-side measurements in one engine: eager and graphed
+        calls of the same traffic alternate under the same conditions.
+
+        Raises:
+            ConfigError: ``paused`` is not a bool.
+        """
+        if not isinstance(paused, bool):
+            raise ConfigError(f"paused: expected a bool, got {paused!r}")
+        self._paused = paused
 
     def set_phase(self, phase: Phase | str) -> None:
         """Tag later events with ``phase``; with ``skip_profiling``, ``profiling`` calls stay
@@ -398,6 +417,7 @@ class EncoderCudaGraph:
             entry = self._graphs.get((device, self.backend.stream_id(device), parts))
             if (
                 entry is not None
+                and self._paused is False
                 and (self._skip_profiling is False or self._phase is not Phase.PROFILING)
                 and state_detail(device, self.backend) is None
             ):
@@ -441,6 +461,8 @@ class EncoderCudaGraph:
         detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
         if detail is None and self._skip_profiling and self._phase is Phase.PROFILING:
             detail = "profiling"
+        if detail is None and self._paused:
+            detail = "paused"
         if detail is not None:
             # Timed on the device only where the backend has a clock: one graph device.
             device = call.device

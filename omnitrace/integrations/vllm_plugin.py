@@ -78,6 +78,7 @@ __all__ = [
     "ENV_PLUGIN",
     "PluginError",
     "api_log_path",
+    "pause_graphs",
     "profiling_phase",
     "register",
     "request_bus",
@@ -397,6 +398,21 @@ def register(environ: Mapping[str, str] | None = None) -> bool:
 
         hook_api_server(request_bus)
     return True
+
+
+def pause_graphs(worker: Any = None, paused: bool = True) -> int:
+    """Pause (or, with ``paused=False``, resume) the graphs of every adapter attached in this
+    process; return how many adapters that was.
+
+    Made for ``llm.collective_rpc(pause_graphs, args=(True,))``, which calls it in each worker
+    with the worker first (unused): a benchmark alternates eager and graphed requests of the
+    same kind in one engine, so that drift hits both alike. Paused calls are ``ineligible``
+    misses, detail ``paused``; graphs, history and pools are kept.
+    """
+    adapters = list(_attached)
+    for adapter in adapters:
+        adapter.pause_graphs(paused)
+    return len(adapters)
 
 
 def _requests_on(environ: Mapping[str, str] | None = None) -> bool:

@@ -702,3 +702,39 @@ def test_stuck_and_broken_sinks_never_reach_the_encoder_path() -> None:
     assert sinks["stuck"].dropped > 0
     assert sinks["broken"].disabled
     assert sinks["stuck"].delivered + sinks["stuck"].dropped == bus.statistics().emitted
+
+
+def test_paused_graphs_serve_eagerly_and_resume_with_their_graphs() -> None:
+    """While paused every call is an ineligible miss (detail ``paused``) and no graph is
+    captured; resumed, the graph captured before serves again."""
+    from omnitrace import ConfigError
+
+    bus = EventBus()
+    try:
+        graph = EncoderCudaGraph(
+            torch.nn.Linear(4, 4),
+            name="vision",
+            config=EncoderGraphConfig(min_free_bytes=0),
+            bus=bus,
+            backend=SimulatedGraphBackend(),
+        )
+        x = torch.ones(1, 4)
+        with torch.no_grad(), capture_events(bus) as seen:
+            graph(x)
+            graph(x)  # captured
+            graph.pause_graphs()
+            assert graph.graphs_paused
+            paused_out = graph(x)
+            graph(torch.ones(2, 4))
+            graph(torch.ones(2, 4))  # would capture if not paused
+            graph.pause_graphs(False)
+            resumed_out = graph(x)
+        assert torch.equal(paused_out, resumed_out)
+        misses = [e for e in seen if isinstance(e, GraphMissed)]
+        assert [m.detail for m in misses[1:]] == ["paused"] * 3
+        assert isinstance(seen[-1], GraphReplayed)
+        assert graph.num_graphs == 1
+        with pytest.raises(ConfigError, match="paused: expected a bool, got 1"):
+            graph.pause_graphs(1)  # type: ignore[arg-type]
+    finally:
+        bus.close()
