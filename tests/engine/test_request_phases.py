@@ -27,6 +27,7 @@ from engine.test_qwen2_5_omni_serve import OVERRIDES, Server
 from omnitrace.eventlog import read_records
 from omnitrace.requests import PHASES, RequestJoin, phases_panel
 from omnitrace.testing_checkpoints.serving import free_port, serve_command
+from omnitrace.testing_otlp import OTLPReceiver
 
 pytestmark = pytest.mark.engine
 
@@ -35,15 +36,38 @@ PARENT_ID = "00f067aa0ba902b7"
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``vllm serve`` on the tiny Qwen2.5-Omni checkpoint, engine in its own process."""
+def receiver() -> Iterator[OTLPReceiver]:
+    """A loopback OTLP/gRPC receiver for vLLM's traces and omnitrace's spans."""
+    with OTLPReceiver("grpc") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def server(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OTLPReceiver
+) -> Iterator[Server]:
+    """``vllm serve`` on the tiny Qwen2.5-Omni checkpoint, engine in its own process, with
+    vLLM's tracing and omnitrace's OTLP sink both sending to ``receiver``."""
     out = tmp_path_factory.mktemp("phases")
     port = free_port()
-    env = engine_environment(OMNITRACE_EVENTS_LOG=str(out / "events-{rank}.jsonl"))
+    endpoint = f"http://127.0.0.1:{receiver.port}"
+    env = engine_environment(
+        OMNITRACE_EVENTS_LOG=str(out / "events-{rank}.jsonl"),
+        OMNITRACE_OTLP="1",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_SERVICE_NAME="omnitrace-phases",
+    )
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     output = out / "serve.log"
     command = serve_command(
-        checkpoint, port, max_model_len=2048, max_num_seqs=4, hf_overrides=OVERRIDES
+        checkpoint,
+        port,
+        max_model_len=2048,
+        max_num_seqs=4,
+        hf_overrides=OVERRIDES,
+        extra=("--otlp-traces-endpoint", endpoint),
     )
     with output.open("wb") as sink:
         process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
@@ -129,6 +153,31 @@ def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
     assert view.phases["encoders"] > 0, view.phases
     assert view.steps
     assert all(event.engine_request_id in s.request_ids for s in view.steps)
+
+
+def test_vllm_s_request_span_and_omnitrace_s_phase_spans_share_the_client_s_trace(
+    server: Server, receiver: OTLPReceiver
+) -> None:
+    """With ``--otlp-traces-endpoint`` and a client ``traceparent``, vLLM's ``llm_request``
+    span and omnitrace's request and phase spans arrive in the client's trace."""
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    rid, _ = _stream(server, 50, {"traceparent": f"00-{trace}-b7ad6b7169203331-01"})
+    wanted = bytes.fromhex(trace)
+
+    def names(r: OTLPReceiver) -> set[str]:
+        return {span.name for span in r.spans() if span.trace_id == wanted}
+
+    receiver.wait_for(
+        lambda r: {"llm_request", "omnitrace.request", "omnitrace.request.phase"} <= names(r),
+        timeout=60,
+    )
+    assert {"llm_request", "omnitrace.request", "omnitrace.request.phase"} <= names(receiver), (
+        names(receiver),
+        server.tail(),
+    )
+    (request,) = [s for s in receiver.spans("omnitrace.request") if s.trace_id == wanted]
+    ids = {kv.key: kv.value.string_value for kv in request.attributes}
+    assert ids["gen_ai.request.id"] == rid
 
 
 def test_concurrent_requests_get_their_own_encoder_steps(server: Server) -> None:
