@@ -54,7 +54,7 @@ def _requests_table(panel: dict[str, Any]) -> Any:
     table.add_column("TTFT p50/p99", justify="right")
     for phase in PHASES:
         table.add_column(phase, justify="right")
-    table.add_column("encoders share", justify="right")
+    table.add_column("encoders share (means)", justify="right")
     for kind in panel["kinds"]:
         table.add_row(
             kind["kind"],
