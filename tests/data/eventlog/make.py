@@ -3,7 +3,10 @@
 The outputs (``expected.tar.xz``) were recorded with the readers, ``top``, ``replay`` and
 ``advise`` as they were before they streamed (omnitrace at 5439577, with the multi-rank
 commands: `advise --json` has `per_worker`), so
-``tests/test_eventlog_equal.py`` can check that the streaming ones print the same. Run it
+``tests/test_eventlog_equal.py`` can check that the streaming ones print the same. One
+change since: `top --json` gained its `requests` panel (the per-request TTFT table, empty in
+these logs, which hold no request events); its recorded output is the old one with that key
+added, checked to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
