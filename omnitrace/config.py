@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,7 +27,11 @@ __all__ = [
     "EncoderGraphConfig",
     "EncoderGraphFailedError",
     "OmnitraceError",
+    "misspelt_key",
+    "spelt_like_a_key",
 ]
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 #: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
@@ -173,16 +178,26 @@ class EncoderGraphConfig:
         overrides: Mapping[str, Any] | str | None,
         *,
         enforce_eager: bool = False,
+        warn: Callable[[str], None] | None = None,
     ) -> EncoderGraphConfig:
         """Build a config from the parsed ``--hf-overrides`` (a mapping or its JSON text).
 
-        Keys that do not start with ``encoder_cuda_graph`` belong to the model and are
-        ignored; an unknown ``encoder_cuda_graph_*`` key is an error.
+        Other keys belong to the model and are ignored, except misspellings of omnitrace's
+        (see :func:`misspelt_key`): an unknown ``encoder_cuda_graph_*`` key, the prefix
+        spelt another way (vLLM's ``encoder_cudagraph_*``, other case or separators) or a
+        near miss of a whole key (``encoder_cuda_grph_max_graphs``) is an error, since no
+        model reads such a key; a bare option name (``max_graphs``) or a looser match may be
+        the model's own, so it is left to the model with one warning naming the right key.
+
+        Args:
+            overrides: the parsed ``--hf-overrides`` or its JSON text; None for none.
+            enforce_eager: vLLM's ``--enforce-eager`` (forces ``enabled`` false).
+            warn: called with each warning line; None logs it on this module's logger.
 
         Raises:
             ConfigError: a value has the wrong type or range, the JSON does not parse (too
-                deep or too long a number included), or a key is unknown (the message
-                suggests the closest valid key). Always one line.
+                deep or too long a number included), or a key is unknown or misspelt (the
+                message suggests the closest valid key). Always one line.
         """
         if not isinstance(enforce_eager, bool):
             raise ConfigError(
@@ -198,14 +213,28 @@ class EncoderGraphConfig:
             )
 
         kwargs: dict[str, Any] = {}
+        warnings: list[str] = []
         for key, value in overrides.items():
-            if not isinstance(key, str) or not key.startswith(_PREFIX):
+            if not isinstance(key, str):
                 continue
             field_name = HF_OVERRIDE_KEYS.get(key)
-            if field_name is None:
-                raise ConfigError(_unknown_key(key))
-            kwargs[field_name] = value
+            if field_name is not None:
+                kwargs[field_name] = value
+                continue
+            found = misspelt_key(key)
+            if found is None:
+                continue
+            message, fatal = found
+            if fatal:
+                raise ConfigError(message)
+            warnings.append(message)
         config = cls(**kwargs)
+        # Said once the values are valid: a run refused for a bad value shows one line.
+        for message in warnings:
+            if warn is None:
+                logger.warning("omnitrace: hf_overrides: %s", message)
+            else:
+                warn(message)
         if enforce_eager and config.enabled:
             config = config.replace(enabled=False)
         return config
@@ -228,17 +257,118 @@ class EncoderGraphConfig:
         return {key: getattr(self, name) for key, name in HF_OVERRIDE_KEYS.items()}
 
 
+def _normal(key: str) -> str:
+    """``key`` in lower case without separators: the spelling that misspellings share."""
+    return "".join(char for char in key.lower() if char.isalnum())
+
+
+_NORMAL_PREFIX = _normal(_PREFIX)
+_NORMAL_KEYS = {_normal(key): key for key in HF_OVERRIDE_KEYS}
+#: The option names without the prefix (``max_graphs``), normalised, mapped to their keys.
+_BARE_KEYS = {_normal(key[len(_PREFIX) + 1 :]): key for key in HF_OVERRIDE_KEYS if key != _PREFIX}
+#: vLLM's own encoder graph settings: fields of its compilation config, which a key of the
+#: same name in --hf-overrides never reaches.
+_VLLM_COMPILATION_KEYS = frozenset(
+    {
+        "encoder_cudagraph_token_budgets",
+        "encoder_cudagraph_max_images_per_batch",
+        "encoder_cudagraph_max_vision_items_per_batch",
+        "encoder_cudagraph_max_frames_per_batch",
+    }
+)
+#: How alike (difflib's ratio, on normalised keys) a key must be to one of omnitrace's to be
+#: refused as its misspelling, or to be warned about. The model keys of the supported models
+#: (``encoder_layers``, ``audio_config``...) stay below the warning level.
+_REFUSED_RATIO = 0.85
+_WARNED_RATIO = 0.75
+#: Keys longer than this are compared by their prefix only: none of omnitrace's comes close.
+_COMPARED_CHARS = 80
+
+
+def _closest(normal: str, choices: Mapping[str, str], cutoff: float) -> tuple[str, float] | None:
+    """The key of ``choices`` whose normalised spelling is closest to ``normal``, and how close."""
+    close = difflib.get_close_matches(normal, list(choices), n=1, cutoff=cutoff)
+    if not close:
+        return None
+    return choices[close[0]], difflib.SequenceMatcher(None, normal, close[0]).ratio()
+
+
+def spelt_like_a_key(key: str) -> bool:
+    """Whether ``key`` starts with omnitrace's prefix in any case and with any separators
+    (``encoder_cudagraph_max_graphs``): a key no model has, so surely meant for omnitrace."""
+    return _normal(key[: _COMPARED_CHARS * 4]).startswith(_NORMAL_PREFIX)
+
+
+def misspelt_key(key: str) -> tuple[str, bool] | None:
+    """Say whether ``key``, which is not one of omnitrace's keys, looks like a misspelling.
+
+    Returns:
+        None for a key that is not like any of omnitrace's (the model's), else one line
+        naming the key and the right one, and whether the key is surely meant for omnitrace
+        (an unknown ``encoder_cuda_graph_*`` key, the prefix spelt another way, or a near
+        miss of a whole key: an error) or may be the model's own (a bare option name such as
+        ``max_graphs``, or a looser match: a warning).
+    """
+    if key in HF_OVERRIDE_KEYS:
+        return None
+    if key.startswith(_PREFIX):
+        return _unknown_key(key), True
+    normal = _normal(key[: _COMPARED_CHARS * 4])
+    shown = _shown(key)
+    if spelt_like_a_key(key):
+        note = "omnitrace's keys are spelt encoder_cuda_graph_*"
+        if key in _VLLM_COMPILATION_KEYS:
+            note = (
+                "this is vLLM's own encoder graph setting, which goes in --compilation-config; "
+                + note
+            )
+            return f"{shown}: unknown encoder graph option ({note}; valid: {_VALID})", True
+        right = _NORMAL_KEYS.get(normal)
+        if right is None and len(key) <= _COMPARED_CHARS:
+            rest = _closest(normal[len(_NORMAL_PREFIX) :], _BARE_KEYS, 0.6)
+            right = None if rest is None else rest[0]
+        if right is None:
+            return f"{shown}: unknown encoder graph option ({note}; valid: {_VALID})", True
+        return f"{shown}: unknown encoder graph option ({note}); did you mean {right!r}?", True
+    if len(key) > _COMPARED_CHARS:
+        return None
+    whole = _closest(normal, _NORMAL_KEYS, _WARNED_RATIO)
+    if whole is not None and whole[1] >= _REFUSED_RATIO:
+        return f"{shown}: unknown encoder graph option; did you mean {whole[0]!r}?", True
+    bare = _BARE_KEYS.get(normal)
+    if bare is None and len(normal) >= 6:
+        near = _closest(normal, _BARE_KEYS, 0.8)
+        bare = None if near is None else near[0]
+    right = bare if bare is not None else (None if whole is None else whole[0])
+    if right is None:
+        return None
+    return (
+        f"{shown}: not an encoder graph option, so omnitrace leaves it to the model; "
+        f"did you mean {right!r}?",
+        False,
+    )
+
+
+_VALID = ", ".join(sorted(HF_OVERRIDE_KEYS))
+
+
+def _shown(key: str) -> str:
+    """``key`` as a message shows it: escaped, and shortened past 80 characters."""
+    if len(key) > _COMPARED_CHARS:
+        return describe(key).rsplit(" (", 1)[0]
+    # The key is the user's text: a new line in it must not split the message.
+    return safe(key)
+
+
 def _unknown_key(key: str) -> str:
     """Say that ``key`` is no encoder graph option, suggesting the closest one."""
-    valid = ", ".join(sorted(HF_OVERRIDE_KEYS))
-    if len(key) > 80:
-        return f"{describe(key).rsplit(' (', 1)[0]}: unknown encoder graph option (valid: {valid})"
+    if len(key) > _COMPARED_CHARS:
+        return f"{_shown(key)}: unknown encoder graph option (valid: {_VALID})"
     # Compare what follows the shared prefix, or every key looks alike.
     suffixes = {k[len(_PREFIX) :]: k for k in HF_OVERRIDE_KEYS if k != _PREFIX}
     close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
     hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
-    # The key is the user's text: a new line in it must not split the message.
-    return f"{safe(key)}: unknown encoder graph option (valid: {valid}){hint}"
+    return f"{_shown(key)}: unknown encoder graph option (valid: {_VALID}){hint}"
 
 
 def _parse_json(text: str) -> Any:

@@ -34,7 +34,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     try:
         config = EncoderGraphConfig.from_hf_overrides(
-            args.hf_overrides, enforce_eager=args.enforce_eager
+            args.hf_overrides,
+            enforce_eager=args.enforce_eager,
+            warn=lambda message: _say(f"warning: --hf-overrides: {message}"),
         )
     except ConfigError as exc:
         return _error("demo", f"--hf-overrides: {exc}")

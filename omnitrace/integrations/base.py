@@ -33,7 +33,7 @@ import torch
 from typing_extensions import Unpack
 
 from omnitrace.bus import EventBus
-from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig
+from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig, spelt_like_a_key
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
 
@@ -80,11 +80,32 @@ class ModelIntegration:
 
 
 def _hf_overrides_of(hf_config: Any) -> dict[str, Any]:
+    """omnitrace's keys in a model's hf config, and keys spelt like them (refused later).
+
+    The config also holds the model's own keys: only a key with omnitrace's prefix, in any
+    spelling, is taken as a misspelling here; near misses are looked for in the user's
+    overrides alone (:func:`_user_overrides_of`).
+    """
     if hf_config is None:
         return {}
     if isinstance(hf_config, Mapping):
-        return {k: v for k, v in hf_config.items() if k in HF_OVERRIDE_KEYS}
-    return {k: getattr(hf_config, k) for k in HF_OVERRIDE_KEYS if hasattr(hf_config, k)}
+        items = hf_config.items()
+    else:
+        found = {k: getattr(hf_config, k) for k in HF_OVERRIDE_KEYS if hasattr(hf_config, k)}
+        items = {**getattr(hf_config, "__dict__", {}), **found}.items()
+    return {
+        k: v
+        for k, v in items
+        if isinstance(k, str) and (k in HF_OVERRIDE_KEYS or spelt_like_a_key(k))
+    }
+
+
+def _user_overrides_of(model_config: Any) -> dict[str, Any]:
+    """The ``--hf-overrides`` mapping vLLM keeps as given (``model_config.hf_overrides``)."""
+    overrides = getattr(model_config, "hf_overrides", None)
+    if not isinstance(overrides, Mapping):  # None, or a function of the config
+        return {}
+    return {k: v for k, v in overrides.items() if isinstance(k, str)}
 
 
 def config_from_model(
@@ -97,13 +118,19 @@ def config_from_model(
     """Build the encoder graph config of ``model``.
 
     The ``encoder_cuda_graph*`` keys are read from ``hf_config`` (default: vLLM's
-    ``model_config.hf_config``, else ``model.config``); ``enforce_eager`` defaults to vLLM's
-    ``model_config.enforce_eager``.
+    ``model_config.hf_config``, else ``model.config``), and, without ``hf_config``, the
+    keys of vLLM's ``model_config.hf_overrides`` (the ``--hf-overrides`` as given) are
+    checked for misspellings of omnitrace's (:func:`omnitrace.config.misspelt_key`);
+    ``enforce_eager`` defaults to vLLM's ``model_config.enforce_eager``.
 
     Raises:
-        ConfigError: an override has the wrong type, range or name.
+        ConfigError: an override has the wrong type, range or name (a misspelt key
+            included; a bare option name such as ``max_graphs`` is a logged warning).
     """
     model_config = getattr(vllm_config, "model_config", None)
+    # The keys the user gave, as given: vLLM sets them on the hf config, where a misspelt one
+    # could not be told from the model's own keys.
+    given = _user_overrides_of(model_config) if hf_config is None else {}
     if hf_config is None:
         hf_config = getattr(model_config, "hf_config", None)
     if hf_config is None:
@@ -111,7 +138,7 @@ def config_from_model(
     if enforce_eager is None:
         enforce_eager = bool(getattr(model_config, "enforce_eager", False))
     return EncoderGraphConfig.from_hf_overrides(
-        _hf_overrides_of(hf_config), enforce_eager=enforce_eager
+        {**_hf_overrides_of(hf_config), **given}, enforce_eager=enforce_eager
     )
 
 
