@@ -76,6 +76,12 @@ def _probe_directory(directory: Path, label: str, path: Path) -> None:
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             raise _refuse(label, path, f"{directory} is not a directory") from None
+        if exc.errno == errno.ENOENT:
+            # The directory is there (the caller found it): its file system takes no new
+            # files (/proc, /sys). "No such file or directory" would name the wrong problem.
+            raise _refuse(
+                label, path, f"cannot create files in {directory} (its file system refuses them)"
+            ) from None
         raise _refuse(label, path, f"{_reason(exc)} (cannot create files in {directory})") from None
     os.close(fd)
     os.unlink(probe)
@@ -89,7 +95,9 @@ def check_output(path: Path, label: str, *, append: bool = False) -> None:
     the nearest existing one above it, must take new files, since the output is written
     through a new file (the JSON summary is renamed over the old one, the event log is
     replaced) or creates one; only a file that is ``append``-ed to and exists needs no more
-    than being writable. Nothing is created at ``path``, and nothing there is changed.
+    than being writable (it is opened and written zero bytes, which a file that opens but
+    takes no writes, such as ``/proc/version``, refuses). Nothing is created at ``path``,
+    and nothing there is changed.
 
     Raises:
         ConfigError: naming ``label``, ``path`` and the reason, in one line.
@@ -107,7 +115,14 @@ def check_output(path: Path, label: str, *, append: bool = False) -> None:
             fd = os.open(path, os.O_WRONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
         except OSError as exc:
             raise _refuse(label, path, _reason(exc)) from None
-        os.close(fd)
+        try:
+            # A write of no bytes changes nothing in a regular file, but fails where the file
+            # takes no writes though it opens (/proc/version as root: Invalid argument).
+            os.write(fd, b"")
+        except OSError as exc:
+            raise _refuse(label, path, f"cannot be written ({_reason(exc)})") from None
+        finally:
+            os.close(fd)
         if append:
             return
     parent = path.parent

@@ -68,8 +68,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         with _logging(args), _export_reported_by_the_cli():
             result = run_demo(options, console=console, say=_say)
     except OSError as exc:
-        # A port in use, an unwritable log: one line naming it, not a traceback.
-        return _error("demo", str(exc), status=1)
+        # A port in use, an unwritable log: one line naming it, not a traceback (nor
+        # Python's "[Errno 22] ..." wording).
+        from omnitrace._paths import describe_os_error
+
+        return _error("demo", describe_os_error(exc), status=1)
     if result.interrupted:
         _say(f"interrupted after {result.requests} requests")
     console.print(
