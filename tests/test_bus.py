@@ -547,8 +547,8 @@ def test_stuck_sink_never_keeps_the_interpreter_alive_at_exit(tmp_path: Path) ->
 
 def test_close_counts_the_batch_it_abandons_and_leaves_nothing_queued() -> None:
     """A batch still inside handle() at close's deadline is dropped as 'abandoned', the
-    events queued behind it as 'not_flushed'; should the sink finish the batch later, it
-    moves to delivered. delivered + dropped == offered throughout."""
+    events queued behind it as 'not_flushed'; that count is final: should the sink finish
+    the batch later, no counter moves. delivered + dropped == offered throughout."""
     sink = BlockingSink()
     bus = EventBus(sinks=[sink], drain_interval=0.01)
     try:
@@ -570,8 +570,57 @@ def test_close_counts_the_batch_it_abandons_and_leaves_nothing_queued() -> None:
         time.sleep(0.001)
     time.sleep(0.05)
     (stats,) = bus.statistics().sinks
-    assert (stats.delivered, stats.dropped_by) == (1, {"not_flushed": 50})
+    assert (stats.delivered, stats.dropped_by) == (0, {"abandoned": 1, "not_flushed": 50})
     _assert_accounted(bus)
+
+
+class AbandoningSink(BlockingSink):
+    """Writes half of its batch, then blocks until released; abandon() says how much it
+    wrote and makes it write nothing more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[Event] = []
+        self.abandoned: list[int] = []
+        self.finished = threading.Event()
+        self._stop = False
+
+    def handle(self, events: Sequence[Event]) -> None:
+        self.written.extend(events[: len(events) // 2])
+        self.entered.set()
+        self.release.wait(10)
+        if not self._stop:
+            self.written.extend(events[len(events) // 2 :])
+        self.finished.set()
+
+    def abandon(self, events: Sequence[Event]) -> int:
+        self._stop = True
+        self.abandoned.append(len(events))
+        return len(events) // 2
+
+
+def test_close_counts_what_an_abandoning_sink_wrote_as_delivered_and_nothing_moves_after() -> None:
+    """A sink with abandon() is told which batch close() gives up on: the events it says it
+    wrote count as delivered, the rest as abandoned, and once close() returns neither the
+    counters nor what the sink holds change, however the stuck handle() ends."""
+    sink = AbandoningSink()
+    bus = EventBus(sinks=[sink], drain_interval=0.01, queue_size=1000)
+    try:
+        for i in range(100):
+            bus.emit(replayed(i))
+        assert sink.entered.wait(5)
+        bus.close(timeout=0.2)
+        (stats,) = bus.statistics().sinks
+        assert sink.abandoned == [100]
+        assert (stats.delivered, stats.dropped_by) == (50, {"abandoned": 50})
+        _assert_accounted(bus)
+    finally:
+        sink.release.set()
+    assert sink.finished.wait(5)
+    time.sleep(0.05)  # the sink thread reports the batch it finished
+    (after,) = bus.statistics().sinks
+    assert after == stats
+    assert len(sink.written) == after.delivered == 50
 
 
 def test_a_close_racing_another_returns_with_the_final_accounting() -> None:

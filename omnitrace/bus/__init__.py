@@ -18,8 +18,9 @@ Every wait is bounded and every event is accounted for:
   reason (:data:`DROP_REASONS`), so once the bus is closed, for every sink,
   ``delivered + dropped == offered``, and ``offered == emitted`` for a sink attached before
   the first event. That holds when ``close()`` returns, whichever of several concurrent
-  calls closed the bus. Sink threads are daemons and one exit handler closes every open bus
-  side by side within one bound, so stuck sinks never keep the process alive, however many.
+  calls closed the bus, and no counter moves afterwards. Sink threads are daemons and one
+  exit handler closes every open bus side by side within one bound, so stuck sinks never
+  keep the process alive, however many.
 * If the host's loop ends while the bus runs on it (``asyncio.run`` returning), the bus moves
   to a thread of its own and keeps delivering.
 * In a forked child the bus gets a new lock, the parent's loop and sink threads are known to
@@ -387,7 +388,9 @@ class EventBus:
         ``close()``, whatever a sink does, and with the final accounting, whichever call
         (of this or another thread) closes the bus: what could not be delivered in time is
         counted as dropped (``not_flushed``, or ``abandoned`` for a batch stuck in
-        ``handle``) and logged. Events emitted afterwards still reach the folds and are
+        ``handle``) and logged. That accounting is final: a stuck sink that finishes later
+        moves no counter, and a sink with ``abandon()`` (the JSONL sink) writes none of what
+        was counted abandoned. Events emitted afterwards still reach the folds and are
         counted in ``emitted_after_close``.
 
         Raises:

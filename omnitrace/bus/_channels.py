@@ -27,9 +27,9 @@ class SinkChannel:
     """One sink's bounded queue and counters; mutated under the bus lock."""
 
     __slots__ = (
-        "abandoned",
-        "abandoned_seq",
+        "abandoning",
         "base",
+        "batch",
         "capacity",
         "delivered",
         "disabled",
@@ -60,9 +60,10 @@ class SinkChannel:
         self.peak = 0
         self.in_flight = 0
         self.seq = 0
-        # The batch close() gave up on, in case the sink still finishes it.
-        self.abandoned_seq = -1
-        self.abandoned = 0
+        # The batch inside the sink's handle(), and the seq of one close() is giving up on
+        # (its count is then close()'s to make, whatever the sink reports meanwhile).
+        self.batch: list[Event] | None = None
+        self.abandoning = -1
         self.disabled = False
         self.sink_closed = False
         self.error: str | None = None
@@ -89,6 +90,23 @@ class SinkChannel:
             offered=emitted - self.base,
             dropped_by=dict(self.drops),
         )
+
+
+def _written_before_abandon(channel: SinkChannel, batch: list[Event] | None) -> int:
+    """Tell the sink of ``channel`` that close() gives up on ``batch``; return how many of
+    its events the sink says it wrote (0 for a sink without ``abandon``)."""
+    abandon = getattr(channel.sink, "abandon", None)
+    if batch is None or not callable(abandon):
+        return 0
+    try:
+        written = abandon(batch)
+    except BaseException:
+        logger.exception("sink %s raised in abandon()", channel.name)
+        return 0
+    if type(written) is not int or written < 0:
+        logger.error("sink %s: abandon() returned %r, not a count", channel.name, written)
+        return 0
+    return written
 
 
 def sink_name(sink: object) -> str:
@@ -213,6 +231,7 @@ class SinkChannels:
             channel.queue.clear()
             channel.seq += 1
             channel.in_flight = len(batch)
+            channel.batch = batch
             seq = channel.seq
             unreported = channel.dropped - channel.dropped_reported
             total = channel.dropped
@@ -235,46 +254,56 @@ class SinkChannels:
         """Count batch ``seq`` as delivered, but ``not_written`` of its events as dropped
         (``write_failed``: the sink said it could not write them)."""
         with self.lock:
-            if channel.seq == seq and channel.in_flight:
+            # A batch close() gave up on is counted by close() alone: after it returns,
+            # no counter moves, whenever the sink finishes.
+            if channel.seq == seq and channel.in_flight and channel.abandoning != seq:
                 lost = min(max(not_written, 0), channel.in_flight)
                 channel.delivered += channel.in_flight - lost
                 channel.drop("write_failed", lost)
                 channel.in_flight = 0
-            elif channel.abandoned_seq == seq:
-                # close() gave up on this batch and counted it dropped, then the sink did
-                # finish it after all: it moves to delivered (the sum does not change).
-                lost = min(max(not_written, 0), channel.abandoned)
-                channel.drops["abandoned"] -= channel.abandoned
-                if not channel.drops["abandoned"]:
-                    del channel.drops["abandoned"]
-                channel.delivered += channel.abandoned - lost
-                channel.drop("write_failed", lost)
-                channel.abandoned_seq, channel.abandoned = -1, 0
+                channel.batch = None
 
     def abandon(self, channel: SinkChannel, seq: int) -> None:
         """Count batch ``seq``, whose delivery was cancelled, as abandoned."""
         with self.lock:
-            if channel.seq == seq and channel.in_flight:
+            if channel.seq == seq and channel.in_flight and channel.abandoning != seq:
                 channel.drop("abandoned", channel.in_flight)
                 channel.in_flight = 0
+                channel.batch = None
 
     def disable(self, channel: SinkChannel, exc: BaseException, seq: int) -> None:
-        """Disable the sink that raised ``exc`` on batch ``seq``, report it and close it."""
+        """Disable the sink that raised ``exc`` on batch ``seq``, report it and close it.
+
+        A batch ``close()`` gave up on is accounted for already: the sink raising on it
+        afterwards is logged, and changes no counter.
+        """
         with self.lock:
             if channel.disabled:
                 return
-            channel.disabled = True
-            channel.error = f"{type(exc).__name__}: {exc}"
-            lost = len(channel.queue) + (channel.in_flight if channel.seq == seq else 0)
-            channel.drop("sink_error", lost)
-            channel.queue.clear()
-            channel.in_flight = 0
-        logger.error(
-            "sink %s raised %s and is disabled; its events are dropped from now on",
-            channel.name,
-            channel.error,
-            exc_info=(type(exc), exc, exc.__traceback__),
-        )
+            late = self.closed and (channel.seq != seq or channel.abandoning == seq)
+            if not late:
+                channel.disabled = True
+                channel.error = f"{type(exc).__name__}: {exc}"
+                lost = len(channel.queue) + (channel.in_flight if channel.seq == seq else 0)
+                channel.drop("sink_error", lost)
+                channel.queue.clear()
+                channel.in_flight = 0
+                channel.batch = None
+        if late:
+            logger.error(
+                "sink %s raised %s: %s on the batch close() had given up on",
+                channel.name,
+                type(exc).__name__,
+                exc,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
+        else:
+            logger.error(
+                "sink %s raised %s and is disabled; its events are dropped from now on",
+                channel.name,
+                channel.error,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
         self.close_sink(channel)
 
     def close_sink(self, channel: SinkChannel) -> None:
@@ -314,13 +343,27 @@ class SinkChannels:
         return True
 
     def abandon_in_flight(self) -> dict[str, int]:
-        """Count batches still inside a sink as abandoned; return each sink's loss at close."""
+        """Count batches still inside a sink as abandoned; return each sink's loss at close.
+
+        A sink with an ``abandon(events)`` method is told first, outside the lock (it writes
+        nothing more of the batch, and says how many of its events it has written: those
+        count as delivered). Either way the count made here is final: a sink that finishes
+        the batch later moves no counter.
+        """
         with self.lock:
-            for channel in self.channels:
-                if channel.in_flight:
-                    channel.drop("abandoned", channel.in_flight)
-                    channel.abandoned_seq, channel.abandoned = channel.seq, channel.in_flight
+            stuck = [(c, c.seq, c.batch) for c in self.channels if c.in_flight]
+            for channel, seq, _ in stuck:
+                channel.abandoning = seq
+        kept = [_written_before_abandon(channel, batch) for channel, _, batch in stuck]
+        with self.lock:
+            for (channel, seq, _), written in zip(stuck, kept, strict=True):
+                if channel.seq == seq and channel.in_flight:
+                    written = min(written, channel.in_flight)
+                    channel.delivered += written
+                    channel.drop("abandoned", channel.in_flight - written)
                     channel.in_flight = 0
+                    channel.batch = None
+            for channel in self.channels:
                 channel.seq += 1
             return {
                 c.name: n

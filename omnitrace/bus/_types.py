@@ -16,7 +16,8 @@ Fold = Callable[[Event], None]
 #: ``queue_full`` the pending queue or the sink's queue was full;
 #: ``sink_error`` the sink raised and was disabled (its failing batch and every later event);
 #: ``not_flushed`` still queued when ``close()`` reached its deadline;
-#: ``abandoned`` inside the sink's ``handle`` when ``close()`` gave up waiting for it;
+#: ``abandoned`` inside the sink's ``handle`` when ``close()`` gave up waiting for it (final:
+#: a sink that finishes the batch later moves no counter);
 #: ``after_close`` emitted after ``close()``;
 #: ``forked`` undelivered in the parent at a ``fork()`` (the child's copy is discarded);
 #: ``write_failed`` the sink stayed usable but could not write these (:class:`EventsNotWritten`).
@@ -54,6 +55,13 @@ class Sink(Protocol):
     coroutine function (awaited on the bus loop). An optional ``close()`` is called once
     when the bus closes (on the sink's thread for a plain sink); an optional ``name`` names
     the sink in statistics and logs.
+
+    An optional ``abandon(events) -> int`` is called by ``close()`` when it stops waiting
+    for the batch ``events`` inside ``handle``: from then on the sink must write nothing
+    more of it, and it returns how many of its events it has written (counted as delivered,
+    the rest as ``abandoned``). It is called from the closing thread, must return promptly
+    and must not call the bus. Without it the whole batch counts as abandoned, whatever the
+    sink still does with it.
     """
 
     def handle(self, events: Sequence[Event]) -> Any: ...
