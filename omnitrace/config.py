@@ -28,6 +28,7 @@ __all__ = [
     "EncoderGraphFailedError",
     "OmnitraceError",
     "misspelt_key",
+    "parse_hf_overrides",
     "spelt_like_a_key",
 ]
 
@@ -203,14 +204,7 @@ class EncoderGraphConfig:
             raise ConfigError(
                 f"enforce_eager: expected true or false, got {describe(enforce_eager)}"
             )
-        if overrides is None:
-            overrides = {}
-        elif isinstance(overrides, str):
-            overrides = _parse_json(overrides)
-        if not isinstance(overrides, Mapping):
-            raise ConfigError(
-                f"hf_overrides: expected a JSON object (mapping), got {describe(overrides)}"
-            )
+        overrides = parse_hf_overrides(overrides)
 
         kwargs: dict[str, Any] = {}
         warnings: list[str] = []
@@ -369,6 +363,23 @@ def _unknown_key(key: str) -> str:
     close = difflib.get_close_matches(key[len(_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
     hint = f"; did you mean {suffixes[close[0]]!r}?" if close else ""
     return f"{_shown(key)}: unknown encoder graph option (valid: {_VALID}){hint}"
+
+
+def parse_hf_overrides(overrides: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
+    """Return ``--hf-overrides`` as a mapping: parsed from its JSON text, ``{}`` for None.
+
+    Raises:
+        ConfigError: the JSON does not parse, or is not an object. Always one line.
+    """
+    if overrides is None:
+        return {}
+    if isinstance(overrides, str):
+        overrides = _parse_json(overrides)
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(
+            f"hf_overrides: expected a JSON object (mapping), got {describe(overrides)}"
+        )
+    return overrides
 
 
 def _parse_json(text: str) -> Any:

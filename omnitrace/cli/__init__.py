@@ -1,14 +1,18 @@
-"""The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise`` and ``receive``.
+"""The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise``, ``receive``,
+``trace`` and ``config``.
 
 ``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
 attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
 ``omnitrace replay`` feeds a recorded log into the live view or into OTLP; ``omnitrace
 advise`` replays recorded traffic under other graph settings and recommends one;
-``omnitrace receive`` listens for OTLP exports and says what arrives.
+``omnitrace receive`` listens for OTLP exports and says what arrives; ``omnitrace trace``
+shows one request's phases; ``omnitrace config`` prints every setting in force and where it
+came from.
 
 The package holds a module per command (``demo.py``, ``top.py``, ``replay.py``, ``advise.py``,
-``receive.py``), the parser (``parser.py``), what the commands print (``output.py``, the
-stats table in ``tables.py``), recorded logs read whole (``logs.py``), the follow plumbing
+``receive.py``, ``trace.py``, ``config.py``), the parser (``parser.py``), what the commands
+print (``output.py``, the stats table in ``tables.py``), recorded logs read whole
+(``logs.py``), the follow plumbing
 (``follow.py``: polling, keys, SIGTERM, stop conditions) and the export settings
 (``export.py``). ``main`` is the console entry point (``omnitrace.cli:main``).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from omnitrace.cli.advise import _cmd_advise
+from omnitrace.cli.config import _cmd_config
 from omnitrace.cli.demo import _cmd_demo
 from omnitrace.cli.output import _error
 from omnitrace.cli.parser import _build_parser
@@ -47,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "advise": _cmd_advise,
         "receive": _cmd_receive,
         "trace": _cmd_trace,
+        "config": _cmd_config,
     }
     try:
         return int(handlers[args.command](args))

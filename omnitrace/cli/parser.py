@@ -480,4 +480,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from omnitrace.cli.trace import add_trace_parser
 
     add_trace_parser(commands, _HelpFormatter)
+    from omnitrace.cli.config import add_config_parser
+
+    add_config_parser(commands, _HelpFormatter)
     return parser
