@@ -7,6 +7,9 @@ only read, through this module, so they never load a sink.
 
 A finished log is read a chunk (:data:`READ_CHUNK`) at a time, so a reader's memory does
 not grow with the log: :func:`read_records` and :func:`read_events` yield as they read.
+Lines are cut from the chunks in time linear in the bytes, and a line longer than
+:data:`MAX_LINE` is skipped as unreadable as it is read, never held whole. A log still
+written is read by :class:`EventLogFollower`, at most :data:`POLL_BYTES` a poll.
 Nearly every line is decoded by the fast path (:mod:`omnitrace.eventlog_fast`); any line it
 does not take goes through :func:`decode_record`, which converts it or says what is wrong.
 """
@@ -47,6 +50,8 @@ from omnitrace.events import Event
 __all__ = [
     "HEADER_MAX",
     "INFO_TYPE",
+    "MAX_LINE",
+    "POLL_BYTES",
     "READ_CHUNK",
     "SCHEMA_VERSION",
     "SEGMENT_TYPE",
@@ -78,20 +83,25 @@ logger = logging.getLogger(__name__)
 
 def count_events(path: Path) -> int:
     """Count the complete event lines of a log file written by this module."""
+    with path.open("rb") as file:
+        return _count_event_lines(file.read)
+
+
+def _count_event_lines(read: Callable[[int], bytes]) -> int:
+    """Count the complete lines ``read(n)`` returns until it returns none, less the lines
+    that are no event (``AdapterInfo``, ``LogSegment``)."""
     # The writer's compact JSON puts the type right after the version; a quote inside a
     # string value is escaped, so these markers only match record types.
     markers = [b'"type":"' + name.encode() + b'"' for name in (INFO_TYPE, SEGMENT_TYPE)]
-    count = 0
-    rest = b""
-    with path.open("rb") as file:
-        # By whole lines, a chunk at a time: no marker is cut in two, and the memory is a
-        # chunk's whatever the file's size.
-        while block := file.read(READ_CHUNK):
-            data = rest + block
-            cut = data.rfind(b"\n") + 1
-            rest = data[cut:]
-            count += data.count(b"\n", 0, cut) - sum(data.count(m, 0, cut) for m in markers)
-    return count
+    cutter = _Lines()
+    markers_seen = 0
+    # By whole lines, a chunk at a time: no marker is cut in two, and the memory is a
+    # chunk's (and at most MAX_LINE of a line) whatever the file's size.
+    while block := read(READ_CHUNK):
+        data, _ = cutter.feed(block)
+        markers_seen += sum(data.count(m) for m in markers)
+        cutter.too_long.clear()  # a line too long to be the writer's still counts as one
+    return cutter.line - markers_seen
 
 
 def _open_log(path: Path) -> IO[bytes]:
@@ -106,11 +116,6 @@ def _open_log(path: Path) -> IO[bytes]:
     if kind is not None:
         raise EventLogError(f"{path}: is {kind}, not an event log")
     return os.fdopen(fd, "rb")
-
-
-def _read_log(path: Path) -> bytes:
-    with _open_log(path) as file:
-        return file.read()
 
 
 def _first_header(file: Path) -> LogSegment | None:
@@ -140,11 +145,20 @@ def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
 _FAST = FastDecoder()
 
 
-def _skipped(path: Path, line_no: int, torn: bool) -> None:
-    if torn:
-        logger.warning("%s:%d: skipping a torn last line", path, line_no)
+#: How each kind of skipped line is reported (see :func:`_parse_lines`).
+_SKIP_REASONS = {
+    "torn": "skipping a torn last line",
+    "json": "skipping an unreadable line (not JSON)",
+}
+
+
+def _skipped(path: Path, line_no: int, kind: str) -> None:
+    if kind == "long":
+        logger.warning(
+            "%s:%d: skipping an unreadable line (longer than %d bytes)", path, line_no, MAX_LINE
+        )
     else:
-        logger.warning("%s:%d: skipping an unreadable line (not JSON)", path, line_no)
+        logger.warning("%s:%d: %s", path, line_no, _SKIP_REASONS[kind])
 
 
 def _parse_lines(
@@ -153,7 +167,7 @@ def _parse_lines(
     first_line: int,
     *,
     final: bool,
-    skipped: list[tuple[int, bool]] | None = None,
+    skipped: list[tuple[int, str]] | None = None,
     bad: list[EventLogError] | None = None,
 ) -> tuple[list[EventRecord], int]:
     """Decode the complete lines of ``data``; return the records and bytes consumed.
@@ -163,7 +177,9 @@ def _parse_lines(
     A line that is not JSON is skipped as unreadable. Skipped lines are logged, or, with
     ``skipped``, appended to it as ``(line number, torn)`` instead. A line that is no
     record this reader knows raises :class:`EventLogError`, or, with ``bad``, is appended
-    to it as one and skipped.
+    to it as one and skipped. Skipped lines are ``(line number, kind)``, the kind one of
+    ``"torn"``, ``"json"`` (not JSON) and ``"long"`` (longer than :data:`MAX_LINE`, see
+    :class:`_Lines`).
     """
     lines = data.split(b"\n")
     rest = lines.pop()  # after the last newline: empty, or a line still being written
@@ -177,9 +193,9 @@ def _parse_lines(
     if rest and final:
         torn = first_line + len(lines) + 1
         if skipped is None:
-            _skipped(path, torn, True)
+            _skipped(path, torn, "torn")
         else:
-            skipped.append((torn, True))
+            skipped.append((torn, "torn"))
         consumed = len(data)
     return records, consumed
 
@@ -189,7 +205,7 @@ def _declined(
     lines: list[bytes],
     path: Path,
     first_line: int,
-    skipped: list[tuple[int, bool]] | None,
+    skipped: list[tuple[int, str]] | None,
     bad: list[EventLogError] | None,
 ) -> list[EventRecord]:
     """The records of ``lines``: those the fast path took, and the others parsed whole."""
@@ -209,9 +225,9 @@ def _declined(
             # on a fresh line, so this loses that one record only. Any other line that is
             # not JSON (an edit, a stray write) is skipped as unreadable the same way.
             if skipped is None:
-                _skipped(path, line_no, False)
+                _skipped(path, line_no, "json")
             else:
-                skipped.append((line_no, False))
+                skipped.append((line_no, "json"))
             continue
         if type(parsed) is dict:
             # A writer's line in another form (keys in another order, say) may take it
@@ -249,6 +265,90 @@ def rotated_files(path: Path) -> list[Path]:
 READ_CHUNK = 1 << 16
 #: Unreadable lines of a file warned about one by one; the rest are counted in one line.
 UNREADABLE_SHOWN = 20
+#: The longest line a reader takes, in bytes. The writer's lines are a few hundred bytes
+#: (an ``AdapterInfo`` line a few thousand); a longer line is no line it wrote, and is
+#: skipped as unreadable, by its line number, without being held whole.
+MAX_LINE = 1 << 20
+
+
+class _Lines:
+    """Cut the blocks read from a file into runs of whole lines, in time linear in the bytes.
+
+    Only the unfinished last line is held back (at most :data:`MAX_LINE` bytes of it): a
+    line that grows past that is dropped as it is read, up to its newline, and its number
+    is appended to :attr:`too_long`. :attr:`line` counts the lines handed out or dropped.
+    """
+
+    __slots__ = ("_pending", "_skipping", "line", "too_long")
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._skipping = False
+        self.line = 0
+        self.too_long: list[int] = []
+
+    @property
+    def held(self) -> int:
+        """Bytes of the unfinished last line held back (none while one is dropped)."""
+        return len(self._pending)
+
+    @property
+    def open_line(self) -> bool:
+        """Whether an unfinished line was read (held back or being dropped)."""
+        return self._skipping or bool(self._pending)
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self._skipping = False
+        self.line = 0
+
+    def _drop(self) -> None:
+        self._pending.clear()
+        self._skipping = True
+        self.too_long.append(self.line + 1)
+
+    def feed(self, block: bytes) -> tuple[bytes, int]:
+        """Return the whole lines that ``block`` (at most :data:`MAX_LINE` bytes) completes,
+        each with its newline (``b""`` for none), and the number of the line before the
+        first of them."""
+        start = 0
+        if self._skipping:
+            end = block.find(b"\n")
+            if end < 0:
+                return b"", self.line
+            self._skipping = False
+            self.line += 1  # the long line, already reported
+            start = end + 1
+        cut = block.rfind(b"\n") + 1
+        if cut <= start:
+            self._pending += memoryview(block)[start:]
+            if len(self._pending) > MAX_LINE:
+                self._drop()
+            return b"", self.line
+        if self._pending:
+            first = block.find(b"\n", start) + 1
+            if len(self._pending) + first - start > MAX_LINE + 1:
+                self._pending.clear()
+                self.too_long.append(self.line + 1)
+                self.line += 1
+                data = block[first:cut]
+            else:
+                self._pending += memoryview(block)[start:cut]
+                data = bytes(self._pending)
+        else:
+            data = block[start:cut] if start or cut < len(block) else block
+        self._pending = bytearray(memoryview(block)[cut:])
+        if len(self._pending) > MAX_LINE:
+            self._drop()
+        first_line = self.line
+        self.line += data.count(b"\n")
+        return data, first_line
+
+    def rest(self) -> bytes:
+        """The unfinished last line held back (at a file's end: a torn line), taken out."""
+        rest = bytes(self._pending)
+        self._pending.clear()
+        return rest
 
 
 def log_bytes(path: str | os.PathLike[str], *, include_rotated: bool = True) -> int:
@@ -302,37 +402,44 @@ def read_chunks(
 
 def _file_chunks(file: Path, progress: Callable[[int], None] | None) -> Iterator[list[EventRecord]]:
     with _open_log(file) as handle:
-        pending = b""
-        line = 0
+        cutter = _Lines()
         # Lines skipped before the file's first record: a file with none is no event log.
-        held: list[tuple[int, bool]] = []
+        held: list[tuple[int, str]] = []
         found = False
         unreadable = 0
         while True:
             block = handle.read(READ_CHUNK)
-            data = pending + block if pending else block
-            skipped: list[tuple[int, bool]] = []
-            records, consumed = _parse_lines(data, file, line, final=not block, skipped=skipped)
-            line += data.count(b"\n", 0, consumed)
-            pending = data[consumed:]
+            if block:
+                data, first = cutter.feed(block)
+            else:  # the file's end: what is left is a torn last line
+                first = cutter.line
+                data = cutter.rest()
+            skipped: list[tuple[int, str]] = [(n, "long") for n in cutter.too_long]
+            cutter.too_long.clear()
+            records: list[EventRecord] = []
+            if data:
+                records, _ = _parse_lines(data, file, first, final=not block, skipped=skipped)
+            skipped.sort()
             if progress is not None and block:
                 progress(len(block))
             if not found:
                 held += skipped
                 skipped = held if records else []
-            for line_no, torn in skipped:
-                unreadable += not torn
-                if torn or unreadable <= UNREADABLE_SHOWN:
-                    _skipped(file, line_no, torn)
+            for line_no, kind in skipped:
+                unreadable += kind != "torn"
+                if kind == "torn" or unreadable <= UNREADABLE_SHOWN:
+                    _skipped(file, line_no, kind)
             if records:
                 found = True
                 yield records
             if not block:
                 break
     if held and not found:
+        line_no, kind = held[0]
+        what = f"longer than {MAX_LINE} bytes" if kind == "long" else "not JSON"
         raise EventLogError(
             f"{file}: not an omnitrace event log (no line is an event record; "
-            f"line {held[0][0]} is not JSON)"
+            f"line {line_no} is {what})"
         )
     if unreadable > UNREADABLE_SHOWN:
         logger.warning(
@@ -355,22 +462,61 @@ def read_events(path: str | os.PathLike[str], *, include_rotated: bool = True) -
             yield item
 
 
+#: Bytes one poll of a follower reads at most, whatever the log holds, so a poll's memory
+#: and time stay bounded; a follower further behind reads the rest in the next polls
+#: (:attr:`EventLogFollower.behind`).
+POLL_BYTES = 4 << 20
+#: Times one poll looks again at a log's files when the writer rotated while it looked
+#: (then the next poll looks again).
+_SCAN_TRIES = 5
+
+
+class _Held:
+    """One file of a followed log, held open: while held, its identity cannot be reused."""
+
+    __slots__ = ("before", "file", "ident", "joined", "lines", "non_events")
+
+    def __init__(self, file: IO[bytes], joined: int = 0) -> None:
+        self.file = file
+        status = os.fstat(file.fileno())
+        self.ident = (status.st_dev, status.st_ino)
+        self.lines = _Lines()
+        self.joined = joined
+        """The byte the reading started at."""
+        self.before: int | None = None
+        """Events before this file (its ``LogSegment`` line); None until its first line."""
+        self.non_events = 0
+        """Lines read that are no event (``AdapterInfo``, ``LogSegment``)."""
+
+
 class EventLogFollower:
     """Read a log that another process is still writing, like ``tail -F``.
 
     ``poll()`` returns the records completed since the last poll, never blocks, holds back
     a half-written last line until its newline arrives, and follows the writer across
-    rotations: it finishes the renamed file, reads the files rotated after it (several
-    rotations between two polls), then opens the new one. A log truncated in place starts
-    over at its top, also when it grew past the old position before the poll. A path that
-    is not a regular file (a named pipe, a device) makes ``poll()`` raise
-    :class:`EventLogError` instead of blocking.
+    rotations. Every file is identified by the descriptor it is read through, held open
+    until the file is read to its end, so a file renamed, deleted or replaced meanwhile is
+    never mistaken for another (a file system reuses the number of a deleted file, never of
+    one held open): after a rotation the follower finishes the renamed file, reads the files
+    rotated after it (several rotations between two polls), oldest first, then the new one.
+    Each record from the first file it opens on comes once; the events rotation deleted
+    before the follower opened their file are counted from the files' ``LogSegment`` lines
+    (:attr:`lost_to_rotation`) and warned about. A log truncated in place starts over at
+    its top, also when it grew past the old position before the poll. A path that is not a
+    regular file (a named pipe, a device) makes ``poll()`` raise :class:`EventLogError`
+    instead of blocking.
+
+    One poll reads at most ``poll_bytes`` (:data:`POLL_BYTES`): its memory is bounded
+    however large the log is, and :attr:`behind` says whether it left bytes to read.
 
     Args:
         path: the log.
         from_start: read what the first file already holds (True), or join it at its end.
         start_offset: join the first file at this byte instead (a writer's size when the
             follow was started for it); the top when the file is shorter by then.
+        skip_bad_lines: skip (and count in :attr:`bad_lines`) a line that is no record this
+            reader knows, instead of raising.
+        poll_bytes: the bytes one poll reads at most.
     """
 
     def __init__(
@@ -380,116 +526,253 @@ class EventLogFollower:
         from_start: bool = True,
         start_offset: int | None = None,
         skip_bad_lines: bool = False,
+        poll_bytes: int = POLL_BYTES,
     ) -> None:
         self.path = Path(os.fspath(path))
         self.bad_lines = 0
         """Lines skipped because they are no record this reader knows (``skip_bad_lines``)."""
+        self.lost_to_rotation = 0
+        """Events rotation deleted before this follower could read them (each gap warned)."""
+        self.behind = False
+        """Whether the last poll stopped at ``poll_bytes`` with more to read."""
         self._bad: list[EventLogError] | None = [] if skip_bad_lines else None
-        self._file: IO[bytes] | None = None
-        self._inode: int | None = None
-        self._pending = b""
-        self._line = 0
+        # The files still to read, oldest first; the last is the newest found (the live one).
+        self._files: list[_Held] = []
+        # Events before the next file, as the finished ones say (None: unknown).
+        self._expect: int | None = None
+        # Whether the file finished last was not found among the backups any more.
+        self._passed = False
         self._from_start = from_start
         self._start_offset = start_offset
+        self._poll_bytes = max(1, poll_bytes)
 
     def _try_open(self) -> bool:
         try:
             file = _open_log(self.path)  # kept open between polls
         except FileNotFoundError:
             return False
+        joined = 0
+        size = os.fstat(file.fileno()).st_size
         if self._start_offset is not None:
-            if self._start_offset <= os.fstat(file.fileno()).st_size:
-                file.seek(self._start_offset)
+            if self._start_offset <= size:
+                joined = self._start_offset
             self._start_offset = None
             self._from_start = True
         elif not self._from_start:
-            file.seek(0, os.SEEK_END)
+            joined = size
             self._from_start = True  # only the first file is joined at its end
-        self._file = file
-        self._inode = os.fstat(file.fileno()).st_ino
-        self._pending = b""
-        self._line = 0
+        file.seek(joined)
+        self._files.append(_Held(file, joined))
         return True
 
     def poll(self) -> list[EventRecord]:
-        """Return the records written since the last call (possibly none)."""
-        if self._file is None and not self._try_open():
+        """Return the records written since the last call (possibly none), reading at most
+        ``poll_bytes``."""
+        if not self._files and not self._try_open():
             return []
-        assert self._file is not None
         out: list[EventRecord] = []
-        if self._replaced_in_place():
-            self._restart()
-        out.extend(self._drain())
+        budget = self._poll_bytes
+        try:
+            while True:
+                held = self._files[0]
+                last = len(self._files) == 1
+                if last and self._replaced_in_place(held):
+                    self._restart(held)
+                budget = self._read(held, budget, out, final=not last)
+                if budget <= 0:
+                    break
+                if not last:
+                    self._finish()
+                elif not self._rotated(held):
+                    break
+        finally:
+            self._count_bad()
+        self.behind = budget <= 0
+        return out
+
+    def _read(self, held: _Held, budget: int, out: list[EventRecord], *, final: bool) -> int:
+        """Read ``held`` up to its end or ``budget`` bytes; return the budget left (0: not at
+        its end yet). At the end of a finished file (``final``) its torn last line is skipped."""
+        read = held.file.read
+        lines = held.lines
+        while True:
+            if budget <= 0:
+                return 0
+            block = read(min(READ_CHUNK, budget))
+            if not block:
+                break
+            budget -= len(block)
+            data, first = lines.feed(block)
+            for line_no in lines.too_long:
+                _skipped(self.path, line_no, "long")
+            lines.too_long.clear()
+            if data:
+                out += self._parse(held, data, first, final=False)
+        if final:
+            first = lines.line
+            rest = lines.rest()
+            if rest:
+                out += self._parse(held, rest, first, final=True)
+        return budget
+
+    def _parse(self, held: _Held, data: bytes, first: int, *, final: bool) -> list[EventRecord]:
+        if held.before is None:
+            segment = None
+            if first == 0 and held.joined == 0:  # the file's first line
+                end = data.find(b"\n")
+                head = data[:end] if end >= 0 else data
+                if b'"' + SEGMENT_TYPE.encode() + b'"' in head:
+                    segment = segment_of(head)
+            held.before = 0 if segment is None else segment.events_before
+            held.non_events += segment is not None
+            self._check_gap(segment)
+        records, _ = _parse_lines(data, self.path, first, final=final, bad=self._bad)
+        held.non_events += sum(type(record.item) is AdapterInfo for record in records)
+        self._count_bad()
+        return records
+
+    def _check_gap(self, segment: LogSegment | None) -> None:
+        """Count the events deleted between the file finished last and the one begun."""
+        expect, passed = self._expect, self._passed
+        self._expect, self._passed = None, False
+        if segment is None or expect is None:
+            if passed:
+                logger.warning(
+                    "%s: the log rotated past its backups since it was last read; the files "
+                    "deleted in between are not read (their events cannot be counted: the "
+                    "files have no LogSegment line)",
+                    self.path,
+                )
+            return
+        gap = segment.events_before - expect
+        if gap > 0:  # (fewer: the log started over)
+            self.lost_to_rotation += gap
+            logger.warning(
+                "%s: rotation deleted %d events before they were read (%d in all): the "
+                "follower fell behind the writer by more than the log's backups",
+                self.path,
+                gap,
+                self.lost_to_rotation,
+            )
+
+    def _finish(self) -> None:
+        """Close the oldest file, read to its end; note how many events come before the next."""
+        held = self._files.pop(0)
+        try:
+            if held.joined and not self._passed:
+                # The files after it were all found: none deleted, nothing to count (and
+                # no need to count the lines before the byte it was joined at).
+                self._expect = None
+            elif held.joined:
+                self._expect = _events_before_joined(held)
+            elif held.before is None:
+                return  # nothing read from it: the next file has what it would have had
+            else:
+                self._expect = held.before
+            if self._expect is not None:
+                self._expect += held.lines.line - held.non_events
+        finally:
+            held.file.close()
+
+    def _rotated(self, held: _Held) -> bool:
+        """Whether the path moved on from ``held`` (the newer files are now queued) or it was
+        truncated in place (read it again from its top)."""
         try:
             current = os.stat(self.path)
         except FileNotFoundError:
-            return out  # mid-rotation: the new file appears on a later poll
-        if current.st_ino != self._inode:
-            out.extend(self._drain(final=True))
-            self._file.close()
-            self._file = None
-            for newer in self._rotated_since(current.st_ino):
-                out.extend(_read_whole(newer, self._bad))
-                self._count_bad()
-            if self._try_open():
-                out.extend(self._drain())
-        elif current.st_size < self._file.tell():
-            # Truncated in place (backups=0): start over at the top.
-            self._restart()
-            out.extend(self._drain())
-        return out
+            return False  # mid-rotation: the new file appears on a later poll
+        if (current.st_dev, current.st_ino) == held.ident:
+            if current.st_size < held.file.tell():
+                # Truncated in place (backups=0): start over at the top.
+                self._restart(held)
+                return True
+            return False
+        newer = self._scan(held)
+        self._files += newer
+        return bool(newer)
 
-    def _replaced_in_place(self) -> bool:
+    def _scan(self, held: _Held) -> list[_Held]:
+        """Open the files newer than ``held``, oldest first, the path's current file last.
+
+        The path is opened first, then ``path.1``, ``path.2`` … until ``held`` is met: a file
+        only ever moves to a higher suffix, so a file present throughout is met on the way
+        (a file met twice is one identity). The order of the suffixes is the files' age as
+        long as the path kept its file throughout (then at most one rotation moved files
+        up, each by one); when the writer rotated meanwhile, the files are looked at again,
+        and after :data:`_SCAN_TRIES` looks none is taken (the next poll looks again; the
+        file held stays open, so nothing is mistaken, and what rotation deletes meanwhile
+        is counted).
+        """
+        found: list[_Held] = []
+        for _ in range(_SCAN_TRIES):
+            for old in found:
+                old.file.close()
+            found = []
+            try:
+                found.append(_Held(_open_log(self.path)))
+            except FileNotFoundError:
+                return []  # mid-rotation: looked at again on a later poll
+            idents = {held.ident, found[0].ident}
+            reached = False
+            suffixes = [int(f.name.rpartition(".")[2]) for f in rotated_files(self.path)[:-1]]
+            highest = max(suffixes, default=0) + 2
+            index = 1
+            try:
+                while index <= highest:
+                    try:
+                        file = _open_log(self.path.with_name(f"{self.path.name}.{index}"))
+                    except FileNotFoundError:
+                        index += 1
+                        continue
+                    index += 1
+                    status = os.fstat(file.fileno())
+                    ident = (status.st_dev, status.st_ino)
+                    if ident == held.ident:
+                        file.close()
+                        reached = True
+                        break
+                    if ident in idents:
+                        file.close()
+                        continue
+                    idents.add(ident)
+                    found.append(_Held(file))
+            except BaseException:
+                for old in found:
+                    old.file.close()
+                raise
+            try:
+                now = os.stat(self.path)
+                steady = (now.st_dev, now.st_ino) == found[0].ident
+            except FileNotFoundError:
+                steady = False
+            if steady:
+                self._passed = not reached
+                return found[::-1]
+        for old in found:
+            old.file.close()
+        return []
+
+    def _replaced_in_place(self, held: _Held) -> bool:
         """Whether the open file was truncated since the last read (and maybe grew again)."""
-        file = self._file
-        assert file is not None
-        position = file.tell()
-        end = position - len(self._pending)  # just after the last complete line
-        if os.fstat(file.fileno()).st_size < position:
+        fd = held.file.fileno()
+        position = held.file.tell()
+        if os.fstat(fd).st_size < position:
             return True
+        if held.lines.open_line and not held.lines.held:
+            return False  # in a line too long to hold: its end is not known
+        end = position - held.lines.held  # just after the last complete line
         if end <= 0:
             return False
         # The byte before the next line was a newline; rewritten content moves it.
-        file.seek(end - 1)
-        before = file.read(1)
-        file.seek(position)
-        return before != b"\n"
+        return os.pread(fd, 1, end - 1) != b"\n"
 
-    def _restart(self) -> None:
-        assert self._file is not None
-        self._file.seek(0)
-        self._pending = b""
-        self._line = 0
-
-    def _rotated_since(self, new_inode: int) -> list[Path]:
-        """The rotated files newer than the one just finished, oldest first."""
-        newer: list[Path] = []
-        for backup in reversed(rotated_files(self.path)[:-1]):  # newest (path.1) first
-            try:
-                inode = os.stat(backup).st_ino
-            except FileNotFoundError:
-                continue
-            if inode == self._inode:
-                return newer[::-1]
-            if inode != new_inode:
-                newer.append(backup)
-        # The finished file was rotated out of the backups: every rotated file left is
-        # newer than it, and what rotation deleted in between is gone (the writer counted it).
-        logger.warning(
-            "%s: the log rotated past its backups since it was last read; the files deleted "
-            "in between are not relayed (the writer logs how many events rotation deleted)",
-            self.path,
-        )
-        return newer[::-1]
-
-    def _drain(self, *, final: bool = False) -> list[EventRecord]:
-        assert self._file is not None
-        data = self._pending + self._file.read()
-        records, consumed = _parse_lines(data, self.path, self._line, final=final, bad=self._bad)
-        self._line += data.count(b"\n", 0, consumed)
-        self._pending = data[consumed:]
-        self._count_bad()
-        return records
+    def _restart(self, held: _Held) -> None:
+        held.file.seek(0)
+        held.lines.reset()
+        held.joined = 0
+        held.before = None
+        held.non_events = 0
+        self._expect, self._passed = None, False  # the log started over
 
     def _count_bad(self) -> None:
         if self._bad:
@@ -499,10 +782,22 @@ class EventLogFollower:
             self._bad.clear()
 
     def close(self) -> None:
-        """Close the file being followed (idempotent)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the files being followed (idempotent); say how much was left unread."""
+        if self.behind:
+            self.behind = False
+            unread = 0
+            for held in self._files:
+                with contextlib.suppress(OSError):
+                    unread += os.fstat(held.file.fileno()).st_size - held.file.tell()
+            if unread > 0:
+                logger.warning(
+                    "%s: stopped following with %d bytes of the log not read yet",
+                    self.path,
+                    unread,
+                )
+        for held in self._files:
+            held.file.close()
+        self._files = []
 
     def __enter__(self) -> EventLogFollower:
         return self
@@ -511,13 +806,21 @@ class EventLogFollower:
         self.close()
 
 
-def _read_whole(path: Path, bad: list[EventLogError] | None) -> list[EventRecord]:
-    """The records of a finished (rotated) file; none if it is gone meanwhile."""
-    try:
-        data = _read_log(path)
-    except FileNotFoundError:
-        return []
-    return _parse_lines(data, path, 0, final=True, bad=bad)[0]
+def _events_before_joined(held: _Held) -> int:
+    """For a file joined past its top: the events before the byte it was joined at (those
+    of the files before it, as its ``LogSegment`` line says, and its own)."""
+    fd = held.file.fileno()
+    segment = segment_of(os.pread(fd, HEADER_MAX, 0).split(b"\n", 1)[0])
+    offset = 0
+
+    def read(size: int) -> bytes:
+        nonlocal offset
+        block = os.pread(fd, min(size, held.joined - offset), offset)
+        offset += len(block)
+        return block
+
+    # A file without the line is a log's first: the writer counts none before it either.
+    return (0 if segment is None else segment.events_before) + _count_event_lines(read)
 
 
 def follow(
@@ -541,4 +844,5 @@ def follow(
                     if not isinstance(record.item, AdapterInfo):
                         yield record.item
                 return
-            time.sleep(poll_interval)
+            if not follower.behind:
+                time.sleep(poll_interval)

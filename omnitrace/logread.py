@@ -30,6 +30,7 @@ from omnitrace.eventlog import (
     AdapterInfo,
     EventLogError,
     EventRecord,
+    _Lines,
     decode_record,
     log_bytes,
     read_chunks,
@@ -223,17 +224,18 @@ def _scan_file(
         return  # the replay's reading reports it
     if kind is not None:
         return  # not a regular file: the replay's reading refuses it, without blocking
-    rest = b""
+    # Whole lines only, in time linear in the bytes: a last line without a newline is torn,
+    # and a line past MAX_LINE no record (both left for the replay to report).
+    cutter = _Lines()
     known = _prefixes(sources)
     with os.fdopen(fd, "rb") as handle:
-        while True:
-            block = handle.read(READ_CHUNK)
-            if progress is not None and block:
+        while block := handle.read(READ_CHUNK):
+            if progress is not None:
                 progress(len(block))
-            data = rest + block
+            data, _ = cutter.feed(block)
+            cutter.too_long.clear()
             lines = data.split(b"\n")
-            # A last line without a newline is torn: never a record.
-            rest = lines.pop() if block else b""
+            lines.pop()  # after the last newline: nothing
             for line in lines:
                 if line.startswith(known):
                     # An event of a writer already found: decoded, it would add nothing.
@@ -251,8 +253,6 @@ def _scan_file(
                     known = _prefixes(sources)
                 if isinstance(record.item, AdapterInfo):
                     infos.append(record)
-            if not block:
-                return
 
 
 #: Writers up to which the scan tells their lines by their first bytes alone.

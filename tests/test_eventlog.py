@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
 import subprocess
 import sys
 import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from omnitrace import GraphCaptured, GraphMissed, GraphReplayed, MissReason, derive_stats
+from omnitrace import (
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+    MissReason,
+    derive_stats,
+    eventlog,
+)
 from omnitrace.eventlog import (
     SCHEMA_VERSION,
     EventLogError,
+    EventLogFollower,
+    EventRecord,
+    count_events,
     decode_record,
     encode_event,
     read_events,
@@ -201,3 +216,112 @@ def test_a_nan_float_is_written_as_null_and_reads_back_as_nan(tmp_path: Path) ->
     record["epoch_ns"] = None  # an int field: null is still an error there
     with pytest.raises(EventLogError, match=r"GraphMissed.epoch_ns: expected int, got None"):
         decode_record(record)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=12),
+    cuts=st.lists(st.integers(1, 16), min_size=1, max_size=8),
+)
+def test_the_line_splitter_hands_out_each_line_once_and_drops_the_long_ones(
+    pieces: list[tuple[int, bool]], cuts: list[int]
+) -> None:
+    """Whatever the blocks a file is read in, the splitter hands out every line up to
+    MAX_LINE bytes once, numbered as in the file, holds back only an unfinished last line,
+    and names each longer line (finished or not) instead of handing it out."""
+    data = b"".join(b"x" * size + (b"\n" if ended else b"") for size, ended in pieces)
+    lines = data.split(b"\n")
+    last = lines.pop()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eventlog, "MAX_LINE", 16)
+        cutter = eventlog._Lines()
+        handed: dict[int, bytes] = {}
+        too_long: list[int] = []
+        offset, turn = 0, 0
+        while offset < len(data):
+            block = data[offset : offset + cuts[turn % len(cuts)]]
+            offset += len(block)
+            turn += 1
+            out, first = cutter.feed(block)
+            assert out == b"" or out.endswith(b"\n")
+            for number, line in enumerate(out.split(b"\n")[:-1], first + 1):
+                assert number not in handed
+                handed[number] = line
+            too_long += cutter.too_long
+            cutter.too_long.clear()
+            assert cutter.held <= 16
+        rest = cutter.rest()
+    assert handed == {n: line for n, line in enumerate(lines, 1) if len(line) <= 16}
+    long_ones = [n for n, line in enumerate(lines, 1) if len(line) > 16]
+    assert too_long == long_ones + ([len(lines) + 1] if len(last) > 16 else [])
+    assert rest == (last if len(last) <= 16 else b"")
+    assert cutter.line == len(lines)
+
+
+def _huge_line_log(path: Path, size: int) -> list[GraphReplayed]:
+    """Two events, a line of ``size`` bytes, an event, and a line as long without a newline."""
+    events = [GraphReplayed("vision", SIG, n, n, 0.5) for n in range(3)]
+    lines = [orjson.dumps(encode_event(e, pid=1, rank=0)) + b"\n" for e in events]
+    with path.open("wb") as file:
+        file.write(lines[0] + lines[1])
+        file.write(b"y" * size + b"\n")
+        file.write(lines[2])
+        file.write(b"z" * size)
+    return events
+
+
+def test_a_line_longer_than_max_line_is_skipped_by_its_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A line past MAX_LINE bytes, finished or not, is skipped as unreadable with its line
+    number and the bound; the events around it are read."""
+    path = tmp_path / "events.jsonl"
+    events = _huge_line_log(path, eventlog.MAX_LINE + 10)
+    with caplog.at_level(logging.WARNING, logger="omnitrace.eventlog"):
+        assert list(read_events(path)) == events
+        assert count_events(path) == 4  # the long finished line is a line all the same
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:3: skipping an unreadable line (longer than 1048576 bytes)",
+        f"{path}:5: skipping an unreadable line (longer than 1048576 bytes)",
+    ]
+
+
+def test_a_log_of_only_an_overlong_line_is_no_event_log(tmp_path: Path) -> None:
+    """A file whose one line is past MAX_LINE bytes is refused, naming that line."""
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"q" * (eventlog.MAX_LINE + 1) + b"\n")
+    with pytest.raises(EventLogError) as caught:
+        list(read_events(path))
+    assert str(caught.value) == (
+        f"{path}: not an omnitrace event log (no line is an event record; "
+        "line 1 is longer than 1048576 bytes)"
+    )
+
+
+def test_reading_a_huge_line_holds_at_most_max_line_of_it(tmp_path: Path) -> None:
+    """Reading, counting and following a log with a 16 MiB line keep at most MAX_LINE of
+    the line (plus a chunk) in memory, instead of the line whole, copied on every read."""
+    path = tmp_path / "events.jsonl"
+    events = _huge_line_log(path, 16 << 20)
+    bound = eventlog.MAX_LINE + 4 * eventlog.READ_CHUNK + (256 << 10)
+
+    def peak(work: Callable[[], object]) -> int:
+        tracemalloc.start()
+        try:
+            work()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    assert peak(lambda: list(read_events(path))) < bound
+    assert peak(lambda: count_events(path)) < bound
+    with EventLogFollower(path) as follower:
+        got: list[EventRecord] = []
+
+        def follow() -> None:
+            got.extend(follower.poll())
+            while follower.behind:
+                got.extend(follower.poll())
+
+        assert peak(follow) < bound
+    assert [r.item for r in got] == events

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from omnitrace import eventlog, logread
 from omnitrace.cli import main
 from omnitrace.eventlog import INFO_TYPE, SCHEMA_VERSION, LineEncoder, dumps
-from omnitrace.events import GraphReplayed
+from omnitrace.events import GraphMissed, GraphReplayed, MissReason
 from omnitrace.logread import LogReadError, ReadProgress, read_logs, writers
 from omnitrace.signature import InputSpec, Signature
 
@@ -152,6 +153,25 @@ def test_writers_counts_only_writers_whose_lines_read_as_records(tmp_path: Path)
     sources, infos = writers([path])
     assert sources == {(0, 10), (1, 13)}
     assert [record.source for record in infos] == [(0, 10), (1, 13)]
+
+
+def test_writers_skips_lines_past_max_line_as_the_reading_does(tmp_path: Path) -> None:
+    """A record longer than MAX_LINE does not count its writer (the reading skips it), and a
+    16 MiB last line without a newline is scanned holding at most MAX_LINE of it."""
+    path = _log(tmp_path / "events.jsonl", 3, pid=1)
+    huge = GraphMissed("vision", SIG, 1, 1, MissReason.INELIGIBLE, "d" * eventlog.MAX_LINE)
+    with path.open("ab") as file:
+        file.write(LineEncoder(pid=2, rank=0)(huge))
+        file.write(b"z" * (16 << 20))
+    tracemalloc.start()
+    try:
+        sources, infos = writers([path])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sources == {(0, 1)}
+    assert [record.source for record in infos] == [(0, 1)]
+    assert peak < eventlog.MAX_LINE + 4 * eventlog.READ_CHUNK + (256 << 10)
 
 
 def test_writers_finds_every_writer_and_adapter_fact_of_many_interleaved_writers(
