@@ -6,26 +6,33 @@ protocol, the service name) without running a collector: a
 for gRPC, the exporters' defaults), one line per export request (its signal, the services
 that sent it, how many spans, metrics or log records and their names), and when it stops
 (SIGINT, SIGTERM, ``--duration``) a summary of everything received. ``--json`` prints the
-same as JSON lines. Nothing is kept but the counts, so it can run for as long as needed.
+same as JSON lines. Nothing is kept but the counts, so it can run for as long as needed:
+the first ``max_names`` distinct names of each signal are counted by name, the rest
+together, and each request is bounded by :class:`~omnitrace.testing_otlp.ReceiverLimits`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from omnitrace._display import safe
 from omnitrace.errors import MissingExtraError
-from omnitrace.testing_otlp import OTLPReceiver, ReceiverProtocol, attributes
+from omnitrace.testing_otlp import (
+    DEFAULT_LIMITS,
+    OTLPReceiver,
+    ReceiverLimits,
+    ReceiverProtocol,
+    attributes,
+)
 
-__all__ = ["DEFAULT_PORTS", "Received", "Tally", "describe_request", "receive"]
+__all__ = ["DEFAULT_MAX_NAMES", "DEFAULT_PORTS", "Received", "Tally", "describe_request", "receive"]
 
 #: The port each protocol's exporters send to by default.
 DEFAULT_PORTS: dict[str, int] = {"http/protobuf": 4318, "grpc": 4317}
@@ -33,6 +40,21 @@ DEFAULT_PORTS: dict[str, int] = {"http/protobuf": 4318, "grpc": 4317}
 _ITEMS = {"traces": "spans", "metrics": "metrics", "logs": "log records"}
 #: Names listed on one line before the rest are counted ("… 3 more").
 _NAMES_SHOWN = 6
+#: Distinct names of each signal counted by name in the summary; the rest are counted together.
+DEFAULT_MAX_NAMES = 1000
+#: Requests described but not yet printed: a sender past this waits for its answer.
+_BACKLOG = 16
+#: Characters of a name or service kept (the rest is cut, marked "…"): the memory the
+#: names take is bounded by their number and this.
+_NAME_CHARS = 200
+#: Seconds between two looks at ``stop`` and at the receiver's refusals.
+_POLL_S = 0.1
+#: Seconds the requests in flight at a stop have to be answered (503: sent again later).
+_STOP_GRACE_S = 0.5
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _NAME_CHARS else name[: _NAME_CHARS - 1] + "…"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +106,8 @@ def _services(resources: Iterable[Any]) -> tuple[str, ...]:
     found = []
     for resource in resources:
         name = attributes(resource.attributes).get("service.name")
-        if isinstance(name, str) and name not in found:
-            found.append(name)
+        if isinstance(name, str) and _short(name) not in found:
+            found.append(_short(name))
     return tuple(found)
 
 
@@ -97,12 +119,12 @@ def _points(metric: Any) -> int:
 def _log_name(record: Any) -> str:
     event_name = getattr(record, "event_name", "")  # a newer field of the OTLP proto
     if event_name:
-        return str(event_name)
+        return _short(str(event_name))
     body = record.body
     text = body.string_value if body.WhichOneof("value") == "string_value" else ""
     if text:
         return text if len(text) <= 40 else text[:39] + "…"
-    return record.severity_text or "(no body)"
+    return _short(record.severity_text) or "(no body)"
 
 
 def describe_request(signal: str, request: Any) -> Received:
@@ -115,7 +137,7 @@ def describe_request(signal: str, request: Any) -> Received:
             for span in scope.spans
         ]
         services = _services(rs.resource for rs in request.resource_spans)
-        return Received(signal, services, len(spans), Counter(spans))
+        return Received(signal, services, len(spans), Counter(map(_short, spans)))
     if signal == "metrics":
         metrics = [
             metric
@@ -125,7 +147,8 @@ def describe_request(signal: str, request: Any) -> Received:
         ]
         services = _services(rm.resource for rm in request.resource_metrics)
         points = sum(_points(metric) for metric in metrics)
-        return Received(signal, services, len(metrics), Counter(m.name for m in metrics), points)
+        names = Counter(_short(m.name) for m in metrics)
+        return Received(signal, services, len(metrics), names, points)
     records = [
         record
         for rl in request.resource_logs
@@ -145,13 +168,35 @@ class Tally:
     points: int = 0
     names: dict[str, Counter[str]] = field(default_factory=dict)
     services: list[str] = field(default_factory=list)
+    max_names: int = DEFAULT_MAX_NAMES
+    """Distinct names kept per signal (and services kept); the rest go to :attr:`other`."""
+    other: Counter[str] = field(default_factory=Counter)
+    """Per signal, the items whose names came after the first ``max_names``."""
+    other_services: int = 0
+    """Requests that named a service after the first ``max_names`` services."""
+    refused: Counter[str] = field(default_factory=Counter)
+    """Requests and connections the receiver refused, by reason
+    (:attr:`~omnitrace.testing_otlp.OTLPReceiver.refusals`)."""
 
     def add(self, received: Received) -> None:
         self.requests[received.signal] += 1
         self.items[received.signal] += received.items
         self.points += received.points
-        self.names.setdefault(received.signal, Counter()).update(received.names)
-        self.services.extend(s for s in received.services if s not in self.services)
+        names = self.names.setdefault(received.signal, Counter())
+        for name, count in received.names.items():
+            if name in names or len(names) < self.max_names:
+                names[name] += count
+            else:
+                self.other[received.signal] += count
+        unlisted = False
+        for service in received.services:
+            if service in self.services:
+                continue
+            if len(self.services) < self.max_names:
+                self.services.append(service)
+            else:
+                unlisted = True
+        self.other_services += unlisted
 
     @property
     def empty(self) -> bool:
@@ -168,6 +213,9 @@ class Tally:
                 "points": self.points,
                 "log_records": self.items["logs"],
                 "names": {signal: dict(self.names.get(signal, {})) for signal in _ITEMS},
+                "other_names": {signal: self.other[signal] for signal in _ITEMS},
+                "other_services": self.other_services,
+                "refused": dict(self.refused),
             }
         }
 
@@ -183,6 +231,11 @@ class Tally:
                     what += f", {self.points} points"
             counts.append(f"{signal}: {what}")
         services = ", ".join(self.services) or "no service"
+        if self.other_services:
+            services += (
+                f" and others ({self.other_services} requests named a service past the first "
+                f"{self.max_names})"
+            )
         lines = [f"received in {elapsed_s:.1f} s from {services}; " + "; ".join(counts)]
         for signal, items in _ITEMS.items():
             names = self.names.get(signal)
@@ -192,8 +245,19 @@ class Tally:
                 listed = ", ".join(sorted(names))
             else:
                 listed = ", ".join(f"{name} {count}" for name, count in sorted(names.items()))
+            if self.other[signal]:
+                listed += (
+                    f"; {self.other[signal]} more under other names (past the first "
+                    f"{self.max_names})"
+                )
             lines.append(f"  {items}: {listed}")
+        if self.refused:
+            lines.append(f"  refused: {_refusals(self.refused)}")
         return [safe(line) for line in lines]
+
+
+def _refusals(counts: Counter[str]) -> str:
+    return ", ".join(f"{reason} ({count})" for reason, count in sorted(counts.items()))
 
 
 def receive(
@@ -206,9 +270,19 @@ def receive(
     stop: threading.Event,
     out: IO[str],
     say: Callable[[str], None],
+    limits: ReceiverLimits = DEFAULT_LIMITS,
+    max_names: int = DEFAULT_MAX_NAMES,
 ) -> Tally:
     """Listen until ``stop`` is set, ``duration_s`` passed or Ctrl-C; print each request on
-    ``out`` as it arrives and the summary at the end; return what arrived.
+    ``out`` as it arrives, and what the receiver refused (a size limit, a bad length, a
+    timeout, too many connections: :class:`~omnitrace.testing_otlp.ReceiverLimits`), and the
+    summary at the end; return what arrived.
+
+    Requests are described on the server's threads and printed here, at most a backlog of
+    them at a time, so ``stop`` is looked at every 0.1 s whatever arrives and the summary
+    follows it within a second. A request that arrives once the summary is being made is
+    answered 503 (the exporter retries it), never taken and left out of the count; those
+    in flight at the stop get half a second to be answered so.
 
     Raises:
         MissingExtraError: gRPC is asked for without grpcio (the grpc extra).
@@ -218,34 +292,58 @@ def receive(
         raise MissingExtraError(
             "--protocol grpc needs grpcio: pip install 'omnitrace-graphs[grpc]'"
         )
-    arrived: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+    # Bounded: a sender faster than the printing waits for its answer, so the backlog of
+    # described requests stays small. ``closed`` is set under the same lock as the last
+    # take: a request is either in the summary or answered 503.
+    backlog: deque[Received] = deque()
+    changed = threading.Condition()
+    closed = False
+
+    def on_request(signal: str, request: Any) -> bool:
+        if closed:  # no time spent describing what is turned away
+            return False
+        received = describe_request(signal, request)
+        with changed:
+            while len(backlog) >= _BACKLOG and not closed:
+                changed.wait(_POLL_S)
+            if closed:
+                return False
+            backlog.append(received)
+            changed.notify_all()
+        return True
+
+    def take(wait: float) -> list[Received]:
+        with changed:
+            if not backlog and wait:
+                changed.wait(wait)
+            taken = list(backlog)
+            backlog.clear()
+            changed.notify_all()
+        return taken
+
     receiver = OTLPReceiver(
-        protocol,
-        host=host,
-        port=port,
-        keep=False,
-        on_request=lambda signal, request: arrived.put((signal, request)),
+        protocol, host=host, port=port, keep=False, on_request=on_request, limits=limits
     )
-    tally = Tally()
+    tally = Tally(max_names=max_names)
     receiver.start()
     start = time.monotonic()
     deadline = None if duration_s is None else start + duration_s
 
-    def drain(wait: float) -> None:
+    def show(taken: list[Received]) -> None:
         # Printed here, on the one thread that writes ``out``, in arrival order.
-        try:
-            signal, request = arrived.get(timeout=wait) if wait else arrived.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            received = describe_request(signal, request)
+        for received in taken:
             tally.add(received)
             print(json.dumps(received.as_json()) if as_json else received.line(), file=out)
+        refusals = receiver.refusals
+        new = refusals - tally.refused
+        if new:
+            tally.refused = refusals
+            if as_json:
+                print(json.dumps({"refused": dict(new)}), file=out)
+            else:
+                print(safe(f"refused {_refusals(new)}"), file=out)
+        if taken or new:
             out.flush()
-            try:
-                signal, request = arrived.get_nowait()
-            except queue.Empty:
-                return
 
     try:
         say(
@@ -254,12 +352,15 @@ def receive(
         )
         try:
             while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                drain(0.1)
+                show(take(_POLL_S))
         except KeyboardInterrupt:
             pass  # Ctrl-C is how a receiver is stopped.
     finally:
-        receiver.stop()
-    drain(0)
+        with changed:
+            closed = True
+            changed.notify_all()
+        receiver.stop(_STOP_GRACE_S)
+    show(take(0))
     elapsed = time.monotonic() - start
     if as_json:
         print(json.dumps(tally.as_json(elapsed)), file=out)

@@ -13,6 +13,8 @@ from typing import TypeVar
 
 from omnitrace._version import __version__
 from omnitrace.cli.output import PROG
+from omnitrace.cli.receive import HOST_HELP as RECEIVE_HOST_HELP
+from omnitrace.cli.receive import add_limit_options as add_receive_limits
 from omnitrace.config import MAX_GRAPHS_CAP, ConfigError
 
 __all__ = ["_build_parser"]
@@ -457,7 +459,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--host",
         default="127.0.0.1",
         metavar="ADDRESS",
-        help="the address to listen on (keep loopback unless the exporter is elsewhere)",
+        help=RECEIVE_HOST_HELP,
     )
     receive.add_argument(
         "--port",
@@ -477,6 +479,7 @@ def _build_parser() -> argparse.ArgumentParser:
     receive.add_argument(
         "--json", action="store_true", help="print a JSON line per request, and the summary"
     )
+    add_receive_limits(receive)
     from omnitrace.cli.trace import add_trace_parser
 
     add_trace_parser(commands, _HelpFormatter)
