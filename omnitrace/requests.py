@@ -78,8 +78,9 @@ def phases_of(event: ev.RequestTimed, encoder_s: float = 0.0) -> dict[str, float
 
     Args:
         event: the request's timestamps.
-        encoder_s: seconds of encoder steps that served it (carved out of ``prefill``, at
-            most all of it).
+        encoder_s: seconds of encoder steps that served it, carved out of ``prefill`` (at
+            most all of it); where the request has no scheduled time (vLLM's request stats
+            off, as in ``vllm.LLM`` by default), out of the phases before it too.
 
     Returns:
         Every phase of :data:`PHASES`, each at least 0; they add up to ``event.ttft_s``
@@ -91,9 +92,16 @@ def phases_of(event: ev.RequestTimed, encoder_s: float = 0.0) -> dict[str, float
     out = dict.fromkeys(PHASES, 0.0)
     for (name, start), (_, stop) in zip(known, [*known[1:], ("", end)], strict=True):
         out[name] += max(0, stop - start) / 1e9
-    taken = min(max(encoder_s, 0.0), out["prefill"])
-    out["encoders"] = taken
-    out["prefill"] -= taken
+    # The encoder steps ran after the request was scheduled: out of prefill. Where the
+    # scheduler's timestamps are missing (vLLM's request stats off), prefill's time sits in
+    # the phases before it, and the steps are taken out of those, latest first.
+    left = max(encoder_s, 0.0)
+    before = ("prefill",) if event.scheduled_ns is not None else ("prefill", "queue", "to_engine")
+    for name in before:
+        taken = min(left, out[name])
+        out[name] -= taken
+        out["encoders"] += taken
+        left -= taken
     return out
 
 

@@ -96,6 +96,23 @@ def test_a_point_not_observed_folds_its_time_into_the_phase_before() -> None:
     assert sum(phases.values()) == pytest.approx(event.ttft_s)
 
 
+def test_without_the_schedulers_times_the_encoders_come_out_of_the_engine_phases() -> None:
+    """``vllm.LLM`` without request stats: arrival at the engine's add_request (= processor
+    start), processed, then nothing until the first token; the encoder steps are taken out
+    of that time, and the phases still add up."""
+    event = request(points=(None, 0, 4, None, None, None), seen=50)
+    phases = phases_of(event, encoder_s=0.030)
+    assert phases["processor"] == pytest.approx(0.004)
+    assert phases["encoders"] == pytest.approx(0.030)
+    assert phases["to_engine"] == pytest.approx(0.016)
+    assert sum(phases.values()) == pytest.approx(event.ttft_s)
+    # More encoder time than the engine's phases hold (clock skew): never below zero.
+    phases = phases_of(event, encoder_s=1.0)
+    assert phases["encoders"] == pytest.approx(0.046)
+    assert min(phases.values()) >= 0.0
+    assert sum(phases.values()) == pytest.approx(event.ttft_s)
+
+
 def test_request_events_round_trip_through_the_log_codec() -> None:
     """Both request events read back equal from both encoders' lines, tuples included."""
     events = [request(), step(("a-e", "b-e"), (64, 192), 30, 40)]
@@ -374,3 +391,35 @@ def test_the_v1_encoder_step_hook_names_each_request_s_items_and_tokens() -> Non
     assert event.modalities == ("image+audio", "image")
     assert event.start_ns <= event.monotonic_ns
     assert len(calls) == 2
+
+
+def test_vllm_llm_requests_are_timed_from_the_engines_add_request() -> None:
+    """``vllm.LLM`` (no HTTP server, request stats off): the request's timing starts in
+    ``LLMEngine.add_request``, its media counted from the rendered prompt's placeholders;
+    without the hook its TTFT would read zero."""
+    import time
+
+    bus = _Bus()
+
+    def add_request(self: Any, request_id: str, prompt: Any, params: Any) -> str:
+        time.sleep(0.003)  # the engine's input processing
+        return f"{request_id}-e"
+
+    update = hooks._wrap_update_stats(lambda self, state, *a: None, lambda: bus)
+    prompt = {"mm_placeholders": {"image": [object(), object()], "audio": [object()]}}
+    engine_id = hooks._wrap_engine_add_request(add_request)(None, "3", prompt, None)
+    assert engine_id == "3-e"
+    time.sleep(0.02)
+    update(
+        None, SimpleNamespace(request_id="3-e", external_req_id="3", is_prefilling=True, stats=None)
+    )
+    (event,) = bus.events
+    assert (event.request_id, event.engine_request_id) == ("3", "3-e")
+    assert (event.images, event.audios) == (2, 1)
+    assert event.processor_ns == event.arrival_ns
+    assert event.processed_ns is not None
+    assert event.processed_ns - event.arrival_ns >= 3_000_000
+    assert event.ttft_s >= 0.023
+    phases = phases_of(event)
+    assert phases["processor"] >= 0.003
+    assert sum(phases.values()) == pytest.approx(event.ttft_s)

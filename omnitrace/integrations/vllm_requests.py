@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,6 +209,42 @@ def _wrap_add_request(add_request: Callable[..., Any]) -> Callable[..., Any]:
     return add_request_timed
 
 
+def _count_placeholders(record: _Record, prompt: Any) -> None:
+    """Count the media items of a rendered prompt (offline: its placeholders by modality)."""
+    places = prompt.get("mm_placeholders") if isinstance(prompt, dict) else None
+    if isinstance(places, Mapping):
+        record.images += len(places.get("image") or ())
+        record.audios += len(places.get("audio") or ())
+    else:
+        _count_media(record, prompt)
+
+
+def _wrap_engine_add_request(add_request: Callable[..., Any]) -> Callable[..., Any]:
+    """``LLMEngine.add_request`` (``vllm.LLM``, no HTTP server): the request's timing starts
+    where it enters the engine, after ``LLM`` rendered it."""
+
+    def add_request_timed(
+        self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if _current.get() is not None:  # an API server's request: its record is running
+            return add_request(self, request_id, prompt, *args, **kwargs)
+        now = time.monotonic_ns()
+        record = _Record(now, processor_ns=now)
+        with contextlib.suppress(Exception):  # counting media never fails a request
+            _count_placeholders(record, prompt)
+        engine_id = add_request(self, request_id, prompt, *args, **kwargs)
+        record.processed_ns = time.monotonic_ns()
+        if isinstance(engine_id, str):
+            record.request_id = str(request_id)
+            with _lock:
+                _pending[engine_id] = record
+                while len(_pending) > _PENDING_MAX:
+                    _pending.popitem(last=False)
+        return engine_id
+
+    return add_request_timed
+
+
 def _engine_ns(value: Any) -> int | None:
     return int(value * 1e9) if isinstance(value, float) and value > 0 else None
 
@@ -296,6 +332,7 @@ HOOK_POINTS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("vllm.renderers.base",), "BaseRenderer", "render_chat_async"),
     (("vllm.renderers.base",), "BaseRenderer", "process_for_engine_async"),
     (("vllm.v1.engine.async_llm",), "AsyncLLM", "add_request"),
+    (("vllm.v1.engine.llm_engine",), "LLMEngine", "add_request"),
     (("vllm.v1.engine.output_processor",), "OutputProcessor", "_update_stats_from_output"),
     (("vllm.v1.worker.gpu_model_runner",), "GPUModelRunner", "_execute_mm_encoder"),
     (("vllm.v1.worker.gpu.mm.encoder_runner",), "EncoderRunner", "prepare_mm_inputs"),
@@ -331,6 +368,9 @@ def hook_api_server(bus_of: BusGetter) -> None:
             "_update_stats_from_output",
             lambda m: _wrap_update_stats(m, bus_of),
         )
+    llm_engine = sys.modules.get("vllm.v1.engine.llm_engine")
+    if llm_engine is not None:
+        _patch(getattr(llm_engine, "LLMEngine", None), "add_request", _wrap_engine_add_request)
     if api is None:
         return
     async_llm = _module("vllm.v1.engine.async_llm")
