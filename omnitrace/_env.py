@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from omnitrace._validate import check_duration, check_endpoint
 from omnitrace.errors import ConfigError
 
-__all__ = ["OTLP_ENDPOINT_VARIABLES", "env_endpoints", "env_flag", "env_seconds"]
+__all__ = [
+    "OTLP_BASE_VARIABLE",
+    "OTLP_DEFAULT_ENDPOINTS",
+    "OTLP_ENDPOINT_VARIABLES",
+    "OTLP_SIGNALS",
+    "OTLPEndpoint",
+    "env_flag",
+    "env_seconds",
+    "otlp_endpoint",
+    "otlp_endpoint_errors",
+    "otlp_endpoints",
+    "otlp_endpoints_text",
+    "otlp_exports_by_variable",
+    "otlp_where",
+]
 
+#: The OTLP signals omnitrace exports, and the path OTLP/HTTP gives each under a base URL.
+OTLP_SIGNALS = {"traces": "v1/traces", "metrics": "v1/metrics"}
+#: The variable of the base endpoint of every signal.
+OTLP_BASE_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 #: The variables an OTLP exporter reads its endpoint from: the base one, then per signal.
 OTLP_ENDPOINT_VARIABLES = (
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    OTLP_BASE_VARIABLE,
+    *(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" for signal in OTLP_SIGNALS),
 )
+#: The endpoint of each OTLP protocol when no variable or argument gives one.
+OTLP_DEFAULT_ENDPOINTS = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -37,21 +57,124 @@ def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {raw!r}")
 
 
-def env_endpoints(
-    environ: Mapping[str, str], *, example: str = "http://localhost:4318"
-) -> dict[str, str]:
-    """Return the OTLP endpoint variables that are set, each checked to be an http(s) URL.
+@dataclass(frozen=True, slots=True)
+class OTLPEndpoint:
+    """Where one signal is exported: the exporter's URL and what gave it."""
+
+    signal: str
+    """``traces`` or ``metrics``."""
+    url: str
+    """The URL the exporter is given (over http/protobuf, with the signal's path)."""
+    source: str | None
+    """The variable or option the URL came from; None: the protocol's default."""
+
+
+def _signal_variable(signal: str) -> str:
+    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+
+
+def _signal_url(base: str, protocol: str, signal: str) -> str:
+    """``base`` as the exporter of ``signal`` takes it: http/protobuf adds the signal's path."""
+    if protocol != "http/protobuf":
+        return base
+    # As the OTLP/HTTP exporters join them: one slash between the base and v1/traces.
+    return f"{base if base.endswith('/') else base + '/'}{OTLP_SIGNALS[signal]}"
+
+
+def otlp_endpoint(
+    environ: Mapping[str, str],
+    protocol: str,
+    signal: str,
+    *,
+    base: str | None = None,
+    base_name: str = "endpoint",
+) -> OTLPEndpoint:
+    """Return where ``signal`` is exported, by OpenTelemetry's rules for the variables.
+
+    The one lookup of the OTLP endpoints: the SDK wiring, the demo, ``replay`` and
+    ``config`` all use it. ``base`` (an argument or option, named ``base_name``), when
+    given, is the base of every signal and wins over the variables. Otherwise the signal's
+    own variable (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT``) is used
+    as given; else ``OTEL_EXPORTER_OTLP_ENDPOINT`` is the base; else the protocol's
+    localhost default. Over http/protobuf a base gets the signal's path (``v1/traces``,
+    ``v1/metrics``); over gRPC it is the endpoint as it is. Blank variables are unset.
 
     Raises:
-        ConfigError: a set variable is not an http:// or https:// URL with a host (and a
-            port from 1 to 65535, if any); one line naming it.
+        ConfigError: the endpoint the signal would use is no http(s) URL with a host (one
+            line naming the variable or option).
     """
-    found = {}
+    example = OTLP_DEFAULT_ENDPOINTS.get(protocol, OTLP_DEFAULT_ENDPOINTS["http/protobuf"])
+    if base is not None:
+        url = check_endpoint(base_name, base, example=example)
+        return OTLPEndpoint(signal, _signal_url(url, protocol, signal), base_name)
+    name = _signal_variable(signal)
+    own = environ.get(name, "").strip()
+    if own:
+        return OTLPEndpoint(signal, check_endpoint(name, own, example=example), name)
+    shared = environ.get(OTLP_BASE_VARIABLE, "").strip()
+    if shared:
+        url = check_endpoint(OTLP_BASE_VARIABLE, shared, example=example)
+        return OTLPEndpoint(signal, _signal_url(url, protocol, signal), OTLP_BASE_VARIABLE)
+    return OTLPEndpoint(signal, _signal_url(example, protocol, signal), None)
+
+
+def otlp_endpoints(
+    environ: Mapping[str, str],
+    protocol: str,
+    *,
+    base: str | None = None,
+    base_name: str = "endpoint",
+) -> dict[str, OTLPEndpoint]:
+    """Return :func:`otlp_endpoint` of each signal omnitrace exports.
+
+    Raises:
+        ConfigError: the endpoint a signal would use is no http(s) URL with a host.
+    """
+    return {
+        signal: otlp_endpoint(environ, protocol, signal, base=base, base_name=base_name)
+        for signal in OTLP_SIGNALS
+    }
+
+
+def otlp_endpoint_errors(environ: Mapping[str, str], protocol: str = "http/protobuf") -> list[str]:
+    """Return one line per OTLP endpoint variable that is set and no http(s) URL with a host.
+
+    Every variable is checked, used or not (a signal's own variable hides the base from it),
+    so a bad value is said before the run rather than when the exporter first sends.
+    """
+    example = OTLP_DEFAULT_ENDPOINTS.get(protocol, OTLP_DEFAULT_ENDPOINTS["http/protobuf"])
+    errors = []
     for name in OTLP_ENDPOINT_VARIABLES:
         text = environ.get(name, "").strip()
         if text:
-            found[name] = check_endpoint(name, text, example=example)
-    return found
+            try:
+                check_endpoint(name, text, example=example)
+            except ConfigError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def otlp_exports_by_variable(environ: Mapping[str, str]) -> bool:
+    """Whether an OTLP endpoint variable is set: the base one or a signal's own."""
+    return any(environ.get(name, "").strip() for name in OTLP_ENDPOINT_VARIABLES)
+
+
+def otlp_where(endpoints: Mapping[str, OTLPEndpoint], protocol: str) -> str:
+    """Say in a few words where the signals go: the one base they share, else each URL."""
+    urls = [endpoint.url for endpoint in endpoints.values()]
+    if len(set(urls)) == 1:
+        return urls[0]
+    paths = {endpoint.url: OTLP_SIGNALS[endpoint.signal] for endpoint in endpoints.values()}
+    if protocol == "http/protobuf" and all(url.endswith(path) for url, path in paths.items()):
+        bases = {url.removesuffix(path) for url, path in paths.items()}
+        if len(bases) == 1:
+            return bases.pop().removesuffix("/")
+    return otlp_endpoints_text(endpoints)
+
+
+def otlp_endpoints_text(endpoints: Mapping[str, OTLPEndpoint]) -> str:
+    """Name each signal's URL: ``traces to http://h:4318/v1/traces, metrics to ...``."""
+    return ", ".join(f"{endpoint.signal} to {endpoint.url}" for endpoint in endpoints.values())
 
 
 def env_seconds(

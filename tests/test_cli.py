@@ -564,7 +564,10 @@ def test_replay_follow_stopped_by_sigint_with_a_failed_export_prints_the_stats(
     )
     try:
         assert process.stderr is not None
-        assert process.stderr.readline() == f"omnitrace: relaying into OTLP at {endpoint}\n"
+        assert process.stderr.readline() == (
+            f"omnitrace: relaying into OTLP (http/protobuf): traces to {endpoint}/v1/traces, "
+            f"metrics to {endpoint}/v1/metrics\n"
+        )
         time.sleep(1.5)  # a few polls: the whole log is relayed
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=30)
@@ -1085,7 +1088,10 @@ def test_replay_into_a_dead_endpoint_fails_in_one_line_within_a_second(
             out, err = capfd.readouterr()
             assert out.startswith(f"replayed {events} events")
             said, failed = err.splitlines()
-            assert said == f"omnitrace: replaying into OTLP at {endpoint}"
+            assert said == (
+                f"omnitrace: replaying into OTLP (http/protobuf): traces to {endpoint}/v1/traces, "
+                f"metrics to {endpoint}/v1/metrics"
+            )
             assert failed.startswith(
                 f"omnitrace replay: error: OTLP export to {endpoint} (http/protobuf) failed: "
             )
@@ -1105,7 +1111,10 @@ def test_demo_with_a_dead_endpoint_says_so_once_and_succeeds(
     err = capfd.readouterr().err
     assert code == 0
     lines = [line for line in err.splitlines() if endpoint in line]
-    assert lines[0] == f"omnitrace: exporting spans and metrics over OTLP to {endpoint}"
+    assert lines[0] == (
+        f"omnitrace: exporting over OTLP (http/protobuf): traces to {endpoint}/v1/traces, "
+        f"metrics to {endpoint}/v1/metrics"
+    )
     assert len(lines) == 2
     assert lines[1].startswith(f"omnitrace: OTLP export to {endpoint} (http/protobuf) failed:")
     assert summary["otlp_error"] == lines[1].removeprefix("omnitrace: ")

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from omnitrace import EncoderGraphConfig
+from omnitrace._env import otlp_endpoints
 from omnitrace.cli import main
-from omnitrace.cli.config import otlp_endpoints, settings
+from omnitrace.cli.config import settings
 from omnitrace.config import HF_OVERRIDE_KEYS
 from omnitrace.sinks.registry import SINKS
 
@@ -126,7 +127,11 @@ def test_http_endpoints_follow_the_otel_rules_per_signal(
 ) -> None:
     """A signal's own variable is used as given and wins over the base, to which
     http/protobuf adds v1/traces or v1/metrics; unset, the protocol's localhost default."""
-    assert otlp_endpoints(environ, "http/protobuf") == {"traces": traces, "metrics": metrics}
+    found = otlp_endpoints(environ, "http/protobuf")
+    assert {s: (e.url, e.source) for s, e in found.items()} == {
+        "traces": traces,
+        "metrics": metrics,
+    }
     rows = _rows(settings(environ))
     assert (rows["traces endpoint"]["value"], rows["traces endpoint"]["variable"]) == traces
     assert (rows["metrics endpoint"]["value"], rows["metrics endpoint"]["variable"]) == metrics

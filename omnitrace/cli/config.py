@@ -26,10 +26,7 @@ from typing import Any
 
 from omnitrace.cli.output import PROG, _print_json
 
-__all__ = ["_cmd_config", "add_config_parser", "otlp_endpoint", "otlp_endpoints", "settings"]
-
-#: The OTLP signals omnitrace exports, and the path OTLP/HTTP gives each under a base URL.
-SIGNALS = {"traces": "v1/traces", "metrics": "v1/metrics"}
+__all__ = ["_cmd_config", "add_config_parser", "settings"]
 #: The service name of the plugin's workers when no OpenTelemetry variable gives one.
 DEFAULT_SERVICE_NAME = "omnitrace"
 
@@ -172,41 +169,9 @@ def _plugin_settings(environ: Mapping[str, str]) -> list[Setting]:
     return rows
 
 
-def otlp_endpoint(environ: Mapping[str, str], protocol: str, signal: str) -> tuple[str, str | None]:
-    """Return the OTLP endpoint of ``signal`` and the variable it came from (None: default).
-
-    Raises:
-        ConfigError: the variable it comes from is no http(s) URL with a host.
-    """
-    from omnitrace._validate import check_endpoint
-    from omnitrace.sinks.otel import _DEFAULT_ENDPOINTS
-
-    example = _DEFAULT_ENDPOINTS[protocol]
-    name = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
-    own = environ.get(name, "").strip()
-    if own:
-        return check_endpoint(name, own, example=example), name
-    base_name = "OTEL_EXPORTER_OTLP_ENDPOINT"
-    base = environ.get(base_name, "").strip()
-    if base:
-        url, variable = check_endpoint(base_name, base, example=example), base_name
-    else:
-        url, variable = example, None
-    if protocol == "http/protobuf":
-        url = f"{url.rstrip('/')}/{SIGNALS[signal]}"
-    return url, variable
-
-
-def otlp_endpoints(environ: Mapping[str, str], protocol: str) -> dict[str, tuple[str, str | None]]:
-    """Return :func:`otlp_endpoint` for each signal omnitrace exports.
-
-    Raises:
-        ConfigError: a variable an endpoint comes from is no http(s) URL with a host.
-    """
-    return {signal: otlp_endpoint(environ, protocol, signal) for signal in SIGNALS}
-
-
 def _otlp_settings(environ: Mapping[str, str]) -> list[Setting]:
+    # The lookup the SDK wiring, the demo and replay use: config cannot show other endpoints.
+    from omnitrace._env import OTLP_SIGNALS, otlp_endpoint
     from omnitrace.errors import ConfigError
     from omnitrace.sinks.otel import _PROTOCOLS
 
@@ -234,15 +199,15 @@ def _otlp_settings(environ: Mapping[str, str]) -> list[Setting]:
         ),
     ]
     kind = protocol.value if protocol.error is None else "http/protobuf"
-    for signal in SIGNALS:
+    for signal in OTLP_SIGNALS:
         name = f"{signal} endpoint"
         try:
-            url, variable = otlp_endpoint(environ, kind, signal)
+            endpoint = otlp_endpoint(environ, kind, signal)
         except ConfigError as exc:
             rows.append(Setting(group, name, None, "environment", error=str(exc)))
             continue
-        source = "default" if variable is None else "environment"
-        rows.append(Setting(group, name, url, source, variable))
+        source = "default" if endpoint.source is None else "environment"
+        rows.append(Setting(group, name, endpoint.url, source, endpoint.source))
     return rows
 
 
@@ -283,9 +248,17 @@ def settings(
         overrides, enforce_eager, lambda m: warnings.append(f"--hf-overrides: {m}")
     )
     rows += _plugin_settings(environ) + _otlp_settings(environ)
+    from omnitrace._env import otlp_endpoint_errors
+
     errors = [error] if error is not None else []
-    # One line per problem: a bad base endpoint is the error of both signals.
+    # One line per problem: a bad base endpoint is the error of both signals; one a
+    # signal's own variable hides is refused by the commands all the same.
     errors += dict.fromkeys(row.error for row in rows if row.error is not None)
+    protocol = next(
+        (r.value for r in rows if r.name == "OTEL_EXPORTER_OTLP_PROTOCOL" and r.error is None),
+        "http/protobuf",
+    )
+    errors += [e for e in otlp_endpoint_errors(environ, protocol) if e not in errors]
     known = {row.name for row in rows if row.name.startswith("OMNITRACE_")}
     warnings += _variable_warnings(environ, known)
     return {

@@ -10,7 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from omnitrace.cli.export import _export_reported_by_the_cli, _exports_by_variable
+from omnitrace.cli.export import (
+    _endpoint_errors,
+    _export_reported_by_the_cli,
+    _exports_by_variable,
+)
 from omnitrace.cli.output import _error, _say, _stdout_console
 from omnitrace.cli.tables import stats_table
 from omnitrace.config import ConfigError, EncoderGraphConfig
@@ -64,6 +68,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
     # Checked before the run, so a bad path or endpoint does not cost the run's results.
     _check_demo_outputs(args)
+    if _exports_by_variable():
+        refused = _endpoint_errors("demo")
+        if refused is not None:
+            return refused
     try:
         with _logging(args), _export_reported_by_the_cli():
             result = run_demo(options, console=console, say=_say)
@@ -109,8 +117,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _check_demo_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before the run, an output path or OTLP endpoint the demo could not use."""
-    from omnitrace._env import env_endpoints
+    """Refuse, before the run, an output path the demo could not use."""
     from omnitrace._paths import check_output
     from omnitrace._worker import worker_rank
     from omnitrace.sinks.jsonl import worker_log_path
@@ -123,8 +130,6 @@ def _check_demo_outputs(args: argparse.Namespace) -> None:
         check_output(args.log_file, "--log-file", append=True)
     if args.json_summary is not None:
         check_output(args.json_summary, "--json-summary")
-    if _exports_by_variable():
-        env_endpoints(os.environ)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from omnitrace.cli.export import _export_reported_by_the_cli, _exports_by_variable
+from omnitrace.cli.export import (
+    _endpoint_errors,
+    _export_reported_by_the_cli,
+    _exports_by_variable,
+)
 from omnitrace.cli.follow import _exited, _follow, _followable, _sigterm_stops
 from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdout_console
 from omnitrace.cli.tables import stats_table
@@ -33,9 +37,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
         args.otlp_endpoint = check_endpoint("--otlp-endpoint", args.otlp_endpoint)
     elif args.otlp or _exports_by_variable():
-        from omnitrace._env import env_endpoints
-
-        env_endpoints(os.environ)
+        refused = _endpoint_errors("replay")
+        if refused is not None:
+            return refused
     if args.follow:
         if args.speed is not None:
             return _error("replay", "--speed paces a recorded log; --follow relays as written")
@@ -139,7 +143,6 @@ def _replay_into_sinks(
     from omnitrace.sinks.registry import build_sinks
 
     follow = records is None
-    endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     console = _stdout_console()
     speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
     names = ", ".join(str(p) for p in args.paths)
@@ -158,7 +161,7 @@ def _replay_into_sinks(
     with quiet:
         try:
             prometheus = args.prometheus_port is not None
-            otlp = endpoint is not None or args.otlp
+            otlp = args.otlp_endpoint is not None or args.otlp or _exports_by_variable()
             if otlp or prometheus:
                 # Each worker of the logs exports under a resource of its own (its rank, its
                 # pid), fed by the relay's tap rather than by this bus.
@@ -167,7 +170,7 @@ def _replay_into_sinks(
                 try:
                     setup = WorkerExport(
                         default_service_name="omnitrace-replay",
-                        endpoint=endpoint,
+                        endpoint=args.otlp_endpoint,
                         otlp=otlp,
                         prometheus_port=args.prometheus_port,
                         prometheus_host=args.prometheus_host,
@@ -178,8 +181,11 @@ def _replay_into_sinks(
                 except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
                     return _error("replay", str(exc))
                 if otlp:
-                    where = endpoint or setup.endpoint
-                    _say(f"{'relaying' if follow else 'replaying'} into OTLP at {where}")
+                    from omnitrace._env import otlp_endpoints_text
+
+                    doing = "relaying" if follow else "replaying"
+                    where = otlp_endpoints_text(setup.endpoints)
+                    _say(f"{doing} into OTLP ({setup.protocol}): {where}")
                 if setup.prometheus_port is not None:
                     _say(
                         f"serving Prometheus metrics at "
@@ -194,7 +200,8 @@ def _replay_into_sinks(
                 return _error(
                     "replay",
                     "--follow has nowhere to send the events: give --otlp-endpoint (or set "
-                    "OTEL_EXPORTER_OTLP_ENDPOINT), --otlp, --prometheus-port or --tui",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT or a signal's own endpoint variable), --otlp, "
+                    "--prometheus-port or --tui",
                 )
             title = f"omnitrace replay · {'following ' if follow else ''}{names}"
             board = BusBoard(bus, title=title)
@@ -252,7 +259,7 @@ def _replay_into_sinks(
                 dropped += setup.dropped
     # The stats are the bus's folds of what was read: printed however the run ended (a failed
     # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
-    _print_replayed(args, bus, replayed, endpoint, console)
+    _print_replayed(args, bus, replayed, setup, console)
     if interrupted:
         _say(f"interrupted after {replayed} events")
         return 130
@@ -274,7 +281,7 @@ def _replay_into_sinks(
 
 
 def _print_replayed(
-    args: argparse.Namespace, bus: Any, replayed: int, endpoint: str | None, console: Console
+    args: argparse.Namespace, bus: Any, replayed: int, setup: Any, console: Console
 ) -> None:
     """Print the stats of the replayed events: the table, or with ``--json`` the JSON."""
     encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
@@ -288,7 +295,11 @@ def _print_replayed(
             {
                 "logs": [str(p) for p in args.paths],
                 "events": replayed,
-                "otlp_endpoint": endpoint,
+                # Where the OTLP export went: in a few words, and each signal's URL.
+                "otlp_endpoint": None if setup is None else setup.endpoint,
+                "otlp_endpoints": {}
+                if setup is None
+                else {signal: e.url for signal, e in setup.endpoints.items()},
                 "encoders": {
                     name: _encoder_json(stats, caps.get(name)) for name, stats in encoders.items()
                 },

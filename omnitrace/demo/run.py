@@ -39,7 +39,7 @@ __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
 MiB = 1 << 20
 # Sinks of omnitrace.sinks.registry the demo wires from its own options (the event log from
-# events_log, OpenTelemetry from OTEL_EXPORTER_OTLP_ENDPOINT and prometheus_port, in process;
+# events_log, OpenTelemetry from the OTLP endpoint variables and prometheus_port, in process;
 # `omnitrace replay --follow` on its --events-log relays it from outside).
 _OWN_SINKS = frozenset({"jsonl", "otlp", "otlp-relay", "logs"})
 #: The status line saying the run's event log was (re)created, before the path: from then on
@@ -99,9 +99,12 @@ class DemoResult:
     dtype: str
     events_log: str
     otlp_endpoint: str | None
+    """Where the OTLP export went, in a few words (see ``otlp_endpoints``); None: no export."""
     interrupted: bool = False
     otlp_error: str | None = None
     """What failed in the OTLP export (one line), or None when it all went through."""
+    otlp_endpoints: dict[str, str] = field(default_factory=dict)
+    """Each exported signal's endpoint (``traces``, ``metrics``), as the exporters got it."""
 
     def to_json(self) -> dict[str, Any]:
         """Return the summary as plain JSON data."""
@@ -121,6 +124,7 @@ class DemoResult:
             "dtype": self.dtype,
             "events_log": self.events_log,
             "otlp_endpoint": self.otlp_endpoint,
+            "otlp_endpoints": self.otlp_endpoints,
             "otlp_error": self.otlp_error,
             "interrupted": self.interrupted,
         }
@@ -131,10 +135,11 @@ def _geometry(hidden: int, heads: int, layers: int) -> EncoderGeometry:
 
 
 class _Export:
-    """The OTLP export of a run, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` asks for one."""
+    """The OTLP export of a run, when an OTLP endpoint variable asks for one."""
 
     def __init__(self) -> None:
         self.endpoint: str | None = None
+        self.endpoints: dict[str, str] = {}
         self.setup: Any = None
         self.error: str | None = None
         self.prometheus_port: int | None = None
@@ -151,11 +156,13 @@ class _Export:
 def _otlp_export(
     bus: EventBus, say: Callable[[str], None], prometheus_port: int | None = None
 ) -> Iterator[_Export]:
-    """Attach the OTel sink when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set or a Prometheus port
-    is asked for; shut the SDK down after."""
+    """Attach the OTel sink when an OTLP endpoint variable is set (the base one or a
+    signal's own) or a Prometheus port is asked for; shut the SDK down after."""
+    from omnitrace._env import otlp_endpoints_text, otlp_exports_by_variable
+
     export = _Export()
-    export.endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or None
-    if export.endpoint is None and prometheus_port is None:
+    otlp = otlp_exports_by_variable(os.environ)
+    if not otlp and prometheus_port is None:
         yield export
         return
     # Imported here: the OTel SDK and exporters are only needed when exporting.
@@ -166,15 +173,17 @@ def _otlp_export(
     sink, setup = sdk_sink(
         bus,
         default_service_name="omnitrace-demo",
-        otlp=export.endpoint is not None,
+        otlp=otlp,
         prometheus=prometheus_port is not None,
         prometheus_port=prometheus_port,
         # A registry of its own: a second demo in one process must not collide in the global one.
         prometheus_registry=CollectorRegistry(),
     )
-    if export.endpoint is not None:
+    if otlp:
         export.setup = setup
-        say(f"exporting spans and metrics over OTLP to {export.endpoint}")
+        export.endpoint = setup.endpoint
+        export.endpoints = {signal: e.url for signal, e in setup.endpoints.items()}
+        say(f"exporting over OTLP ({setup.protocol}): {otlp_endpoints_text(setup.endpoints)}")
     if setup.prometheus_port is not None:
         export.prometheus_port = setup.prometheus_port
         say(f"serving Prometheus metrics on http://127.0.0.1:{setup.prometheus_port}/metrics")
@@ -465,6 +474,7 @@ def _run(
         otlp_endpoint=export.endpoint,
         interrupted=interrupted,
         otlp_error=export.error,
+        otlp_endpoints=export.endpoints,
     )
 
 

@@ -150,9 +150,14 @@ EXPORTER_LOGGERS = (
 
 
 def guarded_exporters(
-    protocol: str, endpoint: str | None, timeout: float, monitor: ExportMonitor, *, metrics: bool
+    protocol: str, endpoints: Mapping[str, str], timeout: float, monitor: ExportMonitor
 ) -> tuple[Any, Any | None]:
-    """Build the OTLP span and metric exporters, wrapped so they count and never raise."""
+    """Build the OTLP span and metric exporters, wrapped so they count and never raise.
+
+    ``endpoints`` gives each signal's URL as the exporter takes it (over http/protobuf,
+    with its path); without ``metrics`` in it, no metric exporter is built.
+    """
+    metrics = "metrics" in endpoints
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -172,9 +177,9 @@ def guarded_exporters(
                 "protocol 'grpc' needs the OTLP gRPC exporter: pip install "
                 "'opentelemetry-exporter-otlp-proto-grpc>=1.25' (omnitrace's grpc extra)"
             ) from exc
-        inner_spans = GrpcSpanExporter(endpoint=endpoint, timeout=timeout)
+        inner_spans = GrpcSpanExporter(endpoint=endpoints["traces"], timeout=timeout)
         if metrics:
-            inner_metrics = GrpcMetricExporter(endpoint=endpoint, timeout=timeout)
+            inner_metrics = GrpcMetricExporter(endpoint=endpoints["metrics"], timeout=timeout)
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
             OTLPMetricExporter as HttpMetricExporter,
@@ -183,12 +188,9 @@ def guarded_exporters(
             OTLPSpanExporter as HttpSpanExporter,
         )
 
-        def url(path: str) -> str | None:
-            return None if endpoint is None else f"{endpoint.rstrip('/')}/{path}"
-
-        inner_spans = HttpSpanExporter(endpoint=url("v1/traces"), timeout=timeout)
+        inner_spans = HttpSpanExporter(endpoint=endpoints["traces"], timeout=timeout)
         if metrics:
-            inner_metrics = HttpMetricExporter(endpoint=url("v1/metrics"), timeout=timeout)
+            inner_metrics = HttpMetricExporter(endpoint=endpoints["metrics"], timeout=timeout)
 
     class GuardedSpanExporter(SpanExporter):
         closed = False

@@ -32,15 +32,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from omnitrace._env import env_endpoints
-from omnitrace._validate import check_duration, check_endpoint, check_int, check_text
+from omnitrace._env import OTLPEndpoint, otlp_endpoint_errors, otlp_endpoints, otlp_where
+from omnitrace._validate import check_duration, check_int, check_text
 from omnitrace.errors import ConfigError
-from omnitrace.sinks.otel import (
-    _DEFAULT_ENDPOINTS,
-    _PROTOCOLS,
-    OTelSink,
-    OTLPProtocol,
-)
+from omnitrace.sinks.otel import _PROTOCOLS, OTelSink, OTLPProtocol
 from omnitrace.sinks.otel_env import INTERVAL_RANGE_S, TIMEOUT_RANGE_S, env_millis, sdk_resource
 from omnitrace.sinks.otel_export import EXPORTER_LOGGERS, ExportMonitor, guarded_exporters
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
@@ -64,7 +59,9 @@ class OTelSetup:
         tracer_provider: pass it to :class:`OTelSink` (or install it globally).
         meter_provider: likewise.
         protocol: the OTLP protocol, or None when OTLP export is off.
-        endpoint: the OTLP base endpoint, or None when OTLP export is off.
+        endpoint: where the signals go, in a few words (their shared base, else each
+            signal's URL), or None when OTLP export is off.
+        endpoints: each exported signal's endpoint (empty when OTLP export is off).
         prometheus_reader: the Prometheus metric reader, if one was asked for.
         prometheus_port: the port the scrape endpoint listens on, if one was started.
     """
@@ -77,6 +74,7 @@ class OTelSetup:
         protocol: str | None,
         endpoint: str | None,
         monitor: ExportMonitor | None,
+        endpoints: Mapping[str, OTLPEndpoint] | None = None,
         prometheus_reader: Any = None,
         prometheus_server: Any = None,
         prometheus_thread: threading.Thread | None = None,
@@ -86,6 +84,7 @@ class OTelSetup:
         self.meter_provider = meter_provider
         self.protocol = protocol
         self.endpoint = endpoint
+        self.endpoints: Mapping[str, OTLPEndpoint] = dict(endpoints or {})
         self.prometheus_reader = prometheus_reader
         self._monitor = monitor
         self._server = prometheus_server
@@ -223,10 +222,12 @@ def configure_sdk(
             ``default_service_name``.
         default_service_name: the service name when neither argument nor variable gives one
             (the CLI passes ``omnitrace-demo`` and ``omnitrace-replay``).
-        endpoint: OTLP base endpoint (``http://host:4318`` for http/protobuf,
-            ``http://host:4317`` for gRPC). None: the exporters read
-            ``OTEL_EXPORTER_OTLP_ENDPOINT`` (and the per-signal variables), then the
-            protocol's localhost default.
+        endpoint: OTLP base endpoint of both signals (``http://host:4318`` for
+            http/protobuf, ``http://host:4317`` for gRPC). None: each signal's own variable
+            (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT``) as given, else
+            ``OTEL_EXPORTER_OTLP_ENDPOINT`` as the base, else the protocol's localhost
+            default (see :func:`omnitrace._env.otlp_endpoints`, the lookup ``omnitrace
+            config`` shows).
         protocol: ``"http/protobuf"`` or ``"grpc"``; None reads
             ``OTEL_EXPORTER_OTLP_PROTOCOL``, then defaults to http/protobuf.
         otlp: export over OTLP at all.
@@ -270,13 +271,18 @@ def configure_sdk(
             f"{protocol_name}: expected one of {', '.join(_PROTOCOLS)} (the OTLP protocols the "
             f"OpenTelemetry Python exporters support), got {protocol_text!r}"
         )
+    endpoints: dict[str, OTLPEndpoint] = {}
     if otlp:
-        # The exporters read the variables only when no endpoint is given.
-        example = _DEFAULT_ENDPOINTS[protocol_text]
-        if endpoint is not None:
-            check_endpoint("endpoint", endpoint, example=example)
-        else:
-            env_endpoints(os.environ, example=example)
+        if endpoint is None:
+            # Every variable is checked, also one a signal's own variable hides.
+            errors = otlp_endpoint_errors(os.environ, protocol_text)
+            if errors:
+                raise ConfigError("; ".join(errors))
+        # Resolved here and given to the exporters, so what omnitrace says it exports to
+        # is where the exporters send.
+        endpoints = otlp_endpoints(os.environ, protocol_text, base=endpoint)
+        if not otlp_metrics:
+            del endpoints["metrics"]
     if export_interval_s is None:
         interval = env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
     else:
@@ -307,16 +313,12 @@ def configure_sdk(
     # processor and the periodic reader, so a failed call leaves nothing running behind.
     monitor: ExportMonitor | None = None
     span_exporter = metric_exporter = None
-    base: str | None = None
+    where: str | None = None
     if otlp:
-        base = (
-            endpoint
-            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
-            or _DEFAULT_ENDPOINTS[protocol_text]
-        )
-        monitor = ExportMonitor(protocol_text, base, logger)
+        where = otlp_where(endpoints, protocol_text)
+        monitor = ExportMonitor(protocol_text, where, logger)
         span_exporter, metric_exporter = guarded_exporters(
-            protocol_text, endpoint, timeout, monitor, metrics=otlp_metrics
+            protocol_text, {s: e.url for s, e in endpoints.items()}, timeout, monitor
         )
         monitor.exporters = {"traces": span_exporter}
         if metric_exporter is not None:
@@ -372,7 +374,8 @@ def configure_sdk(
         tracer_provider=tracer_provider,
         meter_provider=meter_provider,
         protocol=protocol_text if otlp else None,
-        endpoint=base,
+        endpoint=where,
+        endpoints=endpoints,
         monitor=monitor,
         prometheus_reader=prometheus_reader,
         prometheus_server=server,

@@ -25,12 +25,14 @@ with its writer, it emits it, under the encoder's own name, into that writer's b
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omnitrace._env import OTLPEndpoint, otlp_endpoints, otlp_where
 from omnitrace.bus import EventBus
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.sinks.names import ATTR
@@ -121,8 +123,18 @@ class WorkerExport:
         # metric exporter, and a span processor that is shut down before any span.
         check = configure_sdk(**{**settings, "otlp_metrics": False})
         check.shutdown()
-        self.endpoint = check.endpoint
         self.protocol = check.protocol
+        #: Each exported signal's endpoint, as every writer's exporters get them.
+        self.endpoints: dict[str, OTLPEndpoint] = {}
+        #: Where the signals go, in a few words (None: no OTLP export).
+        self.endpoint: str | None = None
+        if check.protocol is not None:
+            self.endpoints = otlp_endpoints(
+                os.environ, check.protocol, base=settings.get("endpoint")
+            )
+            if not settings.get("otlp_metrics", True):
+                del self.endpoints["metrics"]
+            self.endpoint = otlp_where(self.endpoints, check.protocol)
         self._lock = threading.Lock()
         self._writers: dict[tuple[tuple[int, int], str], _Writer] = {}
         self._closed = False
