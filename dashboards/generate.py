@@ -69,6 +69,8 @@ REASON = prom_label(ATTR.MISS_REASON)
 PHASE = prom_label(ATTR.PHASE)
 KIND = prom_label(ATTR.CALL_KIND)
 SINK = prom_label(ATTR.SINK)
+REQUEST_KIND = prom_label(ATTR.REQUEST_KIND)
+REQUEST_PHASE = prom_label(ATTR.REQUEST_PHASE)
 #: Grafana's dashboard variable narrowing every panel to the chosen encoders.
 ENCODER_FILTER = f'{ENCODER}=~"$encoder"'
 
@@ -109,6 +111,14 @@ def calls_rate(window: str, encoder_filter: str = "") -> str:
     hits = rate_by("hits", window, ENCODER, encoder_filter)
     misses = rate_by("misses", window, ENCODER, encoder_filter)
     return f"(({hits} or {misses} * 0) + ({misses} or {hits} * 0))"
+
+
+def phase_share(window: str, phase_filter: str = "") -> str:
+    """Return each request phase's share of the requests' TTFT over ``window``: its summed
+    time over the summed time of every phase (each request records every phase once)."""
+    sums = series("request_phase_duration", "_sum")
+    per_phase = f"sum by ({REQUEST_PHASE}) (rate({_selector(sums, phase_filter)}[{window}]))"
+    return f"{per_phase} / ignoring ({REQUEST_PHASE}) group_left sum(rate({sums}[{window}]))"
 
 
 def log_query(event: str) -> str:
@@ -164,6 +174,14 @@ def dashboard() -> dict[str, Any]:
     host_times = rate_by("call_duration", window, by_kind, ENCODER_FILTER, suffix="_bucket")
     device_times = rate_by(
         "call_device_duration", window, by_kind, ENCODER_FILTER, suffix="_bucket"
+    )
+    phase_sums = rate_by("request_phase_duration", window, REQUEST_PHASE, suffix="_sum")
+    phase_counts = rate_by("request_phase_duration", window, REQUEST_PHASE, suffix="_count")
+    phase_buckets = rate_by(
+        "request_phase_duration",
+        window,
+        f"le, {REQUEST_KIND}, {REQUEST_PHASE}",
+        suffix="_bucket",
     )
     enc_kind = f"{enc} {{{{{KIND}}}}}"
     enc_phase = f"{enc} {{{{{PHASE}}}}}"
@@ -383,6 +401,38 @@ def dashboard() -> dict[str, Any]:
                 }
             },
         ),
+        _panel(
+            15,
+            "Where TTFT goes",
+            "Mean time a request spent in each phase from its arrival to its first token "
+            "(vLLM plugin, API server): stacked, the mean TTFT. Encoder steps are inside "
+            "prefill here; omnitrace top and omnitrace trace split them out from the logs.",
+            "timeseries",
+            (0, 50, 12, 8),
+            [_target(f"{phase_sums} / {phase_counts}", f"{{{{{REQUEST_PHASE}}}}}", "A")],
+            unit="s",
+            extra={
+                "fieldConfig": {
+                    "defaults": {"unit": "s", "custom": {"stacking": {"mode": "normal"}}},
+                    "overrides": [],
+                }
+            },
+        ),
+        _panel(
+            16,
+            "Request phases p99 by kind",
+            "p99 of each phase per request kind (modalities and item counts).",
+            "timeseries",
+            (12, 50, 12, 8),
+            [
+                _target(
+                    f"histogram_quantile(0.99, {phase_buckets})",
+                    f"{{{{{REQUEST_KIND}}}}} {{{{{REQUEST_PHASE}}}}}",
+                    "A",
+                )
+            ],
+            unit="s",
+        ),
     ]
     return {
         "uid": DASHBOARD_UID,
@@ -430,11 +480,17 @@ def dashboard() -> dict[str, Any]:
 HIT_RATE_FLOOR = 0.5
 HIT_RATE_MIN_CALLS_PER_S = 0.05
 CAPACITY_MISS_SHARE = 0.05
+#: A phase that takes more than this share of TTFT for 5 minutes is worth a look; only the
+#: phases a setting can move (the renderer, the model's processor, the scheduler's queue),
+#: not prefill, which is the model's own work.
+PHASE_SHARE_CEILING = 0.5
+DOMINANT_PHASES = ("render", "processor", "queue")
 
 
 def prometheus_rules() -> dict[str, Any]:
     """Return the Prometheus alerting rule file."""
     capacity = rate_by("misses", "15m", ENCODER, f'{REASON}="{MissReason.CAPACITY.value}"')
+    dominant = f'{REQUEST_PHASE}=~"{"|".join(DOMINANT_PHASES)}"'
     rules = [
         {
             "alert": "OmnitraceCaptureFailed",
@@ -477,6 +533,23 @@ def prometheus_rules() -> dict[str, Any]:
                 "description": (
                     f"Over {CAPACITY_MISS_SHARE:.0%} of calls missed for capacity for 15 "
                     "minutes; graphs are never evicted, so raise max_graphs or bucket inputs."
+                ),
+            },
+        },
+        {
+            "alert": "OmnitraceRequestPhaseDominates",
+            "expr": f"{phase_share('5m', dominant)} > {PHASE_SHARE_CEILING}",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "{{ $labels." + REQUEST_PHASE + " }} takes {{ $value "
+                "| humanizePercentage }} of the requests' time to first token",
+                "description": (
+                    f"For 5 minutes over {PHASE_SHARE_CEILING:.0%} of TTFT went to one phase "
+                    "before the model runs. processor: the model's multimodal processor on the "
+                    "API server's CPU (vLLM's --api-server-count, its processor cache); render: "
+                    "media fetch and decode; queue: the engine is saturated. docs/operations.md, "
+                    "'Why is my TTFT high?'."
                 ),
             },
         },

@@ -26,7 +26,7 @@ from omnitrace.bus import EventBus
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.demo.encoders import MEL_BINS, AudioEncoder, EncoderGeometry, VisionEncoder
 from omnitrace.demo.traffic import Request, TrafficMix
-from omnitrace.events import Phase
+from omnitrace.events import NO_SIGNATURE, EncoderBatchRan, Phase, RequestTimed
 from omnitrace.graphs.adapter import EncoderCudaGraph
 from omnitrace.graphs.backends.base import GraphBackend
 from omnitrace.sinks.jsonl import JsonlSink
@@ -242,6 +242,8 @@ class _Encoders:
 
         self.vision = adapter(self.vision_model, "vision")
         self.audio = adapter(self.audio_model, "audio")
+        self._bus = bus
+        self.timed = 0
         self.streaming_calls = 0
         self.after_failure = 0
         self._generator = torch.Generator(device="cpu").manual_seed(options.seed)
@@ -268,6 +270,57 @@ class _Encoders:
         finally:
             for adapter in adapters:
                 adapter.set_phase(Phase.SERVING)
+
+    def serve_timed(self, request: Request) -> Any:
+        """Run one request as :meth:`serve` does, timed as the vLLM plugin times a served
+        request: a ``RequestTimed`` from its arrival to its output and an ``EncoderBatchRan``
+        for its encoder step (a demo request is its encoder call), so ``omnitrace top``'s
+        TTFT table, the request spans and the request-phase metric have the demo's data."""
+        if request.kind == "streaming":
+            return self.serve(request)
+        self.timed += 1
+        rid = f"demo-{self.timed}"
+        arrival = time.monotonic_ns()
+        out = self.serve(request)
+        done, epoch = time.monotonic_ns(), time.time_ns()
+        vision = request.kind == "vision"
+        self._bus.emit(
+            EncoderBatchRan(
+                "",
+                NO_SIGNATURE,
+                done,
+                epoch,
+                arrival,
+                (rid,),
+                (request.batch * request.length,),
+                (("image",) if vision else ("audio",)),
+            )
+        )
+        self._bus.emit(
+            RequestTimed(
+                "",
+                NO_SIGNATURE,
+                done,
+                epoch,
+                rid,
+                rid,
+                arrival,
+                None,
+                arrival,
+                arrival,
+                arrival,
+                arrival,
+                done,
+                (done - arrival) / 1e9,
+                1 if vision else 0,
+                request.batch * 448 * 448 if vision else 0,
+                0 if vision else 1,
+                0.0 if vision else request.batch * request.length / 100,
+                "",
+                "",
+            )
+        )
+        return out
 
     def serve(self, request: Request) -> Any:
         """Run one request and return the encoder output."""
@@ -328,7 +381,7 @@ def _drive(
             burst = (total is not None and served >= BURST_AT * total) or (
                 duration is not None and elapsed >= BURST_AT * duration
             )
-            encoders.serve(mix.next(burst=burst))
+            encoders.serve_timed(mix.next(burst=burst))
             served += 1
             advance()
             if options.rate:

@@ -266,7 +266,7 @@ class LogSink:
         trace = trace_context()
         for event in events:
             per_call = isinstance(event, _PER_CALL)
-            if not debug_on and per_call:
+            if not debug_on and (per_call or isinstance(event, _PER_REQUEST)):
                 continue
             name, fields = _describe(event)
             fields.update(trace)
@@ -373,6 +373,8 @@ def summary_fields(
 
 #: Events of which there is one (or, with device timing, two) per encoder call: debug lines.
 _PER_CALL = (ev.GraphReplayed, ev.GraphMissed, ev.DeviceTimed)
+#: Events of which there is one per request or encoder step: debug lines, never sampled.
+_PER_REQUEST = (ev.RequestTimed, ev.EncoderBatchRan)
 
 #: The log event name of each event type (one of :data:`names.LOG_EVENTS`).
 _LOG_NAMES: dict[type[Event], str] = {

@@ -135,6 +135,12 @@ _INSTRUMENTS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "call_duration": ("omnitrace.encoder.call.duration", "histogram", "s", _BY_CALL),
     "call_device_duration": ("omnitrace.encoder.call.device_duration", "histogram", "s", _BY_CALL),
     "bus_dropped": ("omnitrace.bus.dropped", "counter", "{event}", (ATTR.SINK,)),
+    "request_phase_duration": (
+        "omnitrace.request.phase.duration",
+        "histogram",
+        "s",
+        (ATTR.REQUEST_KIND, ATTR.REQUEST_PHASE),
+    ),
 }
 
 #: Each metric's description, by its key in :data:`METRICS`.
@@ -168,6 +174,11 @@ _DESCRIPTIONS: dict[str, str] = {
         "by kind and phase."
     ),
     "bus_dropped": "Events a sink lost because its queue was full or it was disabled.",
+    "request_phase_duration": (
+        "Time each request spent in each phase from its arrival to its first token (vLLM "
+        "plugin, API server; every phase recorded once per request, so a phase's sum over "
+        "all phases' sum is its share of TTFT); encoder steps are inside prefill here."
+    ),
 }
 
 
@@ -189,7 +200,7 @@ LOG_EVENTS: dict[str, str] = {
     "memory_deferred": "warning",
     "capture_failed": "error",
     "profiling_observed": "info",
-    "request_timed": "info",
+    "request_timed": "debug",
     "encoder_batch_ran": "debug",
     "graph_summary": "info",
 }

@@ -69,6 +69,10 @@ CAPTURE_DURATION_BUCKETS: tuple[float, ...] = (*_ladder(0.005, 10.0), 30.0)
 #: a millisecond (a small replay) to a few hundred (a long eager clip).
 CALL_DURATION_BUCKETS: tuple[float, ...] = _ladder(0.0001, 1.0)
 
+#: Bucket bounds (seconds) of the request-phase histogram: a phase takes from a tenth of a
+#: millisecond (the hand-offs) to tens of seconds (a queue under overload).
+REQUEST_PHASE_BUCKETS: tuple[float, ...] = (*_ladder(0.0001, 10.0), 30.0, 60.0)
+
 _SCOPE = "omnitrace"
 # An empty context: spans made after the fact must be roots, never children of whatever span
 # happens to be current on the worker thread.
@@ -203,6 +207,13 @@ class OTelSink:
             unit=device.unit,
             description=device.description,
             explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
+        )
+        spec = METRICS["request_phase_duration"]
+        self._request_phase_duration = meter.create_histogram(
+            spec.otel,
+            unit=spec.unit,
+            description=spec.description,
+            explicit_bucket_boundaries_advisory=REQUEST_PHASE_BUCKETS,
         )
         # One attribute dict per (encoder, kind, phase): a call's record builds none.
         self._call_attributes: dict[tuple[str, str, ev.Phase], dict[str, str]] = {}
@@ -347,6 +358,13 @@ class OTelSink:
             )
             parent = otel_trace.set_span_in_context(otel_trace.NonRecordingSpan(remote))
         kind = kind_of(event)
+        phases = phases_of(event)
+        # Every phase once per request (zeros too): each phase's count is the requests, and
+        # the phases' sums add up to the TTFT's.
+        for phase in PHASES:
+            self._request_phase_duration.record(
+                phases[phase], {ATTR.REQUEST_KIND: kind, ATTR.REQUEST_PHASE: phase}
+            )
         span = self._tracer.start_span(
             SPANS.REQUEST,
             context=parent,
@@ -361,7 +379,6 @@ class OTelSink:
         )
         inside = otel_trace.set_span_in_context(span)
         start = event.arrival_ns
-        phases = phases_of(event)
         for phase in PHASES:
             seconds = phases[phase]
             if seconds <= 0:

@@ -23,11 +23,13 @@ from typing import Any
 import pytest
 import yaml
 
+from omnitrace.requests import PHASES
 from omnitrace.sinks.names import ATTR
 
 from ._support import DASHBOARDS_DIR, DEPLOY_DIR, dashboard_queries, prom_label
 
 ENCODER = prom_label(ATTR.ENCODER)
+REQUEST_PHASE = prom_label(ATTR.REQUEST_PHASE)
 #: Scrape and rule evaluation interval of the test server, seconds.
 INTERVAL = 1.0
 #: Grafana's variables as the test fills them in: rate windows span several scrapes.
@@ -216,6 +218,10 @@ def test_dashboards_and_alerts_work_against_a_real_prometheus(
             if ENCODER in result[0]["metric"]:
                 encoders = {series["metric"][ENCODER] for series in result}
                 assert encoders == {"vision", "audio"}, (where, result)
+            elif REQUEST_PHASE in result[0]["metric"]:
+                # The demo times each request as the vLLM plugin does: its encoder step.
+                phases = {series["metric"][REQUEST_PHASE] for series in result}
+                assert phases == set(PHASES), (where, result)
             else:
                 assert {series["metric"]["omnitrace_sink"] for series in result}, where
         # The rules have been evaluated several times over this data, all healthy.
@@ -227,6 +233,7 @@ def test_dashboards_and_alerts_work_against_a_real_prometheus(
             "OmnitraceCaptureFailed",
             "OmnitraceHitRateLow",
             "OmnitraceCapacityMisses",
+            "OmnitraceRequestPhaseDominates",
         }
         for name, rule in rules.items():
             assert rule["health"] == "ok", (name, rule.get("lastError"))

@@ -96,13 +96,77 @@ def test_alerts_fire_on_their_situations_and_stay_quiet_otherwise(tmp_path: Path
             "exp_alerts": [_expected("OmnitraceCapacityMisses", "vision")],
         },
     ]
-    assert {c["alertname"] for c in alert_cases} == set(_alerts())
+    assert {c["alertname"] for c in alert_cases} == set(_alerts()) - {
+        "OmnitraceRequestPhaseDominates"  # its own test below
+    }
     tests = {
         "rule_files": [str(gen.PROMETHEUS_RULES_PATH)],
         "evaluation_interval": "1m",
         "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alert_cases}],
     }
     path = tmp_path / "omnitrace.test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False), encoding="utf-8")
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_dominant_request_phase_alerts_and_the_models_own_prefill_does_not(
+    tmp_path: Path,
+) -> None:
+    """OmnitraceRequestPhaseDominates fires for the processor at 60 % of TTFT after its
+    5-minute hold, not before, never for a phase under half, and never for prefill (the
+    model's own work), however large its share."""
+    phase_label = prom_label(ATTR.REQUEST_PHASE)
+    kind_label = prom_label(ATTR.REQUEST_KIND)
+    sums = METRICS["request_phase_duration"].prometheus + "_sum"
+
+    def phase(name: str, seconds_per_minute: int, kind: str = "image") -> dict[str, str]:
+        return _series(sums, {kind_label: kind, phase_label: name}, f"0+{seconds_per_minute}x60")
+
+    rule = _alerts()["OmnitraceRequestPhaseDominates"]
+
+    def firing(name: str, share: str) -> dict[str, Any]:
+        annotations = {
+            k: v.replace("{{ $labels." + phase_label + " }}", name).replace(
+                "{{ $value | humanizePercentage }}", share
+            )
+            for k, v in rule["annotations"].items()
+        }
+        return {
+            "exp_labels": {**rule["labels"], phase_label: name},
+            "exp_annotations": annotations,
+        }
+
+    # A processor-bound server: processor 36 s of every minute's 60 s of TTFT (60 %), then
+    # prefill 18 s, render 6 s (10 %). A second server, prefill-bound: prefill 80 %.
+    busy = [phase("processor", 36), phase("prefill", 18), phase("render", 6)]
+    prefill_bound = [phase("prefill", 48), phase("processor", 6), phase("queue", 6)]
+    tests = {
+        "rule_files": [str(load_generator().PROMETHEUS_RULES_PATH)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": busy,
+                "alert_rule_test": [
+                    {"eval_time": "4m", "alertname": rule["alert"], "exp_alerts": []},
+                    {
+                        "eval_time": "20m",
+                        "alertname": rule["alert"],
+                        "exp_alerts": [firing("processor", "60%")],
+                    },
+                ],
+            },
+            {
+                "interval": "1m",
+                "input_series": prefill_bound,
+                "alert_rule_test": [
+                    {"eval_time": "20m", "alertname": rule["alert"], "exp_alerts": []}
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "phases.test.yml"
     path.write_text(yaml.safe_dump(tests, sort_keys=False), encoding="utf-8")
     result = _promtool("test", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr

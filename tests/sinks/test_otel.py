@@ -78,6 +78,36 @@ class Scenario:
         return [e for e in self.events if isinstance(e, kind)]
 
 
+def _request_event() -> Any:
+    """One image request timed from arrival to first token (10 ms to 100 ms), with a
+    traceparent; every phase but ``encoders`` observed."""
+    from omnitrace.events import NO_SIGNATURE, RequestTimed
+
+    ms = 1_000_000
+    return RequestTimed(
+        "",
+        NO_SIGNATURE,
+        100 * ms,
+        5_000 * ms,
+        "chatcmpl-1",
+        "chatcmpl-1-ab",
+        10 * ms,
+        12 * ms,
+        20 * ms,
+        50 * ms,
+        51 * ms,
+        52 * ms,
+        99 * ms,
+        0.090,
+        1,
+        448 * 448,
+        0,
+        0.0,
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        "00f067aa0ba902b7",
+    )
+
+
 def run_scenario(bus: EventBus) -> Scenario:
     """Drive three adapters through a capture, hits, every miss reason, a deferral, a failure."""
     vision = EncoderCudaGraph(
@@ -487,6 +517,7 @@ def test_exported_metric_attributes_are_the_declared_low_cardinality_ones(
     """Every exported data point uses exactly the attribute keys names.METRICS declares."""
     receiver, setup, _ = exported
     run_scenario(bus)
+    bus.emit(_request_event())  # the vLLM plugin's API server: a timed request
     assert bus.flush(5.0)
     assert setup.force_flush()
     assert receiver.wait_for(lambda r: r.latest_metric(METRICS["bus_dropped"].otel) is not None)
@@ -952,6 +983,7 @@ def test_prometheus_scrape_exposes_exactly_the_declared_names(bus: EventBus) -> 
             )
         )
         scenario = run_scenario(bus)
+        bus.emit(_request_event())  # the vLLM plugin's API server: a timed request
         assert bus.flush(5.0)
         url = f"http://127.0.0.1:{setup.prometheus_port}/metrics"
         with urllib.request.urlopen(url, timeout=5.0) as response:
@@ -988,7 +1020,17 @@ def test_metric_names_follow_otel_naming_rules_in_one_namespace() -> None:
         assert pattern.fullmatch(spec.otel), spec.otel
         assert len(spec.otel) <= 255
         assert not spec.otel.endswith("_total")
-        low_cardinality = {ATTR.ENCODER, ATTR.MISS_REASON, ATTR.SINK, ATTR.PHASE, ATTR.CALL_KIND}
+        # A request's kind is its modalities and item counts (bounded by vLLM's
+        # limit_mm_per_prompt), never an id or a size.
+        low_cardinality = {
+            ATTR.ENCODER,
+            ATTR.MISS_REASON,
+            ATTR.SINK,
+            ATTR.PHASE,
+            ATTR.CALL_KIND,
+            ATTR.REQUEST_KIND,
+            ATTR.REQUEST_PHASE,
+        }
         assert set(spec.attributes) <= low_cardinality
     for name in (SPANS.CAPTURE, SPANS.MEMORY_DEFERRAL, SPANS.CAPTURE_FAILURE):
         assert pattern.fullmatch(name), name
@@ -1061,32 +1103,9 @@ def test_a_timed_request_is_a_span_in_the_client_s_trace_with_a_child_per_phase(
 ) -> None:
     """A RequestTimed with a traceparent becomes an ``omnitrace.request`` span in that trace,
     parented on the client's span, with one phase span per observed phase inside it."""
-    from omnitrace.events import NO_SIGNATURE, RequestTimed
-
     spans, _, tracer_provider = in_memory
     ms = 1_000_000
-    event = RequestTimed(
-        "",
-        NO_SIGNATURE,
-        100 * ms,
-        5_000 * ms,
-        "chatcmpl-1",
-        "chatcmpl-1-ab",
-        10 * ms,
-        12 * ms,
-        20 * ms,
-        50 * ms,
-        51 * ms,
-        52 * ms,
-        99 * ms,
-        0.090,
-        1,
-        448 * 448,
-        0,
-        0.0,
-        "4bf92f3577b34da6a3ce929d0e0e4736",
-        "00f067aa0ba902b7",
-    )
+    event = _request_event()
     bus = EventBus()
     try:
         sink = OTelSink(bus, tracer_provider=tracer_provider, meter_provider=MeterProvider())
@@ -1114,3 +1133,30 @@ def test_a_timed_request_is_a_span_in_the_client_s_trace_with_a_child_per_phase(
     assert all(s.parent is not None and s.parent.span_id == request.context.span_id for s in phases)
     assert phases[0].start_time == request.start_time
     assert phases[-1].end_time == request.end_time
+
+
+def test_each_request_records_every_phase_once_and_the_phases_add_up_to_its_ttft() -> None:
+    """The request-phase histogram: one point per phase and request kind, each counted once
+    per request (zeros too), their sums adding up to the requests' TTFT."""
+    from omnitrace.requests import PHASES
+
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    tracer_provider = TracerProvider()
+    bus = EventBus()
+    try:
+        sink = OTelSink(bus, tracer_provider=tracer_provider, meter_provider=meter_provider)
+        sink.handle([_request_event(), _request_event()])
+        points = {
+            (p.attributes[ATTR.REQUEST_KIND], p.attributes[ATTR.REQUEST_PHASE]): p
+            for p in _sdk_points(reader, METRICS["request_phase_duration"].otel)
+        }
+    finally:
+        bus.close()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+    assert set(points) == {("image", phase) for phase in PHASES}
+    assert all(p.count == 2 for p in points.values())
+    assert sum(p.sum for p in points.values()) == pytest.approx(2 * 0.090)
+    assert points[("image", "processor")].sum == pytest.approx(2 * 0.030)
+    assert points[("image", "encoders")].sum == 0.0
