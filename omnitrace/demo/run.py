@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from omnitrace.bus import EventBus
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.demo.encoders import MEL_BINS, AudioEncoder, EncoderGeometry, VisionEncoder
+from omnitrace.demo.terminal import SigtermExit
 from omnitrace.demo.traffic import Request, TrafficMix
 from omnitrace.events import NO_SIGNATURE, EncoderBatchRan, Phase, RequestTimed
 from omnitrace.graphs.adapter import EncoderCudaGraph
@@ -80,6 +81,9 @@ class DemoOptions:
     profiling_runs: int = 0
     """Start-up profiling runs before the traffic, as vLLM's ``profile_run``: the encoders
     called with maximum-size dummy inputs in the ``profiling`` phase."""
+    log_file: Path | None = None
+    """The file structlog writes to (``--log-file``; None: standard error): the bus's own
+    lines (its close on SIGTERM) go there too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,6 +467,9 @@ def _run(
 ) -> DemoResult:
     bus = EventBus()
     jsonl: JsonlSink | None = None
+    # Beneath the bus's handler: after the close, it takes the live view down (the cursor
+    # shown again) and writes the bus's line on the terminal before the process ends.
+    sigterm = SigtermExit(log_file=options.log_file is not None).__enter__()
     # SIGTERM (a supervisor stopping the demo) would otherwise lose the queued events
     # unrecorded: close the bus within a bound, log the loss, then terminate as asked.
     restore_sigterm = (
@@ -493,7 +500,7 @@ def _run(
                 progress=progress.lines,
             )
             start = progress.start = time.monotonic()
-            with _progress(options, console, board, progress) as advance, torch.no_grad():
+            with _progress(options, console, board, progress, sigterm) as advance, torch.no_grad():
                 served, interrupted = _drive(options, encoders, advance, start)
                 elapsed = time.monotonic() - start
                 # Closed while the view still holds stderr: the log lines the close writes
@@ -506,6 +513,7 @@ def _run(
         # Restored only once the bus is closed: a SIGTERM during the close still counts.
         if restore_sigterm is not None:
             restore_sigterm()
+        sigterm.__exit__(None, None, None)
         if jsonl is not None:
             jsonl.close()
     return DemoResult(
@@ -533,12 +541,20 @@ def _run(
 
 @contextlib.contextmanager
 def _progress(
-    options: DemoOptions, console: Console, board: BusBoard, progress: _Progress
+    options: DemoOptions,
+    console: Console,
+    board: BusBoard,
+    progress: _Progress,
+    sigterm: SigtermExit,
 ) -> Iterator[Callable[[], None]]:
     """Show the live view, or a progress bar on a terminal, and yield a per-request tick."""
     if options.tui:
-        with LiveView(board, console=console, log_hint="; --log-file PATH keeps them"):
-            yield progress.advance
+        with LiveView(board, console=console, log_hint="; --log-file PATH keeps them") as view:
+            sigterm.view = view
+            try:
+                yield progress.advance
+            finally:
+                sigterm.view = None
         return
     if not console.is_terminal:
         yield progress.advance
