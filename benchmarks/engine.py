@@ -94,6 +94,8 @@ class Configuration:
     overrides: dict[str, Any]
     compilation: dict[str, Any] | None = None
     plugin: bool = True
+    #: Environment variables of the server (``OMNITRACE_REQUESTS``, say).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def configurations(model_kind: str) -> list[Configuration]:
@@ -247,6 +249,7 @@ def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[
     if config.plugin:
         # One log per worker: each rank of a tensor-parallel engine writes its own.
         env["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}-{pid}.jsonl")
+    env.update(config.env)
     if cuda:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     else:
@@ -351,6 +354,8 @@ class Completion:
     #: Where the TTFT went (seconds, :data:`benchmarks.engine_phases.PHASES`): measured one
     #: request at a time, None otherwise.
     phases: dict[str, float] | None = None
+    #: The id the server gave the request (its chunks' ``id``).
+    request_id: str = ""
 
 
 def _token_ids(choice: Any) -> list[int]:
@@ -379,7 +384,9 @@ def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int)
         # carries a token id marks the first token, whatever its text.
         extra_body={"return_token_ids": True},
     )
+    request_id = ""
     for chunk in stream:
+        request_id = request_id or str(getattr(chunk, "id", "") or "")
         if not chunk.choices:
             continue
         ids = _token_ids(chunk.choices[0])
@@ -390,7 +397,9 @@ def _one(client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int)
     end = time.perf_counter()
     if first is None:
         raise RuntimeError(f"a {kind.name} request streamed no token")
-    return Completion(kind.name, first - start, end - start, tokens, "".join(parts))
+    return Completion(
+        kind.name, first - start, end - start, tokens, "".join(parts), request_id=request_id
+    )
 
 
 @dataclass

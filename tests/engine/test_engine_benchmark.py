@@ -100,3 +100,80 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
         for label in ("Qwen2.5-Omni-7B thinker", "MiniCPM-o 4.5")
         for modality in ("image", "audio")
     }
+
+
+def _benchmark_env(tmp_path: Path) -> dict[str, str]:
+    path = tmp_path / "path"
+    path.mkdir(exist_ok=True)
+    if not (path / "benchmarks").exists():
+        (path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    return {**os.environ, "PYTHONPATH": str(path)}
+
+
+@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
+def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) -> None:
+    """Eager and graphed requests alternate in one engine; each is found again in the event
+    logs by its id, with the encoder calls that served it, and the halves are reported."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-P", "-m", "benchmarks.paired", "--model", "minicpmo"),
+            *("--pairs", "2", "--warmup", "2", "--out", str(out)),
+        ],
+        env=_benchmark_env(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads((out / "paired-minicpmo.json").read_text())
+    assert result["problems"] == []
+    assert set(result["kinds"]) == {"image 448x448", "image 896x896", "audio 1 s", "audio 10 s"}
+    # Warm-up (2 rounds and one paused request a kind) and 2 pairs a kind, all timed.
+    assert result["request_events"] == 4 * (2 + 1 + 2 * 2)
+    for kind, row in result["kinds"].items():
+        assert row["pairs"] == 2, kind
+        for half in ("eager", "graphed"):
+            calls = row[f"{half}_encoder_calls"]
+            assert sum(calls.values()) >= 2, (kind, half, calls)
+            phases = row[f"{half}_phases_ms"]
+            assert phases["processor"] > 0, (kind, half, phases)
+            assert phases["encoders"] > 0, (kind, half, phases)
+        # On a CPU both halves run eagerly; on CUDA the paused half misses and the other hits.
+        if CUDA:
+            assert set(row["eager_encoder_calls"]) == {"miss ineligible/paused"}, row
+            assert set(row["graphed_encoder_calls"]) == {"hit"}, row
+    assert "paired diff median" in (out / "paired-minicpmo.md").read_text()
+
+
+@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
+def test_the_request_phase_benchmark_reads_each_served_request_back(tmp_path: Path) -> None:
+    """Through vllm serve, every request of the concurrency-1 and -8 passes has its phases
+    from the events, and at concurrency 1 vLLM's histograms give the engine's part alike."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-P", "-m", "benchmarks.engine_requests", "--out", str(out)),
+            *("--per-kind", "1", "--c8-rounds", "1", "--no-cost"),
+        ],
+        env={**_benchmark_env(tmp_path), "OMNITRACE_BENCH_ENGINE_MODELS": "minicpmo"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    on = json.loads((out / "engine-requests.json").read_text())["minicpmo"]["on"]
+    assert on["problems"] == []
+    for concurrency in ("c1", "c8"):
+        assert set(on[concurrency]) == {"image-224", "audio-1s", "image+audio"}, concurrency
+        for kind, row in on[concurrency].items():
+            # The client starts its clock before the server sees the request.
+            assert row["event_ttft_p50_ms"] <= row["client_ttft_p50_ms"], (concurrency, kind)
+            assert row["phases_mean_ms"]["encoders"] > 0, (concurrency, kind)
+    for kind, row in on["c1"].items():
+        histograms, events = row["engine_part_ms"].values()
+        assert abs(histograms - events) <= 0.1 * histograms, (kind, row["engine_part_ms"])

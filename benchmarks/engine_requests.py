@@ -1,0 +1,263 @@
+"""Where ``vllm serve`` requests' time goes, from omnitrace's own per-request events.
+
+One ``vllm serve`` with omnitrace's defaults (request timing on) serves the engine
+benchmark's traffic (:mod:`benchmarks.engine`'s kinds, streamed OpenAI chat requests) one at a
+time and eight at a time; every request is found again in the API server's event log by its
+id, and its ``RequestTimed`` joined with the encoder steps that served it gives its phases
+(:mod:`omnitrace.requests`). At concurrency 1 each request is also split by vLLM's own
+histograms around it (:mod:`benchmarks.engine_phases`), so the two methods can be read side
+by side: the client's TTFT against the event's, and the engine's part (queue and prefill)
+against the event's queue, encoders, prefill and output. A second server with request timing
+off (``OMNITRACE_REQUESTS=0``) serves the same concurrency-8 passes: the feature's cost in
+requests per second.
+
+    OMNITRACE_BENCH_ENGINE_MODELS=minicpmo python -m benchmarks.engine_requests --out DIR
+
+On a CPU it runs the tiny checkpoints (the plumbing; the numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import engine, engine_phases
+from benchmarks.common import Context, quantile
+
+
+def _event_views(paths: Sequence[Path]) -> dict[str, Any]:
+    from omnitrace.logread import read_logs
+    from omnitrace.requests import RequestJoin
+
+    join = RequestJoin(calls=True)
+    for _, chunk in read_logs(paths):
+        for record in chunk:
+            join.add(record.item, record.pid)
+    return {v.event.request_id: v for v in join.requests()}
+
+
+def _phase_table(
+    completions: Sequence[engine.Completion], views: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    from omnitrace.requests import PHASES
+
+    rows: dict[str, Any] = {}
+    problems = []
+    kinds = sorted({c.kind for c in completions})
+    for kind in kinds:
+        mine = [c for c in completions if c.kind == kind]
+        found = [views[c.request_id] for c in mine if c.request_id in views]
+        if len(found) != len(mine):
+            problems.append(f"{kind}: {len(mine) - len(found)} of {len(mine)} without an event")
+        if not found:
+            continue
+        row: dict[str, Any] = {
+            "requests": len(mine),
+            "client_ttft_p50_ms": statistics.median(c.ttft_s for c in mine) * 1e3,
+            "client_ttft_p99_ms": quantile(sorted(c.ttft_s for c in mine), 0.99) * 1e3,
+            "event_ttft_p50_ms": statistics.median(v.ttft_s for v in found) * 1e3,
+            "phases_mean_ms": {
+                p: statistics.mean(v.phases[p] for v in found) * 1e3 for p in PHASES
+            },
+            "phases_p50_ms": {
+                p: statistics.median(v.phases[p] for v in found) * 1e3 for p in PHASES
+            },
+            "encoder_share_mean_ms": statistics.mean(v.encoder_share_s for v in found) * 1e3,
+        }
+        histogram = engine_phases.mean_phases_ms([c.phases for c in mine])
+        if histogram is not None:
+            row["histogram_phases_mean_ms"] = histogram
+            events = row["phases_mean_ms"]
+            row["engine_part_ms"] = {
+                "histograms (queue + prefill)": histogram["queue"] + histogram["prefill"],
+                "events (queue + encoders + prefill + output)": sum(
+                    events[p] for p in ("queue", "encoders", "prefill", "output")
+                ),
+            }
+        rows[kind] = row
+    return rows, problems
+
+
+def _serve(
+    ctx: Context,
+    config: engine.Configuration,
+    model: Path,
+    work: Path,
+    kinds: Sequence[engine.RequestKind],
+    *,
+    per_kind: int,
+    c8_rounds: int,
+    solo: bool,
+    minicpmo: bool,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    with engine.serving(
+        config, model, work, ctx, max_num_seqs=8, trust_remote_code=minicpmo
+    ) as server:
+        ready_s = time.perf_counter() - started
+        for warm in range(2):
+            engine.run_pass(
+                server, engine.schedule(kinds, 1, warm), seed=100 + warm, concurrency=1, tokens=1
+            )
+        out: dict[str, Any] = {"ready_s": ready_s}
+        passes = []
+        if solo:
+            passes.append(
+                engine.run_pass(
+                    server, engine.schedule(kinds, per_kind, 7), seed=201, concurrency=1, tokens=4
+                )
+            )
+        rates = []
+        for r in range(c8_rounds):
+            batch = engine.run_pass(
+                server,
+                engine.schedule(kinds, per_kind, 11 + r),
+                seed=300 + r,
+                concurrency=8,
+                tokens=4,
+            )
+            passes.append(batch)
+            rates.append(len(batch.completions) / batch.wall_s)
+        out["c8_requests_per_s"] = rates
+        # The processes' buses drain every 50 ms: let the last requests' events reach the
+        # logs before the server is stopped.
+        time.sleep(1.0)
+        events = sorted(server.out.glob("events-*.jsonl"))
+    # After the server stopped: every process flushed its event log.
+    out["logs"] = [p.name for p in events]
+    views = _event_views(sorted(server.out.glob("events-*.jsonl")))
+    out["request_events"] = len(views)
+    out["problems"] = []
+    for p in passes:
+        if not config.plugin or config.env.get("OMNITRACE_REQUESTS") == "0":
+            continue
+        table, problems = _phase_table(p.completions, views)
+        out[f"c{p.concurrency}"] = table
+        out["problems"] += [f"c{p.concurrency} {x}" for x in problems]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    scale = "full" if cuda else "tiny"
+    out = Path(args.out).resolve()
+    ctx = Context(scale=scale, out_dir=out, cuda=cuda)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    for model_kind in engine.models():
+        work = out / "engine-requests" / model_kind
+        model = engine._checkpoint(model_kind, work / "checkpoint", scale)
+        names = set(args.kinds.split(",")) if args.kinds else None
+        kinds = [
+            k for k in engine.request_kinds(scale, model_kind) if names is None or k.name in names
+        ]
+        base = next(c for c in engine.configurations(model_kind) if c.name == "omnitrace")
+        on = engine.Configuration("requests-on", dict(base.overrides))
+        off = engine.Configuration(
+            "requests-off", dict(base.overrides), env={"OMNITRACE_REQUESTS": "0"}
+        )
+        minicpmo = model_kind == "minicpmo"
+        entry = {"kinds": [k.name for k in kinds], "per_kind": args.per_kind}
+        ctx.log(f"{model_kind}: requests-on")
+        entry["on"] = _serve(
+            ctx,
+            on,
+            model,
+            work,
+            kinds,
+            per_kind=args.per_kind,
+            c8_rounds=args.c8_rounds,
+            solo=True,
+            minicpmo=minicpmo,
+        )
+        result[model_kind] = entry
+        (out / "engine-requests.json").write_text(json.dumps(result, indent=1))
+        if args.cost:
+            ctx.log(f"{model_kind}: requests-off")
+            entry["off"] = _serve(
+                ctx,
+                off,
+                model,
+                work,
+                kinds,
+                per_kind=args.per_kind,
+                c8_rounds=args.c8_rounds,
+                solo=False,
+                minicpmo=minicpmo,
+            )
+            on_rate = statistics.median(entry["on"]["c8_requests_per_s"])
+            off_rate = statistics.median(entry["off"]["c8_requests_per_s"])
+            entry["cost_c8_pct"] = 100.0 * (off_rate - on_rate) / off_rate
+        result[model_kind] = entry
+        (out / "engine-requests.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    from omnitrace.requests import PHASES
+
+    lines = []
+    for model_kind, entry in result.items():
+        if model_kind == "device":
+            continue
+        on = entry["on"]
+        lines.append(
+            f"\n{model_kind} on {result['device']}: {entry['per_kind']} requests a kind per "
+            f"pass, server ready in {on['ready_s']:.0f} s, {on['request_events']} request events"
+        )
+        for c in ("c1", "c8"):
+            if c not in on:
+                continue
+            lines += [
+                "",
+                f"| {c} kind | client TTFT p50 | event TTFT p50 | "
+                + " | ".join(PHASES)
+                + " | engine part: histograms / events |",
+                "|---|---|---|" + "---|" * (len(PHASES) + 1),
+            ]
+            for kind, r in on[c].items():
+                cells = " | ".join(f"{r['phases_mean_ms'][p]:.1f}" for p in PHASES)
+                part = r.get("engine_part_ms")
+                both = " / ".join(f"{v:.1f}" for v in part.values()) if part else "n/a"
+                lines.append(
+                    f"| {kind} | {r['client_ttft_p50_ms']:.1f} | {r['event_ttft_p50_ms']:.1f} "
+                    f"| {cells} | {both} |"
+                )
+        rates = ", ".join(f"{x:.2f}" for x in on["c8_requests_per_s"])
+        lines.append(f"\nc8 requests/s, request timing on: {rates}")
+        if "off" in entry:
+            rates = ", ".join(f"{x:.2f}" for x in entry["off"]["c8_requests_per_s"])
+            lines.append(f"c8 requests/s, request timing off: {rates}")
+            lines.append(f"cost (median of the passes): {entry['cost_c8_pct']:+.2f} %")
+        for problem in on["problems"]:
+            lines.append(f"PROBLEM: {problem}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_requests", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--per-kind", type=int, default=8)
+    parser.add_argument("--c8-rounds", type=int, default=2)
+    parser.add_argument("--kinds", default="", help="comma-separated kind names (default all)")
+    parser.add_argument("--no-cost", dest="cost", action="store_false")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = table(result)
+    print(text)
+    (Path(args.out) / "engine-requests.md").write_text(text + "\n")
+    bad = [m for m, e in result.items() if m != "device" and e["on"]["problems"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

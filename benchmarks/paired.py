@@ -1,0 +1,363 @@
+"""Graphs off and on inside one engine: paired requests of each kind, so drift hits both.
+
+One offline ``vllm.LLM`` engine with omnitrace's defaults. Before each measured request the
+graphs of every worker are paused or resumed (``llm.collective_rpc`` of
+:func:`omnitrace.integrations.vllm_plugin.pause_graphs`: a paused adapter serves its calls
+eagerly and keeps its graphs), and each pair of requests of one kind runs eager and graphed
+back to back, the order alternating from pair to pair. A slow phase of the machine then hits
+both halves of a pair alike, which comparing two engines started one after the other cannot
+promise. Every request carries new pixels or samples of the same size (vLLM caches encoder
+outputs by content) and asks for one token, so its wall time is its time to the first token.
+
+Reported per request kind: the wall time of the eager and the graphed requests (p50, p99),
+the paired differences (median and interquartile range, in ms and per cent of the eager
+request), and where each request's time went from omnitrace's own per-request events
+(``RequestTimed`` joined with the encoder steps that served it, :mod:`omnitrace.requests`).
+It also checks what must hold for the figures to mean anything: every request has its event,
+paused requests replayed no graph and graphed ones did.
+
+    python -m benchmarks.paired --model minicpmo --size released --out bench-results/paired
+
+On a CPU it runs the tiny checkpoint: the plumbing is checked, the numbers mean nothing, and
+graphs cannot capture (so the graphed half stays eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SAMPLING_RATE = 16_000
+_USER = "<|im_start|>user\n"
+_ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
+_PLACEHOLDERS = {
+    # vLLM's get_placeholder_str of each model, per modality.
+    "minicpmo": {"image": "(<image>./</image>)", "audio": "(<audio>./</audio>)"},
+    "qwen2_5_omni": {
+        "image": "<|vision_start|><|IMAGE|><|vision_end|>",
+        "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+    },
+}
+#: The request kinds: (name, modality, image width and height or clip seconds).
+KINDS: dict[str, tuple[str, tuple[int, int] | float]] = {
+    "image 448x448": ("image", (448, 448)),
+    "image 896x896": ("image", (896, 896)),
+    "audio 1 s": ("audio", 1.0),
+    "audio 10 s": ("audio", 10.0),
+}
+
+
+def _image(seed: int, size: tuple[int, int]) -> Any:
+    from PIL import Image
+
+    width, height = size
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _clip(seed: int, seconds: float) -> tuple[np.ndarray, int]:
+    samples = np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
+    return (0.1 * samples).astype(np.float32), SAMPLING_RATE
+
+
+def request(model: str, kind: str, seed: int) -> dict[str, Any]:
+    """One prompt of ``kind`` for ``model``, with new content for each ``seed``."""
+    modality, size = KINDS[kind]
+    placeholder = _PLACEHOLDERS[model][modality]
+    if modality == "image":
+        assert isinstance(size, tuple)
+        data: Any = _image(seed, size)
+        text = "Describe the image."
+    else:
+        assert isinstance(size, float)
+        data = _clip(seed, size)
+        text = "What do you hear?"
+    return {
+        "prompt": f"{_USER}{placeholder}\n{text}{_ASSISTANT}",
+        "multi_modal_data": {modality: data},
+    }
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return float(np.quantile(np.asarray(ordered), q)) if ordered else float("nan")
+
+
+def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str, Any]:
+    """The two halves' p50/p99 and the paired differences (graphed minus eager), in ms.
+
+    Raises:
+        ValueError: the halves differ in length or are empty.
+    """
+    if len(eager) != len(graphed) or not eager:
+        raise ValueError(f"expected pairs, got {len(eager)} eager and {len(graphed)} graphed")
+    diffs = [(g - e) * 1e3 for e, g in zip(eager, graphed, strict=True)]
+    rel = [100.0 * (g - e) / e for e, g in zip(eager, graphed, strict=True) if e > 0]
+    return {
+        "pairs": len(diffs),
+        "eager_p50_ms": statistics.median(eager) * 1e3,
+        "eager_p99_ms": _quantile(eager, 0.99) * 1e3,
+        "graphed_p50_ms": statistics.median(graphed) * 1e3,
+        "graphed_p99_ms": _quantile(graphed, 0.99) * 1e3,
+        "diff_median_ms": statistics.median(diffs),
+        "diff_q25_ms": _quantile(diffs, 0.25),
+        "diff_q75_ms": _quantile(diffs, 0.75),
+        "diff_median_pct": statistics.median(rel) if rel else float("nan"),
+        "graphed_faster": sum(d < 0 for d in diffs),
+    }
+
+
+def _phases_ms(views: Sequence[Any]) -> dict[str, float]:
+    from omnitrace.requests import PHASES
+
+    return {p: statistics.mean(v.phases[p] for v in views) * 1e3 for p in PHASES}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the engine, serve the warm-up and the pairs (in the engine's own process)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("events-*.jsonl"):
+        stale.unlink()
+    os.environ["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}.jsonl")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # collective_rpc sends pause_graphs to the engine core by pickle, which vLLM refuses
+    # unless told it may.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # This process reads the device before the engine starts; its children must not fork it.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    import torch
+
+    from omnitrace.testing_checkpoints import write_minicpmo, write_qwen2_5_omni
+    from omnitrace.testing_checkpoints.minicpmo import MiniCPMOSizes
+    from omnitrace.testing_checkpoints.qwen2_5_omni import Qwen2_5OmniSizes
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # vLLM's CPU engine otherwise takes most of the machine's memory for its KV cache.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sizes: Any
+    writer: Callable[..., Any]
+    if args.model == "minicpmo":
+        writer, sizes = write_minicpmo, MiniCPMOSizes
+    else:
+        writer, sizes = write_qwen2_5_omni, Qwen2_5OmniSizes
+    checkpoint = Path(tempfile.mkdtemp(prefix=f"paired-{args.model}-"))
+    writer(str(checkpoint / "model"), sizes.released() if args.size == "released" else sizes())
+
+    from vllm import LLM, SamplingParams
+
+    from omnitrace.integrations.vllm_plugin import pause_graphs
+
+    started = time.monotonic()
+    llm = LLM(
+        model=str(checkpoint / "model"),
+        load_format="dummy",
+        seed=0,
+        dtype="bfloat16" if cuda else "float32",
+        max_model_len=8192 if cuda else 4096,
+        max_num_seqs=4,
+        limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
+        hf_overrides=json.loads(args.overrides),
+        **({"trust_remote_code": True} if args.model == "minicpmo" else {}),
+    )
+    init_s = time.monotonic() - started
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    seed = 0
+
+    def serve(kind: str, paused: bool) -> tuple[float, str]:
+        nonlocal seed
+        seed += 1
+        workers = llm.collective_rpc(pause_graphs, args=(paused,))
+        if not any(workers):
+            raise RuntimeError("no omnitrace adapter is attached in any worker")
+        t0 = time.perf_counter()
+        outputs = llm.generate([request(args.model, kind, seed)], one_token, use_tqdm=False)
+        return time.perf_counter() - t0, str(outputs[0].request_id)
+
+    # Warm-up: every kind captured (min_capture_calls) and served paused once.
+    for _ in range(args.warmup):
+        for kind in KINDS:
+            serve(kind, paused=False)
+    for kind in KINDS:
+        serve(kind, paused=True)
+    measured: dict[str, dict[str, list[Any]]] = {
+        k: {"eager": [], "graphed": [], "eager_ids": [], "graphed_ids": []} for k in KINDS
+    }
+    for pair in range(args.pairs):
+        for kind in KINDS:
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            for paused in order:
+                wall, request_id = serve(kind, paused)
+                half = "eager" if paused else "graphed"
+                measured[kind][half].append(wall)
+                measured[kind][f"{half}_ids"].append(request_id)
+    llm.collective_rpc(pause_graphs, args=(False,))
+    return {
+        "measured": measured,
+        "init_s": init_s,
+        "total_s": time.monotonic() - started,
+        "cuda": cuda,
+    }
+
+
+def _report(
+    args: argparse.Namespace,
+    out: Path,
+    measured: dict[str, dict[str, list[Any]]],
+    init_s: float,
+    total_s: float,
+    cuda: bool,
+) -> dict[str, Any]:
+    from omnitrace.logread import read_logs
+    from omnitrace.requests import RequestJoin
+
+    # Read after the engine's processes exited: each flushed its event log as it did.
+    logs = sorted(out.glob("events-*.jsonl"))
+    join = RequestJoin(calls=True)
+    for _, chunk in read_logs(logs):
+        for record in chunk:
+            join.add(record.item, record.pid)
+    views = {v.event.request_id: v for v in join.requests()}
+    views |= {v.event.engine_request_id: v for v in join.requests()}
+    kinds: dict[str, Any] = {}
+    problems: list[str] = []
+    for kind, halves in measured.items():
+        row = paired_summary(halves["eager"], halves["graphed"])
+        for half in ("eager", "graphed"):
+            ids = halves[f"{half}_ids"]
+            found = [views[i] for i in ids if i in views]
+            if len(found) != len(ids):
+                problems.append(f"{kind} {half}: {len(ids) - len(found)} requests without events")
+            if found:
+                row[f"{half}_phases_ms"] = _phases_ms(found)
+                row[f"{half}_ttft_event_p50_ms"] = statistics.median(v.ttft_s for v in found) * 1e3
+                outcomes = [c.get("outcome") for v in found for s in v.steps for c in s.calls]
+                row[f"{half}_encoder_calls"] = {o: outcomes.count(o) for o in set(outcomes)}
+        kinds[kind] = row
+    return {
+        "model": args.model,
+        "size": args.size,
+        "cuda": cuda,
+        "device": _device_name(),
+        "pairs": args.pairs,
+        "warmup": args.warmup,
+        "overrides": json.loads(args.overrides),
+        "runner": "V1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "default",
+        "init_s": round(init_s, 1),
+        "total_s": round(total_s, 1),
+        "logs": [p.name for p in logs],
+        "request_events": len(join.requests()),
+        "kinds": kinds,
+        "problems": problems,
+    }
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as Markdown: the paired table, then the phases of each half."""
+    lines = [
+        f"{result['model']} ({result['size']}, {result['device']}, runner {result['runner']}): "
+        f"{result['pairs']} pairs a kind after {result['warmup']} warm-up rounds, "
+        f"engine start {result['init_s']} s, run {result['total_s']} s",
+        "",
+        "| kind | eager p50 | eager p99 | graphed p50 | graphed p99 | paired diff median "
+        "(IQR) | median % | graphed faster |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, r in result["kinds"].items():
+        lines.append(
+            f"| {kind} | {r['eager_p50_ms']:.1f} | {r['eager_p99_ms']:.1f} | "
+            f"{r['graphed_p50_ms']:.1f} | {r['graphed_p99_ms']:.1f} | "
+            f"{r['diff_median_ms']:+.1f} ({r['diff_q25_ms']:+.1f} … {r['diff_q75_ms']:+.1f}) | "
+            f"{r['diff_median_pct']:+.1f} % | {r['graphed_faster']}/{r['pairs']} |"
+        )
+    from omnitrace.requests import PHASES
+
+    lines += ["", "| kind | half | " + " | ".join(PHASES) + " | encoder calls |"]
+    lines.append("|---|---|" + "---|" * (len(PHASES) + 1))
+    for kind, r in result["kinds"].items():
+        for half in ("eager", "graphed"):
+            phases = r.get(f"{half}_phases_ms")
+            if phases is None:
+                continue
+            calls = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{half}_encoder_calls"].items()))
+            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+            lines.append(f"| {kind} | {half} | {cells} | {calls} |")
+    for problem in result["problems"]:
+        lines.append(f"\nPROBLEM: {problem}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.paired", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", choices=sorted(_PLACEHOLDERS), default="minicpmo")
+    parser.add_argument("--size", choices=("tiny", "released"), default="tiny")
+    parser.add_argument("--pairs", type=int, default=12, help="pairs a kind (default 12)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up rounds (default 3)")
+    parser.add_argument("--out", required=True, help="folder for the event logs and results")
+    parser.add_argument(
+        "--overrides",
+        default="{}",
+        help="hf_overrides as JSON (omnitrace's defaults without it), e.g. "
+        '\'{"encoder_cuda_graph_audio_attention": "masked"}\' for Qwen2.5-Omni\'s audio',
+    )
+    parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or args.warmup < 2:
+        parser.error(
+            "--pairs must be at least 1 and --warmup at least 2 (graphs capture on the second call)"
+        )
+    try:
+        overrides = json.loads(args.overrides)
+    except ValueError as exc:
+        parser.error(f"--overrides: not JSON ({exc})")
+    if not isinstance(overrides, dict):
+        parser.error("--overrides: expected a JSON object")
+    out = Path(args.out)
+    raw = out / f"paired-{args.model}-raw.json"
+    if args.engine_only:
+        raw.write_text(json.dumps(run(args)))
+        return 0
+    # The engine runs in a child, so that every process of it has exited (and flushed its
+    # event log) before the logs are read; its failure is this run's failure.
+    out.mkdir(parents=True, exist_ok=True)
+    raw.unlink(missing_ok=True)
+    given = sys.argv[1:] if argv is None else list(argv)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.paired", *given, "--engine-only"], check=False
+    )
+    if done.returncode != 0 or not raw.exists():
+        print(f"benchmarks.paired: the engine run failed (exit {done.returncode})", file=sys.stderr)
+        return 1
+    engine = json.loads(raw.read_text())
+    result = _report(
+        args, out, engine["measured"], engine["init_s"], engine["total_s"], engine["cuda"]
+    )
+    (Path(args.out) / f"paired-{args.model}.json").write_text(json.dumps(result, indent=1))
+    text = table(result)
+    (Path(args.out) / f"paired-{args.model}.md").write_text(text + "\n")
+    print(text)
+    return 1 if result["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

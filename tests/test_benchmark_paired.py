@@ -1,0 +1,49 @@
+"""The paired benchmark's arithmetic: each pair's difference, its spread, who won."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.paired import KINDS, paired_summary, request
+
+
+def test_the_paired_differences_are_taken_within_each_pair() -> None:
+    """The median of the pairs' differences, not the difference of the medians."""
+    eager = [0.100, 0.200, 0.300, 0.400]
+    graphed = [0.090, 0.210, 0.250, 0.395]
+    row = paired_summary(eager, graphed)
+    assert row["pairs"] == 4
+    # Differences: -10, +10, -50, -5 ms.
+    assert row["diff_median_ms"] == pytest.approx(-7.5)
+    assert row["diff_q25_ms"] == pytest.approx(-20.0)
+    assert row["diff_q75_ms"] == pytest.approx(-1.25)
+    assert row["graphed_faster"] == 3
+    # Per cent of each pair's eager request: -10, +5, -16.7, -1.25.
+    assert row["diff_median_pct"] == pytest.approx((-10.0 + -1.25) / 2)
+    assert row["eager_p50_ms"] == pytest.approx(250.0)
+    assert row["graphed_p50_ms"] == pytest.approx(230.0)
+
+
+@pytest.mark.parametrize(("eager", "graphed"), [([], []), ([0.1], [0.1, 0.2])])
+def test_halves_that_are_not_pairs_are_refused(eager: list[float], graphed: list[float]) -> None:
+    with pytest.raises(ValueError, match="expected pairs"):
+        paired_summary(eager, graphed)
+
+
+@pytest.mark.parametrize("model", ["minicpmo", "qwen2_5_omni"])
+def test_every_clip_is_new_content_of_its_length(model: str) -> None:
+    """vLLM caches encoder outputs by content: two seeds never give the same clip, and the
+    prompt holds the model's own placeholder once. (The images, which need Pillow, are
+    checked in the engine tier's run of the benchmark.)"""
+    for kind, (modality, seconds) in KINDS.items():
+        if modality != "audio":
+            continue
+        one, two = request(model, kind, 1), request(model, kind, 2)
+        (samples, rate), (other, _) = (
+            one["multi_modal_data"]["audio"],
+            two["multi_modal_data"]["audio"],
+        )
+        assert samples.shape == other.shape == (int(seconds * rate),), kind
+        assert (samples != other).any(), kind
+        placeholder = "(<audio>./</audio>)" if model == "minicpmo" else "<|AUDIO|>"
+        assert one["prompt"].count(placeholder) == 1, kind
