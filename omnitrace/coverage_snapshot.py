@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnitrace.events import MissReason, Phase
 from omnitrace.signature import Signature
 from omnitrace.stats import HitRate
+
+if TYPE_CHECKING:
+    from omnitrace.stats import AdapterStats
 
 __all__ = [
     "GRAPHABLE_REASONS",
@@ -32,6 +35,7 @@ __all__ = [
     "KeyCoverage",
     "ProfilingRuns",
     "Timing",
+    "encoder_summary",
 ]
 
 #: Miss reasons a graph could have served (ineligible calls can never use one).
@@ -349,3 +353,44 @@ class AdapterCoverage:
                 estimated += 1
             lost_s += graphable * max(0.0, eager - replay)
         return EagerLoss(misses, timed, eager_s, lost_s if known else None, source, estimated)
+
+
+#: Backends whose "replay" runs the forward again: no time is lost to a miss there, so
+#: ``lost_s`` is null rather than a number that means nothing.
+_NO_REPLAY_SPEEDUP = frozenset({"simulated"})
+
+
+def encoder_summary(
+    stats: AdapterStats,
+    coverage: AdapterCoverage | None,
+    info: Mapping[str, Any] | None = None,
+    top_missed: int = 5,
+) -> dict[str, Any]:
+    """Return what every output of a run says of one encoder, from its stats and coverage.
+
+    The one source of the ``graph_summary`` log lines, ``omnitrace top --json`` and
+    ``omnitrace replay --json``, so they agree field by field: ``encoder``, the nine stats
+    keys, ``calls``, ``max_graphs`` and ``backend`` (from the adapter's registered ``info``;
+    None when unknown), ``first_capture_free_bytes`` (the free device memory the first graph
+    was captured with; None before any or where unread) and, with the coverage, the fields
+    of :meth:`AdapterCoverage.summary`. ``lost_s`` is None on the simulated backend, whose
+    replays run the forward again.
+    """
+    info = info or {}
+    max_graphs = info.get("max_graphs")
+    backend = info.get("backend")
+    fields: dict[str, Any] = {
+        "encoder": stats.adapter,
+        **stats.as_dict(),
+        "calls": stats.calls,
+        "max_graphs": max_graphs
+        if isinstance(max_graphs, int) and not isinstance(max_graphs, bool)
+        else None,
+        "backend": backend if isinstance(backend, str) else None,
+        "first_capture_free_bytes": stats.graphs[0].free_bytes if stats.graphs else None,
+    }
+    if coverage is not None:
+        fields.update(coverage.summary(top_missed))
+        if fields["backend"] in _NO_REPLAY_SPEEDUP:
+            fields["lost_s"] = None
+    return fields

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["PROG", "_encoder_json", "_error", "_print_json", "_say", "_stdout_console"]
+__all__ = ["PROG", "_error", "_print_json", "_say", "_stdout_console"]
 
 PROG = "omnitrace"
 
@@ -59,8 +58,3 @@ def _finite(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [_finite(value) for value in data]
     return data
-
-
-def _encoder_json(stats: Mapping[str, Any], max_graphs: int | None) -> dict[str, Any]:
-    calls = int(stats["graph_hits"] + stats["graph_misses"])
-    return {**stats, "calls": calls, "max_graphs": max_graphs}

@@ -18,7 +18,7 @@ from omnitrace.cli.export import (
     _exports_by_variable,
 )
 from omnitrace.cli.follow import _exited, _follow, _followable, _sigterm_stops
-from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdout_console
+from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
 from omnitrace.cli.tables import stats_table
 
 if TYPE_CHECKING:
@@ -284,10 +284,18 @@ def _print_replayed(
     args: argparse.Namespace, bus: Any, replayed: int, setup: Any, console: Console
 ) -> None:
     """Print the stats of the replayed events: the table, or with ``--json`` the JSON."""
-    encoders = {name: stats.as_dict() for name, stats in bus.adapter_stats().items()}
+    from omnitrace.coverage_snapshot import encoder_summary
+
+    adapter_stats = bus.adapter_stats()
+    infos = bus.adapters()
+    coverage = bus.coverage()
+    # The order of top and the live view: as the adapters were registered (the demo's vision
+    # first), not as their first events came.
+    order = [name for name in infos if name in adapter_stats]
+    order += [name for name in adapter_stats if name not in infos]
     caps = {
         name: info["max_graphs"]
-        for name, info in bus.adapters().items()
+        for name, info in infos.items()
         if isinstance(info.get("max_graphs"), int)
     }
     if args.json:
@@ -300,12 +308,15 @@ def _print_replayed(
                 "otlp_endpoints": {}
                 if setup is None
                 else {signal: e.url for signal, e in setup.endpoints.items()},
+                # The fields of the graph_summary lines and of top --json, from one function.
                 "encoders": {
-                    name: _encoder_json(stats, caps.get(name)) for name, stats in encoders.items()
+                    name: encoder_summary(adapter_stats[name], coverage.get(name), infos.get(name))
+                    for name in order
                 },
             }
         )
     else:
+        encoders = {name: adapter_stats[name].as_dict() for name in order}
         console.print(
             stats_table(
                 encoders,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from omnitrace.cli.follow import _follow, _followable, _sigterm_stops
-from omnitrace.cli.output import _encoder_json, _error, _print_json, _say, _stdout_console
+from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
 
 __all__ = ["_cmd_top"]
 
@@ -68,23 +68,13 @@ def _requests_table(panel: dict[str, Any]) -> Any:
 
 
 def _top_encoder_json(encoder: Any) -> dict[str, Any]:
-    """One worker's encoder in ``top --json``: what its panel in the view shows."""
-    stats, coverage = encoder.stats, encoder.coverage
-    entry = {
-        "encoder": stats.adapter,
-        "rank": encoder.rank,
-        "pid": encoder.pid,
-        "backend": encoder.backend,
-        **_encoder_json(stats.as_dict(), encoder.max_graphs),
-        # What the first graph had to fit in (None: not read, or no graph yet).
-        "first_capture_free_bytes": stats.graphs[0].free_bytes if stats.graphs else None,
-        **(coverage.summary() if coverage is not None else {}),
-    }
-    if encoder.backend == "simulated" and "lost_s" in entry:
-        # A simulated replay runs the forward again, so no time is lost to a miss: the view
-        # says "lost n/a (simulated)", and the JSON says null.
-        entry["lost_s"] = None
-    return entry
+    """One worker's encoder in ``top --json``: the worker, then what every output of a run
+    says of the encoder (``encoder_summary``: the ``graph_summary`` line's fields)."""
+    from omnitrace.coverage_snapshot import encoder_summary
+
+    info = {"max_graphs": encoder.max_graphs, "backend": encoder.backend}
+    fields = encoder_summary(encoder.stats, encoder.coverage, info)
+    return {"encoder": fields.pop("encoder"), "rank": encoder.rank, "pid": encoder.pid, **fields}
 
 
 def _cmd_top(args: argparse.Namespace) -> int:

@@ -350,25 +350,18 @@ def summary_fields(
 ) -> dict[str, Any]:
     """Return the fields of one encoder's ``graph_summary`` line.
 
-    The nine stats keys, ``calls``, ``max_graphs`` and ``backend`` (from the adapter's
-    registered ``info``), ``top_missed`` (per signature: ``key``,
-    ``misses``, ``reason`` most of them had, ``share`` of the encoder's calls), ``eager_s``
-    and ``lost_s`` (eager time of the misses a graph could have served, and what graphs
-    would have saved of it, ``None`` when no replay time is known) in ``time_source`` time,
-    and ``profiling`` (``calls``, ``hits``, ``captures`` in the profiling phase, and
-    ``replayed_in_serving``) when there were any: see ``AdapterCoverage.summary``.
+    Those of :func:`omnitrace.coverage_snapshot.encoder_summary`, the fields ``omnitrace
+    top --json`` and ``replay --json`` give each encoder too: ``encoder``, the nine stats
+    keys, ``calls``, ``max_graphs`` and ``backend`` (from the adapter's registered ``info``),
+    ``first_capture_free_bytes``, ``top_missed`` (per signature: ``key``, ``misses``,
+    ``reason`` most of them had, ``share`` of the encoder's calls), ``eager_s`` and
+    ``lost_s`` (eager time of the misses a graph could have served, and what graphs would
+    have saved of it, ``None`` when no replay time is known or on the simulated backend) in
+    ``time_source`` time, and ``profiling`` when there was any.
     """
-    fields: dict[str, Any] = {"encoder": stats.adapter, **stats.as_dict(), "calls": stats.calls}
-    info = info or {}
-    max_graphs = info.get("max_graphs")
-    if isinstance(max_graphs, int) and not isinstance(max_graphs, bool):
-        fields["max_graphs"] = max_graphs
-    if isinstance(info.get("backend"), str):
-        # A simulated replay runs the forward again: its time saved means nothing.
-        fields["backend"] = info["backend"]
-    if coverage is not None:
-        fields.update(coverage.summary(SUMMARY_TOP_MISSED))
-    return fields
+    from omnitrace.coverage_snapshot import encoder_summary
+
+    return encoder_summary(stats, coverage, info, SUMMARY_TOP_MISSED)
 
 
 #: Events of which there is one (or, with device timing, two) per encoder call: debug lines.
