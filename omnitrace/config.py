@@ -47,6 +47,7 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
     "encoder_cuda_graph_max_graphs": "max_graphs",
     "encoder_cuda_graph_min_capture_calls": "min_capture_calls",
     "encoder_cuda_graph_min_free_bytes": "min_free_bytes",
+    "encoder_cuda_graph_pool_budget_bytes": "pool_budget_bytes",
     "encoder_cuda_graph_share_pools": "share_pools",
     "encoder_cuda_graph_compile": "compile",
     "encoder_cuda_graph_background_capture": "background_capture",
@@ -80,6 +81,13 @@ class EncoderGraphConfig:
             of zero graphs is full: every eligible call is a ``capacity`` miss).
         min_capture_calls: calls with the same key before it is captured (at least 2).
         min_free_bytes: device-free memory floor checked before each capture; 0 disables it.
+        pool_budget_bytes: a byte budget for the encoder's graphs beside the graph count:
+            once the graphs it holds took this much at capture (allocator growth across
+            each capture plus its static buffers, the ``pool_memory`` figure), no new shape
+            is admitted (a ``capacity`` miss, detail ``budget``). ``max_graphs`` stays the
+            ceiling: raise it too (say to 64) to let the budget decide how many shapes fit.
+            The last graph admitted may take the total past the budget by its own size (a
+            capture's memory is known only after it). 0 (default): no budget.
         share_pools: share one memory pool and capture stream per encoder, device and
             replay stream (false gives every graph its own, for an A/B comparison).
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
@@ -120,6 +128,7 @@ class EncoderGraphConfig:
     max_graphs: int = 4
     min_capture_calls: int = 2
     min_free_bytes: int = GiB
+    pool_budget_bytes: int = 0
     share_pools: bool = True
     compile: bool = False
     background_capture: bool = False
@@ -145,6 +154,11 @@ class EncoderGraphConfig:
             _FIELD_TO_KEY["min_free_bytes"],
             self.min_free_bytes,
             meaning="a number of bytes from 0 to 2**63-1 (0 disables the check)",
+        )
+        check_int(
+            _FIELD_TO_KEY["pool_budget_bytes"],
+            self.pool_budget_bytes,
+            meaning="a number of bytes from 0 to 2**63-1 (0: no budget)",
         )
         for name in (
             "share_pools",

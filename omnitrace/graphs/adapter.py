@@ -522,7 +522,7 @@ class EncoderCudaGraph:
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
-            return None, (MissReason.CAPACITY, "cap", signature)
+            return None, (MissReason.CAPACITY, "budget" if decision.budget else "cap", signature)
         if verdict is Verdict.WARMUP:
             detail = f"call {decision.calls} of {self.config.min_capture_calls}"
             return None, (_WARMUP, detail, signature)
@@ -588,6 +588,7 @@ class EncoderCudaGraph:
         graph = self._capturer.capture(
             due, layout, prepared=ready is not None, free_bytes=free_bytes
         )
+        self._admission.took(graph.bytes_reserved + graph.static_bytes)
         if ready is None:
             self._admission.captured(due.key)
         # The capturing call is served by the graph it just captured, and counts as a hit.

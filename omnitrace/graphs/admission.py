@@ -9,7 +9,9 @@ reference model of the rules:
 * the call history holds at most ``4 * max_graphs`` keys; the least recently called key
   leaves first and, if it comes back, counts its calls from zero again;
 * before a capture, device-free memory below ``min_free_bytes`` defers it (a memory miss);
-  the key keeps its count, so the next call tries again.
+  the key keeps its count, so the next call tries again;
+* with a ``pool_budget_bytes``, once the graphs took that much at capture the cache is full
+  as well (a capacity miss whose decision says ``budget``).
 """
 
 from __future__ import annotations
@@ -40,18 +42,33 @@ class Decision:
     """Calls of the key in the history, this one included (0 for capacity)."""
     free_bytes: int | None = None
     """Device-free bytes read for the memory check, when it ran."""
+    budget: bool = False
+    """For capacity: the byte budget, not the graph count, is what is full."""
 
 
 class Admission:
     """Track calls of uncaptured keys and decide when one is captured.
 
     Args:
-        config: supplies ``max_graphs``, ``min_capture_calls`` and ``min_free_bytes``.
+        config: supplies ``max_graphs``, ``min_capture_calls``, ``min_free_bytes`` and
+            ``pool_budget_bytes``.
     """
 
-    __slots__ = ("_floor", "_history", "_limit", "_max_graphs", "_min_calls", "num_graphs")
+    __slots__ = (
+        "_budget",
+        "_floor",
+        "_history",
+        "_limit",
+        "_max_graphs",
+        "_min_calls",
+        "num_graphs",
+        "pool_bytes",
+    )
 
     def __init__(self, config: EncoderGraphConfig) -> None:
+        self._budget = config.pool_budget_bytes
+        #: Bytes the captured graphs took (see :meth:`took`).
+        self.pool_bytes = 0
         self._max_graphs = config.max_graphs
         self._min_calls = config.min_capture_calls
         self._floor = config.min_free_bytes
@@ -61,7 +78,10 @@ class Admission:
 
     @property
     def full(self) -> bool:
-        return self.num_graphs >= self._max_graphs
+        return self.num_graphs >= self._max_graphs or self._over_budget()
+
+    def _over_budget(self) -> bool:
+        return self._budget > 0 and self.pool_bytes >= self._budget
 
     def history(self) -> dict[Hashable, int]:
         """Return the call counts of the remembered keys, oldest first."""
@@ -75,6 +95,8 @@ class Admission:
         """
         if self.num_graphs >= self._max_graphs:
             return Decision(Verdict.CAPACITY)
+        if self._over_budget():
+            return Decision(Verdict.CAPACITY, budget=True)
         history = self._history
         calls = history.pop(key, 0) + 1
         history[key] = calls
@@ -88,6 +110,10 @@ class Admission:
                 return Decision(Verdict.MEMORY, calls, free)
             return Decision(Verdict.CAPTURE, calls, free)
         return Decision(Verdict.CAPTURE, calls)
+
+    def took(self, nbytes: int) -> None:
+        """Record the memory a captured graph took (counted against the budget)."""
+        self.pool_bytes += max(0, int(nbytes))
 
     def captured(self, key: Hashable) -> None:
         """Record that ``key`` now has a graph: it leaves the history and takes a slot."""

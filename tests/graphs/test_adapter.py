@@ -738,3 +738,49 @@ def test_paused_graphs_serve_eagerly_and_resume_with_their_graphs() -> None:
             graph.pause_graphs(1)  # type: ignore[arg-type]
     finally:
         bus.close()
+
+
+def test_a_pool_budget_stops_admission_once_the_graphs_took_it() -> None:
+    """With max_graphs as a high ceiling, the byte budget decides: the graph that takes the
+    total past it is the last, later shapes are capacity misses with detail ``budget``, and
+    the graphs held keep replaying."""
+    bus = EventBus()
+    # Each capture takes 100 bytes of pool plus its static (rows, 2) float32 input and output.
+    config = EncoderGraphConfig(max_graphs=64, pool_budget_bytes=250, min_free_bytes=0)
+    backend = SimulatedGraphBackend(free_bytes=1 << 30, graph_bytes=100)
+    graph = EncoderCudaGraph(lambda x: x * 2, name="m", config=config, bus=bus, backend=backend)
+    try:
+        with torch.no_grad(), capture_events(bus) as events:
+            for rows in (1, 2, 3, 4):
+                for _ in range(2):
+                    graph(torch.ones(rows, 2))
+            again = graph(torch.ones(1, 2))
+        torch.testing.assert_close(again, torch.full((1, 2), 2.0))
+        stats = graph.get_cumulative_stats()
+        # 116 + 132 = 248 bytes after two graphs: under 250, so a third (148) is admitted and
+        # takes the total to 396; the fourth shape finds the budget spent.
+        assert stats["num_graphs"] == 3
+        misses = [e for e in events if isinstance(e, GraphMissed) and e.reason.value == "capacity"]
+        assert [m.detail for m in misses] == ["budget", "budget"]
+        captured = [e for e in events if isinstance(e, GraphCaptured)]
+        assert sum(e.bytes_reserved + e.static_bytes for e in captured) == 396
+    finally:
+        bus.close()
+
+
+def test_without_a_budget_the_graph_count_alone_caps_the_cache() -> None:
+    """pool_budget_bytes 0 (the default) leaves the design note's count rule as it was."""
+    bus = EventBus()
+    config = EncoderGraphConfig(max_graphs=2, min_free_bytes=0)
+    backend = SimulatedGraphBackend(free_bytes=1 << 30, graph_bytes=1 << 40)
+    graph = EncoderCudaGraph(lambda x: x * 2, name="m", config=config, bus=bus, backend=backend)
+    try:
+        with torch.no_grad(), capture_events(bus) as events:
+            for rows in (1, 2, 3):
+                for _ in range(2):
+                    graph(torch.ones(rows, 2))
+        assert graph.get_cumulative_stats()["num_graphs"] == 2
+        misses = [e for e in events if isinstance(e, GraphMissed) and e.reason.value == "capacity"]
+        assert [m.detail for m in misses] == ["cap", "cap"]
+    finally:
+        bus.close()

@@ -30,6 +30,8 @@ class Reference:
     floor: int
     graph_bytes: int
     free: int
+    budget: int = 0
+    pool: int = 0  # what the captured graphs took: pool growth plus static buffers
     graphs: list[tuple[int, int]] = field(default_factory=list)
     history: list[list[object]] = field(default_factory=list)  # [key, calls], oldest first
 
@@ -38,6 +40,8 @@ class Reference:
             return ["hit"]
         if len(self.graphs) >= self.max_graphs:
             return ["miss:capacity"]  # max_graphs=0 too: a cache of zero graphs is full
+        if self.budget > 0 and self.pool >= self.budget:
+            return ["miss:capacity"]
         calls = 1
         for entry in self.history:
             if entry[0] == key:
@@ -54,6 +58,8 @@ class Reference:
         self.history = [e for e in self.history if e[0] != key]
         self.graphs.append(key)
         self.free = max(0, self.free - self.graph_bytes)
+        # The static input and output: (rows, 2) float32 each.
+        self.pool += self.graph_bytes + 2 * key[0] * 2 * 4
         return ["captured", "hit"]
 
 
@@ -79,11 +85,12 @@ operation = st.one_of(
 
 @settings(max_examples=400, deadline=None)
 @given(
-    max_graphs=st.integers(0, 3),
+    max_graphs=st.integers(0, 5),
     min_calls=st.integers(2, 5),
     floor=st.sampled_from([0, 4, 8]),
     graph_bytes=st.integers(0, 3),
     free=st.integers(0, 12),
+    budget=st.sampled_from([0, 0, 20, 60, 150]),
     ops=st.lists(operation, max_size=100),
 )
 def test_adapter_matches_reference_model(
@@ -92,14 +99,18 @@ def test_adapter_matches_reference_model(
     floor: int,
     graph_bytes: int,
     free: int,
+    budget: int,
     ops: list[tuple[str, int, int]],
 ) -> None:
     """Every call's events, and the final stats, agree with the reference model."""
     config = EncoderGraphConfig(
-        max_graphs=max_graphs, min_capture_calls=min_calls, min_free_bytes=floor
+        max_graphs=max_graphs,
+        min_capture_calls=min_calls,
+        min_free_bytes=floor,
+        pool_budget_bytes=budget,
     )
     backend = SimulatedGraphBackend(free_bytes=free, graph_bytes=graph_bytes)
-    reference = Reference(max_graphs, min_calls, floor, graph_bytes, free)
+    reference = Reference(max_graphs, min_calls, floor, graph_bytes, free, budget)
     bus = EventBus()
     graph = EncoderCudaGraph(lambda x: x * 2, name="m", config=config, bus=bus, backend=backend)
     try:
