@@ -27,7 +27,13 @@ installed but inert; the sinks come from the environment, as the table of
     step), which is on by default.
 ``OMNITRACE_LOGS=1``
     structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
-    encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker exits.
+    encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker stops.
+
+vLLM's shutdown often kills a worker before the interpreter's exit handlers run, so the plugin
+closes the adapters and the bus of each model process first thing in vLLM's own shutdown of
+that process, and holds vLLM's process-manager kill until they are closed, for a few seconds
+at most (:mod:`omnitrace.integrations.vllm_shutdown`; ``docs/vllm.md`` says what survives
+which way of stopping the server).
 
 The plugin's own lines (the worker's "encoder graphs attached" line, profiling notices, and
 one ERROR line naming an invalid ``encoder_cuda_graph_*`` override before the worker stops)
@@ -56,6 +62,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -65,6 +72,7 @@ from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
 from omnitrace.config import OmnitraceError
 from omnitrace.events import Phase, profiling_observed
+from omnitrace.integrations import vllm_shutdown
 from omnitrace.integrations.vllm_logging import show_plugin_logs
 from omnitrace.integrations.worker import worker_identity
 from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
@@ -112,6 +120,8 @@ _profiling_missing_reported = False
 #: The pid that logged a profiling run without encoder calls: once per worker process, and a
 #: forked child that profiles again says so again.
 _no_encoder_reported_pid: int | None = None
+#: The pid whose bus is announced to the process manager's kill (once per model process).
+_announced_pid: int | None = None
 
 
 class PluginError(OmnitraceError, RuntimeError):
@@ -203,6 +213,7 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         raise
     _attached.update(_adapters_of(result))
     _hook_profiling()
+    _hook_shutdown()
     if _requests_on():
         from omnitrace.integrations.vllm_requests import hook_worker
 
@@ -215,6 +226,64 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         pid,
         rank,
     )
+
+
+def _hook_shutdown() -> None:
+    """Close this model process's adapters and bus when vLLM shuts the process down, and
+    have the process manager's kill wait for it (:mod:`omnitrace.integrations.vllm_shutdown`)."""
+    global _announced_pid
+    vllm_shutdown.hook_model_process(close_at_shutdown)
+    pid = os.getpid()
+    with _lock:
+        if _announced_pid == pid:
+            return
+        _announced_pid = pid
+    vllm_shutdown.announce(pid)
+
+
+def close_at_shutdown(where: str = "exit", timeout: float = vllm_shutdown.CLOSE_S) -> bool:
+    """Close the adapters attached in this process, then its bus, within ``timeout`` seconds.
+
+    Run first by vLLM's shutdown of a model process (``where`` names the method): the
+    adapters' pending device timings and the final ``graph_summary`` lines reach the sinks,
+    and the event log is written, before vLLM tears the engine down or kills it. Idempotent;
+    never raises into vLLM.
+
+    Returns:
+        Whether everything was delivered in time (what was not is counted and logged).
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    done = True
+    try:
+        for adapter in list(_attached):
+            # Half of what is left at most: the bus needs the rest.
+            done &= adapter.close(max(0.0, deadline - time.monotonic()) / 2)
+        with _lock:
+            bus = _bus if _bus_pid == os.getpid() else None
+        if bus is not None and not bus.closed:
+            bus.close(max(deadline - time.monotonic(), 0.05))
+            stats = bus.statistics()
+            lost = sum(sink.dropped for sink in stats.sinks)
+            done &= lost == 0
+            logger.info(
+                "omnitrace: event bus closed at %s in %.2f s (%d events, %d not delivered)",
+                where,
+                time.monotonic() - start,
+                stats.emitted,
+                lost,
+            )
+    except Exception as exc:
+        logger.warning(
+            "omnitrace: closing the event bus at %s failed: %s: %s",
+            where,
+            type(exc).__name__,
+            exc,
+        )
+        done = False
+    finally:
+        vllm_shutdown.retire()
+    return done
 
 
 def _wrap_load_model(load_model: Callable[..., Any]) -> Callable[..., Any]:
@@ -393,6 +462,8 @@ def register(environ: Mapping[str, str] | None = None) -> bool:
     with _lock:
         if not getattr(loader.load_model, _PATCHED, False):
             loader.load_model = _wrap_load_model(loader.load_model)
+    # Where vLLM's process manager runs (the API server): its kill waits for the workers.
+    vllm_shutdown.hook_process_manager()
     if _requests_on(env):
         from omnitrace.integrations.vllm_requests import hook_api_server
 

@@ -1,0 +1,254 @@
+"""Flush the workers' buses on vLLM's own shutdown paths, before anything kills them.
+
+A worker's bus is otherwise closed by the interpreter's exit handlers, which vLLM's
+shutdown often never reaches: with ``--shutdown-timeout 0`` (the default) the API server's
+process manager sends the engine core SIGTERM and, at once, SIGKILLs its process tree
+(``vllm.v1.utils.shutdown`` → ``kill_process_tree``); a worker started by ``fork`` leaves
+through ``os._exit``, which runs no exit handler at all. Two hooks close the bus earlier:
+
+* **In the process that runs the model** (:func:`hook_model_process`): the engine core's
+  ``EngineCoreProc.shutdown`` (the model in the engine core's own process) and the
+  multiprocess executor's ``WorkerProc.shutdown`` (one process per worker) close the
+  adapters and the bus first, within :data:`CLOSE_S`, then run vLLM's teardown. vLLM calls
+  both from a ``finally`` block on every way out of its busy loop: a SIGTERM or SIGINT to
+  that process, the parent's exit ("Parent process exited, terminating worker queues"), an
+  error. A process stopped by SIGKILL before that point loses what was not written yet.
+* **In the process that kills them** (:func:`hook_process_manager`): before vLLM's
+  ``kill_process_tree`` SIGKILLs an engine core and its workers, it waits until every
+  model process of this server has closed its bus (or exited), for at most
+  :data:`KILL_DELAY_S`. The model processes say so through a directory the first process
+  that loads the plugin makes (named by :data:`ENV_SHUTDOWN_DIR`, inherited by every child):
+  a file per pid while its bus is open, removed once it closed. A server none of whose
+  children opened a bus kills as at once as before.
+
+Nothing here runs on an encoder call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CLOSE_S",
+    "ENV_SHUTDOWN_DIR",
+    "KILL_DELAY_S",
+    "announce",
+    "hook_model_process",
+    "hook_process_manager",
+    "pending",
+    "retire",
+    "wait_for_flushes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Set by the plugin in the first process that loads it (don't set it yourself): the
+#: directory where the model processes of one server say that their bus is still open.
+ENV_SHUTDOWN_DIR = "OMNITRACE_SHUTDOWN_DIR"
+#: How long a model process spends closing its adapters and its bus at vLLM's shutdown.
+CLOSE_S = 2.0
+#: The longest the process manager's kill is held back for the model processes' close:
+#: their close, its sinks' grace, and a margin for the process to get there.
+KILL_DELAY_S = 3.0
+_POLL_S = 0.01
+_PATCHED = "_omnitrace_patched"
+_METHOD = "shutdown"
+
+_KILL_MODULE = "vllm.v1.utils"
+_KILL_FUNCTION = "kill_process_tree"
+#: (module, class) whose ``shutdown`` vLLM runs first when a model process stops.
+_SHUTDOWN_OWNERS = (
+    ("vllm.v1.engine.core", "EngineCoreProc"),
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc"),
+)
+
+
+def _directory(environ: MutableMapping[str, str] | None = None) -> Path | None:
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_SHUTDOWN_DIR)
+    return Path(value) if value else None
+
+
+def announce(pid: int | None = None) -> Path | None:
+    """Say that process ``pid`` (this one) has a bus to flush before it is killed.
+
+    Returns:
+        The file that says so, or None where no process manager waits (no directory, or it
+        cannot be written: logged once, and the kill is then not held back).
+    """
+    directory = _directory()
+    if directory is None:
+        return None
+    marker = directory / str(os.getpid() if pid is None else pid)
+    try:
+        marker.touch()
+    except OSError as exc:
+        logger.warning(
+            "omnitrace: cannot write %s (%s); vLLM's shutdown may kill this worker before "
+            "its event log and final summary are written",
+            marker,
+            exc,
+        )
+        return None
+    return marker
+
+
+def retire(pid: int | None = None) -> None:
+    """Say that process ``pid`` (this one) closed its bus: a kill need not wait for it."""
+    directory = _directory()
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            (directory / str(os.getpid() if pid is None else pid)).unlink()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (a zombie has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The state follows the command's closing parenthesis: "pid (comm) S ...".
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def pending(directory: Path | None = None) -> list[int]:
+    """The pids whose bus is still open, less those that exited, less this process."""
+    directory = _directory() if directory is None else directory
+    if directory is None:
+        return []
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except OSError:
+        return []
+    me = os.getpid()
+    return [int(n) for n in names if n.isdigit() and int(n) != me and _running(int(n))]
+
+
+def wait_for_flushes(timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds until no model process of this server has its bus open.
+
+    Returns:
+        The pids still flushing when the time ran out (empty when none was left).
+    """
+    deadline = time.monotonic() + timeout
+    left = pending()
+    while left and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        left = pending()
+    return left
+
+
+def _wrap_kill(kill: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(kill)
+    def kill_after_flush(*args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        left = wait_for_flushes(KILL_DELAY_S)
+        waited = time.monotonic() - start
+        if left:
+            logger.warning(
+                "omnitrace: workers %s had not closed their event bus after %.1f s; vLLM "
+                "kills them now, and what they had not written is lost",
+                ", ".join(map(str, left)),
+                waited,
+            )
+        elif waited >= 0.05:
+            logger.info(
+                "omnitrace: the workers closed their event bus; vLLM's kill waited %.2f s",
+                waited,
+            )
+        return kill(*args, **kwargs)
+
+    setattr(kill_after_flush, _PATCHED, True)
+    return kill_after_flush
+
+
+def hook_process_manager(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Hold vLLM's process-manager kill back until the model processes closed their buses.
+
+    Only where vLLM's process manager is already imported (the API server, or ``vllm.LLM``'s
+    process): the first such process makes the directory the model processes announce
+    themselves in, and removes it at its exit; the children inherit its name.
+
+    Returns:
+        Whether the kill is held back in this process.
+    """
+    env = os.environ if environ is None else environ
+    module = sys.modules.get(_KILL_MODULE)
+    kill = getattr(module, _KILL_FUNCTION, None)
+    if module is None or not callable(kill):
+        return False
+    if not env.get(ENV_SHUTDOWN_DIR):
+        try:
+            made = tempfile.mkdtemp(prefix="omnitrace-shutdown-")
+        except OSError as exc:
+            logger.warning(
+                "omnitrace: cannot make a directory for the workers' shutdown (%s); vLLM's "
+                "shutdown may kill them before their event logs and final summaries are "
+                "written",
+                exc,
+            )
+            return False
+        env[ENV_SHUTDOWN_DIR] = made
+        atexit.register(shutil.rmtree, made, True)
+    if not getattr(kill, _PATCHED, False):
+        setattr(module, _KILL_FUNCTION, _wrap_kill(kill))
+    return True
+
+
+def _wrap_shutdown(
+    shutdown: Callable[..., Any], close: Callable[[str], object], where: str
+) -> Callable[..., Any]:
+    @functools.wraps(shutdown)
+    def shutdown_after_close(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            close(where)
+        except Exception:
+            # vLLM's own teardown must run whatever the close did.
+            logger.exception("omnitrace: closing the event bus at %s failed", where)
+        return shutdown(self, *args, **kwargs)
+
+    setattr(shutdown_after_close, _PATCHED, True)
+    return shutdown_after_close
+
+
+def hook_model_process(close: Callable[[str], object]) -> list[str]:
+    """Run ``close(where)`` first when vLLM shuts down this model process.
+
+    Wraps ``shutdown`` of the engine core process and of the multiprocess executor's worker
+    (where vLLM imported them; nothing is imported here), once per process.
+
+    Returns:
+        The methods that are wrapped, as ``module.Class.shutdown``.
+    """
+    hooked = []
+    for module_name, class_name in _SHUTDOWN_OWNERS:
+        owner = getattr(sys.modules.get(module_name), class_name, None)
+        # EngineCoreProc inherits shutdown from EngineCore, which an engine in the caller's
+        # own process runs too: the wrapper is set on the subclass only.
+        if not isinstance(owner, type):
+            continue
+        method = getattr(owner, _METHOD, None)
+        if not callable(method):
+            continue
+        where = f"{module_name}.{class_name}.shutdown"
+        if not getattr(method, _PATCHED, False):
+            setattr(owner, _METHOD, _wrap_shutdown(method, close, where))
+        hooked.append(where)
+    return hooked
