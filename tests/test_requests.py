@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -423,3 +424,44 @@ def test_vllm_llm_requests_are_timed_from_the_engines_add_request() -> None:
     phases = phases_of(event)
     assert phases["processor"] >= 0.003
     assert sum(phases.values()) == pytest.approx(event.ttft_s)
+
+
+def test_replay_exports_a_recorded_days_requests_to_otlp(tmp_path: Path) -> None:
+    """``omnitrace replay`` of the API server's log sends each request as its span with a
+    child per phase, in the client's trace, and the request-phase histogram."""
+    from omnitrace.cli import main
+    from omnitrace.sinks.names import ATTR, METRICS, SPANS
+    from omnitrace.testing_otlp import OTLPReceiver
+
+    api = tmp_path / "events-api.jsonl"
+    epoch = 1_796_000_000 * 10**9  # the events' own wall-clock stamps, as a server's are
+    traced = dataclasses.replace(
+        request("chatcmpl-5"), epoch_ns=epoch, trace_id="ab" * 16, parent_span_id="cd" * 8
+    )
+    plain = dataclasses.replace(request("chatcmpl-6", audios=1, images=0), epoch_ns=epoch)
+    # A line whose epoch stamp lies before its own arrival is still exported, from time 0.
+    odd = request("chatcmpl-7")
+    _write_log(api, [traced, plain, odd], rank=1)
+    with OTLPReceiver() as receiver:
+        assert main(["replay", str(api), "--otlp-endpoint", receiver.endpoint]) == 0
+        assert receiver.wait_for(
+            lambda r: (
+                len(r.spans(SPANS.REQUEST)) == 3
+                and r.latest_metric(METRICS["request_phase_duration"].otel) is not None
+            )
+        )
+        spans = receiver.spans(SPANS.REQUEST)
+        phases = receiver.spans(SPANS.REQUEST_PHASE)
+    ids = {
+        next(a.value.string_value for a in s.attributes if a.key == ATTR.REQUEST_ID): s
+        for s in spans
+    }
+    assert set(ids) == {"chatcmpl-5", "chatcmpl-6", "chatcmpl-7"}
+    assert ids["chatcmpl-5"].start_time_unix_nano == epoch - 61 * MS
+    assert ids["chatcmpl-7"].start_time_unix_nano == 0
+    assert ids["chatcmpl-5"].trace_id.hex() == "ab" * 16
+    assert ids["chatcmpl-5"].parent_span_id.hex() == "cd" * 8
+    # Seven phases took time in each request (all but the encoders, which the API server's
+    # log alone does not split out), each a child of its request's span.
+    assert len(phases) == 21
+    assert {p.parent_span_id for p in phases} == {s.span_id for s in spans}

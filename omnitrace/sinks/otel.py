@@ -348,6 +348,10 @@ class OTelSink:
 
         # The event's monotonic timestamps, put on the epoch clock of its own stamp.
         offset = event.epoch_ns - event.monotonic_ns
+        if event.arrival_ns + offset < 0:
+            # An epoch stamp before its own arrival (a hand-edited or foreign log line): the
+            # exporter refuses negative times and would drop the whole batch with it.
+            offset = -event.arrival_ns
         parent = _ROOT_CONTEXT
         if event.trace_id and event.parent_span_id:
             remote = otel_trace.SpanContext(
