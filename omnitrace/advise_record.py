@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -140,6 +140,21 @@ class Recording:
     """Some encoder ran on the simulated backend (replays there run the forward again)."""
     profiling: bool
     """The log holds calls of the profiling phase."""
+    ineligible: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Per encoder: its calls no graph could serve (ineligible, profiling skips aside), by
+    detail (``cpu``, ``disabled``, ...)."""
+
+    def why_ineligible(self) -> str:
+        """Why calls could use no graph, per encoder with counts: ``vision: cpu 51``.
+
+        Empty when the recording has no ineligible call. Details are text from the logs:
+        escape them before they are shown.
+        """
+        parts = []
+        for adapter, details in self.ineligible.items():
+            ranked = sorted(details.items(), key=lambda item: (-item[1], item[0]))
+            parts.append(f"{adapter}: " + ", ".join(f"{d} {n}" for d, n in ranked))
+        return "; ".join(parts)
 
     @property
     def calls(self) -> dict[Worker, tuple[_Call, ...]]:
@@ -244,6 +259,7 @@ class _Builder:
         self.captured_bytes: dict[tuple[Worker, str], int] = {}
         self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
         self.profiling = False
+        self.ineligible: dict[str, dict[str, int]] = {}
 
     def add(self, record: EventRecord) -> None:
         item = record.item
@@ -296,6 +312,11 @@ class _Builder:
             eligible = item.reason is not MissReason.INELIGIBLE or skipped
             if skipped:
                 self.skipped_profiling.add(adapter)
+            elif not eligible:
+                details = self.ineligible.get(adapter)
+                if details is None:
+                    details = self.ineligible[adapter] = {}
+                details[item.detail] = details.get(item.detail, 0) + 1
             if eligible and item.duration_s is not None and host:
                 _append(self.eager, ident, item.duration_s)
         if eligible and signature.stream is not None:
@@ -386,6 +407,7 @@ class _Builder:
             time_source=time_source,
             simulated=any(bool(info.get("simulated")) for info in self.infos.values()),
             profiling=self.profiling or bool(self.skipped_profiling),
+            ineligible=self.ineligible,
         )
 
     def _logged(self, adapter: str) -> Setting:

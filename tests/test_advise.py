@@ -641,12 +641,13 @@ def test_sizes_take_binary_and_decimal_units(
 def test_a_log_without_graphable_calls_is_exit_status_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A log whose calls were all ineligible says so in one line."""
+    """A log whose calls were all ineligible says so in one line, with why and how many."""
     from omnitrace.testing import sig
 
     event = GraphMissed("vision", sig("float32[1,4] @cpu"), 1, 1, MissReason.INELIGIBLE, "cpu")
     path = _write(tmp_path / "e.jsonl", [EventRecord(event, 1, 0)])
     assert main(["advise", str(path)]) == 1
     assert capsys.readouterr().err.strip() == (
-        f"omnitrace advise: error: {path}: no encoder call could use a graph"
+        f"omnitrace advise: error: {path}: no encoder call could use a graph: "
+        "every call was ineligible (vision: cpu 1)"
     )

@@ -86,7 +86,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             return _error("advise", str(exc), exc.status)
         if not recording.costs:
             names = ", ".join(str(p) for p in args.paths)
-            return _error("advise", f"{names}: no encoder call could use a graph", status=1)
+            # Why not (cpu, disabled, ...), with counts: what to change before advising.
+            why = recording.why_ineligible()
+            reason = f": every call was ineligible ({why})" if why else ""
+            return _error("advise", f"{names}: no encoder call could use a graph{reason}", status=1)
         grid = default_grid(
             recording,
             max_graphs=args.max_graphs,

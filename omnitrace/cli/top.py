@@ -19,6 +19,7 @@ def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[s
     from omnitrace.ranks import totals, totals_json
 
     snapshot = board.snapshot()
+    from omnitrace.misses import causes_json
     workers = [((e.rank, e.pid), e.stats) for e in snapshot.encoders]
     caps: dict[str, set[int | None]] = {}
     for e in snapshot.encoders:
@@ -28,7 +29,12 @@ def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[s
     return {
         "logs": [str(p) for p in paths],
         "events": snapshot.emitted,
-        "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
+        # Beside each encoder's summary, its misses by reason and detail (cpu, disabled,
+        # paused, ...): what to change.
+        "encoders": [
+            {**_top_encoder_json(e), "miss_details": causes_json(e.causes)}
+            for e in snapshot.encoders
+        ],
         # Every worker's encoders summed (the view's total row, with several workers).
         "total": totals_json(totals(workers), cap),
         # Where each kind of request's TTFT goes (omnitrace.requests.phases_panel).

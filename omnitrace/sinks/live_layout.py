@@ -24,6 +24,7 @@ from omnitrace._display import safe
 from omnitrace._units import format_bytes
 from omnitrace.coverage import AdapterCoverage, KeyCoverage
 from omnitrace.events import MissReason, Phase
+from omnitrace.misses import MissCause, cause_label, telling
 from omnitrace.sinks.live_model import RECENT_NOTICES, EncoderSnapshot, LiveSnapshot, clock
 from omnitrace.sinks.live_total import total_panel
 from omnitrace.stats import AdapterStats
@@ -110,6 +111,31 @@ def _misses(stats: AdapterStats, compact: bool) -> list[Text]:
             text.append(f"{reason.value} {count}", style=style)
         out.append(_line(text))
     return out
+
+
+#: Miss causes a "why" row names; the rest are counted in one "+N more".
+_CAUSES = 3
+
+
+def _causes_row(causes: Sequence[MissCause]) -> Text | None:
+    """The details of the misses an operator acts on, with their counts: ``cpu 17 · paused 2``.
+
+    Warm-ups are expected, and a detail that only repeats its reason adds nothing: both are
+    left to the misses row.
+    """
+    shown = telling(causes)
+    if not shown:
+        return None
+    text = Text()
+    for index, cause in enumerate(shown[:_CAUSES]):
+        if index:
+            text.append(" · ")
+        # The detail is data (from a log, or a model wrapper): escaped, never markup.
+        text.append(f"{safe(cause_label(cause))} ")
+        text.append(str(cause.misses), style="yellow")
+    if len(shown) > _CAUSES:
+        text.append(f" · +{len(shown) - _CAUSES} more", style="dim")
+    return text
 
 
 def _keys_table(
@@ -333,6 +359,9 @@ def _encoder_panel(
     for index, row in enumerate(_misses(stats, compact)):
         grid.add_row("misses" if index == 0 else "", row)
     cap = "?" if encoder.max_graphs is None else str(encoder.max_graphs)
+    why = _causes_row(encoder.causes)
+    if why is not None:
+        grid.add_row("why", _line(why))
     held = Text(f"{stats.num_graphs} / {cap}")
     if encoder.max_graphs is not None and stats.num_graphs >= encoder.max_graphs:
         held.append(" full", style="yellow")

@@ -20,7 +20,8 @@ from omnitrace._display import safe
 from omnitrace._units import format_bytes
 from omnitrace.coverage import AdapterCoverage, CoverageFold
 from omnitrace.eventlog import AdapterInfo, EventRecord
-from omnitrace.events import CaptureFailed, Event, MemoryDeferred
+from omnitrace.events import CaptureFailed, Event, GraphMissed, MemoryDeferred
+from omnitrace.misses import MissCause, MissDetailFold
 from omnitrace.stats import AdapterStats, StatsFold
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class EncoderSnapshot:
     pid: int | None = None
     coverage: AdapterCoverage | None = None
     """Per-signature coverage (missed signatures, eager time, profiling), when known."""
+    causes: tuple[MissCause, ...] = ()
+    """The misses by reason and detail (``cpu``, ``disabled``, ...), most first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +167,17 @@ class BusBoard:
         self._progress = progress
         self._lock = threading.Lock()
         self._notices: dict[str, deque[Notice]] = {}
+        # A fold, not the sink: the counts stay exact when the sink's queue drops events.
+        self._causes = MissDetailFold()
+        self._causes_lock = threading.Lock()
+        bus.add_fold(self._fold)
         bus.add_sink(self)
+
+    def _fold(self, event: Event) -> None:
+        # On the hot path, under the bus lock: a miss costs one uncontended lock and a count.
+        if type(event) is GraphMissed:
+            with self._causes_lock:
+                self._causes.fold(event)
 
     name = "live"
 
@@ -186,6 +199,8 @@ class BusBoard:
         names = list(infos) + [name for name in stats if name not in infos]
         with self._lock:
             notices = {name: tuple(q) for name, q in self._notices.items()}
+        with self._causes_lock:
+            causes = {name: self._causes.causes(name) for name in names}
         encoders = tuple(
             EncoderSnapshot(
                 stats=stats.get(name, AdapterStats(adapter=name)),
@@ -194,6 +209,7 @@ class BusBoard:
                 backend=_backend(infos.get(name, {})),
                 notices=notices.get(name, ()),
                 coverage=coverage.get(name),
+                causes=causes[name],
             )
             for name in names
         )
@@ -216,6 +232,7 @@ class RecordBoard:
         self._lock = threading.Lock()
         self._folds: dict[tuple[int, int], StatsFold] = {}
         self._coverage: dict[tuple[int, int], CoverageFold] = {}
+        self._causes: dict[tuple[int, int], MissDetailFold] = {}
         self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
         self._notices: dict[tuple[tuple[int, int], str], deque[Event]] = {}
         self._count = 0
@@ -229,6 +246,7 @@ class RecordBoard:
             # one writer, so most records need no lookup.
             pid = rank = None
             fold: CoverageFold | None = None
+            causes = MissDetailFold()
             for record in records:
                 item = record.item
                 if isinstance(item, AdapterInfo):
@@ -237,8 +255,10 @@ class RecordBoard:
                 if record.pid != pid or record.rank != rank or fold is None:
                     pid, rank = record.pid, record.rank
                     fold = self._fold((rank, pid))
+                    causes = self._causes[(rank, pid)]
                 self._count += 1
                 fold.fold(item)  # the stats too: one call per event
+                causes.fold(item)
                 if isinstance(item, _NOTICED):
                     # Kept as events: a snapshot words the few it shows.
                     key = ((rank, pid), item.adapter)
@@ -250,6 +270,7 @@ class RecordBoard:
         if coverage is None:
             stats = self._folds[source] = StatsFold()
             coverage = self._coverage[source] = CoverageFold(stats=stats)
+            self._causes[source] = MissDetailFold()
         return coverage
 
     @property
@@ -265,6 +286,7 @@ class RecordBoard:
             for source in sources:
                 fold = self._folds.get(source, StatsFold())
                 coverage = self._coverage.get(source, CoverageFold())
+                causes = self._causes.get(source, MissDetailFold())
                 infos = self._infos.get(source, {})
                 names = list(infos) + [n for n in fold.adapters() if n not in infos]
                 label = f"rank {source[0]} · pid {source[1]}" if len(sources) > 1 else ""
@@ -281,6 +303,7 @@ class RecordBoard:
                             rank=source[0],
                             pid=source[1],
                             coverage=coverage.snapshot(name),
+                            causes=causes.causes(name),
                         )
                     )
             return LiveSnapshot(

@@ -5,8 +5,9 @@ The outputs (``expected.tar.xz``) were recorded with the readers, ``top``, ``rep
 commands: `advise --json` has `per_worker`), so
 ``tests/test_eventlog_equal.py`` can check that the streaming ones print the same. One
 change since: `top --json` gained its `requests` panel (the per-request TTFT table, empty in
-these logs, which hold no request events); its recorded output is the old one with that key
-added, checked to differ in nothing else. Run it
+these logs, which hold no request events), then each encoder's `miss_details` (its misses by
+reason and detail); each time its recorded output is the old one with that key added, checked
+to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)

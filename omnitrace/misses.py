@@ -1,0 +1,115 @@
+"""Why calls missed, finer than the reason: the misses of each (reason, detail) per encoder.
+
+A miss's reason (``ineligible``, ``capacity``, ``warmup``, ``memory``) is in the stats; its
+detail says what to change: ``cpu``, ``grad``, ``disabled`` (graphs switched off or
+enforce-eager), ``paused``, ``attention_backend``, ``profiling``, ... (free text from the
+adapter or a model wrapper, so data to escape before it is shown). :class:`MissDetailFold`
+counts them, a pure fold of ``GraphMissed`` events like the stats; the live view, ``omnitrace
+top`` (its text and ``--json``) and ``advise`` show these counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from omnitrace.events import Event, GraphMissed, MissReason
+
+__all__ = [
+    "MissCause",
+    "MissDetailFold",
+    "cause_label",
+    "causes_json",
+    "counts_of",
+    "merge",
+    "telling",
+]
+
+#: The detail each reason carries when it says no more than the reason itself.
+_PLAIN = {MissReason.CAPACITY: "cap", MissReason.MEMORY: "floor"}
+
+
+@dataclass(frozen=True, slots=True)
+class MissCause:
+    """How many of an encoder's misses had this reason and detail."""
+
+    reason: MissReason
+    detail: str
+    misses: int
+
+
+class MissDetailFold:
+    """Count the misses of each (encoder, reason, detail); call :meth:`fold` on every event.
+
+    Cheap enough for the bus's synchronous folds: one type check per event, one dictionary
+    update per miss. Not thread-safe on its own: whoever folds also guards the snapshots.
+    """
+
+    __slots__ = ("_counts",)
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, MissReason, str], int] = {}
+
+    def fold(self, event: Event) -> None:
+        """Count ``event`` if it is a miss."""
+        if type(event) is GraphMissed:
+            key = (event.adapter, event.reason, event.detail)
+            counts = self._counts
+            counts[key] = counts.get(key, 0) + 1
+
+    def causes(self, adapter: str) -> tuple[MissCause, ...]:
+        """The misses of ``adapter`` by reason and detail: most first, then in display order."""
+        order = {reason: index for index, reason in enumerate(MissReason.display_order())}
+        found = [
+            MissCause(reason, detail, count)
+            for (name, reason, detail), count in self._counts.items()
+            if name == adapter
+        ]
+        found.sort(key=lambda cause: (-cause.misses, order[cause.reason], cause.detail))
+        return tuple(found)
+
+
+def causes_json(causes: Iterable[MissCause]) -> dict[str, dict[str, int]]:
+    """``{reason: {detail: misses}}``, every reason in display order (empty ones too)."""
+    out: dict[str, dict[str, int]] = {reason.value: {} for reason in MissReason.display_order()}
+    for cause in causes:
+        out[cause.reason.value][cause.detail] = cause.misses
+    for reason, details in out.items():
+        out[reason] = dict(sorted(details.items(), key=lambda item: (-item[1], item[0])))
+    return out
+
+
+def telling(causes: Iterable[MissCause]) -> tuple[MissCause, ...]:
+    """The causes an operator acts on: not warm-ups (expected), not a detail that only
+    repeats its reason (a capacity miss's ``cap``, a memory miss's ``floor``)."""
+    return tuple(
+        cause
+        for cause in causes
+        if cause.reason is not MissReason.WARMUP and _PLAIN.get(cause.reason) != cause.detail
+    )
+
+
+def cause_label(cause: MissCause) -> str:
+    """A cause as a row names it: the detail of an ineligible miss (``cpu``), else the
+    reason's short name and the detail (``cap other``); escape it before it is shown."""
+    if cause.reason is MissReason.INELIGIBLE:
+        return cause.detail
+    return f"{cause.reason.short} {cause.detail}"
+
+
+def merge(per_worker: Iterable[Iterable[MissCause]]) -> tuple[MissCause, ...]:
+    """Sum the causes of one encoder over several workers, most first."""
+    counts: dict[tuple[MissReason, str], int] = {}
+    for causes in per_worker:
+        for cause in causes:
+            key = (cause.reason, cause.detail)
+            counts[key] = counts.get(key, 0) + cause.misses
+    order = {reason: index for index, reason in enumerate(MissReason.display_order())}
+    merged = [MissCause(reason, detail, count) for (reason, detail), count in counts.items()]
+    merged.sort(key=lambda cause: (-cause.misses, order[cause.reason], cause.detail))
+    return tuple(merged)
+
+
+def counts_of(details: Mapping[str, int]) -> tuple[MissCause, ...]:
+    """Ineligible causes from ``{detail: misses}`` (as advise's recording keeps them)."""
+    return merge([[MissCause(MissReason.INELIGIBLE, d, n) for d, n in details.items()]])
