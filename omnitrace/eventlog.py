@@ -238,7 +238,9 @@ def _declined(
                 continue
         try:
             if not isinstance(parsed, dict):
-                raise EventLogError(f"{path}:{line_no}: expected a JSON object, got {raw[:60]!r}")
+                raise EventLogError(
+                    f"{path}:{line_no}: expected a JSON object, {_got(raw, parsed)}"
+                )
             if parsed.get("type") == SEGMENT_TYPE:
                 continue  # describes the file, not an event: see log_gap()
             append(decode_record(parsed, where=f"{path}:{line_no}"))
@@ -383,6 +385,17 @@ def read_records(
     """
     for chunk in read_chunks(path, include_rotated=include_rotated, progress=progress):
         yield from chunk
+
+
+#: What a JSON value that is no object is, in a message.
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number"}
+
+
+def _got(raw: bytes, parsed: object) -> str:
+    """Say what a line that is JSON but no object holds: its kind and (the start of) its text."""
+    text = raw.strip().decode("utf-8", "replace")
+    shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
+    return f"got {_JSON_KINDS.get(type(parsed), 'a literal')}: {shown}"
 
 
 def read_chunks(

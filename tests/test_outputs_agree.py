@@ -15,8 +15,9 @@ from omnitrace.sinks.jsonl import read_events
 
 #: Fields of a log line that are the line's, not the encoder's.
 LINE_FIELDS = {"event", "level", "timestamp", "final"}
-#: Fields only top --json has: it lists each worker's encoders apart.
-WORKER_FIELDS = {"rank", "pid"}
+#: Fields only top --json has: it lists each worker's encoders apart, and folds the misses'
+#: details (MissDetailFold), which the bus's folds behind the summary and replay do not.
+WORKER_FIELDS = {"rank", "pid", "miss_details"}
 STATS_KEYS = (
     "graph_hits",
     "graph_misses",
@@ -70,7 +71,8 @@ def _json_of(argv: list[str]) -> Any:
 
 def test_summary_top_and_replay_say_the_same_of_each_encoder(outputs: dict[str, Any]) -> None:
     """Field by field, the final graph_summary line, top --json's entry and replay --json's
-    entry of each encoder are equal (top adds only the worker's rank and pid)."""
+    entry of each encoder are equal (top adds only the worker's rank and pid, and the misses'
+    details)."""
     top = {entry["encoder"]: entry for entry in outputs["top"]["encoders"]}
     replay = outputs["replay"]["encoders"]
     summary = outputs["summary"]

@@ -18,7 +18,14 @@ from typing import IO
 from omnitrace._signals import sigterm_sets as _sigterm_stops
 from omnitrace.cli.output import _error, _say
 
-__all__ = ["FOLLOW_POLL_S", "_exited", "_follow", "_followable", "_sigterm_stops"]
+__all__ = [
+    "FOLLOW_POLL_S",
+    "_exited",
+    "_follow",
+    "_followable",
+    "_sigterm_stops",
+    "_unmatched_patterns",
+]
 
 #: Seconds between two reads of a followed log (``top --follow``, ``replay --follow``).
 FOLLOW_POLL_S = 0.1
@@ -70,20 +77,38 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
-            if any(char in path.name for char in "*?["):
+            if _is_pattern(path):
                 # A shell passes a pattern that matches no file as it is: waiting for a file
                 # literally named with a '*' would wait forever.
-                return _error(
-                    command,
-                    f"{path}: no file matches this pattern (a pattern that matches nothing "
-                    "reaches omnitrace unexpanded; name the log, which may not exist yet)",
-                )
+                return _unmatched(command, path)
             _say(f"waiting for {path} to appear")
             continue
         if not stat.S_ISREG(mode):
             # A named pipe would block the follow in open(), past q, Ctrl-C and SIGTERM.
             return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
         check_readable(path)
+    return None
+
+
+def _is_pattern(path: Path) -> bool:
+    """Whether ``path``'s name is a pattern (``*``, ``?`` or ``[`` in it)."""
+    return any(char in path.name for char in "*?[")
+
+
+def _unmatched(command: str, path: Path) -> int:
+    """Say that the pattern ``path`` matches no file (exit status 2)."""
+    return _error(
+        command,
+        f"{path}: no file matches this pattern (a pattern that matches nothing "
+        "reaches omnitrace unexpanded; name the log, which may not exist yet)",
+    )
+
+
+def _unmatched_patterns(command: str, paths: Sequence[Path]) -> int | None:
+    """Refuse a recorded log's pattern that matches no file, as a follow does."""
+    for path in paths:
+        if _is_pattern(path) and not path.exists():
+            return _unmatched(command, path)
     return None
 
 

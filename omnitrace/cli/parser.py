@@ -109,8 +109,45 @@ def _log_command(
     command = commands.add_parser(
         name, help=help, description=description, formatter_class=_HelpFormatter
     )
-    command.add_argument("paths", nargs="+", type=Path, metavar="EVENTS.jsonl")
+    command.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="EVENTS.jsonl",
+        help="event logs (--events-log of the demo, OMNITRACE_EVENTS_LOG of the vLLM plugin; "
+        "a worker's log per rank); a quoted pattern such as 'events-*.jsonl' is expanded "
+        "here, and the rotated files of a log (.1, .2, ...) are read with it",
+    )
     return command
+
+
+_OTEL_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (any one turns the OTLP export on), "
+    "OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, "
+    "OTEL_METRIC_EXPORT_INTERVAL, OTEL_BSP_SCHEDULE_DELAY"
+)
+#: Each command's help ends with the variables it reads (None: none of omnitrace's) and the
+#: section of the documentation about it.
+HELP_EPILOGS: dict[str, tuple[str | None, str]] = {
+    "demo": (
+        f"{_OTEL_VARIABLES}; RANK and LOCAL_RANK (the rank in the event log's name)",
+        "docs/operations.md, 'Quick start: `omnitrace demo`'",
+    ),
+    "top": (None, "docs/operations.md, 'Following a serving process: `omnitrace top`'"),
+    "replay": (
+        f"{_OTEL_VARIABLES}; OMNITRACE_LOGS and OMNITRACE_SUMMARY_INTERVAL (JSON log lines)",
+        "docs/operations.md, 'Replaying a recorded run: `omnitrace replay`' and 'Exporting "
+        "beside the server: `omnitrace replay --follow`'",
+    ),
+    "advise": (None, "docs/operations.md, 'Choosing settings: `omnitrace advise`'"),
+    "receive": (None, "docs/telemetry.md, 'Checking the exporter settings: `omnitrace receive`'"),
+    "trace": (None, "docs/operations.md, 'Why is my TTFT high?'"),
+    "config": (
+        "every OMNITRACE_* and OTEL_* variable it lists",
+        "docs/operations.md, 'What is in force: `omnitrace config`'",
+    ),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -292,6 +329,21 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
+    )
+    top.add_argument(
+        "--encoder",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="show only this encoder (repeat for more; default: all)",
+    )
+    top.add_argument(
+        "--rank",
+        action="append",
+        type=_int_range(0, (1 << 31) - 1, "a rank"),
+        default=None,
+        metavar="N",
+        help="show only this worker rank's encoders (repeat for more; default: all)",
     )
     top.add_argument("--no-tui", action="store_true", help="print one final frame only")
     top.add_argument(
@@ -486,4 +538,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from omnitrace.cli.config import add_config_parser
 
     add_config_parser(commands, _HelpFormatter)
+    for name, (environment, docs) in HELP_EPILOGS.items():
+        read = environment or "none of omnitrace's variables"
+        commands.choices[name].epilog = f"environment: {read}. docs: {docs}."
     return parser

@@ -17,7 +17,13 @@ from omnitrace.cli.export import (
     _export_reported_by_the_cli,
     _exports_by_variable,
 )
-from omnitrace.cli.follow import _exited, _follow, _followable, _sigterm_stops
+from omnitrace.cli.follow import (
+    _exited,
+    _follow,
+    _followable,
+    _sigterm_stops,
+    _unmatched_patterns,
+)
 from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
 from omnitrace.cli.tables import stats_table
 
@@ -59,6 +65,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from omnitrace.eventlog import log_gap
     from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes, writers
 
+    refused = _unmatched_patterns("replay", args.paths)
+    if refused is not None:
+        return refused
     for path in args.paths:
         if not path.exists():
             return _error("replay", f"no event log at {path}")

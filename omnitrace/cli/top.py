@@ -5,21 +5,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omnitrace.cli.follow import _follow, _followable, _sigterm_stops
+from omnitrace.cli.follow import _follow, _followable, _sigterm_stops, _unmatched_patterns
 from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
+
+if TYPE_CHECKING:
+    from omnitrace.eventlog import EventRecord
 
 __all__ = ["_cmd_top"]
 
 
 def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[str, Any]:
+    from omnitrace.misses import causes_json
     from omnitrace.ranks import totals, totals_json
 
     snapshot = board.snapshot()
-    from omnitrace.misses import causes_json
     workers = [((e.rank, e.pid), e.stats) for e in snapshot.encoders]
     caps: dict[str, set[int | None]] = {}
     for e in snapshot.encoders:
@@ -83,9 +86,62 @@ def _top_encoder_json(encoder: Any) -> dict[str, Any]:
     return {"encoder": fields.pop("encoder"), "rank": encoder.rank, "pid": encoder.pid, **fields}
 
 
+def _record_filter(
+    args: argparse.Namespace,
+) -> tuple[Callable[[Sequence[EventRecord]], list[EventRecord]], set[str], set[int]] | None:
+    """Keep the records of the encoders (``--encoder``) and ranks (``--rank``) asked for,
+    noting every encoder and rank seen; None when neither is asked for.
+
+    Request events are kept whatever the filter: a request is no encoder's, and the TTFT
+    table is of all of them.
+    """
+    encoders = set(args.encoder or ())
+    ranks = set(args.rank or ())
+    if not encoders and not ranks:
+        return None
+    from omnitrace.events import REQUEST_EVENT_TYPES
+
+    seen_encoders: set[str] = set()
+    seen_ranks: set[int] = set()
+
+    def keep(records: Sequence[EventRecord]) -> list[EventRecord]:
+        kept = []
+        for record in records:
+            item = record.item
+            if type(item) in REQUEST_EVENT_TYPES:
+                kept.append(record)
+                continue
+            seen_encoders.add(item.adapter)
+            seen_ranks.add(record.rank)
+            if (not ranks or record.rank in ranks) and (not encoders or item.adapter in encoders):
+                kept.append(record)
+        return kept
+
+    return keep, seen_encoders, seen_ranks
+
+
+def _unseen(args: argparse.Namespace, encoders: set[str], ranks: set[int]) -> int | None:
+    """Refuse an ``--encoder`` or ``--rank`` no record of the logs has (exit status 2)."""
+    for name in args.encoder or ():
+        if name not in encoders:
+            known = ", ".join(sorted(encoders)) or "none"
+            return _error("top", f"--encoder {name}: no such encoder in the logs ({known})")
+    for rank in args.rank or ():
+        if rank not in ranks:
+            known = ", ".join(str(r) for r in sorted(ranks)) or "none"
+            return _error("top", f"--rank {rank}: no such rank in the logs (ranks: {known})")
+    return None
+
+
 def _cmd_top(args: argparse.Namespace) -> int:
     names = ", ".join(str(p) for p in args.paths)
+    selected = _record_filter(args)
     if not args.follow:
+        if args.duration is not None:
+            return _error("top", "--duration needs --follow (a recorded log is read at once)")
+        refused = _unmatched_patterns("top", args.paths)
+        if refused is not None:
+            return refused
         # No live view here: its terminal code (rich, loaded for the table) is not needed
         # for JSON.
         from omnitrace.events import REQUEST_EVENT_TYPES
@@ -98,12 +154,18 @@ def _cmd_top(args: argparse.Namespace) -> int:
         try:
             with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
                 for _, chunk in read_logs(args.paths, progress=progress.advance):
+                    if selected is not None:
+                        chunk = selected[0](chunk)
                     board.add(chunk)
                     for record in chunk:
                         if type(record.item) in REQUEST_EVENT_TYPES:
                             requests.add(record.item, record.pid)
         except LogReadError as exc:
             return _error("top", str(exc), exc.status)
+        if selected is not None:
+            refused = _unseen(args, selected[1], selected[2])
+            if refused is not None:
+                return refused
         if args.json:
             _print_json(_top_json(board, args.paths, requests))
         else:
@@ -136,7 +198,8 @@ def _cmd_top(args: argparse.Namespace) -> int:
             _say(f"following {path} too")
             followers.append(EventLogFollower(path))
         for follower in followers:
-            board.add(follower.poll())
+            records = follower.poll()
+            board.add(records if selected is None else selected[0](records))
 
     stop = threading.Event()
     try:

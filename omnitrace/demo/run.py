@@ -208,12 +208,14 @@ class _Progress:
         self.duration_s = duration_s
         self.done = 0
         self.start = time.monotonic()
+        self.end: float | None = None
+        """When the traffic ended: the elapsed time the summary reports stays on the view."""
 
     def advance(self) -> None:
         self.done += 1
 
     def lines(self) -> list[str]:
-        elapsed = time.monotonic() - self.start
+        elapsed = (time.monotonic() if self.end is None else self.end) - self.start
         of = f" / {self.total}" if self.total else ""
         limit = f" of {self.duration_s:g} s" if self.duration_s is not None else ""
         return [f"requests {self.done}{of} · elapsed {elapsed:.1f} s{limit}"]
@@ -502,7 +504,8 @@ def _run(
             start = progress.start = time.monotonic()
             with _progress(options, console, board, progress, sigterm) as advance, torch.no_grad():
                 served, interrupted = _drive(options, encoders, advance, start)
-                elapsed = time.monotonic() - start
+                progress.end = time.monotonic()
+                elapsed = progress.end - start
                 # Closed while the view still holds stderr: the log lines the close writes
                 # (the final graph_summary per encoder) go where the view's lines go, not
                 # across the terminal after it, and the final frame shows the closed bus.

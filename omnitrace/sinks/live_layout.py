@@ -240,7 +240,8 @@ def _profiling_row(
     captured = [row for row in coverage.captured if row.capture_phase is Phase.PROFILING]
     used = sum(1 for row in captured if row.in_phase(Phase.SERVING).hits)
     if compact:
-        text = Text(f"{profiling.calls} calls · {len(captured)} cap")
+        calls = "1 call" if profiling.calls == 1 else f"{profiling.calls} calls"
+        text = Text(f"{calls} · {len(captured)} cap")
         if captured:
             text.append(f" · {used} served", style="yellow" if used < len(captured) else "")
         return text
