@@ -7,7 +7,11 @@ commands: `advise --json` has `per_worker`), so
 change since: `top --json` gained its `requests` panel (the per-request TTFT table, empty in
 these logs, which hold no request events), then each encoder's `miss_details` (its misses by
 reason and detail); each time its recorded output is the old one with that key added, checked
-to differ in nothing else. Run it
+to differ in nothing else. Then the summary, `top --json` and `replay --json` came to share one
+encoder summary: `replay --json` gained the fields `top` had (and `otlp_endpoints`), `top
+--json` lists `backend` after `max_graphs`, and `replay` lists each worker's encoders
+together, vision first; those three outputs were recorded again, checked to differ in nothing
+else (every other output is still the one of 5439577). Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
