@@ -105,6 +105,10 @@ def test_the_demo_exporting_to_receive_is_reported_request_by_request(tmp_path: 
     assert spans == {
         "omnitrace.graph.capture": kinds["GraphCaptured"],
         "omnitrace.graph.memory_deferral": kinds["MemoryDeferred"],
+        # The demo times each request as the vLLM plugin does: a span per request, and one
+        # phase span (prefill, which holds its encoder call, as in vLLM) inside it.
+        "omnitrace.request": kinds["RequestTimed"],
+        "omnitrace.request.phase": kinds["RequestTimed"],
     }
     metric_names = {n for r in requests if r["signal"] == "metrics" for n in r["names"]}
     assert {"omnitrace.encoder.graph.hits", "omnitrace.encoder.graph.misses"} <= metric_names
@@ -144,6 +148,8 @@ def test_replay_over_grpc_into_receive_prints_lines_and_a_summary_on_ctrl_c(
     spans = {
         "omnitrace.graph.capture": kinds["GraphCaptured"],
         "omnitrace.graph.memory_deferral": kinds["MemoryDeferred"],
+        "omnitrace.request": kinds["RequestTimed"],
+        "omnitrace.request.phase": kinds["RequestTimed"],
     }
     listed = ", ".join(f"{name} {count}" for name, count in sorted(spans.items()) if count)
     assert lines[summary + 1] == f"  spans: {listed}"
