@@ -136,10 +136,14 @@ def _gpu(test: Any) -> Any:
 def test_each_rank_writes_its_own_log_and_names_itself_on_every_line(tp: TensorParallel) -> None:
     """Two worker processes, ranks 0 and 1, each with ``events-{rank}-{pid}.jsonl`` whose
     every line carries that rank and pid (vLLM's workers set no RANK: the plugin asks vLLM's
-    world group)."""
+    world group); beside them, the requests' log of the process that ran ``vllm.LLM``."""
     assert [w["rank"] for w in tp.workers] == list(range(RANKS))
     assert len({w["pid"] for w in tp.workers}) == RANKS
-    assert sorted(tp.out.glob("events-*.jsonl")) == sorted(tp.logs.values())
+    logs = sorted(tp.out.glob("events-*.jsonl"))
+    requests = [p for p in logs if p.name.startswith("events-api-")]
+    assert len(requests) == 1, logs
+    assert sorted(set(logs) - set(requests)) == sorted(tp.logs.values())
+    assert {e["type"] for e in read_events(requests[0])} == {"RequestTimed"}
     for worker in tp.workers:
         events = read_events(tp.logs[worker["rank"]])
         assert {(e["rank"], e["pid"]) for e in events} == {(worker["rank"], worker["pid"])}
