@@ -193,6 +193,8 @@ def _call_of(event: object) -> dict[str, Any] | None:
 
 #: Most calls linked to one encoder step (a step makes one call per encoder and item group).
 _CALLS_PER_STEP = 1024
+#: Encoder steps kept per kept request and process (a request's items take a few steps).
+_STEPS_PER_REQUEST = 4
 
 
 class RequestJoin:
@@ -218,7 +220,8 @@ class RequestJoin:
         self._prefixes = None if only is None else tuple(f"{rid}-" for rid in self._only or ())
         self._requests: deque[ev.RequestTimed] = deque(maxlen=keep)
         self.dropped = 0
-        self._steps: dict[int, list[_Step]] = {}
+        self._keep = keep
+        self._steps: dict[int, deque[_Step]] = {}
         # A step's event comes after its calls (the worker emits it when the step ends), so
         # each process's latest calls wait here for the step they belong to.
         self._recent: dict[int, deque[tuple[int, dict[str, Any]]]] = {}
@@ -252,7 +255,11 @@ class RequestJoin:
             )
             if recent:
                 step.calls = [call for at, call in recent if at >= event.start_ns]
-            self._steps.setdefault(pid, []).append(step)
+            steps = self._steps.get(pid)
+            if steps is None:
+                # Bounded with the requests: a long follow keeps the steps of its window.
+                steps = self._steps[pid] = deque(maxlen=_STEPS_PER_REQUEST * self._keep)
+            steps.append(step)
         elif self._calls and isinstance(event, (ev.GraphReplayed, ev.GraphMissed)):
             call = _call_of(event)
             if call is not None:
@@ -270,17 +277,17 @@ class RequestJoin:
                     by_request.setdefault(rid, []).append(step)
         views = []
         for event in self._requests:
-            steps = sorted(by_request.get(event.engine_request_id, ()), key=lambda s: s.start_ns)
+            mine = sorted(by_request.get(event.engine_request_id, ()), key=lambda s: s.start_ns)
             lo = event.scheduled_ns if event.scheduled_ns is not None else event.arrival_ns
             hi = event.first_token_ns if event.first_token_ns is not None else event.monotonic_ns
             encoder_s = share_s = 0.0
-            for step in steps:
+            for step in mine:
                 wall = max(0, min(step.end_ns, hi) - max(step.start_ns, lo)) / 1e9
                 encoder_s += wall
                 share_s += wall * step.share(event.engine_request_id)
             views.append(
                 RequestView(
-                    event, kind_of(event), phases_of(event, encoder_s), share_s, tuple(steps)
+                    event, kind_of(event), phases_of(event, encoder_s), share_s, tuple(mine)
                 )
             )
         return views

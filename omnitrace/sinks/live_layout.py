@@ -25,6 +25,7 @@ from omnitrace._units import format_bytes
 from omnitrace.coverage import AdapterCoverage, KeyCoverage
 from omnitrace.events import MissReason, Phase
 from omnitrace.misses import MissCause, cause_label, telling
+from omnitrace.requests import PHASES
 from omnitrace.sinks.live_model import RECENT_NOTICES, EncoderSnapshot, LiveSnapshot, clock
 from omnitrace.sinks.live_total import total_panel
 from omnitrace.stats import AdapterStats
@@ -444,6 +445,80 @@ def _layout(
     return grid
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _requests_panel(panel: Any, width: int) -> Panel:
+    """The "where TTFT goes" panel: per request kind, the TTFT's p50/p99 and each phase's
+    p50 (ms), and the encoders' ceiling (their share of TTFT, and the most graphs can save).
+
+    Numbers are never cut: where the width runs short, the phases with the least time go
+    first (a caption counts them), then the headers shorten; the kind, the request count,
+    the TTFT and the ceiling always stay whole.
+    """
+    kinds = panel["kinds"]
+    rows = [
+        {
+            "kind": safe(k["kind"]),
+            "n": str(k["requests"]),
+            "ttft": f"{_ms(k['ttft_p50_s'])}/{_ms(k['ttft_p99_s'])}",
+            "ceiling": f"{k['encoder_share'] * 100:.0f}% ≤{_ms(k['graphs_save_at_most_s'])}",
+            **{p: _ms(k["phases"][p]["p50_s"]) for p in PHASES},
+        }
+        for k in kinds
+    ]
+    spent = {p: max(k["phases"][p]["mean_s"] for k in kinds) for p in PHASES}
+    wanted = [p for p in PHASES if spent[p] > 0]
+    wide = {"n": "n", "ttft": "TTFT p50/p99", "ceiling": "encoders · save"}
+    short = {"n": "n", "ttft": "TTFT", "ceiling": "enc · save"}
+
+    def column(name: str, header: str) -> int:
+        return max(len(header), *(len(row[name]) for row in rows)) + 1
+
+    def base(headers: dict[str, str], kind_width: int) -> int:
+        return kind_width + 1 + sum(column(n, h) for n, h in headers.items())
+
+    kind_width = min(18, max(4, *(len(row["kind"]) for row in rows)))
+    headers = wide
+    if base(wide, kind_width) > width:
+        headers = short
+    while kind_width > 4 and base(headers, kind_width) > width:
+        kind_width -= 1
+    room = width - base(headers, kind_width)
+    shown: set[str] = set()
+    for phase in sorted(wanted, key=lambda p: -spent[p]):
+        need = column(phase, phase)
+        if need <= room:
+            shown.add(phase)
+            room -= need
+    phases = [p for p in wanted if p in shown]
+    table = Table(box=None, pad_edge=False, expand=False, padding=(0, 1, 0, 0))
+    table.add_column("kind", no_wrap=True, overflow="ellipsis", max_width=kind_width)
+    for name in ("n", "ttft"):
+        table.add_column(headers[name], justify="right", no_wrap=True)
+    for phase in phases:
+        table.add_column(phase, justify="right", no_wrap=True)
+    table.add_column(headers["ceiling"], justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(row["kind"], row["n"], row["ttft"], *(row[p] for p in phases), row["ceiling"])
+    left_out = len(wanted) - len(phases)
+    title = f"where TTFT goes · last {panel['window']} requests (p50, ms)"
+    if len(title) + 4 > width:
+        title = f"TTFT · last {panel['window']} (ms)"
+    caption = None
+    if left_out:
+        caption = f"{left_out} phase{'s' if left_out > 1 else ''} left out for width"
+    return Panel(
+        table,
+        title=title,
+        title_align="left",
+        subtitle=caption,
+        subtitle_align="left",
+        border_style="dim",
+    )
+
+
 def _log_line(raw: str) -> Text:
     """Return a log line as one short row: level, event and encoder of a JSON line."""
     try:
@@ -494,6 +569,8 @@ def _frame(
             parts.append(panel)
     else:
         parts.append(Text("no encoder events yet", style="dim"))
+    if snapshot.requests is not None and snapshot.requests.get("kinds"):
+        parts.append(_requests_panel(snapshot.requests, width - 4))
     bus = Text("bus  ")
     bus.append("events " + ("—" if snapshot.emitted is None else str(snapshot.emitted)))
     bus.append(" · dropped ")

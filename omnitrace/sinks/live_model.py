@@ -20,8 +20,17 @@ from omnitrace._display import safe
 from omnitrace._units import format_bytes
 from omnitrace.coverage import AdapterCoverage, CoverageFold
 from omnitrace.eventlog import AdapterInfo, EventRecord
-from omnitrace.events import CaptureFailed, Event, GraphMissed, MemoryDeferred
+from omnitrace.events import (
+    REQUEST_EVENT_TYPES,
+    CaptureFailed,
+    EncoderBatchRan,
+    Event,
+    GraphMissed,
+    MemoryDeferred,
+    RequestTimed,
+)
 from omnitrace.misses import MissCause, MissDetailFold
+from omnitrace.requests import RequestJoin, phases_panel
 from omnitrace.stats import AdapterStats, StatsFold
 
 if TYPE_CHECKING:
@@ -41,6 +50,8 @@ __all__ = [
 
 #: Deferrals and failures a board keeps per encoder.
 RECENT_NOTICES = 5
+#: Requests the view's "where TTFT goes" panel covers: the newest this many.
+REQUEST_WINDOW = 1000
 #: The events that make a notice (see _notice).
 _NOTICED = (MemoryDeferred, CaptureFailed)
 
@@ -91,6 +102,14 @@ class LiveSnapshot:
     """Lines under the title (the demo's requests done of total and elapsed time)."""
     log: tuple[str, ...] = ()
     """The last log lines written while the view is up (the view adds them)."""
+    requests: Mapping[str, Any] | None = None
+    """The "where TTFT goes" panel (:func:`omnitrace.requests.phases_panel` of the newest
+    :data:`REQUEST_WINDOW` requests); None while no request was timed."""
+
+
+def _requests_panel(join: RequestJoin) -> Mapping[str, Any] | None:
+    views = join.requests()
+    return phases_panel(views, window=REQUEST_WINDOW) if views else None
 
 
 class Board(Protocol):
@@ -170,6 +189,7 @@ class BusBoard:
         # A fold, not the sink: the counts stay exact when the sink's queue drops events.
         self._causes = MissDetailFold()
         self._causes_lock = threading.Lock()
+        self._requests = RequestJoin(keep=REQUEST_WINDOW)
         bus.add_fold(self._fold)
         bus.add_sink(self)
 
@@ -184,6 +204,10 @@ class BusBoard:
     def handle(self, events: Sequence[Event]) -> None:
         """Keep the last few deferrals and failures per encoder (the rest is in the fold)."""
         for event in events:
+            if isinstance(event, (RequestTimed, EncoderBatchRan)):
+                with self._lock:
+                    self._requests.add(event, 0)  # one process
+                continue
             notice = _notice(event)
             if notice is not None:
                 with self._lock:
@@ -199,6 +223,7 @@ class BusBoard:
         names = list(infos) + [name for name in stats if name not in infos]
         with self._lock:
             notices = {name: tuple(q) for name, q in self._notices.items()}
+            requests = _requests_panel(self._requests)
         with self._causes_lock:
             causes = {name: self._causes.causes(name) for name in names}
         encoders = tuple(
@@ -221,6 +246,7 @@ class BusBoard:
             dropped=bus_stats.dropped,
             footer=tuple(self._footer()) if self._footer is not None else (),
             progress=tuple(self._progress()) if self._progress is not None else (),
+            requests=requests,
         )
 
 
@@ -235,6 +261,7 @@ class RecordBoard:
         self._causes: dict[tuple[int, int], MissDetailFold] = {}
         self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
         self._notices: dict[tuple[tuple[int, int], str], deque[Event]] = {}
+        self._requests = RequestJoin(keep=REQUEST_WINDOW)
         self._count = 0
         self.footer: tuple[str, ...] = ()
         self.progress: tuple[str, ...] = ()
@@ -251,6 +278,11 @@ class RecordBoard:
                 item = record.item
                 if isinstance(item, AdapterInfo):
                     self._infos.setdefault(record.source, {})[item.adapter] = item.info
+                    continue
+                if type(item) in REQUEST_EVENT_TYPES:
+                    # About requests, not an adapter: joined across the logs' processes.
+                    self._count += 1
+                    self._requests.add(item, record.pid)
                     continue
                 if record.pid != pid or record.rank != rank or fold is None:
                     pid, rank = record.pid, record.rank
@@ -314,4 +346,5 @@ class RecordBoard:
                 dropped=None,
                 footer=self.footer,
                 progress=self.progress,
+                requests=_requests_panel(self._requests),
             )
