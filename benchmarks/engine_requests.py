@@ -19,6 +19,7 @@ On a CPU it runs the tiny checkpoints (the plumbing; the numbers mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -128,15 +129,14 @@ def _serve(
         # The processes' buses drain every 50 ms: let the last requests' events reach the
         # logs before the server is stopped.
         time.sleep(1.0)
-        events = sorted(server.out.glob("events-*.jsonl"))
     # After the server stopped: every process flushed its event log.
-    out["logs"] = [p.name for p in events]
-    views = _event_views(sorted(server.out.glob("events-*.jsonl")))
+    logs = server.events
+    out["logs"] = [p.name for p in logs]
+    views = _event_views(logs)
     out["request_events"] = len(views)
     out["problems"] = []
-    for p in passes:
-        if not config.plugin or config.env.get("OMNITRACE_REQUESTS") == "0":
-            continue
+    timed = config.plugin and config.env.get("OMNITRACE_REQUESTS") != "0"
+    for p in passes if timed else ():
         table, problems = _phase_table(p.completions, views)
         out[f"c{p.concurrency}"] = table
         out["problems"] += [f"c{p.concurrency} {x}" for x in problems]
@@ -163,39 +163,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         off = engine.Configuration(
             "requests-off", dict(base.overrides), env={"OMNITRACE_REQUESTS": "0"}
         )
-        minicpmo = model_kind == "minicpmo"
-        entry = {"kinds": [k.name for k in kinds], "per_kind": args.per_kind}
-        ctx.log(f"{model_kind}: requests-on")
-        entry["on"] = _serve(
+        entry: dict[str, Any] = {"kinds": [k.name for k in kinds], "per_kind": args.per_kind}
+        result[model_kind] = entry
+
+        serve = functools.partial(
+            _serve,
             ctx,
-            on,
-            model,
-            work,
-            kinds,
+            model=model,
+            work=work,
+            kinds=kinds,
             per_kind=args.per_kind,
             c8_rounds=args.c8_rounds,
-            solo=True,
-            minicpmo=minicpmo,
+            minicpmo=model_kind == "minicpmo",
         )
-        result[model_kind] = entry
+        ctx.log(f"{model_kind}: {on.name}")
+        entry["on"] = serve(on, solo=True)
+        # Written after each server, so a run cut short keeps what it measured.
         (out / "engine-requests.json").write_text(json.dumps(result, indent=1))
         if args.cost:
-            ctx.log(f"{model_kind}: requests-off")
-            entry["off"] = _serve(
-                ctx,
-                off,
-                model,
-                work,
-                kinds,
-                per_kind=args.per_kind,
-                c8_rounds=args.c8_rounds,
-                solo=False,
-                minicpmo=minicpmo,
-            )
+            ctx.log(f"{model_kind}: {off.name}")
+            entry["off"] = serve(off, solo=False)
             on_rate = statistics.median(entry["on"]["c8_requests_per_s"])
             off_rate = statistics.median(entry["off"]["c8_requests_per_s"])
             entry["cost_c8_pct"] = 100.0 * (off_rate - on_rate) / off_rate
-        result[model_kind] = entry
         (out / "engine-requests.json").write_text(json.dumps(result, indent=1))
     return result
 

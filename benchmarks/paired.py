@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import quantile
+
 SAMPLING_RATE = 16_000
 _USER = "<|im_start|>user\n"
 _ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
@@ -90,8 +92,7 @@ def request(model: str, kind: str, seed: int) -> dict[str, Any]:
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return float(np.quantile(np.asarray(ordered), q)) if ordered else float("nan")
+    return quantile(sorted(values), q)
 
 
 def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str, Any]:
@@ -229,8 +230,10 @@ def _report(
     for _, chunk in read_logs(logs):
         for record in chunk:
             join.add(record.item, record.pid)
-    views = {v.event.request_id: v for v in join.requests()}
-    views |= {v.event.engine_request_id: v for v in join.requests()}
+    joined = join.requests()
+    # Found by either id: the one LLM.generate reports, or the engine's.
+    views = {v.event.request_id: v for v in joined}
+    views |= {v.event.engine_request_id: v for v in joined}
     kinds: dict[str, Any] = {}
     problems: list[str] = []
     for kind, halves in measured.items():
@@ -258,7 +261,7 @@ def _report(
         "init_s": round(init_s, 1),
         "total_s": round(total_s, 1),
         "logs": [p.name for p in logs],
-        "request_events": len(join.requests()),
+        "request_events": len(joined),
         "kinds": kinds,
         "problems": problems,
     }

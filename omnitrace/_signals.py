@@ -7,7 +7,25 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["sigterm_sets"]
+__all__ = ["signals_set", "sigterm_sets"]
+
+
+@contextlib.contextmanager
+def signals_set(stop: threading.Event, *signums: int, enabled: bool = True) -> Iterator[None]:
+    """While the block runs, each of ``signums`` sets ``stop`` instead of its default action.
+
+    The previous handlers are restored after the block. Off the main thread no handler can
+    be set, and nothing is changed; nor when ``enabled`` is false.
+    """
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
@@ -16,15 +34,7 @@ def sigterm_sets(stop: threading.Event, *, enabled: bool = True) -> Iterator[Non
 
     Supervisors and sidecar runners stop a process with SIGTERM: the command then finishes as
     after Ctrl-C (its final frame or table still prints, its children are stopped), and one
-    that arrives during that ending does not cut it short. The previous handler is restored
-    after the block. Off the main thread no handler can be set, and nothing is changed; nor
-    when ``enabled`` is false.
+    that arrives during that ending does not cut it short. See :func:`signals_set`.
     """
-    if not enabled or threading.current_thread() is not threading.main_thread():
+    with signals_set(stop, signal.SIGTERM, enabled=enabled):
         yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -12,23 +12,13 @@ import pytest
 from omnitrace import derive_stats
 from omnitrace.cli import main
 from omnitrace.sinks.jsonl import read_events
+from omnitrace.stats import STATS_KEYS
 
 #: Fields of a log line that are the line's, not the encoder's.
 LINE_FIELDS = {"event", "level", "timestamp", "final"}
 #: Fields only top --json has: it lists each worker's encoders apart, and folds the misses'
 #: details (MissDetailFold), which the bus's folds behind the summary and replay do not.
 WORKER_FIELDS = {"rank", "pid", "miss_details"}
-STATS_KEYS = (
-    "graph_hits",
-    "graph_misses",
-    "hit_rate",
-    "num_graphs",
-    "ineligible_misses",
-    "capacity_misses",
-    "warmup_misses",
-    "memory_misses",
-    "capture_failures",
-)
 
 
 @pytest.fixture(scope="module")

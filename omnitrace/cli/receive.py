@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from omnitrace.cli.follow import _sigterm_stops
+from omnitrace._signals import signals_set
 from omnitrace.cli.output import _error, _say
 
 __all__ = ["HOST_HELP", "_cmd_receive", "add_limit_options"]
@@ -128,20 +127,6 @@ def add_limit_options(receive: argparse.ArgumentParser) -> None:
     )
 
 
-@contextlib.contextmanager
-def _sigint_stops(stop: threading.Event) -> Iterator[None]:
-    """While the block runs, Ctrl-C (SIGINT) sets ``stop`` as SIGTERM does: the receiver
-    ends at its next look at ``stop``, not wherever KeyboardInterrupt happens to land."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _cmd_receive(args: argparse.Namespace) -> int:
     from omnitrace.errors import ConfigError
     from omnitrace.receive import DEFAULT_PORTS, receive
@@ -160,7 +145,9 @@ def _cmd_receive(args: argparse.Namespace) -> int:
         return _error("receive", str(exc), 2)
     stop = threading.Event()
     try:
-        with _sigterm_stops(stop), _sigint_stops(stop):
+        # Ctrl-C sets stop as SIGTERM does: the receiver ends at its next look at stop,
+        # not wherever KeyboardInterrupt happens to land.
+        with signals_set(stop, signal.SIGTERM, signal.SIGINT):
             tally = receive(
                 protocol=args.protocol,
                 host=args.host,

@@ -193,17 +193,23 @@ def _wrap_process(process: Callable[..., Any]) -> Callable[..., Any]:
     return process_for_engine_async
 
 
+def _await_first_token(engine_id: str, request_id: Any, record: _Record) -> None:
+    """Keep ``record`` under vLLM's engine id until the output processor sees its first
+    token (the newest :data:`_PENDING_MAX` at most)."""
+    record.request_id = str(request_id)
+    with _lock:
+        _pending[engine_id] = record
+        while len(_pending) > _PENDING_MAX:
+            _pending.popitem(last=False)
+
+
 def _wrap_add_request(add_request: Callable[..., Any]) -> Callable[..., Any]:
     async def add_request_timed(self: Any, request_id: Any, *args: Any, **kwargs: Any) -> Any:
         queue = await add_request(self, request_id, *args, **kwargs)
         record = _current.get()
         engine_id = getattr(queue, "request_id", None)
         if record is not None and isinstance(engine_id, str):
-            record.request_id = str(request_id)
-            with _lock:
-                _pending[engine_id] = record
-                while len(_pending) > _PENDING_MAX:
-                    _pending.popitem(last=False)
+            _await_first_token(engine_id, request_id, record)
         return queue
 
     return add_request_timed
@@ -235,11 +241,7 @@ def _wrap_engine_add_request(add_request: Callable[..., Any]) -> Callable[..., A
         engine_id = add_request(self, request_id, prompt, *args, **kwargs)
         record.processed_ns = time.monotonic_ns()
         if isinstance(engine_id, str):
-            record.request_id = str(request_id)
-            with _lock:
-                _pending[engine_id] = record
-                while len(_pending) > _PENDING_MAX:
-                    _pending.popitem(last=False)
+            _await_first_token(engine_id, request_id, record)
         return engine_id
 
     return add_request_timed

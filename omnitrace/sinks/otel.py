@@ -188,33 +188,20 @@ class OTelSink:
             meter.create_observable_gauge(
                 spec.otel, observable(key, read), unit=spec.unit, description=spec.description
             )
-        spec = METRICS["capture_duration"]
-        self._capture_duration = meter.create_histogram(
-            spec.otel,
-            unit=spec.unit,
-            description=spec.description,
-            explicit_bucket_boundaries_advisory=CAPTURE_DURATION_BUCKETS,
-        )
-        host, device = METRICS["call_duration"], METRICS["call_device_duration"]
-        self._call_duration = meter.create_histogram(
-            host.otel,
-            unit=host.unit,
-            description=host.description,
-            explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
-        )
-        self._call_device_duration = meter.create_histogram(
-            device.otel,
-            unit=device.unit,
-            description=device.description,
-            explicit_bucket_boundaries_advisory=CALL_DURATION_BUCKETS,
-        )
-        spec = METRICS["request_phase_duration"]
-        self._request_phase_duration = meter.create_histogram(
-            spec.otel,
-            unit=spec.unit,
-            description=spec.description,
-            explicit_bucket_boundaries_advisory=REQUEST_PHASE_BUCKETS,
-        )
+
+        def histogram(key: str, buckets: tuple[float, ...]) -> Any:
+            spec = METRICS[key]
+            return meter.create_histogram(
+                spec.otel,
+                unit=spec.unit,
+                description=spec.description,
+                explicit_bucket_boundaries_advisory=buckets,
+            )
+
+        self._capture_duration = histogram("capture_duration", CAPTURE_DURATION_BUCKETS)
+        self._call_duration = histogram("call_duration", CALL_DURATION_BUCKETS)
+        self._call_device_duration = histogram("call_device_duration", CALL_DURATION_BUCKETS)
+        self._request_phase_duration = histogram("request_phase_duration", REQUEST_PHASE_BUCKETS)
         # One attribute dict per (encoder, kind, phase): a call's record builds none.
         self._call_attributes: dict[tuple[str, str, ev.Phase], dict[str, str]] = {}
 

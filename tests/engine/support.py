@@ -203,16 +203,22 @@ def check_profiling(served: Served, runner: str, adapters: Iterable[str]) -> Non
         assert all(served.events.index(e) < first_serving for e in made)
 
 
-def check_top_json(served: Served, adapters: Iterable[str]) -> None:
-    """``omnitrace top --json`` folds the engine's log into exactly the adapters' stats."""
+def top_json(*logs: str | Path) -> dict[str, Any]:
+    """What ``omnitrace top --json LOGS`` prints, parsed; it must exit 0."""
     shown = subprocess.run(
-        [sys.executable, "-m", "omnitrace", "top", "--json", str(served.log)],
+        [sys.executable, "-m", "omnitrace", "top", "--json", *map(str, logs)],
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
     )
-    encoders = {row["encoder"]: row for row in json.loads(shown.stdout)["encoders"]}
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    return data
+
+
+def check_top_json(served: Served, adapters: Iterable[str]) -> None:
+    """``omnitrace top --json`` folds the engine's log into exactly the adapters' stats."""
+    encoders = {row["encoder"]: row for row in top_json(served.log)["encoders"]}
     assert set(encoders) == set(adapters)
     for adapter, row in encoders.items():
         stats = served.result["adapters"][adapter]["stats"]

@@ -102,25 +102,15 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
     }
 
 
-def _benchmark_env(tmp_path: Path) -> dict[str, str]:
+def _run_benchmark(tmp_path: Path, module: str, *args: str, **env: str) -> None:
+    """Run ``python -m benchmarks.<module> ARGS`` with only the checkout's benchmarks package
+    on the path (omnitrace comes from the install); it must succeed."""
     path = tmp_path / "path"
-    path.mkdir(exist_ok=True)
-    if not (path / "benchmarks").exists():
-        (path / "benchmarks").symlink_to(ROOT / "benchmarks")
-    return {**os.environ, "PYTHONPATH": str(path)}
-
-
-@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
-def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) -> None:
-    """Eager and graphed requests alternate in one engine; each is found again in the event
-    logs by its id, with the encoder calls that served it, and the halves are reported."""
-    out = tmp_path / "out"
+    path.mkdir()
+    (path / "benchmarks").symlink_to(ROOT / "benchmarks")
     done = subprocess.run(
-        [
-            *(sys.executable, "-P", "-m", "benchmarks.paired", "--model", "minicpmo"),
-            *("--pairs", "2", "--warmup", "2", "--out", str(out)),
-        ],
-        env=_benchmark_env(tmp_path),
+        [sys.executable, "-P", "-m", f"benchmarks.{module}", *args],
+        env={**os.environ, "PYTHONPATH": str(path), **env},
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -128,6 +118,25 @@ def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) 
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+
+@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
+def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) -> None:
+    """Eager and graphed requests alternate in one engine; each is found again in the event
+    logs by its id, with the encoder calls that served it, and the halves are reported."""
+    out = tmp_path / "out"
+    _run_benchmark(
+        tmp_path,
+        "paired",
+        "--model",
+        "minicpmo",
+        "--pairs",
+        "2",
+        "--warmup",
+        "2",
+        "--out",
+        str(out),
+    )
     result = json.loads((out / "paired-minicpmo.json").read_text())
     assert result["problems"] == []
     assert set(result["kinds"]) == {"image 448x448", "image 896x896", "audio 1 s", "audio 10 s"}
@@ -153,19 +162,12 @@ def test_the_request_phase_benchmark_reads_each_served_request_back(tmp_path: Pa
     """Through vllm serve, every request of the concurrency-1 and -8 passes has its phases
     from the events, and at concurrency 1 vLLM's histograms give the engine's part alike."""
     out = tmp_path / "out"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-P", "-m", "benchmarks.engine_requests", "--out", str(out)),
-            *("--per-kind", "1", "--c8-rounds", "1", "--no-cost"),
-        ],
-        env={**_benchmark_env(tmp_path), "OMNITRACE_BENCH_ENGINE_MODELS": "minicpmo"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-        check=False,
+    _run_benchmark(
+        tmp_path,
+        "engine_requests",
+        *("--out", str(out), "--per-kind", "1", "--c8-rounds", "1", "--no-cost"),
+        OMNITRACE_BENCH_ENGINE_MODELS="minicpmo",
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     on = json.loads((out / "engine-requests.json").read_text())["minicpmo"]["on"]
     assert on["problems"] == []
     for concurrency in ("c1", "c8"):

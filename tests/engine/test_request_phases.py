@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import chat_messages
-from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.support import ENGINE_TIMEOUT_S, engine_environment, top_json
 from engine.test_qwen2_5_omni_serve import OVERRIDES, Server
 from omnitrace.eventlog import read_records
 from omnitrace.requests import PHASES, RequestJoin, phases_panel
@@ -210,14 +210,7 @@ def test_top_json_and_trace_show_the_requests(server: Server) -> None:
     out = server.log.parent
     join = _join(out, wait_for={rid})
     logs = [str(p) for p in sorted(out.glob("events-*.jsonl"))]
-    top = subprocess.run(
-        [sys.executable, "-m", "omnitrace", "top", "--json", *logs],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert top.returncode == 0, top.stderr
-    panel = json.loads(top.stdout)["requests"]
+    panel = top_json(*logs)["requests"]
     expected = json.loads(json.dumps(phases_panel(join.requests())))
     # The log may have grown between the two reads only if a request was in flight: none is.
     assert panel == expected

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import image
-from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.support import ENGINE_TIMEOUT_S, engine_environment, top_json
 from engine.test_qwen2_5_omni_serve import Server
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command
 
@@ -91,14 +90,7 @@ def test_a_signal_to_the_api_server_leaves_the_final_summary_and_every_call(
     assert "vision" in final, server.tail()
     assert len([s for s in summaries if s["final"]]) == len(final), summaries
     assert "had not closed their event bus" not in text, server.tail()
-    shown = subprocess.run(
-        [sys.executable, "-m", "omnitrace", "top", "--json", str(server.log)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    rows = {row["encoder"]: row for row in json.loads(shown.stdout)["encoders"]}
+    rows = {row["encoder"]: row for row in top_json(server.log)["encoders"]}
     assert set(rows) == set(final)
     for encoder, summary in final.items():
         row = rows[encoder]

@@ -13,10 +13,7 @@ vLLM 0.26's Qwen2.5-Omni thinker does not, and falls back to ``weights``).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from engine.support import (
     engine_environment,
     read_events,
     run_engine,
+    top_json,
 )
 
 pytestmark = pytest.mark.engine
@@ -175,14 +173,7 @@ def test_every_tower_call_of_each_rank_is_one_call_event_in_its_log(tp: TensorPa
 def test_top_json_over_the_ranks_logs_shows_each_rank_and_their_total(tp: TensorParallel) -> None:
     """``omnitrace top --json 'events-*.jsonl'`` folds each rank's log into exactly its
     adapters' stats, and its total into their sum."""
-    shown = subprocess.run(
-        [sys.executable, "-m", "omnitrace", "top", "--json", str(tp.out / "events-*.jsonl")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    data = json.loads(shown.stdout)
+    data = top_json(tp.out / "events-*.jsonl")
     rows = {(row["rank"], row["encoder"]): row for row in data["encoders"]}
     assert set(rows) == {(w["rank"], a) for w in tp.workers for a in ADAPTERS}
     for worker in tp.workers:
