@@ -2,13 +2,17 @@
 
 Two adapters, named as the design note names them:
 
-* vision, on ``model.vpm._encoder_graph``: the SigLIP encoder stack,
-  ``(hidden, attention_mask) -> hidden``. :func:`instrument` serves ``model.vpm.encoder``
-  through it, so vLLM's own ``vpm.forward`` runs unchanged around the graph: patch
-  embedding, the attention-mask rule (which differs between vLLM releases: 0.26 passes no
-  mask when no patch is padded, 0.33 always passes one), data-parallel sharding and the
-  post-layernorm stay exactly vLLM's. The graph key is the embedded sequence and its mask,
-  not the variable-size image.
+* vision, on ``model.vpm._encoder_graph``. Where the model's ``get_vision_hidden_states`` is
+  vLLM's MiniCPM-V 2.5+ method (MiniCPM-o 4.5 in vLLM), the adapter serves the whole vision
+  path as one graph per ``(slices, longest slice)`` shape: patch embedding, the SigLIP
+  encoder, the post-layernorm and the resampler, with everything that depends on the slices'
+  sizes prepared once per size tuple (:mod:`omnitrace.integrations.minicpmo_vision`, which
+  also says how each capture is checked against vLLM's own method). Elsewhere (another
+  model class, a tower without vLLM's resampler) it serves the SigLIP encoder stack alone,
+  ``(hidden, attention_mask) -> hidden``: :func:`instrument` routes ``model.vpm.encoder``
+  through it, so vLLM's own ``vpm.forward`` runs unchanged around the graph. The graph key is
+  the padded pixel batch and the prepared tensors' shapes, or the embedded sequence and its
+  mask, never the variable-size image.
 * audio, on ``model._audio_encoder_graph``: the stateless Whisper encoder, the audio
   projection and the average pooling, ``(mel, attention_mask) -> embeddings``.
   :func:`encode_audio` calls it, and :func:`instrument` binds a wrapper over the model's own
@@ -19,7 +23,7 @@ Two adapters, named as the design note names them:
 
 Eager fallbacks stay eager and are recorded as ineligible misses without touching the graph:
 training mode, extra arguments to the vision encoder (attention or hidden-state outputs
-requested), data-parallel vision sharding, fp16 audio
+requested), data-parallel vision sharding, video slices with temporal ids, fp16 audio
 (the Whisper layers check for fp16 overflow on the host, which a graph cannot do), and the
 stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph,
 and batch audio calls whose arguments the wrapper does not recognise (run by the original
@@ -42,6 +46,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from omnitrace.graphs.adapter import EncoderCudaGraph
+from omnitrace.integrations import minicpmo_vision
 from omnitrace.integrations.base import (
     AdapterChoices,
     Adapters,
@@ -79,6 +84,7 @@ AUDIO_ATTR = "_audio_encoder_graph"
 AUDIO_BATCH_METHODS = ("get_audio_hidden_states",)
 
 _AUDIO_METHOD = "_omnitrace_audio_method"
+_VISION_METHOD = "_omnitrace_vision_method"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,9 @@ class Instrumented:
     #: The model's batch audio method routed through ``audio`` (None: only
     #: :func:`encode_audio` uses the audio adapter).
     audio_method: str | None = None
+    #: The model's vision method whose whole path ``vision`` serves (None: the SigLIP
+    #: encoder stack alone).
+    vision_path: str | None = None
 
 
 # -- vision ------------------------------------------------------------------------------------
@@ -429,9 +438,26 @@ def instrument(
     adapters = Adapters.for_model(model, vllm_config, **choices)
     with attach_lock:
         vision: EncoderCudaGraph | None = None
+        vision_path: str | None = None
         vpm = getattr(model, "vpm", None)
         encoder = getattr(vpm, "encoder", None)
-        if isinstance(vpm, nn.Module) and isinstance(encoder, nn.Module):
+        if isinstance(vpm, nn.Module) and getattr(vpm, VISION_ATTR, None) is not None:
+            vision = getattr(vpm, VISION_ATTR)
+            vision_path = getattr(model, _VISION_METHOD, None)
+        elif isinstance(vpm, nn.Module) and minicpmo_vision.supports_path(model) is None:
+            table = minicpmo_vision.PositionTable()
+            vision, _ = adapters.attach(
+                vpm, VISION_ATTR, "vision", lambda: minicpmo_vision.path_forward(model, table)
+            )
+            graph = vision
+            vision_path = minicpmo_vision.VISION_METHOD
+            route_method(
+                model,
+                vision_path,
+                lambda original: minicpmo_vision.VisionPathMethod(model, graph, original, table),
+            )
+            object.__setattr__(model, _VISION_METHOD, vision_path)
+        elif isinstance(vpm, nn.Module) and isinstance(encoder, nn.Module):
             vision, made = adapters.attach(
                 vpm, VISION_ATTR, "vision", lambda: _vision_stack(encoder.forward)
             )
@@ -442,8 +468,6 @@ def instrument(
                     "forward",
                     lambda original: _VisionEncoderForward(vpm, graph, original),
                 )
-        elif isinstance(vpm, nn.Module):
-            vision = getattr(vpm, VISION_ATTR, None)
         audio: EncoderCudaGraph | None = None
         audio_method: str | None = None
         if isinstance(getattr(model, "apm", None), nn.Module):
@@ -452,7 +476,9 @@ def instrument(
                 audio_method = _route_audio_batch_method(model, audio)
             else:
                 audio_method = getattr(model, _AUDIO_METHOD, None)
-    return Instrumented(vision=vision, audio=audio, audio_method=audio_method)
+    return Instrumented(
+        vision=vision, audio=audio, audio_method=audio_method, vision_path=vision_path
+    )
 
 
 #: This model's integration, which omnitrace.integrations.registry finds in this module.

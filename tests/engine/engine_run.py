@@ -16,10 +16,10 @@ greedy decoding, so two runs on the same dummy weights must produce the same tok
 ``--model-kind minicpmo`` serves a MiniCPM-o 4.5 directory instead (remote code, so
 ``trust_remote_code=True``) with its own prompts: images of one, three, four and five slices
 in square, wide and tall shapes, clips of 1 s to 30 s, and two of each in one prompt. Its
-digests are of ``vpm`` (the vision tower, a forward hook) and of what
-``get_audio_hidden_states`` returns (the audio adapter replays Whisper, the projection and the
-pooling as one graph, so no hook inside it would see a replayed call): one digest per call
-of each adapter.
+digests are of what ``get_vision_hidden_states`` and ``get_audio_hidden_states`` return
+(each adapter replays its whole path, from the pixels to the resampler and from the mel to
+the pooling, as one graph, so no hook inside it would see a replayed call): one digest per
+call of each adapter.
 
 ``--tensor-parallel-size 2`` runs one worker process per rank (vLLM's multiprocess
 executor, also on a CPU); the report's top-level fields are rank 0's, and ``workers`` holds
@@ -49,8 +49,8 @@ from omnitrace.testing_checkpoints.serving import data_url, png, wav
 
 #: Towers whose outputs the hooks digest, by the thinker's attribute names.
 TOWERS = ("visual", "audio_tower")
-#: MiniCPM-o: the vision tower, hooked, and the batch audio method, wrapped.
-MINICPMO_VISION = "vpm"
+#: MiniCPM-o: the batch vision and audio methods, wrapped.
+MINICPMO_VISION = "get_vision_hidden_states"
 MINICPMO_AUDIO_METHOD = "get_audio_hidden_states"
 #: Where each MiniCPM-o adapter lives: (attribute of the model, or "" for the model itself,
 #: attribute holding the adapter).
@@ -211,24 +211,20 @@ def _watch_towers(worker: Any) -> dict[str, Any]:
 
 
 def _watch_minicpmo(worker: Any) -> dict[str, Any]:
-    """Digest every vision tower output and every batch audio result, in call order."""
+    """Digest every batch vision and audio result, in call order."""
     model = _model(worker)
     outputs: dict[str, list[str]] = {MINICPMO_VISION: [], MINICPMO_AUDIO_METHOD: []}
+    for name in outputs:
+        # Wraps whatever the instance resolves now: omnitrace's routed method when the plugin
+        # attached, vLLM's own otherwise; either way the result the language model receives.
+        inner = getattr(model, name)
 
-    def hook(module: Any, args: Any, output: Any) -> None:
-        outputs[MINICPMO_VISION].append(digest(output))
+        def method(data: Any, inner: Any = inner, name: str = name) -> Any:
+            result = inner(data)
+            outputs[name].append(digest(result))
+            return result
 
-    getattr(model, MINICPMO_VISION).register_forward_hook(hook)
-    # Wraps whatever the instance resolves now: omnitrace's routed method when the plugin
-    # attached, vLLM's own otherwise; either way the result the language model receives.
-    inner = getattr(model, MINICPMO_AUDIO_METHOD)
-
-    def audio(data: Any) -> Any:
-        result = inner(data)
-        outputs[MINICPMO_AUDIO_METHOD].append(digest(result))
-        return result
-
-    object.__setattr__(model, MINICPMO_AUDIO_METHOD, audio)
+        object.__setattr__(model, name, method)
     model._engine_test_outputs = outputs
     return {"towers": sorted(outputs)}
 

@@ -243,7 +243,12 @@ def check_graphs_or_eager(served: Served, adapters: Iterable[str]) -> None:
         else:
             assert stats["graph_hits"] == 0
             assert stats["ineligible_misses"] == stats["graph_misses"] == len(made)
-            assert Counter(e["detail"] for e in made) == {"cpu": len(made)}
+            serving = Counter(e["detail"] for e in calls(served.events, adapter, "serving"))
+            assert set(serving) <= {"cpu"}, (adapter, serving)
+            # vLLM's profiling run may pass MiniCPM-o slices wider than the resampler's
+            # positional table: vLLM's own method runs those (and grows its table).
+            profiling = Counter(e["detail"] for e in calls(served.events, adapter, "profiling"))
+            assert set(profiling) <= {"cpu", "pos_cache"}, (adapter, profiling)
 
 
 def check_parity(on: Mapping[str, Any], baseline: Mapping[str, Any]) -> None:

@@ -46,7 +46,7 @@ from omnitrace.testing_checkpoints.minicpmo_remote.image_processing_minicpmo imp
 pytestmark = pytest.mark.engine
 
 #: Each adapter and the digests that stand for its calls in engine_run.py's report.
-ENCODERS = {"vision": "vpm", "audio": "get_audio_hidden_states"}
+ENCODERS = {"vision": "get_vision_hidden_states", "audio": "get_audio_hidden_states"}
 OVERRIDES: dict[str, Any] = {
     "encoder_cuda_graph_min_free_bytes": 0,
     # Vision batches and padded audio batches come in many shapes; keep them all.
@@ -121,9 +121,11 @@ def test_every_slice_of_every_image_reaches_the_vision_encoder(served: Served) -
     assert slices == [1, 3, 4, 5, 1]
     expected = REPEAT * sum(slices) + len(CHAT_IMAGES)
     vision = calls(served.events, "vision", "serving")
+    # The whole path's first input is the padded pixel batch, (slices, 3, 14, 14 * patches).
+    assert {tuple(_first_shape(e)[1:3]) for e in vision} == {(3, 14)}
     assert sum(_first_shape(e)[0] for e in vision) == expected
     # Whole 448x448 slices are 1024 patches; other slices (and so batches) are longer.
-    assert len({_first_shape(e)[1] for e in vision}) > 1
+    assert len({_first_shape(e)[3] for e in vision}) > 1
 
 
 def test_clips_from_one_second_to_thirty_reach_the_audio_encoder(served: Served) -> None:

@@ -20,7 +20,6 @@ CUDA device with the torch and the vLLM graph backends.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,10 +33,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from benchmarks.vision_path import slice_sizes, vision_batch
 from integrations.vllm_modules import SETUPS, equal, setup_for
 from omnitrace import EventBus, derive_stats
 from omnitrace.integrations.minicpmo import instrument
-from omnitrace.testing import capture_events
+from omnitrace.testing import SimulatedGraphBackend, capture_events
 
 pytestmark = [
     pytest.mark.vllm,
@@ -46,15 +46,13 @@ pytestmark = [
 ]
 
 PATCH = 14
-SCALE = 448
-MAX_SLICES = 9
 OVERRIDES = {"encoder_cuda_graph_max_graphs": 16, "encoder_cuda_graph_min_free_bytes": 0}
 
 
 # -- vLLM's modules on a host object ------------------------------------------------------
 
 
-def _host_class() -> type[nn.Module]:
+def _host_class(base: type[nn.Module] | None = None) -> type[nn.Module]:
     from vllm.model_executor.models.minicpmo import MiniCPMOBaseModel
     from vllm.model_executor.models.minicpmv import MiniCPMV4_5
 
@@ -64,10 +62,10 @@ def _host_class() -> type[nn.Module]:
     }
     members["_get_feat_extract_output_lengths"] = MiniCPMOBaseModel._get_feat_extract_output_lengths
     members["get_vision_hidden_states"] = MiniCPMV4_5.get_vision_hidden_states
-    return type("MiniCPMO45Encoders", (_Host,), members)
+    return type("MiniCPMO45Encoders", (base or _Host,), members)
 
 
-class _Host(nn.Module):
+class _Encoders(nn.Module):
     """The encoder attributes of MiniCPMO4_5, built by vLLM's own classes."""
 
     def __init__(self) -> None:
@@ -107,17 +105,34 @@ class _Host(nn.Module):
         self.audio_encoder_layer = -1
         self.config = SimpleNamespace(audio_chunk_length=1.0, audio_pool_step=2, **OVERRIDES)
 
+
+class _Host(_Encoders):
+    """The encoders with the resampler left out."""
+
     def resampler(self, embeds: torch.Tensor, tgt_sizes: Any, temporal_ids: Any) -> torch.Tensor:
         # The resampler is not an encoder; the vision output is compared before it.
         return embeds
 
 
-def _build(device: torch.device, dtype: torch.dtype) -> nn.Module:
+class _HostWithResampler(_Encoders):
+    """The encoder attributes plus vLLM's own ``Resampler4_5``, as MiniCPMV4_5 makes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from vllm.model_executor.models.minicpmv import Resampler4_5
+
+        # embed_dim // 128 heads, as MiniCPMV4_5.init_resampler sets them.
+        self.resampler = Resampler4_5(
+            num_queries=8, embed_dim=256, num_heads=2, kv_dim=64, prefix="resampler"
+        )
+
+
+def _build(device: torch.device, dtype: torch.dtype, *, resampler: bool = False) -> nn.Module:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     torch.manual_seed(0)
     with set_default_torch_dtype(dtype), device:
-        host = _host_class()()
+        host = _host_class(_HostWithResampler if resampler else None)()
     with torch.no_grad():
         # vLLM allocates its linear weights uninitialised; the loader would fill them.
         for parameter in host.parameters():
@@ -126,58 +141,9 @@ def _build(device: torch.device, dtype: torch.dtype) -> nn.Module:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    # vLLM's resampler keeps its positional table on the CPU (it moves it inside the
+    # compiled language model's forward, which does not run here), as in the engine.
     return host.eval()
-
-
-# -- inputs as MiniCPM-o's processor makes them ------------------------------------------
-
-
-def _fit(width: float, height: float) -> tuple[int, int]:
-    """Resize to about SCALE x SCALE keeping the aspect ratio, in whole patches (rows, cols)."""
-    ratio = width / height
-    h = SCALE / math.sqrt(ratio)
-    w = h * ratio
-    return max(1, round(h / PATCH)), max(1, round(w / PATCH))
-
-
-def _grid(width: int, height: int) -> tuple[int, int]:
-    """Choose the slice grid (cols, rows) whose aspect ratio is closest to the image's."""
-    multiple = min(math.ceil(width * height / SCALE**2), MAX_SLICES)
-    log_ratio = math.log(width / height)
-    candidates = [
-        (cols, n // cols)
-        for n in (multiple - 1, multiple, multiple + 1)
-        if 1 < n <= MAX_SLICES
-        for cols in range(1, n + 1)
-        if n % cols == 0
-    ]
-    return min(candidates, key=lambda g: abs(log_ratio - math.log(g[0] / g[1])))
-
-
-def slice_sizes(width: int, height: int) -> list[tuple[int, int]]:
-    """Target sizes (patch rows, patch cols) of an image's overview and its slices."""
-    sizes = [_fit(width, height)]
-    if width * height > SCALE * SCALE:
-        cols, rows = _grid(width, height)
-        sizes += [_fit(width / cols, height / rows)] * (cols * rows)
-    return sizes
-
-
-def vision_batch(
-    images: list[tuple[int, int]], device: torch.device, dtype: torch.dtype, seed: int
-) -> dict[str, Any]:
-    """vLLM's pixel inputs for ``images`` (width, height): flattened slices and tgt_sizes."""
-    g = torch.Generator().manual_seed(seed)
-    pixels, sizes = [], []
-    for width, height in images:
-        for rows, cols in slice_sizes(width, height):
-            pixels.append(torch.randn(3, PATCH, rows * cols * PATCH, generator=g))
-            sizes.append((rows, cols))
-    return {
-        "type": "pixel_values",
-        "pixel_values": [p.to(device, dtype) for p in pixels],
-        "tgt_sizes": torch.tensor(sizes, dtype=torch.int32, device=device),
-    }
 
 
 def audio_batch(
@@ -263,3 +229,123 @@ def test_slices_follow_the_processors_grid() -> None:
     sizes = slice_sizes(1344, 896)
     assert len(sizes) == 1 + 6
     assert all(abs(r * c - 1024) < 80 for r, c in sizes)
+
+
+# -- the whole vision path: embeddings, tower, post-norm and vLLM's Resampler4_5 -------------
+
+PATH_CALLS = [
+    [(448, 448)],  # one full slice, no padding
+    [(1344, 896)],  # overview + 3x2 grid, padded
+    [(600, 1000)],  # tall
+    [(448, 448), (900, 700)],  # two images in one call
+    [(448, 448)],  # a size tuple seen before: prepared tensors come from the cache
+]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_the_whole_vision_path_equals_vllms_method_bitwise(setup: str, vllm_env: Any) -> None:
+    """With vLLM's resampler, the graph serves embeddings to resampler, bitwise as vLLM."""
+    device, dtype, extra = setup_for(setup, vllm_env)
+    reference = _build(device, dtype, resampler=True)
+    model = _build(device, dtype, resampler=True)
+    bus = EventBus()
+    result = instrument(model, bus=bus, **extra)
+    assert result.vision is not None
+    assert result.vision_path == "get_vision_hidden_states"
+    # The tower is not routed: the whole path is one graph.
+    assert "forward" not in vars(model.vpm.encoder)
+    with torch.no_grad(), capture_events(bus) as events:
+        for seed, images in enumerate(PATH_CALLS):
+            data = vision_batch(images, device, dtype, seed)
+            want = reference.get_vision_hidden_states(data)
+            assert want.shape[1:] == (8, 256)
+            for _ in range(3):  # warm-up miss, capture (checked against vLLM's), replay
+                assert equal(model.get_vision_hidden_states(data), want), images
+    stats = result.vision.get_cumulative_stats()
+    assert stats["num_graphs"] == 4, stats
+    assert stats["warmup_misses"] == 4
+    assert stats["graph_hits"] == 3 * len(PATH_CALLS) - 4
+    assert stats["ineligible_misses"] == 0
+    assert derive_stats(events)["vision"] == stats
+    method = vars(model)["get_vision_hidden_states"]
+    assert not method.diverged
+    bus.close()
+
+
+def test_a_graph_that_differs_from_vllm_turns_the_path_off(vllm_env: Any, caplog: Any) -> None:
+    """A capture whose result is not vLLM's returns vLLM's; later calls run vLLM's method."""
+    from omnitrace.integrations import minicpmo_vision
+
+    device, dtype = torch.device("cpu"), torch.float32
+    reference = _build(device, dtype, resampler=True)
+    model = _build(device, dtype, resampler=True)
+    correct = minicpmo_vision.path_forward
+
+    def off_by_one(m: Any, table: Any) -> Any:
+        forward = correct(m, table)
+        return lambda *inputs: forward(*inputs) + 1.0
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(minicpmo_vision, "path_forward", off_by_one)
+        result = instrument(model, backend=SimulatedGraphBackend())
+    assert result.vision is not None
+    data = vision_batch([(1344, 896)], device, dtype, 0)
+    want = reference.get_vision_hidden_states(data)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        first = model.get_vision_hidden_states(data)  # warm-up miss: the path's own result
+        assert not equal(first, want)
+        assert equal(model.get_vision_hidden_states(data), want)  # the capture, checked
+        assert equal(model.get_vision_hidden_states(data), want)  # vLLM's method from now
+    assert vars(model)["get_vision_hidden_states"].diverged
+    warnings = [r.getMessage() for r in caplog.records if "whole vision path" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "largest difference 1" in warnings[0]
+    stats = result.vision.get_cumulative_stats()
+    assert stats["ineligible_misses"] == 1
+    assert stats["num_graphs"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "detail"),
+    [
+        (lambda d: {**d, "temporal_ids": [[3]] * len(d["pixel_values"])}, "temporal"),
+        (lambda d: {**d, "tgt_sizes": d["tgt_sizes"][:1]}, "arguments"),
+        (
+            lambda d: {**d, "tgt_sizes": torch.tensor([[80, 13]] * len(d["pixel_values"]))},
+            "pos_cache",
+        ),
+    ],
+    ids=["temporal", "sizes", "pos_cache"],
+)
+def test_calls_the_path_does_not_cover_run_vllms_method(
+    vllm_env: Any, change: Any, detail: str
+) -> None:
+    """Video temporal ids, mismatched sizes and a table too small run vLLM's own method."""
+    from omnitrace.integrations import minicpmo_vision
+
+    device, dtype = torch.device("cpu"), torch.float32
+    model = _build(device, dtype, resampler=True)
+    bus = EventBus()
+    result = instrument(model, bus=bus, backend=SimulatedGraphBackend())
+    assert result.vision is not None
+    calls: list[Any] = []
+    method = vars(model)["get_vision_hidden_states"]
+    assert isinstance(method, minicpmo_vision.VisionPathMethod)
+    method.original = lambda data, *a, **k: calls.append(data) or "vllm's"
+    data = change(vision_batch([(1344, 896)], device, dtype, 0))
+    with torch.no_grad(), capture_events(bus) as events:
+        assert model.get_vision_hidden_states(data) == "vllm's"
+    assert len(calls) == 1
+    assert [(type(e).__name__, e.reason, e.detail) for e in events] == [
+        ("GraphMissed", "ineligible", detail)
+    ]
+    bus.close()
+
+
+def test_a_vpm_without_vllms_resampler_keeps_the_tower_graph(vllm_env: Any) -> None:
+    """The host without a resampler module keeps the SigLIP-stack adapter on vpm.encoder."""
+    model = _build(torch.device("cpu"), torch.float32)
+    result = instrument(model, backend=SimulatedGraphBackend())
+    assert result.vision is not None
+    assert result.vision_path is None
+    assert "forward" in vars(model.vpm.encoder)

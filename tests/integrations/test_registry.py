@@ -190,7 +190,7 @@ def test_plugin_attaches_minicpmo_adapters_and_logs_them(
     assert len(attached) == 1
     assert attached[0].startswith(
         "omnitrace: encoder graphs attached (vision=True, audio=True, "
-        "audio_method=get_audio_hidden_states, model=minicpmo, pid="
+        "audio_method=get_audio_hidden_states, vision_path=None, model=minicpmo, pid="
     )
     assert vllm_plugin._bus is not None
     vllm_plugin._bus.close()
