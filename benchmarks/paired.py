@@ -14,7 +14,10 @@ the paired differences (median and interquartile range, in ms and per cent of th
 request), and where each request's time went from omnitrace's own per-request events
 (``RequestTimed`` joined with the encoder steps that served it, :mod:`omnitrace.requests`).
 It also checks what must hold for the figures to mean anything: every request has its event,
-paused requests replayed no graph and graphed ones did.
+paused requests replayed no graph and graphed ones did. After the pairs, request timing's
+own cost: rounds of a batch of 8 requests (concurrency 8) with timing switched off and one
+with it on, alternating (``time_requests``, in this process and through ``collective_rpc``
+in the workers), as requests/s and the paired change per round.
 
     python -m benchmarks.paired --model minicpmo --size released --out bench-results/paired
 
@@ -205,11 +208,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 measured[kind][half].append(wall)
                 measured[kind][f"{half}_ids"].append(request_id)
     llm.collective_rpc(pause_graphs, args=(False,))
+    cost = _timing_cost(llm, args, one_token, seed)
     return {
         "measured": measured,
+        "cost": cost,
         "init_s": init_s,
         "total_s": time.monotonic() - started,
         "cuda": cuda,
+    }
+
+
+#: Requests a batch of the timing-cost rounds: concurrency 8.
+COST_BATCH = 8
+
+
+def _timing_cost(llm: Any, args: argparse.Namespace, params: Any, seed: int) -> dict[str, Any]:
+    """Requests/s of batches of :data:`COST_BATCH` with request timing off and on, alternating.
+
+    Timing is switched in this process (``vllm.LLM``'s request hooks) and in every worker
+    (the encoder-step hooks, through ``collective_rpc``); graphs stay on. Each round serves
+    one batch each way, the order alternating, every request new content of the mix's kinds.
+    """
+    from omnitrace.integrations.vllm_plugin import time_requests
+
+    kinds = list(KINDS)
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for round_ in range(args.cost_rounds):
+        for on in (False, True) if round_ % 2 == 0 else (True, False):
+            time_requests(None, on)
+            llm.collective_rpc(time_requests, args=(on,))
+            prompts = []
+            for i in range(COST_BATCH):
+                seed += 1
+                prompts.append(request(args.model, kinds[i % len(kinds)], seed))
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            rates["on" if on else "off"].append(COST_BATCH / (time.perf_counter() - t0))
+    time_requests(None, True)
+    llm.collective_rpc(time_requests, args=(True,))
+    return rates
+
+
+def cost_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, Any]:
+    """Requests/s with timing off and on (p50) and the paired change of each round, in %.
+
+    Raises:
+        ValueError: the halves differ in length or are empty.
+    """
+    if len(off) != len(on) or not off:
+        raise ValueError(f"expected rounds, got {len(off)} off and {len(on)} on")
+    change = [100.0 * (b / a - 1.0) for a, b in zip(off, on, strict=True)]
+    return {
+        "rounds": len(change),
+        "batch": COST_BATCH,
+        "off_rps_p50": statistics.median(off),
+        "on_rps_p50": statistics.median(on),
+        "change_median_pct": statistics.median(change),
+        "change_q25_pct": _quantile(change, 0.25),
+        "change_q75_pct": _quantile(change, 0.75),
     }
 
 
@@ -303,6 +359,15 @@ def table(result: dict[str, Any]) -> str:
             calls = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{half}_encoder_calls"].items()))
             cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
             lines.append(f"| {kind} | {half} | {cells} | {calls} |")
+    cost = result.get("timing_cost")
+    if cost:
+        lines += [
+            "",
+            f"Request timing's cost: {cost['rounds']} rounds of a batch of {cost['batch']} "
+            f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s off, "
+            f"{cost['on_rps_p50']:.2f} on; paired change {cost['change_median_pct']:+.1f} % "
+            f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)",
+        ]
     for problem in result["problems"]:
         lines.append(f"\nPROBLEM: {problem}")
     return "\n".join(lines)
@@ -323,8 +388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="hf_overrides as JSON (omnitrace's defaults without it), e.g. "
         '\'{"encoder_cuda_graph_audio_attention": "masked"}\' for Qwen2.5-Omni\'s audio',
     )
+    parser.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=8,
+        help="rounds of a batch of 8 requests with request timing off and one with it on, "
+        "after the pairs (default 8; 0 leaves the cost out)",
+    )
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cost_rounds < 0:
+        parser.error("--cost-rounds must be 0 or more")
     if args.pairs < 1 or args.warmup < 2:
         parser.error(
             "--pairs must be at least 1 and --warmup at least 2 (graphs capture on the second call)"
@@ -355,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = _report(
         args, out, engine["measured"], engine["init_s"], engine["total_s"], engine["cuda"]
     )
+    cost = engine.get("cost") or {}
+    if cost.get("off"):
+        result["timing_cost"] = cost_summary(cost["off"], cost["on"])
     (Path(args.out) / f"paired-{args.model}.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     (Path(args.out) / f"paired-{args.model}.md").write_text(text + "\n")

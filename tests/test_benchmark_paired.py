@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.paired import KINDS, paired_summary, request
+from benchmarks.paired import KINDS, cost_summary, paired_summary, request
 
 
 def test_the_paired_differences_are_taken_within_each_pair() -> None:
@@ -28,6 +28,19 @@ def test_the_paired_differences_are_taken_within_each_pair() -> None:
 def test_halves_that_are_not_pairs_are_refused(eager: list[float], graphed: list[float]) -> None:
     with pytest.raises(ValueError, match="expected pairs"):
         paired_summary(eager, graphed)
+
+
+def test_timing_cost_is_the_median_of_each_rounds_change() -> None:
+    """Each round's on/off ratio, then their median: drift between rounds cancels."""
+    off = [10.0, 20.0, 40.0]
+    on = [9.9, 20.4, 39.2]  # -1 %, +2 %, -2 %
+    cost = cost_summary(off, on)
+    assert cost["rounds"] == 3
+    assert cost["change_median_pct"] == pytest.approx(-1.0)
+    assert cost["off_rps_p50"] == 20.0
+    assert cost["on_rps_p50"] == pytest.approx(20.4)
+    with pytest.raises(ValueError, match="expected rounds"):
+        cost_summary([1.0], [])
 
 
 @pytest.mark.parametrize("model", ["minicpmo", "qwen2_5_omni"])

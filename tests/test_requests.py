@@ -465,3 +465,42 @@ def test_replay_exports_a_recorded_days_requests_to_otlp(tmp_path: Path) -> None
     # log alone does not split out), each a child of its request's span.
     assert len(phases) == 21
     assert {p.parent_span_id for p in phases} == {s.span_id for s in spans}
+
+
+def _feature() -> Any:
+    return SimpleNamespace(
+        modality="image", data=1, mm_position=SimpleNamespace(get_num_embeds=lambda: 64)
+    )
+
+
+def test_request_timing_switched_off_at_run_time_calls_vllm_alone() -> None:
+    """Off, the hooks make no record and time no step; back on, they time the next request."""
+    from omnitrace.integrations.vllm_plugin import time_requests
+
+    bus = _Bus()
+    add = hooks._wrap_engine_add_request(lambda self, rid, prompt, params: f"{rid}-e")
+    update = hooks._wrap_update_stats(lambda self, state, *a: None, lambda: bus)
+    step = hooks._wrap_v1_encoder(lambda self, output: "ran", lambda: bus)
+    runner = SimpleNamespace(requests={"a": SimpleNamespace(mm_features=[_feature()])})
+    output = SimpleNamespace(scheduled_encoder_inputs={"a": [0]})
+
+    def serve(request_id: str) -> None:
+        assert add(None, request_id, {}, None) == f"{request_id}-e"
+        assert step(runner, output) == "ran"
+        state = SimpleNamespace(
+            request_id=f"{request_id}-e", external_req_id=request_id, is_prefilling=True, stats=None
+        )
+        update(None, state)
+
+    assert hooks.request_timing()
+    assert time_requests(None, False) is True
+    try:
+        assert not hooks.request_timing()
+        serve("off")
+        assert bus.events == []
+        assert "off-e" not in hooks._pending
+    finally:
+        assert time_requests(None, True) is False
+    serve("on")
+    assert [type(e).__name__ for e in bus.events] == ["EncoderBatchRan", "RequestTimed"]
+    assert bus.events[1].request_id == "on"

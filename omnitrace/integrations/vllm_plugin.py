@@ -90,6 +90,7 @@ __all__ = [
     "profiling_phase",
     "register",
     "request_bus",
+    "time_requests",
     "worker_bus",
 ]
 
@@ -484,6 +485,20 @@ def pause_graphs(worker: Any = None, paused: bool = True) -> int:
     for adapter in adapters:
         adapter.pause_graphs(paused)
     return len(adapters)
+
+
+def time_requests(worker: Any = None, enabled: bool = True) -> bool:
+    """Switch this process's per-request timing off or on; return whether it was on.
+
+    Made for ``llm.collective_rpc(time_requests, args=(False,))`` (the workers' encoder-step
+    hooks) beside a call in the process that holds ``vllm.LLM`` (its request hooks): a
+    benchmark alternates timed and untimed batches in one engine to measure what timing
+    costs. The hooks stay installed (``OMNITRACE_REQUESTS=0`` is the start-up switch that
+    leaves them out).
+    """
+    from omnitrace.integrations.vllm_requests import set_request_timing
+
+    return set_request_timing(enabled)
 
 
 def _requests_on(environ: Mapping[str, str] | None = None) -> bool:

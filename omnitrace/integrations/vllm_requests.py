@@ -1,6 +1,7 @@
 """Per-request timestamps inside vLLM: where each request's time goes up to its first token.
 
-The vLLM plugin installs these hooks (``OMNITRACE_REQUESTS=0`` leaves them out). Each wraps
+The vLLM plugin installs these hooks (``OMNITRACE_REQUESTS=0`` leaves them out;
+:func:`set_request_timing` switches them off and on at run time, in this process). Each wraps
 one of vLLM's methods, takes a timestamp (``time.monotonic_ns()``, one clock for every
 process of a host) and calls the original with its arguments unchanged, so outputs and
 scheduling stay vLLM's own. Where a hook point is not there (another vLLM release), that
@@ -43,7 +44,14 @@ from typing import Any
 
 from omnitrace import events as ev
 
-__all__ = ["ENV_REQUESTS", "HOOK_POINTS", "hook_api_server", "hook_worker"]
+__all__ = [
+    "ENV_REQUESTS",
+    "HOOK_POINTS",
+    "hook_api_server",
+    "hook_worker",
+    "request_timing",
+    "set_request_timing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,27 @@ _current: contextvars.ContextVar[_Record | None] = contextvars.ContextVar(
 )
 
 BusGetter = Callable[[], Any]
+
+# Read without the lock on every hooked call: a plain bool, flipped by set_request_timing.
+_timing = True
+
+
+def set_request_timing(enabled: bool) -> bool:
+    """Switch this process's request-timing hooks off or on at run time; return the old state.
+
+    Off, a hook calls vLLM's method and nothing else: no new request gets a record, and no
+    encoder step is timed (a request already under way keeps its record, and its event may
+    lack the steps that ran while off). The hooks stay installed, so switching back on costs
+    nothing. A benchmark alternates the two inside one engine to measure what timing costs.
+    """
+    global _timing
+    old, _timing = _timing, bool(enabled)
+    return old
+
+
+def request_timing() -> bool:
+    """Whether this process's request-timing hooks are on (see :func:`set_request_timing`)."""
+    return _timing
 
 
 @dataclass(slots=True)
@@ -137,7 +166,7 @@ class _ArrivalStamp:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http":
+        if scope.get("type") != "http" or not _timing:
             await self.app(scope, receive, send)
             return
         token = _current.set(_Record(time.monotonic_ns(), _traceparent(scope)))
@@ -232,7 +261,8 @@ def _wrap_engine_add_request(add_request: Callable[..., Any]) -> Callable[..., A
     def add_request_timed(
         self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if _current.get() is not None:  # an API server's request: its record is running
+        if not _timing or _current.get() is not None:
+            # Timing is off, or an API server's request, whose record is running.
             return add_request(self, request_id, prompt, *args, **kwargs)
         now = time.monotonic_ns()
         record = _Record(now, processor_ns=now)
@@ -294,7 +324,7 @@ def _first_token(req_state: Any, bus_of: BusGetter) -> None:
 
 def _wrap_update_stats(update: Callable[..., Any], bus_of: BusGetter) -> Callable[..., Any]:
     def update_stats_from_output(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
-        first = bool(getattr(req_state, "is_prefilling", False))
+        first = _timing and bool(getattr(req_state, "is_prefilling", False))
         result = update(self, req_state, *args, **kwargs)
         if first:
             try:
@@ -426,6 +456,8 @@ def _step_event(start_ns: int, items: _Items) -> ev.EncoderBatchRan:
 
 def _wrap_v1_encoder(execute: Callable[..., Any], bus_of: BusGetter) -> Callable[..., Any]:
     def execute_mm_encoder_timed(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+        if not _timing:
+            return execute(self, scheduler_output, *args, **kw)
         items = None
         try:
             scheduled = scheduler_output.scheduled_encoder_inputs
@@ -444,6 +476,8 @@ def _wrap_v1_encoder(execute: Callable[..., Any], bus_of: BusGetter) -> Callable
 
 def _wrap_v2_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
     def prepare_mm_inputs_noted(self: Any, scheduled: Any, *args: Any, **kw: Any) -> Any:
+        if not _timing:
+            return prepare(self, scheduled, *args, **kw)
         try:
             features = self.encoder_cache.mm_features
             object.__setattr__(self, "_omnitrace_items", _items(scheduled, features.__getitem__))
@@ -457,6 +491,9 @@ def _wrap_v2_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_v2_execute(execute: Callable[..., Any], bus_of: BusGetter) -> Callable[..., Any]:
     def execute_mm_encoder_timed(self: Any, *args: Any, **kw: Any) -> Any:
         items = getattr(self, "_omnitrace_items", None)
+        if items is None or not _timing:
+            # Nothing noted (timing off): skip the attribute write too.
+            return execute(self, *args, **kw)
         object.__setattr__(self, "_omnitrace_items", None)
         start = time.monotonic_ns()
         result = execute(self, *args, **kw)

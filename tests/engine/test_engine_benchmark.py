@@ -134,14 +134,21 @@ def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) 
         "2",
         "--warmup",
         "2",
+        "--cost-rounds",
+        "2",
         "--out",
         str(out),
     )
     result = json.loads((out / "paired-minicpmo.json").read_text())
     assert result["problems"] == []
     assert set(result["kinds"]) == {"image 448x448", "image 896x896", "audio 1 s", "audio 10 s"}
-    # Warm-up (2 rounds and one paused request a kind) and 2 pairs a kind, all timed.
-    assert result["request_events"] == 4 * (2 + 1 + 2 * 2)
+    # Warm-up (2 rounds and one paused request a kind) and 2 pairs a kind, all timed; of the
+    # cost rounds' batches of 8, only those with timing switched on.
+    assert result["request_events"] == 4 * (2 + 1 + 2 * 2) + 2 * 8
+    cost = result["timing_cost"]
+    assert (cost["rounds"], cost["batch"]) == (2, 8)
+    assert cost["off_rps_p50"] > 0
+    assert cost["on_rps_p50"] > 0
     for kind, row in result["kinds"].items():
         assert row["pairs"] == 2, kind
         for half in ("eager", "graphed"):
