@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,9 @@ class Result(HitRate):
     min_free_bytes: int | None = None
     """The least device-free memory left after a capture, on any worker's device (None:
     free memory unknown); below zero the device would have run out of memory."""
+    captured: Mapping[str, frozenset[Signature]] = field(default_factory=dict, compare=False)
+    """Per encoder, the keys this setting captured on any worker (filled by :func:`replay`;
+    the grid's vectorised replay leaves it empty; not compared)."""
 
     @property
     def exhausts_memory(self) -> bool:
@@ -174,7 +177,11 @@ def replay(recording: Recording, setting: Setting) -> Result:
         _outcome(name, states, recording.costs.get(name, {}), recording.time_known)
         for name, states in per_adapter.items()
     )
-    return Result(setting, encoders, max(worker_bytes, default=0), lowest)
+    keys = {
+        name: frozenset(key for state in states for key in state.captured)
+        for name, states in per_adapter.items()
+    }
+    return Result(setting, encoders, max(worker_bytes, default=0), lowest, keys)
 
 
 def _outcome(

@@ -651,3 +651,95 @@ def test_a_log_without_graphable_calls_is_exit_status_one(
         f"omnitrace advise: error: {path}: no encoder call could use a graph: "
         "every call was ineligible (vision: cpu 1)"
     )
+
+
+def _with_requests(events: Sequence[Event]) -> list[Event]:
+    """Each call served one request of its own: its step and its RequestTimed around it.
+
+    Calls 10 ms apart; each step runs 5 ms up to its call, each request arrives 8 ms before
+    it and has its first token 2 ms after (TTFT 10 ms). A request whose call missed for
+    ``capacity`` holds two images, the others one: two kinds to tell apart.
+    """
+    from omnitrace.events import NO_SIGNATURE, EncoderBatchRan, RequestTimed
+
+    ms = 1_000_000
+    out: list[Event] = []
+    at = 10_000 * ms
+    for event in events:
+        if not isinstance(event, (GraphReplayed, GraphMissed)):
+            out.append(dataclasses.replace(event, monotonic_ns=at))
+            continue
+        at += 10 * ms
+        out.append(dataclasses.replace(event, monotonic_ns=at))
+        rid = f"r{len(out)}"
+        out.append(
+            EncoderBatchRan(
+                "", NO_SIGNATURE, at + 1, 0, at - 5 * ms, (f"{rid}-e",), (64,), ("image",)
+            )
+        )
+        capacity = isinstance(event, GraphMissed) and event.reason is MissReason.CAPACITY
+        out.append(
+            RequestTimed(
+                "",
+                NO_SIGNATURE,
+                at + 2 * ms,
+                0,
+                request_id=rid,
+                engine_request_id=f"{rid}-e",
+                arrival_ns=at - 8 * ms,
+                render_ns=None,
+                processor_ns=None,
+                processed_ns=None,
+                queued_ns=None,
+                scheduled_ns=at - 6 * ms,
+                first_token_ns=at + 2 * ms,
+                ttft_s=0.010,
+                images=2 if capacity else 1,
+                image_pixels=0,
+                audios=0,
+                audio_s=0.0,
+                trace_id="",
+                parent_span_id="",
+            )
+        )
+    return out
+
+
+def test_advise_predicts_each_request_kinds_ttft_under_the_recommended_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Requests whose calls missed for capacity lose the graphs' saving (4 - 1 ms); the
+    others, already served by graphs the recommendation keeps, do not change."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    eager = {shape: 0.004 for shape in SIX}
+    events = _retimed(_run(_six_hot_shapes(), logged), eager, {s: 0.001 for s in SIX})
+    log = _write(tmp_path / "events.jsonl", _records(_with_requests(events), logged))
+    assert main(["advise", str(log), "--json", "--max-graphs", "4,6"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["encoder_cuda_graph_max_graphs"] == 6
+    kinds = {row["kind"]: row for row in data["requests"]}
+    assert set(kinds) == {"image", "2 images"}
+    two, one = kinds["2 images"], kinds["image"]
+    # The two shapes past the logged four graphs: every call after the first (a warm-up
+    # miss under any setting) a capacity miss.
+    assert (two["requests"], two["calls"], two["changed_calls"]) == (98, 98, 98)
+    assert two["ttft_p50_s"] == pytest.approx(0.010)
+    assert two["predicted_ttft_p50_s"] == pytest.approx(0.007)
+    assert two["change_p50_s"] == pytest.approx(-0.003)
+    assert two["encoders_p50_s"] == pytest.approx(0.005)
+    assert (one["requests"], one["changed_calls"]) == (202, 0)
+    assert one["predicted_ttft_p50_s"] == pytest.approx(one["ttft_p50_s"])
+    assert main(["advise", str(log), "--max-graphs", "4,6"]) == 0
+    out = capsys.readouterr().out
+    assert "end to end" in out
+    assert "-3.0 ms (-30.0 %)" in out
+
+
+def test_advise_without_request_events_has_no_end_to_end_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log of encoder calls alone (no vLLM request hooks) gives an empty ``requests``."""
+    assert main(["advise", str(_six_hot_log(tmp_path)), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == []
+    assert main(["advise", str(_six_hot_log(tmp_path))]) == 0
+    assert "end to end" not in capsys.readouterr().out

@@ -72,16 +72,73 @@ def _advise_table(advice: Any, top: int) -> Table:
     return table
 
 
+def _outlook(recording: Any, advice: Any, join: Any) -> tuple[Any, ...]:
+    """Each request kind's TTFT under the recommended setting (empty without requests)."""
+    from omnitrace.advise import replay
+    from omnitrace.advise_requests import outlook
+
+    views = join.requests()
+    if advice.best is None or not views:
+        return ()
+    return outlook(views, recording, replay(recording, advice.best.setting).captured)
+
+
+def _outlook_table(kinds: Any) -> Table:
+    """End to end: per request kind, TTFT as logged and under the recommended setting."""
+    from rich import box
+    from rich.table import Table
+
+    from omnitrace._display import safe_markup
+    from omnitrace.advise import format_seconds
+
+    table = Table(
+        title="end to end: each request kind's TTFT, logged and predicted under the "
+        "recommended setting",
+        box=box.SIMPLE,
+    )
+    columns = ("kind", "requests", "TTFT p50", "p99", "encoders p50")
+    for column in (*columns, "predicted p50", "predicted p99", "change p50", "calls changed"):
+        table.add_column(column, justify="left" if column == "kind" else "right")
+    for k in kinds:
+        change = k.change_p50_s
+        if change is None:
+            text = "unknown"
+        else:
+            share = f" ({100 * change / k.ttft_p50_s:+.1f} %)" if k.ttft_p50_s > 0 else ""
+            text = f"{change * 1e3:+.1f} ms{share}"
+        table.add_row(
+            safe_markup(k.kind),
+            str(k.requests),
+            format_seconds(k.ttft_p50_s),
+            format_seconds(k.ttft_p99_s),
+            format_seconds(k.encoders_p50_s),
+            format_seconds(k.predicted_p50_s),
+            format_seconds(k.predicted_p99_s),
+            text,
+            f"{k.changed}/{k.calls}",
+        )
+    return table
+
+
 def _cmd_advise(args: argparse.Namespace) -> int:
     from omnitrace.advise import Recording, advice_json, advise, default_grid
     from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+    from omnitrace.requests import RequestJoin
+
+    # The request events, joined with their encoder steps' calls in the same pass.
+    join = RequestJoin(calls=True)
+
+    def records(chunks: Any) -> Any:
+        add = join.add
+        for _, chunk in chunks:
+            for record in chunk:
+                add(record.item, record.pid)
+                yield record
 
     with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
         chunks = read_logs(args.paths, progress=progress.advance)
         try:
-            recording = Recording.from_records(
-                (record for _, chunk in chunks for record in chunk), free_bytes=args.free_bytes
-            )
+            recording = Recording.from_records(records(chunks), free_bytes=args.free_bytes)
         except LogReadError as exc:
             return _error("advise", str(exc), exc.status)
         if not recording.costs:
@@ -102,9 +159,14 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     # The one setting for every rank, replayed rank by rank: how far apart they are.
     spread = None if advice.best is None else per_worker(recording, advice.best.setting)
+    kinds = _outlook(recording, advice, join)
     if args.json:
+        from omnitrace.advise_requests import outlook_json
+
         by_worker = None if spread is None else spread_json(spread)
-        _print_json({**advice_json(advice), "per_worker": by_worker})
+        _print_json(
+            {**advice_json(advice), "per_worker": by_worker, "requests": outlook_json(kinds)}
+        )
         return 0 if advice.best is not None else 1
     if advice.best is None:
         # Nothing to recommend: one line saying why and what to change, not a table of
@@ -128,6 +190,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     if spread is not None and len(spread) > 1:
         console.print(spread_table(spread, timed=advice.objective == "time"))
         console.print(f"  {spread_line(spread)}")
+    if kinds:
+        console.print(_outlook_table(kinds))
     console.print("recommended:")
     overrides = safe_markup(json.dumps(advice.overrides))
     console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)
