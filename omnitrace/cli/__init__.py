@@ -1,5 +1,5 @@
 """The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise``, ``receive``,
-``trace`` and ``config``.
+``trace``, ``config`` and ``completion``.
 
 ``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
 attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
@@ -7,12 +7,11 @@ attached; ``omnitrace top`` shows (or follows) the event log a serving process w
 advise`` replays recorded traffic under other graph settings and recommends one;
 ``omnitrace receive`` listens for OTLP exports and says what arrives; ``omnitrace trace``
 shows one request's phases; ``omnitrace config`` prints every setting in force and where it
-came from.
+came from; ``omnitrace completion`` prints a bash or zsh completion script.
 
 The package holds a module per command (``demo.py``, ``top.py``, ``replay.py``, ``advise.py``,
-``receive.py``, ``trace.py``, ``config.py``), the parser (``parser.py``), what the commands
-print (``output.py``, the stats table in ``tables.py``), recorded logs read whole
-(``logs.py``), the follow plumbing
+``receive.py``, ``trace.py``, ``config.py``, ``completion.py``), the parser (``parser.py``),
+what the commands print (``output.py``, the stats table in ``tables.py``), the follow plumbing
 (``follow.py``: polling, keys, SIGTERM, stop conditions) and the export settings
 (``export.py``). ``main`` is the console entry point (``omnitrace.cli:main``).
 """
@@ -22,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from omnitrace.cli.advise import _cmd_advise
+from omnitrace.cli.completion import _cmd_completion
 from omnitrace.cli.config import _cmd_config
 from omnitrace.cli.demo import _cmd_demo
 from omnitrace.cli.output import _error
@@ -45,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # Patterns a shell did not expand ('events-*.jsonl', quoted): the logs they match.
         args.patterns, args.paths = args.paths, expand(args.paths)
+    if args.command == "completion":
+        return _cmd_completion(args, parser)
     handlers = {
         "demo": _cmd_demo,
         "top": _cmd_top,

@@ -147,6 +147,7 @@ HELP_EPILOGS: dict[str, tuple[str | None, str]] = {
         "every OMNITRACE_* and OTEL_* variable it lists",
         "docs/operations.md, 'What is in force: `omnitrace config`'",
     ),
+    "completion": (None, "docs/operations.md, 'Shell completion'"),
 }
 
 
@@ -538,6 +539,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from omnitrace.cli.config import add_config_parser
 
     add_config_parser(commands, _HelpFormatter)
+    from omnitrace.cli.completion import add_completion_parser
+
+    add_completion_parser(commands, _HelpFormatter)
     for name, (environment, docs) in HELP_EPILOGS.items():
         read = environment or "none of omnitrace's variables"
         commands.choices[name].epilog = f"environment: {read}. docs: {docs}."

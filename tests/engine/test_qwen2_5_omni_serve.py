@@ -49,11 +49,19 @@ MAX_GRAPHS_ERROR = (
 class Server:
     """A ``vllm serve`` child on loopback, its output file and its event log."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int, output: Path, log: Path):
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        port: int,
+        output: Path,
+        log: Path,
+        model: str = "qwen2_5_omni",
+    ):
         self.process = process
         self.port = port
         self.output = output
         self.log = log
+        self.model = model
 
     @property
     def base_url(self) -> str:

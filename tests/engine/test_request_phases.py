@@ -3,7 +3,8 @@
 The server runs with the event log template ``events-{rank}.jsonl``: the worker writes
 ``events-0.jsonl`` (encoder calls and steps), the API server ``events-api.jsonl`` (one
 ``RequestTimed`` per request). Requests come from the ``openai`` client, streamed, so the
-test measures the client's own time to first token.
+test measures the client's own time to first token. Every test runs against both tiny
+checkpoints, Qwen2.5-Omni and MiniCPM-o 4.5 (remote code, its whole vision path graphed).
 """
 
 from __future__ import annotations
@@ -42,13 +43,26 @@ def receiver() -> Iterator[OTLPReceiver]:
         yield running
 
 
-@pytest.fixture(scope="module")
+#: The models served, and the checkpoint fixture of each.
+MODELS = {"qwen2_5_omni": "checkpoint", "minicpmo": "minicpmo_checkpoint"}
+
+
+def _trace_id(server: Server, base: str) -> str:
+    """``base`` made the server's own: the receiver outlives each model's server."""
+    return f"{list(MODELS).index(server.model):02x}" + base[2:]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def server(
-    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OTLPReceiver
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    receiver: OTLPReceiver,
 ) -> Iterator[Server]:
-    """``vllm serve`` on the tiny Qwen2.5-Omni checkpoint, engine in its own process, with
-    vLLM's tracing and omnitrace's OTLP sink both sending to ``receiver``."""
-    out = tmp_path_factory.mktemp("phases")
+    """``vllm serve`` on a tiny checkpoint, engine in its own process, with vLLM's tracing
+    and omnitrace's OTLP sink both sending to ``receiver``."""
+    model: str = request.param
+    checkpoint: Path = request.getfixturevalue(MODELS[model])
+    out = tmp_path_factory.mktemp(f"phases-{model}")
     port = free_port()
     endpoint = f"http://127.0.0.1:{receiver.port}"
     env = engine_environment(
@@ -67,11 +81,15 @@ def server(
         max_model_len=2048,
         max_num_seqs=4,
         hf_overrides=OVERRIDES,
-        extra=("--otlp-traces-endpoint", endpoint),
+        extra=(
+            "--otlp-traces-endpoint",
+            endpoint,
+            *(("--trust-remote-code",) if model == "minicpmo" else ()),
+        ),
     )
     with output.open("wb") as sink:
         process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
-    served = Server(process, port, output, out / "events-0.jsonl")
+    served = Server(process, port, output, out / "events-0.jsonl", model)
     try:
         served.wait_ready(ENGINE_TIMEOUT_S)
         yield served
@@ -133,14 +151,15 @@ def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
     in the client's trace, whose phases add up to its TTFT and to the client's within 5 %,
     with its encoder steps from the worker's log."""
     _stream(server, 20)  # warm-up: the first request of a server pays for start-up work
-    rid, client_ttft = _stream(server, 0, {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    trace_id = _trace_id(server, TRACE_ID)
+    rid, client_ttft = _stream(server, 0, {"traceparent": f"00-{trace_id}-{PARENT_ID}-01"})
     out = server.log.parent
     assert (out / "events-api.jsonl").exists(), sorted(p.name for p in out.iterdir())
     views = [v for v in _join(out, wait_for={rid}).requests() if v.event.request_id == rid]
     assert len(views) == 1, [v.event.request_id for v in _join(out).requests()]
     view = views[0]
     event = view.event
-    assert (event.trace_id, event.parent_span_id) == (TRACE_ID, PARENT_ID)
+    assert (event.trace_id, event.parent_span_id) == (trace_id, PARENT_ID)
     assert event.images == 1
     assert event.audios == 1
     assert event.image_pixels == 252 * 252
@@ -160,7 +179,7 @@ def test_vllm_s_request_span_and_omnitrace_s_phase_spans_share_the_client_s_trac
 ) -> None:
     """With ``--otlp-traces-endpoint`` and a client ``traceparent``, vLLM's ``llm_request``
     span and omnitrace's request and phase spans arrive in the client's trace."""
-    trace = "0af7651916cd43dd8448eb211c80319c"
+    trace = _trace_id(server, "0af7651916cd43dd8448eb211c80319c")
     rid, _ = _stream(server, 50, {"traceparent": f"00-{trace}-b7ad6b7169203331-01"})
     wanted = bytes.fromhex(trace)
 
