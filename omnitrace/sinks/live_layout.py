@@ -151,14 +151,16 @@ def _keys_table(
     key_header = "captured key" if not common else f"captured key {common}"
     keys.add_column(key_header, no_wrap=True, overflow="ellipsis")
     if not compact:
-        keys.add_column("at", no_wrap=True)
+        # A clock is a number: as wide as its longest value (HH:MM:SSZ), never cut.
+        keys.add_column("at", no_wrap=True, min_width=9)
     keys.add_column("capture", justify="right", no_wrap=True, min_width=8)
     # Free memory before each capture, where the events carry it and the panel is wide.
     free = not compact and any(graph.free_bytes is not None for graph in graphs)
     if free:
         keys.add_column("free", justify="right", no_wrap=True, min_width=9)
-    # What is left beside the capture time (and the clock): the key is elided to fit it.
-    key_width = width - (11 if compact else 22) - (10 if free else 0)
+    # What is left beside the capture time (and the clock and free memory), each column
+    # with its two cells of padding: the key is elided to fit it, so no number is cut.
+    key_width = width - 2 - (8 + 2) - (0 if compact else 9 + 2) - (9 + 2 if free else 0)
     profiled = _profiling_captures(encoder.coverage)
     for graph in shown:
         inputs, place = _split_key(safe(graph.key))
@@ -301,39 +303,71 @@ def _missed_panel(
         return None
     compact = width < 100
     sources = len({encoder.source for encoder, _, _ in rows}) > 1
-    table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold", expand=False)
-    table.add_column("encoder", no_wrap=True)
-    table.add_column("missed signature", no_wrap=True, overflow="ellipsis")
-    table.add_column("reason", no_wrap=True)
-    table.add_column("misses", justify="right", no_wrap=True)
-    table.add_column("share", justify="right", no_wrap=True)
     names = [
         safe(encoder.stats.adapter)
         + (f" r{encoder.rank}" if sources and encoder.rank is not None else "")
         for encoder, _, _ in rows
     ]
     reasons = [_reasons_text(row, compact) for _, row, _ in rows]
-    reason_width = max(9, max(len(text) for text in reasons) + 1)
-    # What the other columns leave (borders, padding, reason, misses, share) goes to the key.
-    key_width = max(8, width - 4 - max(len(n) for n in names) - 1 - reason_width - 7 - 7 - 3)
-    for name, reason, (_, row, share) in zip(names, reasons, rows, strict=True):
+    shares = [f"{share * 100:.1f} %" for _, _, share in rows]
+    counts = [str(row.graph_misses) for _, row, _ in rows]
+    # Every column but the key is as wide as its widest cell (header included), so a
+    # narrow panel shortens the key, never a name, a reason or a number.
+    widths = {
+        "encoder": max(len("encoder"), *(len(n) for n in names)),
+        "reason": max(len("reason"), *(len(r) for r in reasons)),
+        "misses": max(len("misses"), *(len(c) for c in counts)),
+        "share": max(len("share"), *(len(x) for x in shares)),
+    }
+    # The panel's border and padding, two cells of padding a column, and at least 8 cells of
+    # key: past that width the share goes first, then the key itself (a caption says so).
+    shown = ["encoder", "missed signature", "reason", "misses", "share"]
+    for column in ("share", "missed signature"):
+        key = 8 if "missed signature" in shown else 0
+        need = 4 + sum(widths[c] for c in shown if c in widths) + 2 * len(shown) + key
+        if need <= width:
+            break
+        shown.remove(column)
+    left_out = [c for c in ("missed signature", "share") if c not in shown]
+    table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold", expand=False)
+    for column in shown:
+        if column == "missed signature":
+            table.add_column(column, no_wrap=True, overflow="ellipsis")
+        else:
+            numeric = column in ("misses", "share")
+            table.add_column(
+                column,
+                justify="right" if numeric else "left",
+                no_wrap=True,
+                min_width=widths[column],
+            )
+    key_width = max(8, width - 4 - sum(widths[c] for c in shown if c in widths) - 2 * len(shown))
+    for name, reason, count, share_text, (_, row, _) in zip(
+        names, reasons, counts, shares, rows, strict=True
+    ):
         if row.signature is None:
             label = "(shapes not tracked)"
         else:
             inputs, place = _split_key(safe(row.key))
             label = _short_inputs(inputs) if compact else f"{inputs} {place}".rstrip()
         # Text, not str: the name and the key are data, never rich markup.
-        table.add_row(
-            Text(name),
-            Text(_elide(label, key_width)),
-            reason,
-            str(row.graph_misses),
-            f"{share * 100:.1f} %",
-        )
+        cells: dict[str, str | Text] = {
+            "encoder": Text(name),
+            "missed signature": Text(_elide(label, key_width)),
+            "reason": reason,
+            "misses": count,
+            "share": share_text,
+        }
+        table.add_row(*(cells[c] for c in shown))
+    # Short: it must fit the bottom border of a 40-column panel.
+    named = ["signature" if c == "missed signature" else c for c in left_out]
+    caption = f"{' and '.join(named)} left out" if left_out else None
     return Panel(
         table,
         title="[bold]top missed signatures[/]",
         title_align="left",
+        subtitle=caption,
+        subtitle_align="left",
         border_style="yellow",
         expand=True,
     )

@@ -417,8 +417,8 @@ def test_frame_fits_an_80x24_terminal_without_wrapping() -> None:
     body = "\n".join(lines)
     # Keys are shortened (dtype, placement in the header) and elided in the middle, whole rows.
     assert "captured key @cpu s=0" in body
-    assert "│  f32[1,1008,64]            110.2 ms │" in body
-    assert "f32[2,1024,6…,1024,1024]  110.2 ms" in body
+    assert "│  f32[1,1008,64]           110.2 ms  │" in body
+    assert "f32[2,1024,…,1024,1024]  110.2 ms" in body
     assert "│ 22:13:20Z deferred f32[2,1024,64],… │" in body
     assert "│ TERMINAL RuntimeError: boom" in body
     assert lines[-1] == "info    graph_captured vision k"
@@ -722,3 +722,67 @@ def test_a_frame_that_cannot_be_drawn_is_one_line_and_the_streams_come_back() ->
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "omnitrace: this frame could not be drawn: RuntimeError: board broke\\x1b[2J" in out
     assert "\x1b[2J" not in out
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 140])
+def test_the_missed_panel_never_cuts_a_name_a_reason_or_a_number(width: int) -> None:
+    """A long key shortens first; then the share and then the key column go, named in the
+    panel's caption: the encoder, the reason and the counts stay whole at every width."""
+    from omnitrace.sinks.live_layout import _missed_panel
+
+    long_key = sig(
+        "bfloat16[5,3,14,14336], int64[5,1024], None, int64[5,1024], bool[5,1024] @cuda:0 s=0"
+    )
+    events: list[Event] = [
+        GraphMissed("vision", long_key, 0, T0, MissReason.INELIGIBLE, "paused", 0.01)
+    ] * 13
+    events += [GraphReplayed("vision", long_key, 0, T0, 0.002)] * 106
+    coverage = derive_coverage(events)
+    snapshot = _snapshot()
+    encoders = tuple(
+        dataclasses.replace(e, coverage=coverage.get(e.stats.adapter))
+        for e in snapshot.encoders
+        if e.stats.adapter == "vision"
+    )
+    panel = _missed_panel(encoders, width, 5)
+    assert panel is not None
+    text = _text(panel, width=width)
+    lines = _lines(text)
+    assert all(len(line) <= width for line in lines), text
+    row = next(line for line in lines if line.startswith("│  vision"))
+    assert "ineligible" in row, text
+    assert " 13 " in row + " ", text
+    assert "…" not in row.replace(row[row.find("bf") : row.find("ineligible")], ""), text
+    if width >= 60:
+        assert "10.9 %" in row, text
+        assert "left out" not in text
+    else:
+        assert "%" not in row
+        assert "signature and share left out" in text
+
+
+@pytest.mark.parametrize("width", [100, 120, 139, 140, 141, 160])
+def test_captured_keys_shorten_so_clock_capture_and_free_stay_whole(width: int) -> None:
+    """Side by side panels of either width: the key is elided, the clock, the capture time
+    and the free memory before it are never cut."""
+    long_key = "bfloat16[5,3,14,14336], int64[5,1024], None, int64[5,1024], bool[5,1024] @cuda:0"
+    graphs = tuple(
+        CapturedGraphInfo(long_key, T0, 0.0427, 1, "cuda:0", 0, MiB, 64, free_bytes=11 << 30)
+        for _ in range(2)
+    )
+    snapshot = _snapshot()
+    encoders = tuple(
+        dataclasses.replace(e, stats=AdapterStats(e.stats.adapter, graph_hits=40, graphs=graphs))
+        for e in snapshot.encoders
+    )
+    text = _text(render(dataclasses.replace(snapshot, encoders=encoders)), width=width)
+    rows = [line for line in _lines(text) if "42.7 ms" in line]
+    assert len(rows) == 2, text  # two keys, the two panels side by side
+    for row in rows:
+        assert row.count("42.7 ms") == 2, text
+        # Shown whole or not at all (a compact panel leaves the clock and free memory out).
+        assert row.count("22:1") == row.count("22:13:20Z"), text
+        assert row.count("11.") == row.count("11.0 GiB"), text
+        if width >= 139:
+            assert row.count("22:13:20Z") == 2, text
+            assert row.count("11.0 GiB") == 2, text
