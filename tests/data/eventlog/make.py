@@ -11,7 +11,9 @@ to differ in nothing else. Then the summary, `top --json` and `replay --json` ca
 encoder summary: `replay --json` gained the fields `top` had (and `otlp_endpoints`), `top
 --json` lists `backend` after `max_graphs`, and `replay` lists each worker's encoders
 together, vision first; those three outputs were recorded again, checked to differ in nothing
-else (every other output is still the one of 5439577). Run it
+else (every other output is still the one of 5439577). Then `advise --json` gained
+`requests` (each request kind's TTFT under the recommended setting, empty in these logs): its
+recorded outputs are the old ones with that key added, checked to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
