@@ -23,13 +23,12 @@ p50 and p99 of both are reported.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omnitrace.advise_record import KeyCost, Recording
-from omnitrace.requests import RequestView
+from omnitrace.requests import RequestView, quantile
 from omnitrace.signature import Signature
 
 __all__ = ["KindOutlook", "outlook", "outlook_json"]
@@ -63,12 +62,6 @@ class KindOutlook:
         if self.predicted_p50_s is None:
             return None
         return self.predicted_p50_s - self.ttft_p50_s
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
-    return ordered[index]
 
 
 def _by_text(recording: Recording) -> dict[str, dict[str, tuple[Signature, KeyCost]]]:
@@ -150,11 +143,11 @@ def outlook(
             KindOutlook(
                 kind=kind,
                 requests=len(group),
-                ttft_p50_s=_quantile(ttfts, 0.5),
-                ttft_p99_s=_quantile(ttfts, 0.99),
-                encoders_p50_s=_quantile([v.phases["encoders"] for v in group], 0.5),
-                predicted_p50_s=None if predicted is None else _quantile(predicted, 0.5),
-                predicted_p99_s=None if predicted is None else _quantile(predicted, 0.99),
+                ttft_p50_s=quantile(ttfts, 0.5),
+                ttft_p99_s=quantile(ttfts, 0.99),
+                encoders_p50_s=quantile([v.phases["encoders"] for v in group], 0.5),
+                predicted_p50_s=None if predicted is None else quantile(predicted, 0.5),
+                predicted_p99_s=None if predicted is None else quantile(predicted, 0.99),
                 calls=calls,
                 changed=changed,
             )

@@ -32,6 +32,7 @@ __all__ = [
     "kind_of",
     "phases_of",
     "phases_panel",
+    "quantile",
 ]
 
 #: The phases of a request, in order; they add up to its TTFT.
@@ -293,7 +294,8 @@ class RequestJoin:
         return views
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (NaN when there are none)."""
     ordered = sorted(values)
     if not ordered:
         return math.nan
@@ -323,8 +325,8 @@ def phases_panel(views: Sequence[RequestView], *, window: int = 1000) -> dict[st
         for phase in PHASES:
             values = [v.phases[phase] for v in group]
             phases[phase] = {
-                "p50_s": _quantile(values, 0.5),
-                "p99_s": _quantile(values, 0.99),
+                "p50_s": quantile(values, 0.5),
+                "p99_s": quantile(values, 0.99),
                 "mean_s": sum(values) / len(values),
             }
         mean_ttft = sum(ttfts) / len(ttfts)
@@ -333,8 +335,8 @@ def phases_panel(views: Sequence[RequestView], *, window: int = 1000) -> dict[st
             {
                 "kind": kind,
                 "requests": len(group),
-                "ttft_p50_s": _quantile(ttfts, 0.5),
-                "ttft_p99_s": _quantile(ttfts, 0.99),
+                "ttft_p50_s": quantile(ttfts, 0.5),
+                "ttft_p99_s": quantile(ttfts, 0.99),
                 "phases": phases,
                 "encoder_share": encoders / mean_ttft if mean_ttft > 0 else 0.0,
                 "graphs_save_at_most_s": encoders,

@@ -17,6 +17,8 @@ builds on the helpers here:
 * :func:`record_ineligible`: count a call the model runs eagerly before reaching its
   adapter, so stats and event logs still cover every encoder call;
 * :func:`warn_unsupported`: say which part of a model runs without graphs, and why;
+* :func:`code_names` and :func:`code_strings`: what a function's code reads, to recognise
+  the vLLM method an integration reproduces or routes;
 * :data:`attach_lock`: held while attaching, so two threads never attach twice.
 """
 
@@ -43,6 +45,8 @@ __all__ = [
     "ModelIntegration",
     "attach_lock",
     "attached_summary",
+    "code_names",
+    "code_strings",
     "config_from_model",
     "original_method",
     "output_tensor",
@@ -243,6 +247,20 @@ def record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> Non
     # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
     # derive_stats() over a recorded log agree on calls that never reached the graph.
     graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
+
+
+def code_names(function: object) -> frozenset[str]:
+    """The global and attribute names ``function``'s code reads (empty without code)."""
+    code = getattr(function, "__code__", None)
+    return frozenset(code.co_names) if code is not None else frozenset()
+
+
+def code_strings(function: object) -> frozenset[str]:
+    """The string constants in ``function``'s code (empty without code)."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return frozenset()
+    return frozenset(c for c in code.co_consts if isinstance(c, str))
 
 
 def warn_unsupported(logger: logging.Logger, module: object, problem: str, *args: object) -> None:

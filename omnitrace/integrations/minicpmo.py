@@ -52,6 +52,8 @@ from omnitrace.integrations.base import (
     Adapters,
     ModelIntegration,
     attach_lock,
+    code_names,
+    code_strings,
     config_from_model,
     output_tensor,
     record_ineligible,
@@ -258,9 +260,9 @@ def _batch_method_structure(function: Any) -> bool:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     if len(parameters) != 2 or any(p.kind not in positional for p in parameters):
         return False
-    names = set(code.co_names)
-    constants = {c for c in code.co_consts if isinstance(c, str)}
-    return _BATCH_METHOD_NAMES.issubset(names) and _BATCH_METHOD_KEYS.issubset(constants)
+    return (
+        code_names(function) >= _BATCH_METHOD_NAMES and code_strings(function) >= _BATCH_METHOD_KEYS
+    )
 
 
 def audio_batch_method(model: Any) -> str | None:

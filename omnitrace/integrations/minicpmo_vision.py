@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from omnitrace.graphs.adapter import EncoderCudaGraph
-from omnitrace.integrations.base import record_ineligible
+from omnitrace.integrations.base import code_names, code_strings, record_ineligible
 
 __all__ = ["VISION_METHOD", "PositionTable", "VisionPathMethod", "path_forward", "supports_path"]
 
@@ -61,18 +61,6 @@ _RESAMPLER_TAIL = frozenset({"ln_post", "proj"})
 _RESAMPLERS = frozenset({"Resampler2_5", "Resampler4_5"})
 
 
-def _code_names(function: Any) -> frozenset[str]:
-    code = getattr(function, "__code__", None)
-    return frozenset(code.co_names) if code is not None else frozenset()
-
-
-def _code_strings(function: Any) -> frozenset[str]:
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return frozenset()
-    return frozenset(c for c in code.co_consts if isinstance(c, str))
-
-
 def supports_path(model: Any) -> str | None:
     """Say why ``model``'s vision path cannot be one graph here, or None when it can.
 
@@ -85,13 +73,13 @@ def supports_path(model: Any) -> str | None:
     method = getattr(cls, VISION_METHOD, None)
     if method is None:
         return f"no {VISION_METHOD}"
-    if not (_code_names(method) >= _METHOD_NAMES and _code_strings(method) >= _METHOD_KEYS):
+    if not (code_names(method) >= _METHOD_NAMES and code_strings(method) >= _METHOD_KEYS):
         return f"{VISION_METHOD} is not vLLM's MiniCPM-V 2.5+ method"
     vpm = getattr(model, "vpm", None)
     embeddings = getattr(vpm, "embeddings", None)
     if vpm is None or embeddings is None or not hasattr(vpm, "encoder"):
         return "no vpm tower with embeddings and encoder"
-    if not _code_names(type(vpm).forward) >= _VPM_NAMES:
+    if not code_names(type(vpm).forward) >= _VPM_NAMES:
         return "vpm.forward is not vLLM's Idefics2 tower"
     for part in ("patch_embedding", "position_embedding", "num_patches_per_side"):
         if not hasattr(embeddings, part):
@@ -100,7 +88,7 @@ def supports_path(model: Any) -> str | None:
     names = {c.__name__ for c in type(resampler).__mro__}
     if not names & _RESAMPLERS:
         return "the resampler is not vLLM's Resampler2_5/4_5"
-    forward_names = _code_names(getattr(type(resampler), "forward", None))
+    forward_names = code_names(getattr(type(resampler), "forward", None))
     if not forward_names >= (_RESAMPLER_NAMES | _RESAMPLER_TAIL):
         return "the resampler's forward is not vLLM's"
     return None
@@ -150,7 +138,11 @@ def path_forward(model: Any, table: PositionTable) -> Callable[..., torch.Tensor
         batch = hidden.shape[0]
         positions = table.tensor
         if positions is None:
-            positions = resampler.pos_embed.to(device=hidden.device)
+            # Reading vLLM's own table here would bake an address vLLM may replace.
+            raise RuntimeError(
+                "the whole vision path runs through VisionPathMethod, which takes the "
+                "positional table first"
+            )
         flat = positions.reshape(-1, positions.shape[-1])
         # vLLM slices table[:h, :w] per slice, casts it, and zero-pads to the longest slice.
         pos = flat[pos_index].to(dtype=hidden.dtype)
@@ -250,7 +242,7 @@ class VisionPathMethod:
         self._diverged = False
         forward = type(model.vpm).forward
         # vLLM 0.26 passes no mask when no slice is padded; later releases always pass one.
-        self._mask_when_unpadded = "any" not in _code_names(forward)
+        self._mask_when_unpadded = "any" not in code_names(forward)
 
     @property
     def diverged(self) -> bool:
