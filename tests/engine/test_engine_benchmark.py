@@ -185,4 +185,5 @@ def test_the_request_phase_benchmark_reads_each_served_request_back(tmp_path: Pa
             assert row["phases_mean_ms"]["encoders"] > 0, (concurrency, kind)
     for kind, row in on["c1"].items():
         histograms, events = row["engine_part_ms"].values()
-        assert abs(histograms - events) <= 0.1 * histograms, (kind, row["engine_part_ms"])
+        # Both are vLLM's queued-to-first-token span: the events carry it through the join.
+        assert abs(histograms - events) <= 0.02 * histograms, (kind, row["engine_part_ms"])

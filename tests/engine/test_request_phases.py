@@ -131,15 +131,32 @@ def _records(out: Path) -> list[Any]:
     return records
 
 
+def _covered(view: Any) -> bool:
+    """Whether the worker's steps in ``view`` encode every modality the request carries."""
+    engine_id = view.event.engine_request_id
+    wanted = {"image"} if view.event.images else set()
+    if view.event.audios:
+        wanted.add("audio")
+    seen: set[str] = set()
+    for step in view.steps:
+        for rid, modalities in zip(step.request_ids, step.modalities, strict=True):
+            if rid == engine_id:
+                seen.update(modalities.split("+"))
+    return wanted <= seen
+
+
 def _join(out: Path, *, calls: bool = False, wait_for: set[str] = frozenset()) -> RequestJoin:
-    """Join the logs, waiting (at most 30 s) until every id in ``wait_for`` is there."""
+    """Join the logs once every id in ``wait_for`` is there and every request's encoder steps
+    are too (at most 30 s): the API server and the worker write their logs independently, so
+    a request's RequestTimed can be read before the worker's bus has written its steps."""
     deadline = time.monotonic() + 30
     while True:
         join = RequestJoin(calls=calls)
         for record in _records(out):
             join.add(record.item, record.pid)
-        seen = {v.event.request_id for v in join.requests()}
-        if wait_for <= seen or time.monotonic() > deadline:
+        views = join.requests()
+        seen = {v.event.request_id for v in views}
+        if (wait_for <= seen and all(map(_covered, views))) or time.monotonic() > deadline:
             return join
         time.sleep(0.5)
 
@@ -148,8 +165,8 @@ def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
     server: Server,
 ) -> None:
     """One streamed request with a traceparent: one RequestTimed in the API server's log,
-    in the client's trace, whose phases add up to its TTFT and to the client's within 5 %,
-    with its encoder steps from the worker's log."""
+    in the client's trace, whose phases add up to its TTFT and, within 5 % or 10 ms, to the
+    client's, with its encoder steps from the worker's log."""
     _stream(server, 20)  # warm-up: the first request of a server pays for start-up work
     trace_id = _trace_id(server, TRACE_ID)
     rid, client_ttft = _stream(server, 0, {"traceparent": f"00-{trace_id}-{PARENT_ID}-01"})
@@ -168,7 +185,10 @@ def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
         assert getattr(event, name) is not None, name
     assert sum(view.phases.values()) == pytest.approx(event.ttft_s, rel=1e-6)
     assert set(view.phases) == set(PHASES)
-    assert abs(event.ttft_s - client_ttft) <= 0.05 * client_ttft, (event.ttft_s, client_ttft)
+    # The server's span lies inside the client's; what is left is the client building and
+    # sending the request and reading the chunk (a few ms on a busy two-core machine).
+    assert event.ttft_s <= client_ttft, (event.ttft_s, client_ttft)
+    assert client_ttft - event.ttft_s <= max(0.05 * client_ttft, 0.010), (event.ttft_s, client_ttft)
     assert view.phases["encoders"] > 0, view.phases
     assert view.steps
     assert all(event.engine_request_id in s.request_ids for s in view.steps)
