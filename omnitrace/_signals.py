@@ -7,7 +7,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["signals_set", "sigterm_sets"]
+__all__ = ["signals_set", "sigterm_sets", "stops_set"]
 
 
 @contextlib.contextmanager
@@ -37,4 +37,17 @@ def sigterm_sets(stop: threading.Event, *, enabled: bool = True) -> Iterator[Non
     that arrives during that ending does not cut it short. See :func:`signals_set`.
     """
     with signals_set(stop, signal.SIGTERM, enabled=enabled):
+        yield
+
+
+@contextlib.contextmanager
+def stops_set(stop: threading.Event, *, enabled: bool = True) -> Iterator[None]:
+    """While the block runs, SIGTERM and Ctrl-C (SIGINT) both set ``stop``.
+
+    For loops that check ``stop`` between two steps: Ctrl-C then ends the loop there, never
+    as a ``KeyboardInterrupt`` raised inside a read, a bus's lock or a child's wait, which
+    can leave a lock held and the ending hung. One more Ctrl-C during the ending (bounded
+    by its own timeouts) does not cut it short. See :func:`signals_set`.
+    """
+    with signals_set(stop, signal.SIGTERM, signal.SIGINT, enabled=enabled):
         yield

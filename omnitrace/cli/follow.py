@@ -1,7 +1,8 @@
 """Following logs as they grow (``top --follow``, ``replay --follow``) and how a follow stops.
 
-A follow polls every :data:`FOLLOW_POLL_S` until its duration passed, q is typed, Ctrl-C,
-SIGTERM (set by :func:`_sigterm_stops`), a watched process exited or standard input closed.
+A follow polls every :data:`FOLLOW_POLL_S` until its duration passed, q is typed, Ctrl-C or
+SIGTERM (both set the stop event, :func:`_signal_stops`), a watched process exited or standard
+input closed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
-from omnitrace._signals import sigterm_sets as _sigterm_stops
+from omnitrace._signals import stops_set as _signal_stops
 from omnitrace.cli.output import _error, _say
 
 __all__ = [
@@ -23,7 +24,7 @@ __all__ = [
     "_exited",
     "_follow",
     "_followable",
-    "_sigterm_stops",
+    "_signal_stops",
     "_unmatched_patterns",
 ]
 

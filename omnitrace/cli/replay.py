@@ -21,7 +21,7 @@ from omnitrace.cli.follow import (
     _exited,
     _follow,
     _followable,
-    _sigterm_stops,
+    _signal_stops,
     _unmatched_patterns,
 )
 from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
@@ -136,7 +136,7 @@ class _Recorded:
 def _replay(args: argparse.Namespace, records: _Recorded | None) -> int:
     """Feed recorded logs (None: follow ``args.paths``) through a bus with sinks."""
     stop = threading.Event()
-    with _sigterm_stops(stop, enabled=records is None):
+    with _signal_stops(stop, enabled=records is None):
         return _replay_into_sinks(args, records, stop)
 
 

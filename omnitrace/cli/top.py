@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnitrace.cli.follow import _follow, _followable, _sigterm_stops, _unmatched_patterns
+from omnitrace.cli.follow import _follow, _followable, _signal_stops, _unmatched_patterns
 from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:
         with (
-            _sigterm_stops(stop),
+            _signal_stops(stop),
             LiveView(board, console=console) if tui else contextlib.nullcontext(),
         ):
             _follow(poll, args.duration, stop, keys=tui)

@@ -36,7 +36,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from omnitrace._files import check_regular, write_regular
-from omnitrace._signals import sigterm_sets
+from omnitrace._signals import signals_set, sigterm_sets
 from omnitrace.demo.run import LOG_STARTED
 from omnitrace.eventlog import EventLogFollower
 from omnitrace.ranks import totals, totals_json
@@ -241,9 +241,16 @@ def run_ranks(
     say(f"starting {ranks} ranks on {where}")
     board = RecordBoard(title=f"omnitrace demo · {ranks} ranks")
     stop = threading.Event()
+    # Ctrl-C sets its own event, checked between two polls like SIGTERM's: never raised
+    # inside a log read or a child's wait, and one more during the stop does not cut it.
+    ctrl_c = threading.Event()
     interrupted = False
     started: list[_Rank] = []
-    with tempfile.TemporaryDirectory(prefix="omnitrace-ranks-") as scratch, sigterm_sets(stop):
+    with (
+        tempfile.TemporaryDirectory(prefix="omnitrace-ranks-") as scratch,
+        sigterm_sets(stop),
+        signals_set(ctrl_c, signal.SIGINT),
+    ):
         try:
             for index in range(ranks):
                 argv = [*command, "demo", *child_argv, "--no-tui", "--events-log", str(pattern)]
@@ -274,17 +281,25 @@ def run_ranks(
             board.footer = ("Ctrl-C stops every rank",) if tui else ()
             view = LiveView(board, console=console) if tui else contextlib.nullcontext()
             with view:
-                while not stop.is_set() and any(r.process.poll() is None for r in started):
+                while not (stop.is_set() or ctrl_c.is_set()) and any(
+                    r.process.poll() is None for r in started
+                ):
                     poll()
                     time.sleep(POLL_S)
-                if stop.is_set():
+                if ctrl_c.is_set():
+                    # A Ctrl-C at the terminal reached the ranks too; one sent to this
+                    # process alone is passed on. Each rank closes its bus and log and
+                    # says how far it got.
+                    interrupted = True
+                    _stop(started, signal.SIGINT)
+                elif stop.is_set():
                     interrupted = True
                     _stop(started, signal.SIGTERM)
                 poll()
                 board.footer = ()  # the frame the view leaves on the terminal: no key hint
         except KeyboardInterrupt:
-            # A Ctrl-C at the terminal reached the ranks too; one sent to this process
-            # alone is passed on. Each rank closes its bus and log and says how far it got.
+            # Where the handler is not in place (off the main thread, or before it was
+            # set), Ctrl-C arrives as this exception.
             interrupted = True
             _stop(started, signal.SIGINT)
         finally:

@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from omnitrace._signals import signals_set
 from omnitrace.bus import EventBus
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.demo.encoders import MEL_BINS, AudioEncoder, EncoderGeometry, VisionEncoder
@@ -370,9 +371,14 @@ class _Encoders:
 
 
 def _drive(
-    options: DemoOptions, encoders: _Encoders, advance: Callable[[], None], start: float
+    options: DemoOptions,
+    encoders: _Encoders,
+    advance: Callable[[], None],
+    start: float,
+    ctrl_c: threading.Event,
 ) -> tuple[int, bool]:
-    """Send the traffic; return how many requests were served and whether Ctrl-C stopped it."""
+    """Send the traffic; return how many requests were served and whether Ctrl-C stopped it
+    (``ctrl_c`` set, checked between two requests)."""
     mix = TrafficMix(options.seed)
     total = options.requests or None
     duration = options.duration_s
@@ -381,6 +387,8 @@ def _drive(
         for _ in range(options.profiling_runs):
             encoders.profile()
         while total is None or served < total:
+            if ctrl_c.is_set():
+                return served, True
             elapsed = time.monotonic() - start
             if duration is not None and elapsed >= duration:
                 break
@@ -392,15 +400,16 @@ def _drive(
             advance()
             if options.rate:
                 delay = start + served / options.rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+                if delay > 0 and ctrl_c.wait(delay):
+                    return served, True
             if encoders.device.type == "cuda" and served % 64 == 0:
                 # Bound the queued GPU work, so the pace and the view follow real progress.
                 torch.cuda.synchronize()
     except KeyboardInterrupt:
-        # Ctrl-C ends the traffic early; the run still closes its sinks and reports.
+        # Where the handler is not in place (off the main thread), Ctrl-C arrives as this
+        # exception; it too ends the traffic early, and the run still closes and reports.
         return served, True
-    return served, False
+    return served, ctrl_c.is_set()
 
 
 def _pick_device(options: DemoOptions) -> tuple[torch.device, torch.dtype, bool]:
@@ -479,6 +488,11 @@ def _run(
         if threading.current_thread() is threading.main_thread()
         else None
     )
+    # Ctrl-C sets an event the traffic loop checks between two requests: never raised
+    # inside an adapter, the bus or a sink, and one more during the close does not cut it.
+    ctrl_c = threading.Event()
+    sigint = signals_set(ctrl_c, signal.SIGINT)
+    sigint.__enter__()
     try:
         bus.add_sink(LogSink(sample_every=options.log_sample_every, bus=bus))
         # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
@@ -503,7 +517,7 @@ def _run(
             )
             start = progress.start = time.monotonic()
             with _progress(options, console, board, progress, sigterm) as advance, torch.no_grad():
-                served, interrupted = _drive(options, encoders, advance, start)
+                served, interrupted = _drive(options, encoders, advance, start, ctrl_c)
                 progress.end = time.monotonic()
                 elapsed = progress.end - start
                 # Closed while the view still holds stderr: the log lines the close writes
@@ -516,6 +530,7 @@ def _run(
         # Restored only once the bus is closed: a SIGTERM during the close still counts.
         if restore_sigterm is not None:
             restore_sigterm()
+        sigint.__exit__(None, None, None)
         sigterm.__exit__(None, None, None)
         if jsonl is not None:
             jsonl.close()
