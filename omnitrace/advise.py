@@ -4,7 +4,8 @@
 calls with their keys (the input signature with its replay stream), and replays it through
 :class:`~omnitrace.graphs.admission.Admission`, the policy the adapter itself runs, once per
 setting of a grid of ``max_graphs``, ``min_capture_calls`` and ``min_free_bytes`` (and
-``skip_profiling`` when the log holds profiling calls). For each setting it reports the hit
+``skip_profiling`` when the log holds profiling calls, ``pool_budget_bytes`` when asked or
+logged). For each setting it reports the hit
 rate, the graphs held, their pool memory and the time the graphs would have saved, and it
 recommends the best one as ``--hf-overrides`` JSON.
 
@@ -33,8 +34,9 @@ What the replay takes from the log, and what it estimates:
 The best setting has the largest saving (or the most hits) among those that graph a call
 (``max_graphs`` 0 is never recommended: that is graphs off), whose pool memory fits the
 budget and whose captures fit in device-free memory where it is known; ties go to fewer
-graphs, then less pool memory, a lower ``max_graphs``, a higher floor, a higher
-``min_capture_calls`` and skipping profiling: the cheapest and most conservative of equals.
+graphs, then less pool memory, a tighter ``pool_budget_bytes`` (none last), a lower
+``max_graphs``, a higher floor, a higher ``min_capture_calls`` and skipping profiling: the
+cheapest and most conservative of equals.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnitrace._units import format_bytes
+from omnitrace._validate import INT64_MAX
 from omnitrace.advise_record import KeyCost, Recording, Setting, Worker
 from omnitrace.advise_replay import EncoderOutcome, Result, replay, replay_grid
 from omnitrace.config import MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
@@ -85,12 +88,14 @@ def default_grid(
     max_graphs: Sequence[int] | None = None,
     min_capture_calls: Sequence[int] | None = None,
     min_free_bytes: Sequence[int] | None = None,
+    pool_budget_bytes: Sequence[int] | None = None,
 ) -> list[Setting]:
     """Return the settings to try: the given values, else the defaults with the logged ones.
 
     ``max_graphs`` stops at the number of distinct keys of the busiest encoder (more would
     hold nothing more); floors other than the logged one are tried only when device-free
-    memory is known; ``skip_profiling`` both ways only when the log has profiling calls.
+    memory is known; ``skip_profiling`` both ways only when the log has profiling calls;
+    ``pool_budget_bytes`` (per encoder, 0: none) defaults to the logged one.
 
     Raises:
         ConfigError: a given value is out of the range the config accepts.
@@ -114,13 +119,16 @@ def default_grid(
         if recording.profiling
         else tuple({s.skip_profiling for s in logged} or {False})
     )
+    if pool_budget_bytes is None:
+        pool_budget_bytes = [s.pool_budget_bytes for s in logged] or [0]
     grid = [
-        Setting(g, c, f, s)
-        for g, c, f, s in itertools.product(
+        Setting(g, c, f, s, b)
+        for g, c, f, s, b in itertools.product(
             sorted(set(max_graphs)),
             sorted(set(min_capture_calls)),
             sorted(set(min_free_bytes)),
             sorted(skips),
+            sorted(set(pool_budget_bytes)),
         )
     ]
     for setting in grid:
@@ -153,7 +161,16 @@ class Advice:
         """The recommended ``--hf-overrides`` keys."""
         if self.best is None:
             return None
-        return self.best.setting.overrides(profiling=self.recording.profiling)
+        return self.setting_keys(self.best.setting)
+
+    def setting_keys(self, setting: Setting) -> dict[str, int | bool]:
+        """The ``--hf-overrides`` keys of ``setting`` as this advice shows each setting:
+        ``skip_profiling`` where the log has profiling calls, ``pool_budget_bytes`` where
+        the grid or the logged run has a budget."""
+        budget = any(r.setting.pool_budget_bytes for r in self.results) or any(
+            s.pool_budget_bytes for s in self.recording.logged.values()
+        )
+        return setting.overrides(profiling=self.recording.profiling, budget=budget)
 
     def why(self) -> str:
         """Say in a sentence or two why the best setting is recommended."""
@@ -174,6 +191,9 @@ class Advice:
         parts.append(f"(hit rate {best.hit_rate * 100:.1f} %)")
         text = " ".join(parts)
         text += f", with {_graphs(best.graphs)} holding {format_bytes(best.pool_bytes)}"
+        if best.setting.pool_budget_bytes:
+            budget = format_bytes(best.setting.pool_budget_bytes)
+            text += f" (no new shape past a pool budget of {budget} an encoder)"
         if self.memory_budget is not None:
             text += f", within the budget of {format_bytes(self.memory_budget)}"
         if best.min_free_bytes is not None:
@@ -248,6 +268,8 @@ def _rank(result: Result, objective: str) -> tuple[float | int, ...]:
         -_score(result, objective),
         result.graphs,
         result.pool_bytes,
+        # A byte budget guards against the traffic to come: the tighter one first, none last.
+        setting.pool_budget_bytes or INT64_MAX,
         setting.max_graphs,
         -setting.min_free_bytes,
         -setting.min_capture_calls,
@@ -361,7 +383,7 @@ def advice_json(advice: Advice) -> dict[str, Any]:
 
     def result(r: Result) -> dict[str, Any]:
         return {
-            "setting": r.setting.overrides(profiling=advice.recording.profiling),
+            "setting": advice.setting_keys(r.setting),
             "calls": r.calls,
             "hits": r.hits,
             "hit_rate": r.hit_rate,

@@ -51,17 +51,21 @@ class Setting:
     min_capture_calls: int
     min_free_bytes: int
     skip_profiling: bool = False
+    pool_budget_bytes: int = 0
 
     def config(self) -> EncoderGraphConfig:
         """Return the config this setting stands for (other fields at their defaults)."""
         return EncoderGraphConfig(**asdict(self))
 
-    def overrides(self, *, profiling: bool = True) -> dict[str, int | bool]:
-        """Return the ``--hf-overrides`` keys of this setting (``skip_profiling`` only when
-        ``profiling``, i.e. when the grid varied it)."""
+    def overrides(self, *, profiling: bool = True, budget: bool = False) -> dict[str, int | bool]:
+        """Return the ``--hf-overrides`` keys of this setting: ``skip_profiling`` only when
+        ``profiling`` (the grid varied it), ``pool_budget_bytes`` only when it is set or
+        ``budget`` (the grid or the logged run had one, so no budget must be said)."""
         values = asdict(self)
         if not profiling:
             del values["skip_profiling"]
+        if not (budget or self.pool_budget_bytes):
+            del values["pool_budget_bytes"]
         return {_KEYS[name]: value for name, value in values.items()}
 
 
@@ -423,6 +427,7 @@ class _Builder:
             number("min_capture_calls", default.min_capture_calls),
             number("min_free_bytes", default.min_free_bytes),
             bool(info.get("skip_profiling", adapter in self.skipped_profiling)),
+            number("pool_budget_bytes", default.pool_budget_bytes),
         )
 
     def _costs(

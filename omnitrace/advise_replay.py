@@ -164,6 +164,7 @@ def replay(recording: Recording, setting: Setting) -> Result:
                 captured[call.key] = 1
                 state.hits += 1
                 size = recording.costs[call.adapter][call.key].capture_bytes
+                state.admission.took(size)
                 used[call.device] = used.get(call.device, 0) + size
                 if start is not None:
                     left = start - used[call.device]
@@ -340,26 +341,28 @@ class _WorkerReplay:
         return calls
 
     def run(self, setting: Setting) -> _Run:
-        g, c, floor, skip = (
+        g, c, floor, skip, budget = (
             setting.max_graphs,
             setting.min_capture_calls,
             setting.min_free_bytes,
             setting.skip_profiling,
+            setting.pool_budget_bytes,
         )
         if g == 0 or floor == 0:
-            return self._memo((g, c, 0, skip))
-        zero = self._memo((g, c, 0, skip))
+            return self._memo((g, c, 0, skip, budget))
+        zero = self._memo((g, c, 0, skip, budget))
         if zero.floor_reached is None or floor <= zero.floor_reached:
             return zero  # no capture of floor 0's run came near this floor
         if self._frozen(floor, skip):
+            # No capture: neither the count nor the budget decides anything.
             key = (g, c, "frozen", skip)
             run = self._runs.get(key)
             if run is None:
                 run = self._runs[key] = self._without_captures(g, c, skip)
             return run
-        return self._memo((g, c, floor, skip))
+        return self._memo((g, c, floor, skip, budget))
 
-    def _memo(self, key: tuple[int, int, int, bool]) -> _Run:
+    def _memo(self, key: tuple[int, int, int, bool, int]) -> _Run:
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = self._simulate(*key)
@@ -383,9 +386,9 @@ class _WorkerReplay:
             )
         return states
 
-    def _simulate(self, g: int, c: int, floor: int, skip: bool) -> _Run:
+    def _simulate(self, g: int, c: int, floor: int, skip: bool, budget: int) -> _Run:
         """Replay the calls that decide something; count the others."""
-        config = Setting(g, c, floor, skip).config()
+        config = Setting(g, c, floor, skip, budget).config()
         calls = self.calls(skip)
         states = self._states(config, calls)
         names = self.adapters
@@ -407,6 +410,7 @@ class _WorkerReplay:
         captured: list[list[tuple[int, int]]] = [[] for _ in names]
         warm = [0] * len(names)
         memory = [0] * len(names)
+        spent = [0] * len(names)  # bytes each encoder's graphs took, against ``budget``
         used: dict[str | None, int] = {}
         lowest: int | None = None
         reached: int | None = None
@@ -443,11 +447,12 @@ class _WorkerReplay:
                 live[key_id] = False
                 active[key_id] = False
                 used[device] = used.get(device, 0) + size_of[key_id]
+                spent[adapter] += size_of[key_id]
                 if start is not None:
                     reached = free_now if reached is None else min(reached, free_now)
                     left_bytes = start - used[device]
                     lowest = left_bytes if lowest is None else min(lowest, left_bytes)
-                if graphs[adapter] >= g:
+                if graphs[adapter] >= g or (budget > 0 and spent[adapter] >= budget):
                     for other in self.keys_of[adapter]:
                         live[other] = False
                         active[other] = False

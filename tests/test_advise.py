@@ -133,6 +133,7 @@ def _records(
         "max_graphs": config.max_graphs,
         "min_capture_calls": config.min_capture_calls,
         "min_free_bytes": config.min_free_bytes,
+        "pool_budget_bytes": config.pool_budget_bytes,
         "backend": "torch",
         "simulated": simulated,
     }
@@ -210,6 +211,7 @@ def _best(truth: dict[Setting, _Truth], budget: int | None = None) -> Setting:
             -round(truth[s].saved_s, 9),
             truth[s].graphs,
             truth[s].pool_bytes,
+            s.pool_budget_bytes or 1 << 63,
             s.max_graphs,
             -s.min_free_bytes,
             -s.min_capture_calls,
@@ -273,6 +275,80 @@ def test_six_hot_shapes_with_four_graphs_lose_a_third_and_six_is_recommended() -
     )
     _check_against_brute_force(recording, truth, advice.results)
     assert advice.best.setting == _best(truth)
+
+
+def test_a_pool_budget_is_replayed_as_the_adapter_applies_it_and_named_in_the_overrides() -> None:
+    """Pool budgets in the grid: each setting's replay matches the real adapter's run under
+    it; unbounded, six graphs win and the overrides say the budget is off (0); within a
+    worker's memory budget that fits four graphs, a budget that stops at four is preferred
+    to a bare count among equals, and the reason names it."""
+    logged = EncoderGraphConfig(max_graphs=4, min_capture_calls=2, min_free_bytes=0)
+    calls = _six_hot_shapes()
+    events = _retimed(_run(calls, logged), dict.fromkeys(SIX, 0.004), dict.fromkeys(SIX, 0.001))
+    recording = Recording.from_records(_records(events, logged))
+    # 64 MiB a graph: three take 192 MiB (under), the fourth passes the budget, so four fit.
+    grid = default_grid(recording, min_capture_calls=[2], pool_budget_bytes=[0, 200 * MiB])
+    assert {s.pool_budget_bytes for s in grid} == {0, 200 * MiB}
+    truth = _brute_force(
+        recording, calls, grid, free_bytes=80 * GiB, sizes={}, graph_bytes=64 * MiB
+    )
+    advice = advise(recording, grid)
+    _check_against_brute_force(recording, truth, advice.results)
+    assert truth[Setting(6, 2, 0, False, 200 * MiB)].graphs == 4
+    assert advice.best is not None
+    assert advice.best.setting == _best(truth) == Setting(6, 2, 0)
+    assert advice.overrides == {
+        "encoder_cuda_graph_max_graphs": 6,
+        "encoder_cuda_graph_min_capture_calls": 2,
+        "encoder_cuda_graph_min_free_bytes": 0,
+        "encoder_cuda_graph_pool_budget_bytes": 0,
+    }
+
+    within = advise(recording, grid, memory_budget=300 * MiB)
+    assert within.best is not None
+    assert within.best.setting == _best(truth, 300 * MiB) == Setting(4, 2, 0, False, 200 * MiB)
+    assert within.overrides is not None
+    assert within.overrides["encoder_cuda_graph_pool_budget_bytes"] == 200 * MiB
+    assert "(no new shape past a pool budget of 200.0 MiB an encoder)" in within.why()
+
+
+def test_the_logged_pool_budget_is_the_grid_s_default_and_kept_in_the_overrides() -> None:
+    """A log whose adapters ran with a budget: the default grid keeps that budget, and the
+    recommendation repeats it."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    logged = dataclasses.replace(logged, pool_budget_bytes=200 * MiB)
+    events = _retimed(
+        _run(_six_hot_shapes(), logged), dict.fromkeys(SIX, 0.004), dict.fromkeys(SIX, 0.001)
+    )
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 4  # the budget stopped it
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.logged["vision"] == Setting(8, 2, 0, False, 200 * MiB)
+    assert {s.pool_budget_bytes for s in default_grid(recording)} == {200 * MiB}
+    advice = advise(recording)
+    assert advice.logged is not None
+    assert advice.logged.graphs == 4
+    assert advice.overrides is not None
+    assert advice.overrides["encoder_cuda_graph_pool_budget_bytes"] == 200 * MiB
+
+
+def test_advise_pool_budget_option_adds_a_column_and_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--pool-budget puts the budgets in the grid: the table gains a budget column and the
+    recommended overrides name the key."""
+    path = _six_hot_log(tmp_path)
+    args = ["advise", str(path), "--pool-budget", "0,200MiB", "--memory-budget", "300MiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert " budget " in out
+    assert '"encoder_cuda_graph_pool_budget_bytes": 209715200' in out
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["encoder_cuda_graph_pool_budget_bytes"] == 200 * MiB
+    assert {r["setting"]["encoder_cuda_graph_pool_budget_bytes"] for r in data["results"]} == {
+        0,
+        200 * MiB,
+    }
 
 
 def test_one_off_pairs_fill_the_slots_and_a_budget_makes_three_calls_win() -> None:

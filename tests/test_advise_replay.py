@@ -4,7 +4,7 @@
 history counts across ``min_capture_calls``; :func:`~omnitrace.advise.replay` runs every
 call through the adapter's own admission policy. On random traffic (several workers and
 encoders, ineligible and profiling calls, calls kept out of admission as profiling, free
-memory known, estimated or unknown) the two must agree setting by setting.
+memory known, estimated or unknown, pool budgets) the two must agree setting by setting.
 """
 
 from __future__ import annotations
@@ -85,9 +85,13 @@ def _records(calls: list[tuple[int, str, int, str]], deferrals: bool) -> list[Ev
 
 GIB = 1 << 30
 GRID = [
-    Setting(g, c, floor, skip)
-    for g, c, floor, skip in itertools.product(
-        (0, 1, 2, 3, 5, 12), (2, 3, 5), (0, 100 * MiB, 700 * MiB, GIB, 8 * GIB), (False, True)
+    Setting(g, c, floor, skip, budget)
+    for g, c, floor, skip, budget in itertools.product(
+        (0, 1, 2, 3, 5, 12),
+        (2, 3, 5),
+        (0, 100 * MiB, 700 * MiB, GIB, 8 * GIB),
+        (False, True),
+        (0, 120 * MiB, 600 * MiB),  # pool budgets: after one or two of these captures
     )
 ]
 

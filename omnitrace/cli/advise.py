@@ -32,6 +32,9 @@ def _advise_table(advice: Any, top: int) -> Table:
     )
     for heading in ("#", "max_graphs", "min_calls", "floor"):
         table.add_column(heading, justify="right")
+    budgets = any(r.setting.pool_budget_bytes for r in advice.results)
+    if budgets:
+        table.add_column("budget", justify="right")
     if recording.profiling:
         table.add_column("skip prof.")
     for heading in ("hit rate", "graphs", "pool"):
@@ -60,6 +63,9 @@ def _advise_table(advice: Any, top: int) -> Table:
             marks.append("[red]out of memory[/]")
         cells = [rank, str(setting.max_graphs), str(setting.min_capture_calls)]
         cells.append(format_bytes(setting.min_free_bytes))
+        if budgets:
+            budget = setting.pool_budget_bytes
+            cells.append(format_bytes(budget) if budget else "none")
         if recording.profiling:
             cells.append("yes" if setting.skip_profiling else "no")
         pool = format_bytes(result.pool_bytes) + ("*" if result.estimated_sizes else "")
@@ -152,6 +158,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             max_graphs=args.max_graphs,
             min_capture_calls=args.min_capture_calls,
             min_free_bytes=args.min_free_bytes,
+            pool_budget_bytes=args.pool_budget,
         )
         step = progress.phase("replaying settings", len(grid))
         advice = advise(recording, grid, memory_budget=args.memory_budget, progress=step)

@@ -442,9 +442,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description=(
             "Replay the encoder calls of recorded JSONL logs (several workers' logs at once) "
             "through the adapter's admission policy for a grid of max_graphs, "
-            "min_capture_calls and memory floors; report per setting the hit rate, graphs, "
-            "pool memory and estimated time saved, then the recommended --hf-overrides JSON "
-            "and why."
+            "min_capture_calls, memory floors and pool budgets; report per setting the hit "
+            "rate, graphs, pool memory and estimated time saved, then the recommended "
+            "--hf-overrides JSON and why."
         ),
     )
     advise.add_argument(
@@ -469,6 +469,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help=(
             "memory floors to try, e.g. 0,512MiB,1GiB (default: the logged one, and a range "
             "when device-free memory is known)"
+        ),
+    )
+    advise.add_argument(
+        "--pool-budget",
+        type=_size_list,
+        default=None,
+        metavar="SIZE,...",
+        help=(
+            "pool_budget_bytes values to try, per encoder, e.g. 0,256MiB,1GiB (0: no budget; "
+            "default: the logged one); with a budget, raise --max-graphs's values too, the "
+            "budget then decides how many shapes fit"
         ),
     )
     advise.add_argument(

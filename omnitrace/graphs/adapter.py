@@ -203,6 +203,7 @@ class EncoderCudaGraph:
                     "max_graphs": config.max_graphs,
                     "min_capture_calls": config.min_capture_calls,
                     "min_free_bytes": config.min_free_bytes,
+                    "pool_budget_bytes": config.pool_budget_bytes,
                     "share_pools": config.share_pools,
                     "compile": config.compile,
                     "background_capture": config.background_capture,
