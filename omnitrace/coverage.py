@@ -45,7 +45,8 @@ from omnitrace.coverage_snapshot import (
     ProfilingRuns,
     Timing,
 )
-from omnitrace.events import Event, Phase
+from omnitrace.events import Event, MissReason, Phase
+from omnitrace.misses import MissCause, merge
 from omnitrace.signature import Signature
 from omnitrace.stats import StatsFold
 
@@ -165,7 +166,7 @@ class _Row:
 class _Table:
     """One adapter's rows, bounded, and its other bucket."""
 
-    __slots__ = ("evictions", "limit", "other", "profiling_runs", "rows", "tally")
+    __slots__ = ("details", "evictions", "limit", "other", "profiling_runs", "rows", "tally")
 
     def __init__(self, limit: int, tally: Any = None) -> None:
         self.limit = limit
@@ -175,6 +176,8 @@ class _Table:
         self.other = _Row(None)
         self.evictions = 0
         self.profiling_runs = NO_RUNS
+        # Misses by (reason, detail), kept whole: details are few (the adapters' own words).
+        self.details: dict[tuple[MissReason, str], int] = {}
 
     def _evict(self) -> bool:
         """Fold the uncaptured row with the fewest calls (the earliest tracked among equals)
@@ -218,6 +221,7 @@ class _Table:
             self.limit,
             self.evictions,
             self.profiling_runs,
+            merge([[MissCause(r, d, n) for (r, d), n in self.details.items()]]),
         )
 
 
@@ -301,6 +305,8 @@ class CoverageFold:
             row.calls += 1
             counts = row.counts(event.phase)
             counts.misses[event.reason] += 1
+            detail = (event.reason, event.detail)
+            table.details[detail] = table.details.get(detail, 0) + 1
             duration = event.duration_s
             if duration is not None:
                 counts.eager_n += 1

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from omnitrace.events import MissReason, Phase
+from omnitrace.misses import MissCause, causes_json
 from omnitrace.signature import Signature
 from omnitrace.stats import HitRate
 
@@ -238,6 +239,8 @@ class AdapterCoverage:
     """Rows folded into ``other`` so far (one signature may count more than once)."""
     profiling_runs: ProfilingRuns = NO_RUNS
     """What the engine's start-up profiling runs reported of this encoder."""
+    miss_details: tuple[MissCause, ...] = ()
+    """Every miss by reason and detail (``cpu``, ``paused``, ``budget``, ...), most first."""
 
     @property
     def total(self) -> CallCounts:
@@ -280,7 +283,9 @@ class AdapterCoverage:
         and ``profiling`` (``calls``, ``hits``, ``captures`` and ``replayed_in_serving``,
         graphs captured while profiling that serving replayed) when there were any, with
         ``runs``, ``runs_without_calls`` and ``runner`` (see :class:`ProfilingRuns`) when a
-        profiling run was observed, so a run that called no encoder shows too.
+        profiling run was observed, so a run that called no encoder shows too; and
+        ``miss_details``, ``{reason: {detail: misses}}`` (see :func:`~omnitrace.misses.
+        causes_json`).
         """
         calls = self.total.calls or 1
         fields: dict[str, Any] = {
@@ -312,6 +317,7 @@ class AdapterCoverage:
                 fields["profiling"].update(
                     runs=runs.runs, runs_without_calls=runs.without_calls, runner=runs.runner
                 )
+        fields["miss_details"] = causes_json(self.miss_details)
         return fields
 
     @property

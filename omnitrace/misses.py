@@ -3,9 +3,10 @@
 A miss's reason (``ineligible``, ``capacity``, ``warmup``, ``memory``) is in the stats; its
 detail says what to change: ``cpu``, ``grad``, ``disabled`` (graphs switched off or
 enforce-eager), ``paused``, ``attention_backend``, ``profiling``, ... (free text from the
-adapter or a model wrapper, so data to escape before it is shown). :class:`MissDetailFold`
-counts them, a pure fold of ``GraphMissed`` events like the stats; the live view, ``omnitrace
-top`` (its text and ``--json``) and ``advise`` show these counts.
+adapter or a model wrapper, so data to escape before it is shown). The coverage fold counts
+them per encoder (:attr:`~omnitrace.coverage.AdapterCoverage.miss_details`); the live view,
+the ``graph_summary`` lines, ``omnitrace top`` (its text and ``--json``), ``replay --json``
+and ``advise`` show these counts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from omnitrace.events import Event, GraphMissed, MissReason
+from omnitrace.events import MissReason
 
 __all__ = [
     "MissCause",
-    "MissDetailFold",
     "cause_label",
     "causes_json",
     "counts_of",
@@ -36,37 +36,6 @@ class MissCause:
     reason: MissReason
     detail: str
     misses: int
-
-
-class MissDetailFold:
-    """Count the misses of each (encoder, reason, detail); call :meth:`fold` on every event.
-
-    Cheap enough for the bus's synchronous folds: one type check per event, one dictionary
-    update per miss. Not thread-safe on its own: whoever folds also guards the snapshots.
-    """
-
-    __slots__ = ("_counts",)
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, MissReason, str], int] = {}
-
-    def fold(self, event: Event) -> None:
-        """Count ``event`` if it is a miss."""
-        if type(event) is GraphMissed:
-            key = (event.adapter, event.reason, event.detail)
-            counts = self._counts
-            counts[key] = counts.get(key, 0) + 1
-
-    def causes(self, adapter: str) -> tuple[MissCause, ...]:
-        """The misses of ``adapter`` by reason and detail: most first, then in display order."""
-        order = {reason: index for index, reason in enumerate(MissReason.display_order())}
-        found = [
-            MissCause(reason, detail, count)
-            for (name, reason, detail), count in self._counts.items()
-            if name == adapter
-        ]
-        found.sort(key=lambda cause: (-cause.misses, order[cause.reason], cause.detail))
-        return tuple(found)
 
 
 def causes_json(causes: Iterable[MissCause]) -> dict[str, dict[str, int]]:

@@ -1,4 +1,5 @@
-"""Why calls missed, by reason and detail: the fold, the live view, top and advise show it."""
+"""Why calls missed, by reason and detail: the coverage fold counts it, the live view, top
+and advise show it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from rich.console import Console
 
 from omnitrace import EventBus, GraphMissed, GraphReplayed, MissReason
 from omnitrace.cli import main
+from omnitrace.coverage import derive_coverage
 from omnitrace.eventlog import EventRecord
-from omnitrace.misses import MissCause, MissDetailFold, causes_json, telling
+from omnitrace.misses import MissCause, causes_json, telling
 from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.sinks.live import BusBoard, RecordBoard, render
 from omnitrace.testing import sig
@@ -52,17 +54,19 @@ def _text(renderable: object, width: int = 120) -> str:
 
 
 def test_the_fold_counts_each_reason_and_detail_most_first() -> None:
-    """Misses are counted per (reason, detail); hits are not; the most frequent comes first."""
-    fold = MissDetailFold()
-    for event in _events():
-        fold.fold(event)
-    assert fold.causes("vision") == (
+    """Misses are counted per (reason, detail); hits are not; the most frequent comes first;
+    an encoder's coverage with few tracked keys still counts every miss."""
+    coverage = derive_coverage(_events())
+    assert derive_coverage(_events(), limit=1)["vision"].miss_details == (
+        coverage["vision"].miss_details
+    )
+    assert coverage["vision"].miss_details == (
         MissCause(MissReason.INELIGIBLE, "cpu", 3),
         MissCause(MissReason.WARMUP, "call 1 of 2", 1),
         MissCause(MissReason.CAPACITY, "cap", 1),
         MissCause(MissReason.INELIGIBLE, "paused", 1),
     )
-    assert causes_json(fold.causes("audio")) == {
+    assert causes_json(coverage["audio"].miss_details) == {
         "warmup": {},
         "capacity": {},
         "memory": {},
@@ -72,10 +76,8 @@ def test_the_fold_counts_each_reason_and_detail_most_first() -> None:
 
 def test_warmups_and_details_that_repeat_their_reason_are_not_telling() -> None:
     """A warm-up is expected and a capacity miss's "cap" says no more than its reason."""
-    fold = MissDetailFold()
-    for event in _events():
-        fold.fold(event)
-    assert [c.detail for c in telling(fold.causes("vision"))] == ["cpu", "paused"]
+    causes = derive_coverage(_events())["vision"].miss_details
+    assert [c.detail for c in telling(causes)] == ["cpu", "paused"]
 
 
 def test_a_bus_board_shows_why_calls_missed_with_counts() -> None:

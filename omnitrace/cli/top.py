@@ -19,7 +19,6 @@ __all__ = ["_cmd_top"]
 
 
 def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[str, Any]:
-    from omnitrace.misses import causes_json
     from omnitrace.ranks import totals, totals_json
 
     snapshot = board.snapshot()
@@ -32,12 +31,9 @@ def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[s
     return {
         "logs": [str(p) for p in paths],
         "events": snapshot.emitted,
-        # Beside each encoder's summary, its misses by reason and detail (cpu, disabled,
-        # paused, ...): what to change.
-        "encoders": [
-            {**_top_encoder_json(e), "miss_details": causes_json(e.causes)}
-            for e in snapshot.encoders
-        ],
+        # Each worker's encoders, with what every output says of them (their misses by
+        # reason and detail, cpu, disabled, paused, ..., included: what to change).
+        "encoders": [_top_encoder_json(e) for e in snapshot.encoders],
         # Every worker's encoders summed (the view's total row, with several workers).
         "total": totals_json(totals(workers), cap),
         # Where each kind of request's TTFT goes (omnitrace.requests.phases_panel).

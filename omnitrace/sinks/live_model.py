@@ -25,11 +25,10 @@ from omnitrace.events import (
     CaptureFailed,
     EncoderBatchRan,
     Event,
-    GraphMissed,
     MemoryDeferred,
     RequestTimed,
 )
-from omnitrace.misses import MissCause, MissDetailFold
+from omnitrace.misses import MissCause
 from omnitrace.requests import RequestJoin, phases_panel
 from omnitrace.stats import AdapterStats, StatsFold
 
@@ -186,18 +185,8 @@ class BusBoard:
         self._progress = progress
         self._lock = threading.Lock()
         self._notices: dict[str, deque[Notice]] = {}
-        # A fold, not the sink: the counts stay exact when the sink's queue drops events.
-        self._causes = MissDetailFold()
-        self._causes_lock = threading.Lock()
         self._requests = RequestJoin(keep=REQUEST_WINDOW)
-        bus.add_fold(self._fold)
         bus.add_sink(self)
-
-    def _fold(self, event: Event) -> None:
-        # On the hot path, under the bus lock: a miss costs one uncontended lock and a count.
-        if type(event) is GraphMissed:
-            with self._causes_lock:
-                self._causes.fold(event)
 
     name = "live"
 
@@ -224,8 +213,6 @@ class BusBoard:
         with self._lock:
             notices = {name: tuple(q) for name, q in self._notices.items()}
             requests = _requests_panel(self._requests)
-        with self._causes_lock:
-            causes = {name: self._causes.causes(name) for name in names}
         encoders = tuple(
             EncoderSnapshot(
                 stats=stats.get(name, AdapterStats(adapter=name)),
@@ -234,7 +221,8 @@ class BusBoard:
                 backend=_backend(infos.get(name, {})),
                 notices=notices.get(name, ()),
                 coverage=coverage.get(name),
-                causes=causes[name],
+                # The bus's coverage fold counts them: exact when the sink's queue drops.
+                causes=_causes(coverage.get(name)),
             )
             for name in names
         )
@@ -258,7 +246,6 @@ class RecordBoard:
         self._lock = threading.Lock()
         self._folds: dict[tuple[int, int], StatsFold] = {}
         self._coverage: dict[tuple[int, int], CoverageFold] = {}
-        self._causes: dict[tuple[int, int], MissDetailFold] = {}
         self._infos: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
         self._notices: dict[tuple[tuple[int, int], str], deque[Event]] = {}
         self._requests = RequestJoin(keep=REQUEST_WINDOW)
@@ -273,7 +260,6 @@ class RecordBoard:
             # one writer, so most records need no lookup.
             pid = rank = None
             fold: CoverageFold | None = None
-            causes = MissDetailFold()
             for record in records:
                 item = record.item
                 if isinstance(item, AdapterInfo):
@@ -287,10 +273,8 @@ class RecordBoard:
                 if record.pid != pid or record.rank != rank or fold is None:
                     pid, rank = record.pid, record.rank
                     fold = self._fold((rank, pid))
-                    causes = self._causes[(rank, pid)]
                 self._count += 1
-                fold.fold(item)  # the stats too: one call per event
-                causes.fold(item)
+                fold.fold(item)  # the stats and the misses' details too: one call per event
                 if isinstance(item, _NOTICED):
                     # Kept as events: a snapshot words the few it shows.
                     key = ((rank, pid), item.adapter)
@@ -302,7 +286,6 @@ class RecordBoard:
         if coverage is None:
             stats = self._folds[source] = StatsFold()
             coverage = self._coverage[source] = CoverageFold(stats=stats)
-            self._causes[source] = MissDetailFold()
         return coverage
 
     @property
@@ -318,12 +301,12 @@ class RecordBoard:
             for source in sources:
                 fold = self._folds.get(source, StatsFold())
                 coverage = self._coverage.get(source, CoverageFold())
-                causes = self._causes.get(source, MissDetailFold())
                 infos = self._infos.get(source, {})
                 names = list(infos) + [n for n in fold.adapters() if n not in infos]
                 label = f"rank {source[0]} · pid {source[1]}" if len(sources) > 1 else ""
                 for name in names:
                     info = infos.get(name, {})
+                    covered = coverage.snapshot(name)
                     encoders.append(
                         EncoderSnapshot(
                             stats=fold.snapshot(name),
@@ -334,8 +317,8 @@ class RecordBoard:
                             notices=_notices(self._notices.get((source, name), ())),
                             rank=source[0],
                             pid=source[1],
-                            coverage=coverage.snapshot(name),
-                            causes=causes.causes(name),
+                            coverage=covered,
+                            causes=_causes(covered),
                         )
                     )
             return LiveSnapshot(
@@ -348,3 +331,8 @@ class RecordBoard:
                 progress=self.progress,
                 requests=_requests_panel(self._requests),
             )
+
+
+def _causes(coverage: AdapterCoverage | None) -> tuple[MissCause, ...]:
+    """An encoder's misses by reason and detail, as its coverage counted them."""
+    return () if coverage is None else coverage.miss_details

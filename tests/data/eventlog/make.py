@@ -13,7 +13,10 @@ encoder summary: `replay --json` gained the fields `top` had (and `otlp_endpoint
 together, vision first; those three outputs were recorded again, checked to differ in nothing
 else (every other output is still the one of 5439577). Then `advise --json` gained
 `requests` (each request kind's TTFT under the recommended setting, empty in these logs): its
-recorded outputs are the old ones with that key added, checked to differ in nothing else. Run it
+recorded outputs are the old ones with that key added, checked to differ in nothing else. Then
+the misses' details moved into the shared encoder summary: `replay --json` gained each
+encoder's `miss_details` (`top --json` printed them already, and prints the same), recorded
+as the old outputs with that key added, checked to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
