@@ -34,6 +34,9 @@ __all__ = ["Drawn", "failed_frame", "render"]
 
 #: Panel interior width under which rows switch to their compact wording.
 _COMPACT_BELOW = 56
+#: Narrowest panel interior for panels side by side (80 columns, two panels): narrower
+#: columns are stacked, one panel under another, each the full width.
+_MIN_INTERIOR = 35
 #: Missed signatures the frame lists at most.
 _MISSED = 5
 #: (notices, captured keys, log lines, missed signatures), tried in order until a frame fits:
@@ -376,59 +379,29 @@ def _missed_panel(
 def _encoder_panel(
     encoder: EncoderSnapshot, width: int, notices: int, key_limit: int | None
 ) -> Panel:
-    """Return one encoder's panel for an interior of ``width`` columns."""
+    """Return one encoder's panel for an interior of ``width`` columns.
+
+    Its rows take their full wording where every one fits, else the compact one, whose rows
+    wrap at a space rather than lose a number where even they are too long.
+    """
     stats = encoder.stats
-    compact = width < _COMPACT_BELOW
+    rows = _stats_rows(encoder, compact=False)
+    compact = width < _COMPACT_BELOW or any(
+        max(8, len(label)) + 1 + row.cell_len > width for label, row in rows
+    )
     grid = Table.grid(padding=(0, 1))
     labels = 8 if not compact or stats.failure is not None else 6  # "hit rate", "TERMINAL"
     grid.add_column(style="bold", no_wrap=True, min_width=labels)
-    grid.add_column(no_wrap=True, overflow="ellipsis")
-    rate_style = (
-        "green" if stats.hit_rate >= 0.8 else ("yellow" if stats.hit_rate >= 0.5 else "red")
-    )
-    rate = Text(f"{stats.hit_rate * 100:5.1f} %", style=rate_style)
     if compact:
-        rate.append(f"  {stats.graph_hits} of {stats.calls} calls", style="")
+        grid.add_column(overflow="fold")
+        for label, row in _stats_rows(encoder, compact=True):
+            row.no_wrap = False
+            row.overflow = "fold"
+            grid.add_row(label, row)
     else:
-        rate.append(f"   hits {stats.graph_hits} / calls {stats.calls}", style="")
-    grid.add_row("hits" if compact else "hit rate", _line(rate))
-    for index, row in enumerate(_misses(stats, compact)):
-        grid.add_row("misses" if index == 0 else "", row)
-    cap = "?" if encoder.max_graphs is None else str(encoder.max_graphs)
-    why = _causes_row(encoder.causes)
-    if why is not None:
-        grid.add_row("why", _line(why))
-    held = Text(f"{stats.num_graphs} / {cap}")
-    if encoder.max_graphs is not None and stats.num_graphs >= encoder.max_graphs:
-        held.append(" full", style="yellow")
-    if encoder.backend:
-        held.append(f"  {'' if compact else 'backend '}{safe(encoder.backend)}", style="dim")
-    grid.add_row("graphs", _line(held))
-    floor = encoder.min_free_bytes if encoder.min_free_bytes is not None else stats.floor_bytes
-    # Free memory is only measured when admission checks it, i.e. at a deferral.
-    deferred = stats.memory_deferrals
-    deferral_style = "yellow" if deferred else ""
-    if compact:
-        memory = Text(f"floor {format_bytes(floor)} · ")
-        memory.append(f"deferred {deferred}", style=deferral_style)
-        grid.add_row("memory", _line(memory))
-        grid.add_row("", _line(f"last free {format_bytes(stats.last_free_bytes)}"))
-    else:
-        memory = Text(
-            f"floor {format_bytes(floor)} · last free {format_bytes(stats.last_free_bytes)} · "
-        )
-        memory.append(f"deferrals {deferred}", style=deferral_style)
-        grid.add_row("memory", _line(memory))
-    coverage = encoder.coverage
-    if coverage is not None:
-        eager = _eager_row(coverage, encoder.backend, compact)
-        if eager is not None:
-            grid.add_row("eager", _line(eager))
-        profiling = _profiling_row(encoder, coverage, compact)
-        if profiling is not None:
-            grid.add_row("profile" if not compact else "prof", _line(profiling))
-    if stats.failure is not None:
-        grid.add_row("TERMINAL", _line(stats.failure, style="bold red"))
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        for label, row in rows:
+            grid.add_row(label, row)
 
     body: list[RenderableType] = [grid]
     if stats.graphs:
@@ -450,6 +423,59 @@ def _encoder_panel(
     )
 
 
+def _stats_rows(encoder: EncoderSnapshot, *, compact: bool) -> list[tuple[str, Text]]:
+    """The labelled rows of an encoder's panel above its keys, in either wording."""
+    stats = encoder.stats
+    rows: list[tuple[str, Text]] = []
+    rate_style = (
+        "green" if stats.hit_rate >= 0.8 else ("yellow" if stats.hit_rate >= 0.5 else "red")
+    )
+    rate = Text(f"{stats.hit_rate * 100:5.1f} %", style=rate_style)
+    if compact:
+        rate.append(f"  {stats.graph_hits} of {stats.calls} calls", style="")
+    else:
+        rate.append(f"   hits {stats.graph_hits} / calls {stats.calls}", style="")
+    rows.append(("hits" if compact else "hit rate", _line(rate)))
+    for index, row in enumerate(_misses(stats, compact)):
+        rows.append(("misses" if index == 0 else "", row))
+    cap = "?" if encoder.max_graphs is None else str(encoder.max_graphs)
+    why = _causes_row(encoder.causes)
+    if why is not None:
+        rows.append(("why", _line(why)))
+    held = Text(f"{stats.num_graphs} / {cap}")
+    if encoder.max_graphs is not None and stats.num_graphs >= encoder.max_graphs:
+        held.append(" full", style="yellow")
+    if encoder.backend:
+        held.append(f"  {'' if compact else 'backend '}{safe(encoder.backend)}", style="dim")
+    rows.append(("graphs", _line(held)))
+    floor = encoder.min_free_bytes if encoder.min_free_bytes is not None else stats.floor_bytes
+    # Free memory is only measured when admission checks it, i.e. at a deferral.
+    deferred = stats.memory_deferrals
+    deferral_style = "yellow" if deferred else ""
+    if compact:
+        memory = Text(f"floor {format_bytes(floor)} · ")
+        memory.append(f"deferred {deferred}", style=deferral_style)
+        rows.append(("memory", _line(memory)))
+        rows.append(("", _line(f"last free {format_bytes(stats.last_free_bytes)}")))
+    else:
+        memory = Text(
+            f"floor {format_bytes(floor)} · last free {format_bytes(stats.last_free_bytes)} · "
+        )
+        memory.append(f"deferrals {deferred}", style=deferral_style)
+        rows.append(("memory", _line(memory)))
+    coverage = encoder.coverage
+    if coverage is not None:
+        eager = _eager_row(coverage, encoder.backend, compact)
+        if eager is not None:
+            rows.append(("eager", _line(eager)))
+        profiling = _profiling_row(encoder, coverage, compact)
+        if profiling is not None:
+            rows.append(("profile" if not compact else "prof", _line(profiling)))
+    if stats.failure is not None:
+        rows.append(("TERMINAL", _line(stats.failure, style="bold red")))
+    return rows
+
+
 def _columns(encoders: Sequence[EncoderSnapshot]) -> list[list[EncoderSnapshot]]:
     """Group panels into columns: one per worker, or per encoder for a single worker."""
     columns: dict[str, list[EncoderSnapshot]] = {}
@@ -463,13 +489,17 @@ def _columns(encoders: Sequence[EncoderSnapshot]) -> list[list[EncoderSnapshot]]
 def _layout(
     encoders: Sequence[EncoderSnapshot], width: int, notices: int, key_limit: int | None
 ) -> Table:
-    """Lay panels side by side in columns of equal width."""
+    """Lay panels side by side in columns of equal width, or one under another where a
+    column would be too narrow for a panel's rows to stay whole."""
     columns = _columns(encoders)
+    # Each column loses one separating space, then two borders and two padding columns.
+    inner = (width - (len(columns) - 1)) // len(columns) - 4
+    if len(columns) > 1 and inner < _MIN_INTERIOR:
+        columns = [list(encoders)]
+        inner = width - 4
     grid = Table.grid(expand=True, padding=(0, 1))
     for _ in columns:
         grid.add_column(ratio=1)
-    # Each column loses one separating space, then two borders and two padding columns.
-    inner = (width - (len(columns) - 1)) // len(columns) - 4
     grid.add_row(
         *(
             Group(*(_encoder_panel(e, inner, notices, key_limit) for e in group))
@@ -635,8 +665,48 @@ class _Frame:
         for budget in _BUDGETS:
             frame = _frame(self.snapshot, width, *budget)
             if len(console.render_lines(frame, measure, pad=False)) <= self.height:
+                yield frame
+                return
+        # Not even the panels' bare rows fit: a row per encoder, the title, the bus; then
+        # without the progress and footer lines.
+        for lines in (True, False):
+            frame = _summary_frame(self.snapshot, lines)
+            if len(console.render_lines(frame, measure, pad=False)) <= self.height:
                 break
         yield frame
+
+
+def _summary_frame(snapshot: LiveSnapshot, lines: bool) -> Group:
+    """The frame of a terminal too small for the panels: one row per encoder (hit rate,
+    hits of calls, graphs held of the cap), the bus's counts, and with ``lines`` the
+    progress and footer lines; numbers stay whole, the names shorten."""
+    header = Text(safe(snapshot.title), style="bold")
+    header.append(f"   {clock(snapshot.taken_epoch_ns)}", style="dim")
+    parts: list[RenderableType] = [_line(header)]
+    if lines:
+        parts.extend(_line(line) for line in snapshot.progress)
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True, overflow="ellipsis", min_width=3, ratio=1)
+    for _ in range(3):
+        table.add_column(no_wrap=True, justify="right")
+    table.add_row(*(Text(h, style="bold") for h in ("encoder", "hit rate", "hits/calls", "graphs")))
+    for encoder in snapshot.encoders:
+        stats = encoder.stats
+        name = safe(stats.adapter) + (f" · {safe(encoder.source)}" if encoder.source else "")
+        cap = "?" if encoder.max_graphs is None else str(encoder.max_graphs)
+        table.add_row(
+            Text(name, style="bold red" if stats.failure is not None else ""),
+            f"{stats.hit_rate * 100:.1f} %",
+            f"{stats.graph_hits}/{stats.calls}",
+            f"{stats.num_graphs}/{cap}",
+        )
+    parts.append(table)
+    bus = Text("bus  events " + ("—" if snapshot.emitted is None else str(snapshot.emitted)))
+    bus.append(" · dropped " + ("—" if snapshot.dropped is None else str(snapshot.dropped)))
+    parts.append(_line(bus))
+    if lines:
+        parts.extend(_line(line) for line in snapshot.footer)
+    return Group(*parts)
 
 
 def render(snapshot: LiveSnapshot, *, height: int | None = None) -> RenderableType:

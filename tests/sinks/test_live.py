@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import sys
 import time
 from pathlib import Path
@@ -786,3 +787,39 @@ def test_captured_keys_shorten_so_clock_capture_and_free_stay_whole(width: int) 
         if width >= 139:
             assert row.count("22:13:20Z") == 2, text
             assert row.count("11.0 GiB") == 2, text
+
+
+@pytest.mark.parametrize(("width", "height"), [(40, 10), (80, 24), (100, 30)])
+def test_a_whole_frame_fits_its_terminal_and_never_cuts_a_number(width: int, height: int) -> None:
+    """The busy frame with coverage, at the terminal sizes operators run it in: within the
+    width and the height, the bus line kept, and every figure whole. At 40x10 no panel fits
+    at all: a row per encoder says the hit rate, the hits of the calls and the graphs."""
+    console = Console(record=True, width=width, height=height, file=io.StringIO())
+    console.print(render(_covered(_busy_snapshot()), height=height))
+    text = console.export_text()
+    lines = _lines(text)
+    assert len(lines) <= height, text
+    assert all(len(line) <= width for line in lines), text
+    assert "bus  events 300 · dropped 0" in lines, text
+    if height < 24:
+        assert re.search(r"vision +75\.2 % +173/230 +4/4", text), text
+        assert re.search(r"audio +100\.0 % +3/3 +2/4", text), text
+        return
+    for figure in ("75.2 %", "173 of 230 calls", "capacity 51", "952.0 MiB", "110.2 ms"):
+        assert figure in text, (figure, text)
+
+
+@pytest.mark.parametrize("width", [40, 50, 60, 70, 80, 90, 100, 120, 140, 160])
+def test_panels_keep_every_figure_whole_at_any_width(width: int) -> None:
+    """Panels side by side where each has room, else one under another; their rows take
+    the compact wording, then wrap, before a number is cut."""
+    text = _text(render(_covered(_busy_snapshot())), width=width)
+    lines = _lines(text)
+    assert all(len(line) <= width for line in lines), text
+    flat = re.sub(r"\s*│\s*", " ", text)
+    for figure in ("75.2 %", "100.0 %", "capacity 51", "ineligible 0", "952.0 MiB", "110.2 ms"):
+        assert figure in flat, (figure, text)
+    assert re.search(r"173 of 230 calls|hits 173 / calls 230", flat), text
+    assert re.search(r"deferred 5|deferrals 5", flat), text
+    side_by_side = "╮ ╭─ audio" in text
+    assert side_by_side == (width >= 80), text
