@@ -2,13 +2,13 @@
 
 What an operator needs to check exporter settings (``OTEL_EXPORTER_OTLP_ENDPOINT``, the
 protocol, the service name) without running a collector: a
-:class:`~omnitrace.testing_otlp.OTLPReceiver` on a fixed port (4318 for http/protobuf, 4317
+:class:`~omnitrace.otlp_receiver.OTLPReceiver` on a fixed port (4318 for http/protobuf, 4317
 for gRPC, the exporters' defaults), one line per export request (its signal, the services
 that sent it, how many spans, metrics or log records and their names), and when it stops
 (SIGINT, SIGTERM, ``--duration``) a summary of everything received. ``--json`` prints the
 same as JSON lines. Nothing is kept but the counts, so it can run for as long as needed:
 the first ``max_names`` distinct names of each signal are counted by name, the rest
-together, and each request is bounded by :class:`~omnitrace.testing_otlp.ReceiverLimits`.
+together, and each request is bounded by :class:`~omnitrace.otlp_receiver.ReceiverLimits`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from omnitrace._display import safe
 from omnitrace.errors import MissingExtraError
-from omnitrace.testing_otlp import (
+from omnitrace.otlp_receiver import (
     DEFAULT_LIMITS,
     OTLPReceiver,
     ReceiverLimits,
@@ -176,7 +176,7 @@ class Tally:
     """Requests that named a service after the first ``max_names`` services."""
     refused: Counter[str] = field(default_factory=Counter)
     """Requests and connections the receiver refused, by reason
-    (:attr:`~omnitrace.testing_otlp.OTLPReceiver.refusals`)."""
+    (:attr:`~omnitrace.otlp_receiver.OTLPReceiver.refusals`)."""
 
     def add(self, received: Received) -> None:
         self.requests[received.signal] += 1
@@ -275,7 +275,7 @@ def receive(
 ) -> Tally:
     """Listen until ``stop`` is set, ``duration_s`` passed or Ctrl-C; print each request on
     ``out`` as it arrives, and what the receiver refused (a size limit, a bad length, a
-    timeout, too many connections: :class:`~omnitrace.testing_otlp.ReceiverLimits`), and the
+    timeout, too many connections: :class:`~omnitrace.otlp_receiver.ReceiverLimits`), and the
     summary at the end; return what arrived.
 
     Requests are described on the server's threads and printed here, at most a backlog of

@@ -31,9 +31,9 @@ from omnitrace.cli import main
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MissReason, Phase
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import JsonlSink, read_events
 from omnitrace.testing import sig
-from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_OTEL_SINK = importlib.util.find_spec("omnitrace.sinks.otel") is not None

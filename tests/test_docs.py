@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace.testing_otlp import OTLPReceiver
+from omnitrace.otlp_receiver import OTLPReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -18,8 +18,8 @@ import structlog
 
 from omnitrace import derive_stats
 from omnitrace.cli import main
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import read_events
-from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 #: Two ranks, each with its own traffic (its own seed) and its own pid.
 RANKS = ((0, 4100, 0), (1, 4101, 1))

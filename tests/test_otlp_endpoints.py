@@ -13,8 +13,8 @@ from omnitrace._env import otlp_endpoints, otlp_where
 from omnitrace.cli import main
 from omnitrace.cli.config import settings
 from omnitrace.errors import ConfigError
+from omnitrace.otlp_receiver import OTLPReceiver
 from omnitrace.sinks.otel_sdk import configure_sdk
-from omnitrace.testing_otlp import OTLPReceiver
 
 BASE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"

@@ -282,3 +282,14 @@ def test_readme_documents_every_exported_name() -> None:
         wanted.update({metric.otel, metric.prometheus, *metric.attributes})
     missing = sorted(n for n in wanted if f"`{n}`" not in text)
     assert missing == []
+
+
+def test_the_receiver_s_former_module_name_hands_on_the_same_names() -> None:
+    """``omnitrace.testing_otlp`` (users' tests import it) is the receiver's module, renamed:
+    every public name is the same object."""
+    import omnitrace.otlp_receiver as receiver
+    import omnitrace.testing_otlp as former
+
+    assert set(former.__all__) == set(receiver.__all__)
+    for name in receiver.__all__:
+        assert getattr(former, name) is getattr(receiver, name), name

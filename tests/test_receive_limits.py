@@ -26,8 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from omnitrace.cli import main
+from omnitrace.otlp_receiver import DEFAULT_LIMITS, OTLPReceiver, ReceiverLimits
 from omnitrace.receive import Received, Tally, describe_request, receive
-from omnitrace.testing_otlp import DEFAULT_LIMITS, OTLPReceiver, ReceiverLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ReceiverLimits(

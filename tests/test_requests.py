@@ -430,8 +430,8 @@ def test_replay_exports_a_recorded_days_requests_to_otlp(tmp_path: Path) -> None
     """``omnitrace replay`` of the API server's log sends each request as its span with a
     child per phase, in the client's trace, and the request-phase histogram."""
     from omnitrace.cli import main
+    from omnitrace.otlp_receiver import OTLPReceiver
     from omnitrace.sinks.names import ATTR, METRICS, SPANS
-    from omnitrace.testing_otlp import OTLPReceiver
 
     api = tmp_path / "events-api.jsonl"
     epoch = 1_796_000_000 * 10**9  # the events' own wall-clock stamps, as a server's are

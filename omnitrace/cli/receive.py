@@ -66,7 +66,7 @@ def _count(high: int) -> Callable[[str], int]:
 def add_limit_options(receive: argparse.ArgumentParser) -> None:
     """Add the options that bound what one request and the connections may cost.
 
-    Their defaults are :data:`~omnitrace.testing_otlp.DEFAULT_LIMITS` and
+    Their defaults are :data:`~omnitrace.otlp_receiver.DEFAULT_LIMITS` and
     :data:`~omnitrace.receive.DEFAULT_MAX_NAMES`, written out: building the parser imports
     neither (nor the protobufs they need), so ``--help`` answers at once. The sizes'
     defaults are numbers, not text, so that the size parser (and what it imports) is
@@ -129,8 +129,8 @@ def add_limit_options(receive: argparse.ArgumentParser) -> None:
 
 def _cmd_receive(args: argparse.Namespace) -> int:
     from omnitrace.errors import ConfigError
+    from omnitrace.otlp_receiver import ReceiverLimits
     from omnitrace.receive import DEFAULT_PORTS, receive
-    from omnitrace.testing_otlp import ReceiverLimits
 
     port = DEFAULT_PORTS[args.protocol] if args.port is None else args.port
     try:

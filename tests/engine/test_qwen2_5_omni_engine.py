@@ -35,7 +35,7 @@ from engine.support import (
     run_engine,
     runner_env,
 )
-from omnitrace.testing_otlp import OTLPReceiver, attributes
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 
 pytestmark = pytest.mark.engine
 

@@ -26,9 +26,9 @@ from engine.engine_run import chat_messages
 from engine.support import ENGINE_TIMEOUT_S, engine_environment, top_json
 from engine.test_qwen2_5_omni_serve import OVERRIDES, Server
 from omnitrace.eventlog import read_records
+from omnitrace.otlp_receiver import OTLPReceiver
 from omnitrace.requests import PHASES, RequestJoin, phases_panel
 from omnitrace.testing_checkpoints.serving import free_port, serve_command
-from omnitrace.testing_otlp import OTLPReceiver
 
 pytestmark = pytest.mark.engine
 

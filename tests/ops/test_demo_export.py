@@ -46,7 +46,7 @@ def _point_attribute_keys(metric: object) -> set[str]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
-    from omnitrace.testing_otlp import OTLPReceiver
+    from omnitrace.otlp_receiver import OTLPReceiver
 
     workdir = tmp_path_factory.mktemp("demo")
     log_file = workdir / "logs" / "omnitrace.log"

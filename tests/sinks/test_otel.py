@@ -42,12 +42,12 @@ from omnitrace import (
     derive_stats,
 )
 from omnitrace.events import DeviceTimed, profiling_observed
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 from omnitrace.sinks.otel import CALL_DURATION_BUCKETS, CAPTURE_DURATION_BUCKETS, OTelSink
 from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend, capture_events
-from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 PROTOCOLS = ["http/protobuf", "grpc"]
 
@@ -1060,7 +1060,7 @@ def test_install_global_lets_a_sink_without_providers_export() -> None:
         "from omnitrace.sinks.otel import OTelSink\n"
         "from omnitrace.sinks.otel_sdk import configure_sdk\n"
         "from omnitrace.testing import SimulatedGraphBackend\n"
-        "from omnitrace.testing_otlp import OTLPReceiver\n"
+        "from omnitrace.otlp_receiver import OTLPReceiver\n"
         "with OTLPReceiver() as receiver:\n"
         "    setup = configure_sdk(endpoint=receiver.endpoint, install_global=True)\n"
         "    bus = EventBus()\n"

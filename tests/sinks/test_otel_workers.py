@@ -8,10 +8,10 @@ import pytest
 
 from omnitrace.config import ConfigError
 from omnitrace.events import GraphReplayed
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import EventRecord
 from omnitrace.sinks.otel_workers import WorkerExport
 from omnitrace.testing import sig
-from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 KEY = sig("float32[1,256,64]")
 

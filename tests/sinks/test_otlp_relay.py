@@ -15,11 +15,11 @@ import pytest
 
 from omnitrace import ConfigError, EventBus, GraphReplayed
 from omnitrace.events import Event
+from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.sinks.otlp_relay import RelayedExport
 from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import captured, sig
-from omnitrace.testing_otlp import OTLPReceiver, attributes
 
 HITS = "omnitrace.encoder.graph.hits"
 
