@@ -33,7 +33,7 @@ from benchmarks.common import Context, quantile
 
 
 def _event_views(paths: Sequence[Path]) -> dict[str, Any]:
-    from omnitrace.logread import read_logs
+    from omnitrace.eventlog.chunks import read_logs
     from omnitrace.requests import RequestJoin
 
     join = RequestJoin(calls=True)

@@ -277,7 +277,7 @@ def _report(
     total_s: float,
     cuda: bool,
 ) -> dict[str, Any]:
-    from omnitrace.logread import read_logs
+    from omnitrace.eventlog.chunks import read_logs
     from omnitrace.requests import RequestJoin
 
     # Read after the engine's processes exited: each flushed its event log as it did.

@@ -50,6 +50,7 @@ __all__ = [
     "ProfilingObserved",
     "RequestTimed",
     "event_fields",
+    "fast_constructor",
     "missed",
     "now",
     "profiling_observed",
@@ -376,7 +377,7 @@ def event_fields(cls: type[Any]) -> tuple[Field[Any], ...]:
     return tuple(f for f in every if not f.kw_only) + tuple(f for f in every if f.kw_only)
 
 
-def _fast_constructor(cls: type[_E]) -> Callable[..., _E]:
+def fast_constructor(cls: type[_E]) -> Callable[..., _E]:
     """Build ``cls`` from all its fields positionally, without dataclass __init__'s cost.
 
     A frozen dataclass's __init__ sets each field with ``object.__setattr__``; the slot
@@ -398,6 +399,6 @@ def _fast_constructor(cls: type[_E]) -> Callable[..., _E]:
 
 #: ``replayed(adapter, signature, monotonic_ns, epoch_ns, duration_s, phase)``: a
 #: GraphReplayed built for the hit path (all fields, positional).
-replayed = _fast_constructor(GraphReplayed)
+replayed = fast_constructor(GraphReplayed)
 #: ``missed(adapter, signature, monotonic_ns, epoch_ns, reason, detail, duration_s, phase)``.
-missed = _fast_constructor(GraphMissed)
+missed = fast_constructor(GraphMissed)

@@ -25,7 +25,6 @@ from omnitrace import (
     GraphReplayed,
     MissReason,
     derive_stats,
-    eventlog,
 )
 from omnitrace.eventlog import (
     SCHEMA_VERSION,
@@ -37,6 +36,7 @@ from omnitrace.eventlog import (
     encode_event,
     read_events,
 )
+from omnitrace.eventlog import reader as eventlog
 from omnitrace.events import DeviceTimed
 from omnitrace.signature import InputSpec, Signature
 from omnitrace.sinks.jsonl import JsonlSink

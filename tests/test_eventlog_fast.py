@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnitrace import eventlog_fast
 from omnitrace import events as ev
 from omnitrace.eventlog import (
     EventLogError,
@@ -28,7 +27,8 @@ from omnitrace.eventlog import (
     dumps,
     encode_event,
 )
-from omnitrace.eventlog_fast import FastDecoder
+from omnitrace.eventlog import fast as eventlog_fast
+from omnitrace.eventlog.fast import FastDecoder
 from omnitrace.events import MissReason, Phase
 from omnitrace.signature import InputSpec, Signature
 

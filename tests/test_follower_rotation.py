@@ -10,8 +10,9 @@ from typing import IO
 
 import pytest
 
-from omnitrace import GraphReplayed, eventlog
+from omnitrace import GraphReplayed
 from omnitrace.eventlog import AdapterInfo, EventLogFollower, EventRecord, LineEncoder
+from omnitrace.eventlog import reader as eventlog
 from omnitrace.sinks.jsonl import JsonlSink
 from omnitrace.testing import sig
 

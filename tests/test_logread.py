@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from omnitrace import eventlog, logread
 from omnitrace.cli import main
 from omnitrace.eventlog import INFO_TYPE, SCHEMA_VERSION, LineEncoder, dumps
+from omnitrace.eventlog import chunks as logread
+from omnitrace.eventlog import reader as eventlog
+from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, writers
 from omnitrace.events import GraphMissed, GraphReplayed, MissReason
-from omnitrace.logread import LogReadError, ReadProgress, read_logs, writers
 from omnitrace.signature import InputSpec, Signature
 
 SIG = Signature((InputSpec("float32", (1, 8), "cuda:0"),), 7)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omnitrace.logset import LogSet, expand, is_pattern
+from omnitrace.eventlog.patterns import LogSet, expand, is_pattern
 
 
 def _touch(*paths: Path) -> None:

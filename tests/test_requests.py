@@ -16,7 +16,7 @@ import pytest
 
 from omnitrace import EventBus, derive_stats
 from omnitrace import events as ev
-from omnitrace.eventlog_codec import EventLogError, LineEncoder, decode_record, encode_event
+from omnitrace.eventlog.codec import EventLogError, LineEncoder, decode_record, encode_event
 from omnitrace.integrations import vllm_requests as hooks
 from omnitrace.integrations.vllm_plugin import api_log_path
 from omnitrace.requests import PHASES, RequestJoin, kind_of, phases_of, phases_panel

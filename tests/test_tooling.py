@@ -61,7 +61,7 @@ def test_import_contracts_hold() -> None:
     """lint-imports keeps every layer and import contract declared in pyproject.toml."""
     proc = _lint_imports(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"^Contracts: 7 kept, 0 broken\.$", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^Contracts: 8 kept, 0 broken\.$", proc.stdout, re.MULTILINE), proc.stdout
 
 
 LAYERS = "Layers from the command line down to the core"
@@ -145,6 +145,54 @@ def test_every_module_logger_is_named_after_its_module() -> None:
     }
     assert len(loggers) >= 5, loggers
     assert {where: arg for where, arg in loggers.items() if arg != "__name__"} == {}
+
+
+def _package_of(module: str, base: Path) -> str:
+    """The package a module under ``base`` belongs to: itself for a package's ``__init__``."""
+    path = base / module.replace(".", "/")
+    return module if (path / "__init__.py").exists() else module.rpartition(".")[0]
+
+
+def private_imports(root: Path) -> list[tuple[str, str, str]]:
+    """``(importer, module, name)`` of each private name (``_x``) a module of ``root``
+    imports from a module of another package: only a package's own modules share them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        importer = ".".join(parts)
+        own = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if not node.module.startswith(f"{root.name}."):
+                continue
+            package = _package_of(node.module, root.parent)
+            if package == own:
+                continue
+            found += [
+                (importer, node.module, alias.name)
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")
+            ]
+    return found
+
+
+def test_no_module_imports_another_package_s_private_names() -> None:
+    """A private name stays inside its package: what another package uses is public there."""
+    assert private_imports(ROOT / "omnitrace") == []
+
+
+def test_the_private_name_check_finds_one(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "inner").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "inner" / "__init__.py").write_text("")
+    (package / "inner" / "core.py").write_text("_SECRET = 1\n_SHARED = 2\n")
+    (package / "inner" / "sibling.py").write_text("from pkg.inner.core import _SHARED\n")
+    (package / "user.py").write_text("from pkg.inner.core import _SECRET\n")
+    assert private_imports(package) == [("pkg.user", "pkg.inner.core", "_SECRET")]
 
 
 # -- import circles ---------------------------------------------------------------------------

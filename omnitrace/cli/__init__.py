@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "paths", None) is not None:
-        from omnitrace.logset import expand
+        from omnitrace.eventlog.patterns import expand
 
         # Patterns a shell did not expand ('events-*.jsonl', quoted): the logs they match.
         args.patterns, args.paths = args.paths, expand(args.paths)

@@ -128,7 +128,7 @@ def _outlook_table(kinds: Any) -> Table:
 
 def _cmd_advise(args: argparse.Namespace) -> int:
     from omnitrace.advise import Recording, advice_json, advise, default_grid
-    from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
+    from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, total_bytes
     from omnitrace.requests import RequestJoin
 
     # The request events, joined with their encoder steps' calls in the same pass.

@@ -173,15 +173,15 @@ def _otlp_settings(environ: Mapping[str, str]) -> list[Setting]:
     # The lookup the SDK wiring, the demo and replay use: config cannot show other endpoints.
     from omnitrace._env import OTLP_SIGNALS, otlp_endpoint
     from omnitrace.errors import ConfigError
-    from omnitrace.sinks.otel import _PROTOCOLS
+    from omnitrace.sinks.otel import OTLP_PROTOCOLS
 
     group = "OTLP export"
 
     def protocol_of() -> str:
         text = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or "http/protobuf"
-        if text not in _PROTOCOLS:
+        if text not in OTLP_PROTOCOLS:
             raise ConfigError(
-                f"OTEL_EXPORTER_OTLP_PROTOCOL: expected one of {', '.join(_PROTOCOLS)}, "
+                f"OTEL_EXPORTER_OTLP_PROTOCOL: expected one of {', '.join(OTLP_PROTOCOLS)}, "
                 f"got {text!r}"
             )
         return text

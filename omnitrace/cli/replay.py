@@ -63,7 +63,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             flag = "--" + option.replace("_", "-")
             return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
     from omnitrace.eventlog import log_gap
-    from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes, writers
+    from omnitrace.eventlog.chunks import (
+        LogReadError,
+        ReadProgress,
+        read_logs,
+        total_bytes,
+        writers,
+    )
 
     refused = _unmatched_patterns("replay", args.paths)
     if refused is not None:
@@ -145,8 +151,8 @@ def _replay_into_sinks(
 ) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
-    from omnitrace.logread import LogReadError, ReadProgress, merged_records, total_bytes
-    from omnitrace.logset import LogSet
+    from omnitrace.eventlog.chunks import LogReadError, ReadProgress, merged_records, total_bytes
+    from omnitrace.eventlog.patterns import LogSet
     from omnitrace.relay import LogRelay, feed
     from omnitrace.sinks.live import BusBoard, LiveView
     from omnitrace.sinks.registry import build_sinks

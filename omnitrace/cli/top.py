@@ -140,8 +140,8 @@ def _cmd_top(args: argparse.Namespace) -> int:
             return refused
         # No live view here: its terminal code (rich, loaded for the table) is not needed
         # for JSON.
+        from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, total_bytes
         from omnitrace.events import REQUEST_EVENT_TYPES
-        from omnitrace.logread import LogReadError, ReadProgress, read_logs, total_bytes
         from omnitrace.requests import RequestJoin
         from omnitrace.sinks.live_model import RecordBoard
 
@@ -179,7 +179,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
     if refused is not None:
         return refused
     from omnitrace.eventlog import EventLogError, EventLogFollower
-    from omnitrace.logset import LogSet
+    from omnitrace.eventlog.patterns import LogSet
     from omnitrace.sinks.live import LiveView, RecordBoard, render
 
     console = _stdout_console()

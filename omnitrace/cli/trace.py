@@ -93,7 +93,7 @@ def _lines(view: Any) -> list[str]:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from omnitrace.logread import LogReadError, read_logs
+    from omnitrace.eventlog.chunks import LogReadError, read_logs
     from omnitrace.requests import RequestJoin
 
     join = RequestJoin(calls=True, only={args.request_id})

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CALL_DURATION_BUCKETS",
     "CAPTURE_DURATION_BUCKETS",
+    "OTLP_PROTOCOLS",
     "OTLPProtocol",
     "OTelSink",
 ]
@@ -50,7 +51,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OTLPProtocol = Literal["http/protobuf", "grpc"]
-_PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")
+#: The OTLP protocols omnitrace exports with (``OTEL_EXPORTER_OTLP_PROTOCOL``'s values).
+OTLP_PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")
 _DEFAULT_ENDPOINTS = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
 
 

@@ -35,7 +35,7 @@ from opentelemetry import trace as otel_trace
 from omnitrace._env import OTLPEndpoint, otlp_endpoint_errors, otlp_endpoints, otlp_where
 from omnitrace._validate import check_duration, check_int, check_text
 from omnitrace.errors import ConfigError
-from omnitrace.sinks.otel import _PROTOCOLS, OTelSink, OTLPProtocol
+from omnitrace.sinks.otel import OTLP_PROTOCOLS, OTelSink, OTLPProtocol
 from omnitrace.sinks.otel_env import INTERVAL_RANGE_S, TIMEOUT_RANGE_S, env_millis, sdk_resource
 from omnitrace.sinks.otel_export import EXPORTER_LOGGERS, ExportMonitor, guarded_exporters
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
@@ -264,11 +264,11 @@ def configure_sdk(
         protocol_text = os.environ.get(protocol_name, "").strip() or "http/protobuf"
     else:
         protocol_name, protocol_text = "protocol", protocol
-    if protocol_text not in _PROTOCOLS:
+    if protocol_text not in OTLP_PROTOCOLS:
         # http/json is a valid OTLP protocol, but no OpenTelemetry Python exporter speaks it:
         # say so, rather than let the value look like a typo.
         raise ConfigError(
-            f"{protocol_name}: expected one of {', '.join(_PROTOCOLS)} (the OTLP protocols the "
+            f"{protocol_name}: expected one of {', '.join(OTLP_PROTOCOLS)} (the OTLP protocols the "
             f"OpenTelemetry Python exporters support), got {protocol_text!r}"
         )
     endpoints: dict[str, OTLPEndpoint] = {}

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from omnitrace import events as ev
 from omnitrace.bus import EventBus
-from omnitrace.eventlog_codec import EventRecord
+from omnitrace.eventlog.codec import EventRecord
 from omnitrace.requests import RequestJoin, phases_panel
 from omnitrace.sinks.live_layout import render
 from omnitrace.sinks.live_model import BusBoard, RecordBoard

@@ -1,6 +1,6 @@
 """Event logs read back: whole finished logs a chunk at a time, and logs still written.
 
-The format (schema, records, the codec of one line) is :mod:`omnitrace.eventlog_codec`;
+The format (schema, records, the codec of one line) is :mod:`omnitrace.eventlog.codec`;
 its names are re-exported here, so readers and the writer import one module. The writer
 is :class:`omnitrace.sinks.jsonl.JsonlSink`; ``omnitrace top``, ``replay`` and ``advise``
 only read, through this module, so they never load a sink.
@@ -10,7 +10,7 @@ not grow with the log: :func:`read_records` and :func:`read_events` yield as the
 Lines are cut from the chunks in time linear in the bytes, and a line longer than
 :data:`MAX_LINE` is skipped as unreadable as it is read, never held whole. A log still
 written is read by :class:`EventLogFollower`, at most :data:`POLL_BYTES` a poll.
-Nearly every line is decoded by the fast path (:mod:`omnitrace.eventlog_fast`); any line it
+Nearly every line is decoded by the fast path (:mod:`omnitrace.eventlog.fast`); any line it
 does not take goes through :func:`decode_record`, which converts it or says what is wrong.
 """
 
@@ -27,7 +27,7 @@ from typing import IO, cast
 import orjson
 
 from omnitrace._files import open_regular_for_reading
-from omnitrace.eventlog_codec import (
+from omnitrace.eventlog.codec import (
     HEADER_MAX,
     INFO_TYPE,
     SCHEMA_VERSION,
@@ -44,7 +44,7 @@ from omnitrace.eventlog_codec import (
     encode_signature,
     segment_of,
 )
-from omnitrace.eventlog_fast import FastDecoder
+from omnitrace.eventlog.fast import FastDecoder
 from omnitrace.events import Event
 
 __all__ = [

@@ -30,15 +30,15 @@ from typing import Any, TypeAlias
 
 import orjson
 
-from omnitrace.eventlog_codec import EventRecord, decode_signature
+from omnitrace.eventlog.codec import EventRecord, decode_signature
 from omnitrace.events import (
     EVENT_TYPES,
     DeviceTimed,
     Event,
     MissReason,
     Phase,
-    _fast_constructor,
     event_fields,
+    fast_constructor,
 )
 from omnitrace.signature import Signature
 
@@ -81,8 +81,8 @@ def _compile(cls: type[Event], *, exact: bool = False) -> _Decode:
     # Every event starts with its adapter and signature, checked by the caller.
     assert [f.name for f in every[:2]] == ["adapter", "signature"]
     namespace: dict[str, Any] = {
-        "_make": _fast_constructor(cls),
-        "_record": _fast_constructor(EventRecord),
+        "_make": fast_constructor(cls),
+        "_record": fast_constructor(EventRecord),
         "_M": _MISSING,
         "_KINDS": _DEVICE_TIMED_KINDS,
     }

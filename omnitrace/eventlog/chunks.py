@@ -25,7 +25,8 @@ from typing import IO, Any
 import orjson
 
 from omnitrace._files import open_regular_for_reading
-from omnitrace.eventlog import (
+from omnitrace.eventlog.codec import line_head
+from omnitrace.eventlog.reader import (
     READ_CHUNK,
     AdapterInfo,
     EventLogError,
@@ -36,7 +37,6 @@ from omnitrace.eventlog import (
     read_chunks,
     rotated_files,
 )
-from omnitrace.eventlog_codec import line_head
 from omnitrace.events import EVENT_TYPES
 
 __all__ = [
