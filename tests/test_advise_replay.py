@@ -145,7 +145,7 @@ def test_history_counts_are_those_of_admission_with_nothing_captured(
     when no key is ever captured (the counts every min_capture_calls shares)."""
     import numpy as np
 
-    from omnitrace import advise_replay
+    from omnitrace.advise import replaying as advise_replay
     from omnitrace.config import EncoderGraphConfig
     from omnitrace.graphs.admission import Admission
 

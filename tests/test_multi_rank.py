@@ -307,10 +307,10 @@ def test_the_spread_replays_each_worker_without_an_object_per_call(
 ) -> None:
     """The per-worker replay is the grid's (the recording's arrays), equal to the reference
     replay: at ten million calls an object per call is hundreds of megabytes."""
-    from omnitrace import advise_record
     from omnitrace.advise import Recording, advise, replay
+    from omnitrace.advise import recording as advise_record
+    from omnitrace.advise.spread import per_worker
     from omnitrace.eventlog import read_records
-    from omnitrace.spread import per_worker
 
     recording = Recording.from_records(r for path in rank_logs for r in read_records(path))
     best = advise(recording).best

@@ -81,7 +81,7 @@ def _advise_table(advice: Any, top: int) -> Table:
 def _outlook(recording: Any, advice: Any, join: Any) -> tuple[Any, ...]:
     """Each request kind's TTFT under the recommended setting (empty without requests)."""
     from omnitrace.advise import replay
-    from omnitrace.advise_requests import outlook
+    from omnitrace.advise.outlook import outlook
 
     views = join.requests()
     if advice.best is None or not views:
@@ -162,13 +162,13 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         )
         step = progress.phase("replaying settings", len(grid))
         advice = advise(recording, grid, memory_budget=args.memory_budget, progress=step)
-    from omnitrace.spread import per_worker, spread_json, spread_line, spread_table
+    from omnitrace.advise.spread import per_worker, spread_json, spread_line, spread_table
 
     # The one setting for every rank, replayed rank by rank: how far apart they are.
     spread = None if advice.best is None else per_worker(recording, advice.best.setting)
     kinds = _outlook(recording, advice, join)
     if args.json:
-        from omnitrace.advise_requests import outlook_json
+        from omnitrace.advise.outlook import outlook_json
 
         by_worker = None if spread is None else spread_json(spread)
         _print_json(

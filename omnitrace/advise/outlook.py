@@ -16,7 +16,7 @@ each encoder step), every request's calls are revisited under the setting:
 A step serves every request it encoded items of, and each of them waited for all of it (the
 attribution rule of :mod:`omnitrace.requests`), so a call's saving counts in each of those
 requests, at most the request's ``encoders`` phase. Savings use the key costs of the
-replay (:class:`~omnitrace.advise_record.KeyCost`: device time where the log has it, else
+replay (:class:`~omnitrace.advise.recording.KeyCost`: device time where the log has it, else
 host time). The predicted TTFT of a request is its logged TTFT less its saving; per kind the
 p50 and p99 of both are reported.
 """
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnitrace.advise_record import KeyCost, Recording
+from omnitrace.advise.recording import KeyCost, Recording
 from omnitrace.requests import RequestView, quantile
 from omnitrace.signature import Signature
 

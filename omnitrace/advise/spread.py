@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omnitrace._units import format_bytes
-from omnitrace.advise import Recording, Result, Setting, format_seconds, replay_grid
+from omnitrace.advise.grid import Recording, Result, Setting, format_seconds, replay_grid
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -48,8 +48,8 @@ from typing import Any
 
 from omnitrace._units import format_bytes
 from omnitrace._validate import INT64_MAX
-from omnitrace.advise_record import KeyCost, Recording, Setting, Worker
-from omnitrace.advise_replay import EncoderOutcome, Result, replay, replay_grid
+from omnitrace.advise.recording import KeyCost, Recording, Setting, Worker
+from omnitrace.advise.replaying import EncoderOutcome, Result, replay, replay_grid
 from omnitrace.config import MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
 
 __all__ = [

@@ -8,7 +8,7 @@ the cost, from what the settings share:
 * **Only some calls decide anything.** A call of a key already captured is a hit, and one
   of an encoder already full is a capacity miss; neither touches admission. The replay
   visits only the other calls (a worker's call sequence is an array of key ids, see
-  :mod:`omnitrace.advise_record`) and counts the rest at the end: a captured key's hits
+  :mod:`omnitrace.advise.recording`) and counts the rest at the end: a captured key's hits
   are its calls from its capture on, the capacity misses what is left of the encoder's.
 * **Floors share one run.** A floor no capture of the floor-0 run came near decides every
   call as floor 0 does; a floor above a worker's device-free memory at its start defers
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from omnitrace.advise_record import (
+from omnitrace.advise.recording import (
     ELIGIBLE,
     PROFILING,
     CallSequence,

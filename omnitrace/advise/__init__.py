@@ -1,0 +1,41 @@
+"""What-if replay of recorded encoder traffic (``omnitrace advise``): the recording
+(:mod:`~omnitrace.advise.recording`), its replays (:mod:`~omnitrace.advise.replaying`), the
+grid, ranking and advice (:mod:`~omnitrace.advise.grid`), each request kind's outlook
+(:mod:`~omnitrace.advise.outlook`) and the spread over the ranks
+(:mod:`~omnitrace.advise.spread`). This face hands on the grid's names."""
+
+from __future__ import annotations
+
+from omnitrace.advise.grid import (
+    Advice,
+    EncoderOutcome,
+    KeyCost,
+    Recording,
+    Result,
+    Setting,
+    Worker,
+    advice_json,
+    advise,
+    default_grid,
+    format_seconds,
+    parse_size,
+    replay,
+    replay_grid,
+)
+
+__all__ = [
+    "Advice",
+    "EncoderOutcome",
+    "KeyCost",
+    "Recording",
+    "Result",
+    "Setting",
+    "Worker",
+    "advise",
+    "advice_json",
+    "default_grid",
+    "format_seconds",
+    "parse_size",
+    "replay",
+    "replay_grid",
+]
