@@ -13,7 +13,7 @@ import pytest
 
 from omnitrace import derive_coverage
 from omnitrace.cli import main
-from omnitrace.cli.parser import HELP_EPILOGS, _build_parser
+from omnitrace.cli.parser import HELP_EPILOGS, build_parser
 from omnitrace.demo.run import _Progress
 from omnitrace.events import GraphMissed, MissReason, Phase
 from omnitrace.sinks.jsonl import read_records
@@ -147,7 +147,7 @@ def test_one_profiling_call_is_one_call() -> None:
 
 def test_the_event_log_argument_has_help() -> None:
     """``EVENTS.jsonl`` of top, replay and advise says what it takes."""
-    parser = _build_parser()
+    parser = build_parser()
     for name in ("top", "replay", "advise"):
         text = _subcommand(parser, name).format_help()
         assert re.search(r"EVENTS\.jsonl\s+event logs \(--events-log of the demo", text), name
@@ -161,7 +161,7 @@ def _subcommand(parser: Any, name: str) -> Any:
 def test_each_command_help_names_its_variables_and_a_docs_section_that_exists() -> None:
     """Every subcommand's help ends with the variables it reads and a section of the docs,
     and each section it names is a heading of that file."""
-    parser = _build_parser()
+    parser = build_parser()
     action = next(a for a in parser._actions if a.dest == "command")
     assert set(HELP_EPILOGS) == set(action.choices)
     for name, (environment, docs) in HELP_EPILOGS.items():

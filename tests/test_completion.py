@@ -10,7 +10,7 @@ import pytest
 
 from omnitrace.cli import main
 from omnitrace.cli.completion import completion_script
-from omnitrace.cli.parser import _build_parser
+from omnitrace.cli.parser import build_parser
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -19,7 +19,7 @@ def _complete(tmp_path: Path, words: list[str], shell: str = "bash") -> list[str
     """COMPREPLY of the generated function for the command line ``words`` (last: the word
     being completed), run by bash in ``tmp_path``."""
     script = tmp_path / "completion.sh"
-    script.write_text(completion_script(_build_parser(), shell))
+    script.write_text(completion_script(build_parser(), shell))
     array = " ".join("'" + w.replace("'", "'\\''") + "'" for w in words)
     program = (
         f"source {script}\n"
@@ -91,4 +91,4 @@ def test_a_shell_it_does_not_know_is_a_usage_error(capsys: pytest.CaptureFixture
     assert stop.value.code == 2
     assert "invalid choice: 'fish'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="shell: expected one of bash, zsh, got 'fish'"):
-        completion_script(_build_parser(), "fish")
+        completion_script(build_parser(), "fish")

@@ -274,10 +274,10 @@ def test_the_summary_keeps_the_first_names_and_counts_the_rest_together() -> Non
 
 
 def test_the_command_line_defaults_are_the_receivers() -> None:
-    from omnitrace.cli.parser import _build_parser
+    from omnitrace.cli.parser import build_parser
     from omnitrace.receive import DEFAULT_MAX_NAMES
 
-    args = _build_parser().parse_args(["receive"])
+    args = build_parser().parse_args(["receive"])
     assert args.max_body == DEFAULT_LIMITS.max_body_bytes == 16 << 20
     assert args.max_decompressed == DEFAULT_LIMITS.max_decompressed_bytes == 64 << 20
     assert args.header_timeout == DEFAULT_LIMITS.header_timeout_s

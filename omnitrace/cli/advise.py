@@ -6,12 +6,14 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from omnitrace.cli.output import _error, _print_json, _stdout_console
+import omnitrace.cli.options as opt
+from omnitrace.cli.output import _print_json, _stdout_console, command_error
+from omnitrace.config import MAX_GRAPHS_CAP
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["_cmd_advise"]
+__all__ = ["add_advise_parser", "_cmd_advise"]
 
 
 def _advise_table(advice: Any, top: int) -> Table:
@@ -146,13 +148,15 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         try:
             recording = Recording.from_records(records(chunks), free_bytes=args.free_bytes)
         except LogReadError as exc:
-            return _error("advise", str(exc), exc.status)
+            return command_error("advise", str(exc), exc.status)
         if not recording.costs:
             names = ", ".join(str(p) for p in args.paths)
             # Why not (cpu, disabled, ...), with counts: what to change before advising.
             why = recording.why_ineligible()
             reason = f": every call was ineligible ({why})" if why else ""
-            return _error("advise", f"{names}: no encoder call could use a graph{reason}", status=1)
+            return command_error(
+                "advise", f"{names}: no encoder call could use a graph{reason}", status=1
+            )
         grid = default_grid(
             recording,
             max_graphs=args.max_graphs,
@@ -178,7 +182,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     if advice.best is None:
         # Nothing to recommend: one line saying why and what to change, not a table of
         # settings none of which can be used.
-        return _error("advise", f"no recommendation: {advice.why()}", status=1)
+        return command_error("advise", f"no recommendation: {advice.why()}", status=1)
     from omnitrace._display import safe_markup
 
     console = _stdout_console()
@@ -204,3 +208,73 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     console.print(f"  --hf-overrides '{overrides}'", soft_wrap=True)
     console.print(f"why: {safe_markup(advice.why())}", soft_wrap=True)
     return 0
+
+
+def add_advise_parser(commands: Any) -> None:
+    """Add ``advise`` to the command line's subcommands."""
+    advise = opt.log_command(
+        commands,
+        "advise",
+        help="replay event logs under other graph settings and recommend the best",
+        description=(
+            "Replay the encoder calls of recorded JSONL logs (several workers' logs at once) "
+            "through the adapter's admission policy for a grid of max_graphs, "
+            "min_capture_calls, memory floors and pool budgets; report per setting the hit "
+            "rate, graphs, pool memory and estimated time saved, then the recommended "
+            "--hf-overrides JSON and why."
+        ),
+    )
+    advise.add_argument(
+        "--max-graphs",
+        type=opt.int_list(0, MAX_GRAPHS_CAP),
+        default=None,
+        metavar="N,N,...",
+        help="max_graphs values to try (default: 0 to 64 up to the keys seen, and the logged one)",
+    )
+    advise.add_argument(
+        "--min-capture-calls",
+        type=opt.int_list(2, 1_000_000),
+        default=None,
+        metavar="N,N,...",
+        help="min_capture_calls values to try (default: 2, 3, 4, 6, 8 and the logged one)",
+    )
+    advise.add_argument(
+        "--min-free-bytes",
+        type=opt.size_list,
+        default=None,
+        metavar="SIZE,...",
+        help=(
+            "memory floors to try, e.g. 0,512MiB,1GiB (default: the logged one, and a range "
+            "when device-free memory is known)"
+        ),
+    )
+    advise.add_argument(
+        "--pool-budget",
+        type=opt.size_list,
+        default=None,
+        metavar="SIZE,...",
+        help=(
+            "pool_budget_bytes values to try, per encoder, e.g. 0,256MiB,1GiB (0: no budget; "
+            "default: the logged one); with a budget, raise --max-graphs's values too, the "
+            "budget then decides how many shapes fit"
+        ),
+    )
+    advise.add_argument(
+        "--free-bytes",
+        type=opt.size,
+        default=None,
+        metavar="SIZE",
+        help="device-free memory at each worker's start (default: estimated from deferrals)",
+    )
+    advise.add_argument(
+        "--memory-budget",
+        type=opt.size,
+        default=None,
+        metavar="SIZE",
+        help="most pool memory the graphs of one worker may hold, e.g. 2GiB",
+    )
+    advise.add_argument(
+        "--top", type=opt.positive_int, default=10, metavar="N", help="settings to list"
+    )
+    advise.add_argument("--json", action="store_true", help="print the advice as JSON")
+    advise.set_defaults(handler=_cmd_advise)

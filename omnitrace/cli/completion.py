@@ -18,6 +18,8 @@ import shlex
 import sys
 from typing import Any
 
+import omnitrace.cli.options as opt
+
 __all__ = ["add_completion_parser", "completion_script"]
 
 SHELLS = ("bash", "zsh")
@@ -123,7 +125,7 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_completion_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_completion_parser(commands: Any) -> None:
     """Add ``completion SHELL`` to the command line's subcommands."""
     command = commands.add_parser(
         "completion",
@@ -133,11 +135,13 @@ def add_completion_parser(commands: Any, formatter: type[argparse.HelpFormatter]
             'choices of options. Load it with eval "$(omnitrace completion bash)" in '
             '~/.bashrc, or eval "$(omnitrace completion zsh)" in ~/.zshrc.'
         ),
-        formatter_class=formatter,
+        formatter_class=opt.HelpFormatter,
     )
     command.add_argument("shell", choices=SHELLS, help="the shell to complete in")
+    command.set_defaults(handler=_cmd_completion)
 
 
-def _cmd_completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    sys.stdout.write(completion_script(parser, args.shell))
+def _cmd_completion(args: argparse.Namespace) -> int:
+    # The whole command line's parser: build_parser sets it as every command's default.
+    sys.stdout.write(completion_script(args.root_parser, args.shell))
     return 0

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import omnitrace.cli.options as opt
 from omnitrace.cli.output import PROG, _print_json
 
 __all__ = ["_cmd_config", "add_config_parser", "settings"]
@@ -31,7 +32,7 @@ __all__ = ["_cmd_config", "add_config_parser", "settings"]
 DEFAULT_SERVICE_NAME = "omnitrace"
 
 
-def add_config_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_config_parser(commands: Any) -> None:
     """Add ``config`` to the command line's subcommands."""
     command = commands.add_parser(
         "config",
@@ -46,7 +47,7 @@ def add_config_parser(commands: Any, formatter: type[argparse.HelpFormatter]) ->
             "refuse makes the exit status 2. See README.md, 'Configuration', and "
             "docs/operations.md, 'Sinks from the environment'."
         ),
-        formatter_class=formatter,
+        formatter_class=opt.HelpFormatter,
     )
     command.add_argument(
         "--hf-overrides",
@@ -59,6 +60,7 @@ def add_config_parser(commands: Any, formatter: type[argparse.HelpFormatter]) ->
         "--enforce-eager", action="store_true", help="as vLLM's flag: encoder graphs off"
     )
     command.add_argument("--json", action="store_true", help="print the settings as JSON")
+    command.set_defaults(handler=_cmd_config)
 
 
 @dataclass(frozen=True, slots=True)

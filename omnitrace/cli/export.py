@@ -25,14 +25,14 @@ def _endpoint_errors(command: str) -> int | None:
     None when all are good. The protocol's own variable is checked by the SDK wiring.
     """
     from omnitrace._env import OTLP_DEFAULT_ENDPOINTS, otlp_endpoint_errors
-    from omnitrace.cli.output import _error
+    from omnitrace.cli.output import command_error
 
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip()
     errors = otlp_endpoint_errors(
         os.environ, protocol if protocol in OTLP_DEFAULT_ENDPOINTS else "http/protobuf"
     )
     for line in errors:
-        _error(command, line)
+        command_error(command, line)
     return 2 if errors else None
 
 

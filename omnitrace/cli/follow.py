@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from omnitrace._signals import stops_set as _signal_stops
-from omnitrace.cli.output import _error, _say
+from omnitrace.cli.output import _say, command_error
 
 __all__ = [
     "FOLLOW_POLL_S",
@@ -86,7 +86,7 @@ def _followable(command: str, paths: Sequence[Path]) -> int | None:
             continue
         if not stat.S_ISREG(mode):
             # A named pipe would block the follow in open(), past q, Ctrl-C and SIGTERM.
-            return _error(command, f"{path}: is {kind_of(mode)}, not an event log")
+            return command_error(command, f"{path}: is {kind_of(mode)}, not an event log")
         check_readable(path)
     return None
 
@@ -98,7 +98,7 @@ def _is_pattern(path: Path) -> bool:
 
 def _unmatched(command: str, path: Path) -> int:
     """Say that the pattern ``path`` matches no file (exit status 2)."""
-    return _error(
+    return command_error(
         command,
         f"{path}: no file matches this pattern (a pattern that matches nothing "
         "reaches omnitrace unexpanded; name the log, which may not exist yet)",

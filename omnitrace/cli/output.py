@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["PROG", "_error", "_print_json", "_say", "_stdout_console"]
+__all__ = ["PROG", "command_error", "_print_json", "_say", "_stdout_console"]
 
 PROG = "omnitrace"
 
@@ -37,7 +37,7 @@ def _say(message: str) -> None:
     print(f"{PROG}: {safe(message)}", file=sys.stderr, flush=True)
 
 
-def _error(command: str, message: str, status: int = 2) -> int:
+def command_error(command: str, message: str, status: int = 2) -> int:
     from omnitrace._display import safe
 
     print(f"{PROG} {command}: error: {safe(message)}", file=sys.stderr, flush=True)

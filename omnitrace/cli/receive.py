@@ -8,11 +8,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
+import omnitrace.cli.options as opt
 from omnitrace._signals import signals_set
-from omnitrace.cli.output import _error, _say
+from omnitrace.cli.output import _say, command_error
 
-__all__ = ["HOST_HELP", "_cmd_receive", "add_limit_options"]
+__all__ = ["HOST_HELP", "add_limit_options", "add_receive_parser", "_cmd_receive"]
 
 #: What ``--host`` says in ``--help``: what listening beyond loopback exposes.
 HOST_HELP = (
@@ -142,7 +144,7 @@ def _cmd_receive(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
         )
     except ConfigError as exc:
-        return _error("receive", str(exc), 2)
+        return command_error("receive", str(exc), 2)
     stop = threading.Event()
     try:
         # Ctrl-C sets stop as SIGTERM does: the receiver ends at its next look at stop,
@@ -161,9 +163,61 @@ def _cmd_receive(args: argparse.Namespace) -> int:
                 max_names=args.max_names,
             )
     except OSError as exc:  # the port is taken, or the address is not this machine's
-        return _error("receive", f"cannot listen on {args.host}:{port}: {exc.strerror or exc}", 1)
+        return command_error(
+            "receive", f"cannot listen on {args.host}:{port}: {exc.strerror or exc}", 1
+        )
     if tally.empty and tally.refused:
-        return _error("receive", "nothing was taken: every request was refused (see above)", 1)
+        return command_error(
+            "receive", "nothing was taken: every request was refused (see above)", 1
+        )
     if tally.empty:
-        return _error("receive", "nothing arrived: no exporter sent here", status=1)
+        return command_error("receive", "nothing arrived: no exporter sent here", status=1)
     return 0
+
+
+def add_receive_parser(commands: Any) -> None:
+    """Add ``receive`` to the command line's subcommands."""
+    receive = commands.add_parser(
+        "receive",
+        help="listen for OTLP exports on loopback and print what arrives (no collector needed)",
+        description=(
+            "Listen for OTLP exports (spans, metrics, logs) and print one line per export "
+            "request: the signal, the sending service, how many spans, metrics or log "
+            "records and their names. Point an exporter here to check its settings without "
+            "a collector. Ctrl-C, SIGTERM or --duration stops it with a summary; the exit "
+            "status is 1 when nothing arrived."
+        ),
+        formatter_class=opt.HelpFormatter,
+    )
+    receive.add_argument(
+        "--protocol",
+        choices=("http/protobuf", "grpc"),
+        default="http/protobuf",
+        help="the OTLP protocol to accept (grpc needs the grpc extra)",
+    )
+    receive.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help=HOST_HELP,
+    )
+    receive.add_argument(
+        "--port",
+        type=opt.port,
+        default=None,
+        metavar="PORT",
+        help="the port to listen on (default: 4318 for http/protobuf, 4317 for grpc, the "
+        "exporters' defaults; 0: a free one, printed)",
+    )
+    receive.add_argument(
+        "--duration",
+        type=opt.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: until Ctrl-C or SIGTERM)",
+    )
+    receive.add_argument(
+        "--json", action="store_true", help="print a JSON line per request, and the summary"
+    )
+    add_limit_options(receive)
+    receive.set_defaults(handler=_cmd_receive)

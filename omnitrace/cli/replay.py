@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import omnitrace.cli.options as opt
 from omnitrace.cli.export import (
     _endpoint_errors,
     _export_reported_by_the_cli,
@@ -24,7 +25,7 @@ from omnitrace.cli.follow import (
     _signal_stops,
     _unmatched_patterns,
 )
-from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
+from omnitrace.cli.output import _print_json, _say, _stdout_console, command_error
 from omnitrace.cli.tables import stats_table
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from omnitrace.eventlog import EventRecord
     from omnitrace.events import Event
 
-__all__ = ["_cmd_replay"]
+__all__ = ["add_replay_parser", "_cmd_replay"]
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -48,7 +49,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             return refused
     if args.follow:
         if args.speed is not None:
-            return _error("replay", "--speed paces a recorded log; --follow relays as written")
+            return command_error(
+                "replay", "--speed paces a recorded log; --follow relays as written"
+            )
         refused = _followable("replay", args.paths) or _stoppable(args)
         return _replay(args, None) if refused is None else refused
     for option in (
@@ -61,7 +64,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None and value is not False:
             flag = "--" + option.replace("_", "-")
-            return _error("replay", f"{flag} needs --follow (a recorded log replays at once)")
+            return command_error(
+                "replay", f"{flag} needs --follow (a recorded log replays at once)"
+            )
     from omnitrace.eventlog import log_gap
     from omnitrace.eventlog.chunks import (
         LogReadError,
@@ -76,7 +81,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return refused
     for path in args.paths:
         if not path.exists():
-            return _error("replay", f"no event log at {path}")
+            return command_error("replay", f"no event log at {path}")
     # Whether several workers wrote the logs decides the adapters' names before the first
     # event: a quick pass finds the writers (and the adapter facts, registered first). It
     # reads the whole logs too, so it has a bar of its own, on the same terms as the
@@ -91,7 +96,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             for _ in read_logs(args.paths):
                 pass
         except LogReadError as exc:
-            return _error("replay", str(exc), exc.status)
+            return command_error("replay", str(exc), exc.status)
     for path in args.paths:
         gap = log_gap(path)
         if gap is not None:
@@ -106,7 +111,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _stoppable(args: argparse.Namespace) -> int | None:
     """Refuse a follow that would stop at once for no reason (exit status 2)."""
     if args.from_offset is not None and len(args.paths) != 1:
-        return _error("replay", "--from-offset joins one log; give exactly one")
+        return command_error("replay", "--from-offset joins one log; give exactly one")
     if args.until_exit is not None and _exited(args.until_exit, os.getppid()):
         # Not refused: a server that died before its exporter started still gets its log
         # exported.
@@ -123,7 +128,7 @@ def _stoppable(args: argparse.Namespace) -> int | None:
         except (AttributeError, OSError, ValueError):
             piped = False
         if not piped:
-            return _error(
+            return command_error(
                 "replay",
                 "--until-stdin-closes: standard input is not a pipe (closed, /dev/null or "
                 "a file), so the follow would stop at once",
@@ -162,7 +167,7 @@ def _replay_into_sinks(
     speed = args.speed if args.speed is not None else (1.0 if args.tui else 0.0)
     names = ", ".join(str(p) for p in args.paths)
     if not 0 <= speed < float("inf"):
-        return _error("replay", f"--speed: expected a nonnegative number, got {speed}")
+        return command_error("replay", f"--speed: expected a nonnegative number, got {speed}")
     bus = EventBus()
     setup: Any = None
     replayed = 0
@@ -192,9 +197,11 @@ def _replay_into_sinks(
                     )
                 except OSError as exc:  # the scrape port is taken, or the address is bad
                     where = f"{args.prometheus_host}:{args.prometheus_port}"
-                    return _error("replay", f"cannot serve /metrics on {where}: {exc}", status=1)
+                    return command_error(
+                        "replay", f"cannot serve /metrics on {where}: {exc}", status=1
+                    )
                 except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
-                    return _error("replay", str(exc))
+                    return command_error("replay", str(exc))
                 if otlp:
                     from omnitrace._env import otlp_endpoints_text
 
@@ -212,7 +219,7 @@ def _replay_into_sinks(
             for extra in extras:
                 bus.add_sink(extra)
             if follow and setup is None and not extras and not args.tui:
-                return _error(
+                return command_error(
                     "replay",
                     "--follow has nowhere to send the events: give --otlp-endpoint (or set "
                     "OTEL_EXPORTER_OTLP_ENDPOINT or a signal's own endpoint variable), --otlp, "
@@ -263,9 +270,9 @@ def _replay_into_sinks(
         except KeyboardInterrupt:
             interrupted = True
         except EventLogError as exc:
-            return _error("replay", str(exc))
+            return command_error("replay", str(exc))
         except LogReadError as exc:
-            return _error("replay", str(exc), exc.status)
+            return command_error("replay", str(exc), exc.status)
         finally:
             bus.close()
             dropped = bus.statistics().dropped
@@ -280,18 +287,18 @@ def _replay_into_sinks(
         return 130
     if not exported:
         # Exporting was what this run was for: a failed export fails the command.
-        return _error("replay", f"{setup.export_error}; {replayed} events read", status=1)
+        return command_error("replay", f"{setup.export_error}; {replayed} events read", status=1)
     if dropped:
-        return _error(
+        return command_error(
             "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
         )
     if bad_lines:
         lines = "1 line of the logs is" if bad_lines == 1 else f"{bad_lines} lines of the logs are"
         message = f"{lines} no record this version reads (skipped)"
-        return _error("replay", f"{message}; {replayed} events relayed", status=1)
+        return command_error("replay", f"{message}; {replayed} events relayed", status=1)
     if not drained:
         message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
-        return _error("replay", message, status=1)
+        return command_error("replay", message, status=1)
     return 0
 
 
@@ -357,3 +364,97 @@ def _pacer(speed: float) -> Callable[[Event], None] | None:
             previous.append(event.epoch_ns)
 
     return pace
+
+
+def add_replay_parser(commands: Any) -> None:
+    """Add ``replay`` to the command line's subcommands."""
+    replay = opt.log_command(
+        commands,
+        "replay",
+        help="replay event logs into the live view, OTLP or Prometheus (--follow: live)",
+        description=(
+            "Feed the events of recorded JSONL logs (several workers' logs are merged in "
+            "time order) through a fresh bus, into the live view (--tui) and/or OTLP "
+            "(--otlp-endpoint, or OTEL_EXPORTER_OTLP_ENDPOINT). With --follow, keep relaying "
+            "what the serving processes append, until q, Ctrl-C or SIGTERM: the exporter "
+            "then runs beside the server instead of inside it, and can also serve "
+            "Prometheus (--prometheus-port). A failed export, or an event that did not "
+            "reach a sink, makes the exit status 1."
+        ),
+    )
+    replay.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP base endpoint (default: OTEL_EXPORTER_OTLP_ENDPOINT; unset: no export)",
+    )
+    replay.add_argument("--tui", action="store_true", help="show the live view while replaying")
+    replay.add_argument(
+        "--speed",
+        type=opt.nonnegative_float,
+        default=None,
+        metavar="X",
+        help="replay at X times the recorded pace (0: at once; default: 1 with --tui, else 0)",
+    )
+    replay.add_argument(
+        "--json", action="store_true", help="print the replayed stats as JSON instead of a table"
+    )
+    _follow_options(replay)
+    replay.set_defaults(handler=_cmd_replay)
+
+
+def _follow_options(replay: argparse.ArgumentParser) -> None:
+    """``replay --follow`` and what ends or joins a follow, and its Prometheus endpoint."""
+    replay.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep relaying the logs as their writers append to them",
+    )
+    replay.add_argument(
+        "--duration",
+        type=opt.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
+    )
+    replay.add_argument(
+        "--otlp",
+        action="store_true",
+        help="export over OTLP where OpenTelemetry's variables say (per-signal endpoints "
+        "too), else to the protocol's localhost port, without naming an endpoint",
+    )
+    replay.add_argument(
+        "--from-offset",
+        type=opt.int_range(0, 2**62, "a byte offset"),
+        default=None,
+        metavar="BYTES",
+        help="with --follow and one log: join it at this byte (a server that starts the "
+        "follow passes its log's size, so an earlier run's lines are not exported again)",
+    )
+    replay.add_argument(
+        "--until-exit",
+        type=opt.int_range(1, 2**31 - 1, "a process id"),
+        default=None,
+        metavar="PID",
+        help="with --follow: stop, and export what is left, once process PID has exited",
+    )
+    replay.add_argument(
+        "--until-stdin-closes",
+        action="store_true",
+        help="with --follow: stop, and export what is left, once standard input closes (for "
+        "a parent that runs the follow as its child: its exit closes the pipe)",
+    )
+    replay.add_argument(
+        "--prometheus-port",
+        type=opt.int_range(0, 65535, "a port"),
+        default=None,
+        metavar="PORT",
+        help="with --follow: serve /metrics for Prometheus on this port (0: a free one)",
+    )
+    replay.add_argument(
+        "--prometheus-host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address the /metrics endpoint binds",
+    )

@@ -9,13 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import omnitrace.cli.options as opt
 from omnitrace.cli.follow import _follow, _followable, _signal_stops, _unmatched_patterns
-from omnitrace.cli.output import _error, _print_json, _say, _stdout_console
+from omnitrace.cli.output import _print_json, _say, _stdout_console, command_error
 
 if TYPE_CHECKING:
     from omnitrace.eventlog import EventRecord
 
-__all__ = ["_cmd_top"]
+__all__ = ["add_top_parser", "_cmd_top"]
 
 
 def _top_json(board: Any, paths: Sequence[Path], requests: Any = None) -> dict[str, Any]:
@@ -121,11 +122,11 @@ def _unseen(args: argparse.Namespace, encoders: set[str], ranks: set[int]) -> in
     for name in args.encoder or ():
         if name not in encoders:
             known = ", ".join(sorted(encoders)) or "none"
-            return _error("top", f"--encoder {name}: no such encoder in the logs ({known})")
+            return command_error("top", f"--encoder {name}: no such encoder in the logs ({known})")
     for rank in args.rank or ():
         if rank not in ranks:
             known = ", ".join(str(r) for r in sorted(ranks)) or "none"
-            return _error("top", f"--rank {rank}: no such rank in the logs (ranks: {known})")
+            return command_error("top", f"--rank {rank}: no such rank in the logs (ranks: {known})")
     return None
 
 
@@ -134,7 +135,9 @@ def _cmd_top(args: argparse.Namespace) -> int:
     selected = _record_filter(args)
     if not args.follow:
         if args.duration is not None:
-            return _error("top", "--duration needs --follow (a recorded log is read at once)")
+            return command_error(
+                "top", "--duration needs --follow (a recorded log is read at once)"
+            )
         refused = _unmatched_patterns("top", args.paths)
         if refused is not None:
             return refused
@@ -157,7 +160,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
                         if type(record.item) in REQUEST_EVENT_TYPES:
                             requests.add(record.item, record.pid)
         except LogReadError as exc:
-            return _error("top", str(exc), exc.status)
+            return command_error("top", str(exc), exc.status)
         if selected is not None:
             refused = _unseen(args, selected[1], selected[2])
             if refused is not None:
@@ -174,7 +177,9 @@ def _cmd_top(args: argparse.Namespace) -> int:
                 console.print(_requests_table(panel))
         return 0
     if args.json:
-        return _error("top", "--json prints one snapshot; it cannot be combined with --follow")
+        return command_error(
+            "top", "--json prints one snapshot; it cannot be combined with --follow"
+        )
     refused = _followable("top", args.paths)
     if refused is not None:
         return refused
@@ -208,10 +213,52 @@ def _cmd_top(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass  # Ctrl-C during the last read ends it too.
     except EventLogError as exc:
-        return _error("top", str(exc))
+        return command_error("top", str(exc))
     finally:
         for follower in followers:
             follower.close()
     if not tui:
         console.print(render(board.snapshot()))
     return 0
+
+
+def add_top_parser(commands: Any) -> None:
+    """Add ``top`` to the command line's subcommands."""
+    top = opt.log_command(
+        commands,
+        "top",
+        help="show the stats of event logs, or follow logs a serving process writes",
+        description=(
+            "Show per-encoder graph stats from JSONL event logs (several worker processes "
+            "side by side). With --follow, keep reading as the writers append; q, Ctrl-C or "
+            "SIGTERM quits."
+        ),
+    )
+    top.add_argument("--follow", "-f", action="store_true", help="follow the logs as they grow")
+    top.add_argument(
+        "--duration",
+        type=opt.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="with --follow: stop after this many seconds (default: until q, Ctrl-C or SIGTERM)",
+    )
+    top.add_argument(
+        "--encoder",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="show only this encoder (repeat for more; default: all)",
+    )
+    top.add_argument(
+        "--rank",
+        action="append",
+        type=opt.int_range(0, (1 << 31) - 1, "a rank"),
+        default=None,
+        metavar="N",
+        help="show only this worker rank's encoders (repeat for more; default: all)",
+    )
+    top.add_argument("--no-tui", action="store_true", help="print one final frame only")
+    top.add_argument(
+        "--json", action="store_true", help="print the stats as JSON instead (not with --follow)"
+    )
+    top.set_defaults(handler=_cmd_top)

@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from omnitrace.cli.output import _error, _print_json
+import omnitrace.cli.options as opt
+from omnitrace.cli.output import _print_json, command_error
 
 __all__ = ["_cmd_trace", "add_trace_parser"]
 
 
-def add_trace_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_trace_parser(commands: Any) -> None:
     """Add ``trace`` to the command line's subcommands."""
     command = commands.add_parser(
         "trace",
@@ -24,7 +25,7 @@ def add_trace_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> 
             "'events-*.jsonl'. Needs the vLLM plugin's request timing (on unless "
             "OMNITRACE_REQUESTS=0). See docs/operations.md, 'Why is my TTFT high?'."
         ),
-        formatter_class=formatter,
+        formatter_class=opt.HelpFormatter,
     )
     command.add_argument(
         "request_id",
@@ -39,6 +40,7 @@ def add_trace_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> 
         help="event logs (OMNITRACE_EVENTS_LOG) of every vLLM process; patterns are expanded",
     )
     command.add_argument("--json", action="store_true", help="print the request as JSON")
+    command.set_defaults(handler=_cmd_trace)
 
 
 def _ms(seconds: float | None) -> str:
@@ -102,10 +104,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             for record in chunk:
                 join.add(record.item, record.pid)
     except LogReadError as exc:
-        return _error("trace", str(exc), exc.status)
+        return command_error("trace", str(exc), exc.status)
     views = join.requests()
     if not views:
-        return _error(
+        return command_error(
             "trace",
             f"no request {args.request_id!r} in {', '.join(str(p) for p in args.paths)} "
             "(give the API server's log too; request timing needs the vLLM plugin)",
