@@ -122,7 +122,7 @@ def test_facade_loads_names_lazily_and_lists_them() -> None:
         "import sys, omnitrace\n"
         "assert 'torch' not in sys.modules, 'torch at import'\n"
         "assert set(omnitrace.__all__) <= set(dir(omnitrace))\n"
-        "assert omnitrace.EventBus.__module__ == 'omnitrace.bus'\n"
+        "assert omnitrace.EventBus.__module__ == 'omnitrace.bus._bus'\n"
         "assert 'torch' not in sys.modules, 'torch via EventBus'\n"
         "from omnitrace import EncoderCudaGraph\n"
         "assert 'torch' in sys.modules\n"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from omnitrace.bus._runner import CLOSE_GRACE_S
 
 if TYPE_CHECKING:
-    from omnitrace.bus import EventBus
+    from omnitrace.bus._bus import EventBus
 
 __all__ = [
     "EXIT_TIMEOUT_S",
