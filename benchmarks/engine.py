@@ -23,18 +23,29 @@ configuration                 what
 ``vllm-encoder-graphs``       vLLM's own encoder graphs (``cudagraph_mm_encoder``), where the
                               model implements vLLM's protocol; recorded as not applicable
                               otherwise
+``eager-again``               ``eager`` once more, last (A/B/A): the machine's drift across the
+                              run, reported beside every change read against ``eager``
 ============================  ===================================================================
+
+Before the servers, in the same invocation, each model runs :mod:`benchmarks.paired` in a
+child (offline, one ``vllm.LLM`` engine, graphs paused and resumed per request, eager and
+graphed requests of each kind alternating), so drift inside the run hits both halves alike;
+``OMNITRACE_BENCH_ENGINE_OFFLINE=0`` leaves it out.
 
 The traffic: single images at several resolutions (MiniCPM-o: 1 to 9 slices), two-image
 prompts, audio of 1, 5, 10 and 30 s, and image-plus-audio prompts, in a seeded order; greedy,
 short outputs. Each configuration serves a warm-up pass first (the graphs'
-``min_capture_calls``), then the measured passes at concurrency 1 and 8, with new pixels and
-samples of the same sizes each pass (vLLM caches encoder outputs by content). Reported per
+``min_capture_calls``), then the measured passes at concurrency 1, 8 and 32, with new pixels
+and samples of the same sizes each pass (vLLM caches encoder outputs by content). Reported per
 configuration: TTFT p50 and p99 per request kind and concurrency, requests/s, the encoders'
 device time as a share of TTFT (``DeviceTimed`` events; concurrency 1), graphs and pool bytes
-from the event log, the KV cache vLLM chose (its log), whether every completion equals the
-eager configuration's, and at concurrency 1 where each kind's TTFT went (the engine's own
-histograms around each request: :mod:`benchmarks.engine_phases`).
+from the event log, the share of the measured passes' encoder calls a graph served (hits after
+the warm-up, misses by reason), the KV cache vLLM chose (its log), whether every completion
+equals the eager configuration's, at concurrency 1 where each kind's TTFT went by the
+engine's own histograms around each request (:mod:`benchmarks.engine_phases`), and at every
+concurrency where it went by omnitrace's per-request events. The goals checked: TTFT p50 at
+concurrency 1 per modality, requests/s and TTFT p99 at the highest concurrency against
+eager's, and the hit rate after the warm-up.
 
 A server that fails to start, dies or answers an error fails the benchmark with its output;
 it is never skipped. On a CPU (``--quick`` or ``--tiny``) everything runs on a tiny model:
@@ -50,6 +61,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +110,10 @@ class Configuration:
     env: dict[str, str] = field(default_factory=dict)
 
 
+#: The repeated baseline's configuration name.
+AGAIN = "eager-again"
+
+
 def configurations(model_kind: str) -> list[Configuration]:
     """The configurations compared, eager first (the baseline every other is read against)."""
     graphs: dict[str, Any] = {"encoder_cuda_graph_device_timing": True}
@@ -113,6 +129,8 @@ def configurations(model_kind: str) -> list[Configuration]:
             compilation={"cudagraph_mm_encoder": True},
             plugin=False,
         ),
+        # The baseline once more at the end (A/B/A): how far the machine drifted meanwhile.
+        Configuration(AGAIN, {**graphs, "encoder_cuda_graph": False}),
     ]
 
 
@@ -523,6 +541,41 @@ def _line_counts(paths: Sequence[Path]) -> dict[Path, int]:
     return counts
 
 
+def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
+    """The encoder calls in each log after its first ``skip`` lines (the measured passes,
+    once the warm-up captured what it would): calls, hits and the hit rate, in all and per
+    encoder, with the misses by reason."""
+    encoders: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            for i, line in enumerate(lines):
+                if i < skip.get(path, 0):
+                    continue
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind not in ("GraphReplayed", "GraphMissed"):
+                    continue
+                mine = encoders.setdefault(
+                    str(event.get("adapter")), {"calls": 0, "hits": 0, "misses": {}}
+                )
+                mine["calls"] += 1
+                if kind == "GraphReplayed":
+                    mine["hits"] += 1
+                else:
+                    reason = str(event.get("reason"))
+                    mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
+    for mine in encoders.values():
+        mine["hit_rate"] = mine["hits"] / mine["calls"]
+    calls = sum(e["calls"] for e in encoders.values())
+    hits = sum(e["hits"] for e in encoders.values())
+    return {
+        "calls": calls,
+        "hits": hits,
+        "hit_rate": hits / calls if calls else None,
+        "encoders": encoders,
+    }
+
+
 def _device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:
     """Encoder device seconds in each log's events after its first ``skip`` lines: the most
     of any worker (tensor-parallel ranks run their encoders side by side).
@@ -672,11 +725,11 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
     kinds = request_kinds(ctx.scale, model_kind)
     per_kind = ctx.pick(8, 2, 1)
     tokens = ctx.pick(8, 4, 2)
-    concurrencies = ctx.pick((1, 8), (1, 4), (1, 2))
+    concurrencies = ctx.pick((1, 8, 32), (1, 4), (1, 2))
     chosen = configurations(model_kind)
     if ctx.scale != "full":
-        # On a CPU nothing graphs: two engines check the plumbing.
-        chosen = [c for c in chosen if c.name in ("eager", "omnitrace")]
+        # On a CPU nothing graphs: eager, graphs and eager again check the plumbing.
+        chosen = [c for c in chosen if c.name in ("eager", "omnitrace", AGAIN)]
     supported, why_not = _model_supports_vllm_encoder_graphs(model_kind)
     entry: dict[str, Any] = {
         "name": MODELS[model_kind],
@@ -687,6 +740,9 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
         "configurations": {},
         "not_applicable": {},
     }
+    if offline_enabled():
+        ctx.log("  offline: graphs off and on inside one vllm.LLM engine (benchmarks.paired)")
+        entry["offline_paired"] = _offline(ctx, model_kind, work)
     texts: dict[str, dict[str, list[int]]] = {}
     for config in chosen:
         if config.compilation is not None and not supported:
@@ -708,6 +764,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
             # Warm-up: every shape min_capture_calls times, so the graphs are in place.
             for warm in range(2):
                 run_pass(server, schedule(kinds, 1, warm), seed=100 + warm, concurrency=1, tokens=1)
+            warmed = _line_counts(server.events)
             passes = []
             device_s_c1: float | None = None
             for concurrency in concurrencies:
@@ -720,6 +777,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
                 if concurrency == 1 and config.plugin:
                     device_s_c1 = _device_s_since(server.events, skip)
             figures = event_figures(server.events)
+            after_warmup = hits_since(server.events, warmed) if config.plugin else None
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
             row = {
                 "ready_s": ready_s,
@@ -731,6 +789,8 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
                 "encoder_share_of_ttft_c1": (
                     None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
                 ),
+                # The measured passes' encoder calls: what the graphs served once warm.
+                "after_warmup": after_warmup,
                 **{k: v for k, v in figures.items() if k != "encoder_device_s"},
             }
             texts[config.name] = {
@@ -749,10 +809,52 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
                 batched = [k for k in eager if not k.startswith("c1/")]
                 row["batched_equal_eager"] = sum(mine.get(k) == eager[k] for k in batched)
                 row["batched_requests"] = len(batched)
-            entry["configurations"][config.name] = row
-            write_partial(ctx, NAME, {**result, "models": {**result["models"], model_kind: entry}})
-            ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
+        if config.plugin:
+            # After the server stopped, every process has flushed its log: each request's
+            # phases from its own events, per kind and concurrency.
+            views = engine_phases.event_views(server.events)
+            row["event_phases"] = {}
+            row["event_problems"] = []
+            for p in passes:
+                table, problems = engine_phases.phase_table(p.completions, views)
+                row["event_phases"][f"c{p.concurrency}"] = table
+                row["event_problems"] += [f"c{p.concurrency} {x}" for x in problems]
+        entry["configurations"][config.name] = row
+        write_partial(ctx, NAME, {**result, "models": {**result["models"], model_kind: entry}})
+        ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
     return entry
+
+
+def offline_enabled() -> bool:
+    """Whether the offline paired run comes first (``OMNITRACE_BENCH_ENGINE_OFFLINE``, 1 by
+    default; 0 leaves it out)."""
+    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_OFFLINE", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"OMNITRACE_BENCH_ENGINE_OFFLINE: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _offline(ctx: Context, model_kind: str, work: Path) -> dict[str, Any]:
+    """Run :mod:`benchmarks.paired` on this model in a child (its engine's memory is given
+    back before the servers start) and return its result; its failure fails the benchmark."""
+    out = work / "offline"
+    argv = [
+        *(sys.executable, "-m", "benchmarks.paired", "--model", model_kind),
+        *("--size", "released" if ctx.scale == "full" else "tiny", "--out", str(out)),
+        *("--pairs", str(ctx.pick(12, 2, 1)), "--warmup", str(ctx.pick(3, 2, 2))),
+        *("--cost-rounds", "0"),
+    ]
+    if model_kind == "qwen2_5_omni":
+        # Its audio tower graphs only through the masked attention, as configured above.
+        argv += ["--overrides", json.dumps({"encoder_cuda_graph_audio_attention": "masked"})]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    path = out / f"paired-{model_kind}.json"
+    if done.returncode != 0 or not path.exists():
+        raise RuntimeError(
+            f"{MODELS[model_kind]}: the offline paired run failed (exit {done.returncode}):\n"
+            f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
+    return dict(json.loads(path.read_text()))
 
 
 def _median_change(
@@ -828,10 +930,75 @@ def _checks(result: dict[str, Any], model_kind: str, entry: dict[str, Any]) -> N
                 note=f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}",
             )
         )
+    for modality in ("image", "audio"):
+        # A/B/A: the baseline served again last; a large drift makes every change suspect.
+        drift = _median_change(entry, model_kind, scale, AGAIN, modality)
+        result["figures"].append(
+            figure(
+                f"{label}: {modality} TTFT p50 at concurrency 1, eager served again last vs "
+                "eager first (the machine's drift across the run)",
+                None if drift is None else 100 * drift,
+                "%",
+                goal=GOAL,
+            )
+        )
+    _load_checks(result, label, configs)
     for name, why in entry["not_applicable"].items():
         result["figures"].append(
             figure(f"{label}: {name} not applicable", None, "", goal=GOAL, note=why)
         )
+
+
+def _load_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) -> None:
+    """At the highest concurrency: requests/s and TTFT p99 against eager's; and the hit rate
+    of the measured passes with the defaults."""
+    if "omnitrace" not in configs or "eager" not in configs:
+        return
+    graphed, eager = configs["omnitrace"], configs["eager"]
+    top = max(int(key[1:]) for key in eager["requests_per_s"])
+    rate = graphed["requests_per_s"][f"c{top}"] / eager["requests_per_s"][f"c{top}"]
+    result["targets"].append(
+        target(
+            f"{label}: requests/s at concurrency {top}, omnitrace over eager encoders",
+            rate,
+            ">=",
+            1.3,
+            "x",
+            goal=GOAL,
+        )
+    )
+
+    def p99(row: dict[str, Any]) -> float:
+        return float(
+            np.median([r["ttft_p99_ms"] for r in row["rows"].values() if r["concurrency"] == top])
+        )
+
+    change = (p99(graphed) - p99(eager)) / p99(eager)
+    result["targets"].append(
+        target(
+            f"{label}: TTFT p99 at concurrency {top} (median over kinds), omnitrace vs eager",
+            100 * change,
+            "<",
+            0.0,
+            "%",
+            goal=GOAL,
+        )
+    )
+    warm = graphed.get("after_warmup") or {}
+    result["targets"].append(
+        target(
+            f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults",
+            None if warm.get("hit_rate") is None else 100 * warm["hit_rate"],
+            ">=",
+            95.0,
+            "%",
+            goal=GOAL,
+            note="misses by reason: "
+            + "; ".join(
+                f"{name} {e['misses']}" for name, e in sorted(warm.get("encoders", {}).items())
+            ),
+        )
+    )
 
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:

@@ -23,6 +23,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import quantile
 
 #: The histograms read, by the phase name they give.
 HISTOGRAMS = {
@@ -134,3 +138,68 @@ def _every(
     if not taken or any(s is None for s in taken):
         return None
     return [s for s in taken if s is not None]
+
+
+# -- the same requests from omnitrace's own events -------------------------------------------
+
+
+def event_views(paths: Sequence[Path]) -> dict[str, Any]:
+    """Each request's view (phases from its ``RequestTimed`` joined with its encoder steps),
+    by the client's request id, from the server's event logs."""
+    from omnitrace.eventlog.chunks import read_logs
+    from omnitrace.requests import RequestJoin
+
+    join = RequestJoin(calls=True)
+    for _, chunk in read_logs(paths):
+        for record in chunk:
+            join.add(record.item, record.pid)
+    return {v.event.request_id: v for v in join.requests()}
+
+
+def phase_table(
+    completions: Sequence[Any], views: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """Per request kind of ``completions`` (a pass's, each with ``request_id``, ``kind``,
+    ``ttft_s`` and, at concurrency 1, vLLM's ``phases``): client and event TTFT, the mean
+    and p50 of each phase from the events and, where vLLM's histograms split the requests,
+    the engine's part by both; and what could not be found (``problems``)."""
+    from omnitrace.requests import PHASES
+
+    rows: dict[str, Any] = {}
+    problems = []
+    kinds = sorted({c.kind for c in completions})
+    for kind in kinds:
+        mine = [c for c in completions if c.kind == kind]
+        found = [views[c.request_id] for c in mine if c.request_id in views]
+        if len(found) != len(mine):
+            problems.append(f"{kind}: {len(mine) - len(found)} of {len(mine)} without an event")
+        if not found:
+            continue
+        row: dict[str, Any] = {
+            "requests": len(mine),
+            "client_ttft_p50_ms": statistics.median(c.ttft_s for c in mine) * 1e3,
+            "client_ttft_p99_ms": quantile(sorted(c.ttft_s for c in mine), 0.99) * 1e3,
+            "event_ttft_p50_ms": statistics.median(v.ttft_s for v in found) * 1e3,
+            "phases_mean_ms": {
+                p: statistics.mean(v.phases[p] for v in found) * 1e3 for p in PHASES
+            },
+            "phases_p50_ms": {
+                p: statistics.median(v.phases[p] for v in found) * 1e3 for p in PHASES
+            },
+            "encoder_share_mean_ms": statistics.mean(v.encoder_share_s for v in found) * 1e3,
+        }
+        histogram = mean_phases_ms([c.phases for c in mine])
+        if histogram is not None:
+            row["histogram_phases_mean_ms"] = histogram
+            events = row["phases_mean_ms"]
+            row["engine_part_ms"] = {
+                "histograms (queue + prefill)": histogram["queue"] + histogram["prefill"],
+                # The same span of vLLM's own timestamps (queued to the engine core's first
+                # token), read through the events and their join: the output phase (engine
+                # core to API server) is outside vLLM's histograms.
+                "events (queue + encoders + prefill)": sum(
+                    events[p] for p in ("queue", "encoders", "prefill")
+                ),
+            }
+        rows[kind] = row
+    return rows, problems

@@ -29,63 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import engine, engine_phases
-from benchmarks.common import Context, quantile
-
-
-def _event_views(paths: Sequence[Path]) -> dict[str, Any]:
-    from omnitrace.eventlog.chunks import read_logs
-    from omnitrace.requests import RequestJoin
-
-    join = RequestJoin(calls=True)
-    for _, chunk in read_logs(paths):
-        for record in chunk:
-            join.add(record.item, record.pid)
-    return {v.event.request_id: v for v in join.requests()}
-
-
-def _phase_table(
-    completions: Sequence[engine.Completion], views: dict[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
-    from omnitrace.requests import PHASES
-
-    rows: dict[str, Any] = {}
-    problems = []
-    kinds = sorted({c.kind for c in completions})
-    for kind in kinds:
-        mine = [c for c in completions if c.kind == kind]
-        found = [views[c.request_id] for c in mine if c.request_id in views]
-        if len(found) != len(mine):
-            problems.append(f"{kind}: {len(mine) - len(found)} of {len(mine)} without an event")
-        if not found:
-            continue
-        row: dict[str, Any] = {
-            "requests": len(mine),
-            "client_ttft_p50_ms": statistics.median(c.ttft_s for c in mine) * 1e3,
-            "client_ttft_p99_ms": quantile(sorted(c.ttft_s for c in mine), 0.99) * 1e3,
-            "event_ttft_p50_ms": statistics.median(v.ttft_s for v in found) * 1e3,
-            "phases_mean_ms": {
-                p: statistics.mean(v.phases[p] for v in found) * 1e3 for p in PHASES
-            },
-            "phases_p50_ms": {
-                p: statistics.median(v.phases[p] for v in found) * 1e3 for p in PHASES
-            },
-            "encoder_share_mean_ms": statistics.mean(v.encoder_share_s for v in found) * 1e3,
-        }
-        histogram = engine_phases.mean_phases_ms([c.phases for c in mine])
-        if histogram is not None:
-            row["histogram_phases_mean_ms"] = histogram
-            events = row["phases_mean_ms"]
-            row["engine_part_ms"] = {
-                "histograms (queue + prefill)": histogram["queue"] + histogram["prefill"],
-                # The same span of vLLM's own timestamps (queued to the engine core's first
-                # token), read through the events and their join: the output phase (engine
-                # core to API server) is outside vLLM's histograms.
-                "events (queue + encoders + prefill)": sum(
-                    events[p] for p in ("queue", "encoders", "prefill")
-                ),
-            }
-        rows[kind] = row
-    return rows, problems
+from benchmarks.common import Context
 
 
 def _serve(
@@ -135,12 +79,12 @@ def _serve(
     # After the server stopped: every process flushed its event log.
     logs = server.events
     out["logs"] = [p.name for p in logs]
-    views = _event_views(logs)
+    views = engine_phases.event_views(logs)
     out["request_events"] = len(views)
     out["problems"] = []
     timed = config.plugin and config.env.get("OMNITRACE_REQUESTS") != "0"
     for p in passes if timed else ():
-        table, problems = _phase_table(p.completions, views)
+        table, problems = engine_phases.phase_table(p.completions, views)
         out[f"c{p.concurrency}"] = table
         out["problems"] += [f"c{p.concurrency} {x}" for x in problems]
     return out

@@ -670,6 +670,7 @@ def _engine(result: dict[str, Any]) -> list[Table]:
                 "encoder share of TTFT, c1",
                 "graphs",
                 "hits / misses",
+                "hits after warm-up",
                 "pool MiB",
                 "KV cache tokens",
                 "tokens equal eager's: c1, batched",
@@ -685,6 +686,7 @@ def _engine(result: dict[str, Any]) -> list[Table]:
                     "n/a" if share is None else f"{100 * share:.1f} %",
                     str(entry["graphs"]),
                     f"{entry['hits']} / {entry['misses']}",
+                    _hit_rate(entry.get("after_warmup")),
                     _mib(entry["pool_bytes"]),
                     "n/a" if entry["kv_cache_tokens"] is None else f"{entry['kv_cache_tokens']:,}",
                     "baseline"
@@ -706,7 +708,82 @@ def _engine(result: dict[str, Any]) -> list[Table]:
                 notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
         engines.note = " ".join(notes)
         tables += [ttft, engines, *_engine_phases(model, configs)]
+        tables += [*_event_phases(model, configs), *_offline(model)]
     return tables
+
+
+def _hit_rate(after: dict[str, Any] | None) -> str:
+    if not after or after.get("hit_rate") is None:
+        return "n/a"
+    return f"{100 * after['hit_rate']:.1f} % of {after['calls']}"
+
+
+def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:
+    """Each kind's phases at every concurrency, from omnitrace's per-request events."""
+    from omnitrace.requests import PHASES
+
+    table = Table(
+        f"{model['name']}: where the TTFT goes, from the request events (mean ms)",
+        ["request kind", "configuration", "concurrency", "event TTFT p50", *PHASES],
+    )
+    for name, entry in configs.items():
+        for concurrency, rows in (entry.get("event_phases") or {}).items():
+            for kind, row in rows.items():
+                phases = row["phases_mean_ms"]
+                table.rows.append(
+                    [
+                        kind,
+                        name,
+                        concurrency,
+                        _ms(row["event_ttft_p50_ms"]),
+                        *(_ms(phases[p]) for p in PHASES),
+                    ]
+                )
+    if not table.rows:
+        return []
+    problems = [f"{n}: {p}" for n, e in configs.items() for p in e.get("event_problems", [])]
+    table.note = (
+        "Each request's RequestTimed joined with the encoder steps that served it "
+        "(omnitrace.requests), read after the server stopped."
+        + (" Not found: " + "; ".join(problems) + "." if problems else "")
+    )
+    return [table]
+
+
+def _offline(model: dict[str, Any]) -> list[Table]:
+    """The offline pairs: graphs off and on inside one vllm.LLM engine, same kinds."""
+    paired = model.get("offline_paired")
+    if not paired:
+        return []
+    table = Table(
+        f"{model['name']}: offline, graphs off and on inside one engine (ms)",
+        [
+            "request kind",
+            "eager p50",
+            "graphed p50",
+            "paired diff median (IQR)",
+            "median %",
+            "graphed faster",
+        ],
+    )
+    for kind, r in paired["kinds"].items():
+        table.rows.append(
+            [
+                kind,
+                _ms(r["eager_p50_ms"]),
+                _ms(r["graphed_p50_ms"]),
+                f"{r['diff_median_ms']:+.1f} ({r['diff_q25_ms']:+.1f} … {r['diff_q75_ms']:+.1f})",
+                f"{r['diff_median_pct']:+.1f} %",
+                f"{r['graphed_faster']}/{r['pairs']}",
+            ]
+        )
+    table.note = (
+        f"benchmarks.paired in the same invocation, before the servers: {paired['pairs']} "
+        f"pairs a kind after {paired['warmup']} warm-up rounds, one token a request, eager and "
+        "graphed alternating inside one engine."
+        + (" PROBLEMS: " + "; ".join(paired["problems"]) if paired.get("problems") else "")
+    )
+    return [table]
 
 
 def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:

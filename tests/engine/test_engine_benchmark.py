@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(3 * ENGINE_TIMEOUT_S + 60)
 def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path: Path) -> None:
-    """Two engines per model serve the traffic mix; completions match eager's; figures recorded."""
+    """Per model, the offline pairs, then three engines (eager, graphs, eager again) serve the
+    traffic mix; completions match eager's; phases from the events; figures recorded."""
     # Only the benchmarks package from the checkout: omnitrace must come from the install.
     path = tmp_path / "path"
     path.mkdir()
@@ -58,7 +59,25 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
     result = payload["result"]
     assert set(result["models"]) == {"qwen2_5_omni", "minicpmo"}
     for model_kind, model in result["models"].items():
-        assert set(model["configurations"]) == {"eager", "omnitrace"}, model_kind
+        assert set(model["configurations"]) == {"eager", "omnitrace", "eager-again"}, model_kind
+        # Offline in the same invocation: eager and graphed requests paired in one engine.
+        offline = model["offline_paired"]
+        assert offline["problems"] == [], (model_kind, offline["problems"])
+        assert all(row["pairs"] == 1 for row in offline["kinds"].values()), model_kind
+        for name in ("omnitrace", "eager-again"):
+            # The request events give every kind's phases at every concurrency.
+            entry = model["configurations"][name]
+            assert entry["event_problems"] == [], (model_kind, name, entry["event_problems"])
+            assert set(entry["event_phases"]) == {"c1", "c2"}, (model_kind, name)
+            for rows in entry["event_phases"].values():
+                assert set(rows) == set(model["kinds"]), (model_kind, name)
+                assert all(r["phases_mean_ms"]["encoders"] > 0 for r in rows.values())
+            # Every measured call counted after the warm-up; on a CPU none is a hit.
+            after = entry["after_warmup"]
+            assert after["calls"] > 0, (model_kind, name)
+            assert after["calls"] == sum(e["calls"] for e in after["encoders"].values())
+            if not CUDA:
+                assert after["hits"] == 0, (model_kind, name, after)
         for name, entry in model["configurations"].items():
             where = f"{model_kind}/{name}"
             assert {row["kind"] for row in entry["rows"].values()} == set(model["kinds"]), where
@@ -76,6 +95,7 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
                 assert phases["rendering"] > 0, (where, phases)
                 assert phases["queue"] >= 0, (where, phases)
         assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
+        assert model["configurations"]["eager-again"]["parity_with_eager"] is True, model_kind
         graphs = model["configurations"]["omnitrace"]["graphs"]
         # On a CPU every encoder call is eager; on CUDA the repeated shapes are captured.
         assert graphs > 0 if CUDA else graphs == 0, (model_kind, graphs)
@@ -95,11 +115,29 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
     inside = {f["name"]: f["value"] for f in result["figures"] if "inside vLLM" in f["name"]}
     assert len(inside) == 4, inside
     assert all(isinstance(v, float) for v in inside.values()), inside
+    labels = ("Qwen2.5-Omni-7B thinker", "MiniCPM-o 4.5")
     assert {t["name"] for t in result["targets"]} == {
-        f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders"
-        for label in ("Qwen2.5-Omni-7B thinker", "MiniCPM-o 4.5")
-        for modality in ("image", "audio")
+        *(
+            f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders"
+            for label in labels
+            for modality in ("image", "audio")
+        ),
+        *(
+            f"{label}: requests/s at concurrency 2, omnitrace over eager encoders"
+            for label in labels
+        ),
+        *(
+            f"{label}: TTFT p99 at concurrency 2 (median over kinds), omnitrace vs eager"
+            for label in labels
+        ),
+        *(
+            f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults"
+            for label in labels
+        ),
     }
+    drift = [f for f in result["figures"] if "eager served again last" in f["name"]]
+    assert len(drift) == 4, drift
+    assert all(isinstance(f["value"], float) for f in drift), drift
 
 
 def _run_benchmark(tmp_path: Path, module: str, *args: str, **env: str) -> None:
