@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import omnitrace.cli.options as opt
@@ -151,14 +152,125 @@ def _replay(args: argparse.Namespace, records: _Recorded | None) -> int:
         return _replay_into_sinks(args, records, stop)
 
 
+class _Refused(Exception):
+    """A replay that cannot start: its one error line's text and exit status."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _worker_export(args: argparse.Namespace, follow: bool) -> Any:
+    """The OTLP and Prometheus export of each writer of the logs (None: neither asked for),
+    its endpoints said on stderr.
+
+    Raises:
+        _Refused: a port that cannot be served, a bad OTEL_* variable, a missing extra.
+    """
+    prometheus = args.prometheus_port is not None
+    otlp = args.otlp_endpoint is not None or args.otlp or _exports_by_variable()
+    if not (otlp or prometheus):
+        return None
+    # Each worker of the logs exports under a resource of its own (its rank, its pid), fed
+    # by the relay's tap rather than by the bus.
+    from omnitrace.sinks.otel_workers import WorkerExport
+
+    try:
+        setup = WorkerExport(
+            default_service_name="omnitrace-replay",
+            endpoint=args.otlp_endpoint,
+            otlp=otlp,
+            prometheus_port=args.prometheus_port,
+            prometheus_host=args.prometheus_host,
+        )
+    except OSError as exc:  # the scrape port is taken, or the address is bad
+        where = f"{args.prometheus_host}:{args.prometheus_port}"
+        raise _Refused(f"cannot serve /metrics on {where}: {exc}", status=1) from None
+    except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
+        raise _Refused(str(exc)) from None
+    if otlp:
+        from omnitrace._env import otlp_endpoints_text
+
+        doing = "relaying" if follow else "replaying"
+        _say(f"{doing} into OTLP ({setup.protocol}): {otlp_endpoints_text(setup.endpoints)}")
+    if setup.prometheus_port is not None:
+        _say(
+            f"serving Prometheus metrics at "
+            f"http://{args.prometheus_host}:{setup.prometheus_port}/metrics"
+        )
+    return setup
+
+
+@dataclass
+class _Run:
+    """What a replay or a follow did: the events read, whether every sink was drained in
+    time, and the lines no record could be read from."""
+
+    replayed: int = 0
+    drained: bool = True
+    bad_lines: int = 0
+
+
+def _follow_into(
+    args: argparse.Namespace, bus: Any, setup: Any, stop: threading.Event, run: _Run
+) -> None:
+    """Relay the logs as their writers append, until the follow ends; ``run`` is kept up to
+    date however it ends."""
+    from omnitrace.eventlog.patterns import LogSet
+    from omnitrace.relay import LogRelay
+
+    offsets = [args.from_offset] * len(args.paths)
+    relay = LogRelay(bus, args.paths, offsets=offsets, tap=setup)
+    logset = LogSet(args.patterns)
+
+    def poll() -> None:
+        for path in logset.new_paths():  # a rank that started late
+            _say(f"following {path} too")
+            relay.add(path)
+        relay.poll()
+
+    try:
+        _follow(
+            poll,
+            args.duration,
+            stop,
+            keys=args.tui,
+            until_exit=args.until_exit,
+            stdin_stops=args.until_stdin_closes,
+        )
+    finally:
+        run.drained = relay.finish()
+        run.replayed = relay.events
+        run.bad_lines = relay.bad_lines
+
+
+def _replay_recorded(
+    args: argparse.Namespace, bus: Any, setup: Any, records: _Recorded, speed: float
+) -> int:
+    """Feed the recorded logs through ``bus`` at ``speed``; return the events fed."""
+    from omnitrace.eventlog.chunks import ReadProgress, merged_records, total_bytes
+    from omnitrace.relay import feed
+
+    # The live view has the terminal while it runs: no progress bar then.
+    shown = not (args.json or args.tui)
+    with ReadProgress(total_bytes(args.paths), enabled=shown) as progress:
+        stream = merged_records(args.paths, records.infos, progress=progress.advance)
+        replayed: int = feed(
+            bus,
+            progress.until_done(stream),
+            pace=_pacer(speed),
+            sources=records.sources,
+            tap=setup,
+        )
+    return replayed
+
+
 def _replay_into_sinks(
     args: argparse.Namespace, records: _Recorded | None, stop: threading.Event
 ) -> int:
     from omnitrace.bus import EventBus
     from omnitrace.eventlog import EventLogError
-    from omnitrace.eventlog.chunks import LogReadError, ReadProgress, merged_records, total_bytes
-    from omnitrace.eventlog.patterns import LogSet
-    from omnitrace.relay import LogRelay, feed
+    from omnitrace.eventlog.chunks import LogReadError
     from omnitrace.sinks.live import BusBoard, LiveView
     from omnitrace.sinks.registry import build_sinks
 
@@ -170,103 +282,36 @@ def _replay_into_sinks(
         return command_error("replay", f"--speed: expected a nonnegative number, got {speed}")
     bus = EventBus()
     setup: Any = None
-    replayed = 0
+    run = _Run()
     exported = True
-    drained = True
     interrupted = False
-    bad_lines = 0
     # A recorded replay reports a failed export once, at the end; a follow runs for long,
     # so the SDK wiring's outage warnings are printed as they happen.
     quiet = contextlib.nullcontext() if follow else _export_reported_by_the_cli()
     with quiet:
         try:
-            prometheus = args.prometheus_port is not None
-            otlp = args.otlp_endpoint is not None or args.otlp or _exports_by_variable()
-            if otlp or prometheus:
-                # Each worker of the logs exports under a resource of its own (its rank, its
-                # pid), fed by the relay's tap rather than by this bus.
-                from omnitrace.sinks.otel_workers import WorkerExport
-
-                try:
-                    setup = WorkerExport(
-                        default_service_name="omnitrace-replay",
-                        endpoint=args.otlp_endpoint,
-                        otlp=otlp,
-                        prometheus_port=args.prometheus_port,
-                        prometheus_host=args.prometheus_host,
-                    )
-                except OSError as exc:  # the scrape port is taken, or the address is bad
-                    where = f"{args.prometheus_host}:{args.prometheus_port}"
-                    return command_error(
-                        "replay", f"cannot serve /metrics on {where}: {exc}", status=1
-                    )
-                except (ValueError, ImportError) as exc:  # an OTEL_* variable, a missing extra
-                    return command_error("replay", str(exc))
-                if otlp:
-                    from omnitrace._env import otlp_endpoints_text
-
-                    doing = "relaying" if follow else "replaying"
-                    where = otlp_endpoints_text(setup.endpoints)
-                    _say(f"{doing} into OTLP ({setup.protocol}): {where}")
-                if setup.prometheus_port is not None:
-                    _say(
-                        f"serving Prometheus metrics at "
-                        f"http://{args.prometheus_host}:{setup.prometheus_port}/metrics"
-                    )
+            setup = _worker_export(args, follow)
             # Sinks the environment asks for, as in the vLLM plugin; never the event log
             # (it could be the log being replayed) nor a second OpenTelemetry export.
             extras = build_sinks(bus, os.environ, exclude=("jsonl", "otlp", "otlp-relay"))
             for extra in extras:
                 bus.add_sink(extra)
             if follow and setup is None and not extras and not args.tui:
-                return command_error(
-                    "replay",
+                raise _Refused(
                     "--follow has nowhere to send the events: give --otlp-endpoint (or set "
                     "OTEL_EXPORTER_OTLP_ENDPOINT or a signal's own endpoint variable), --otlp, "
-                    "--prometheus-port or --tui",
+                    "--prometheus-port or --tui"
                 )
             title = f"omnitrace replay · {'following ' if follow else ''}{names}"
             board = BusBoard(bus, title=title)
             view = LiveView(board, console=console) if args.tui else contextlib.nullcontext()
             with view:
                 if records is None:
-                    offsets = [args.from_offset] * len(args.paths)
-                    relay = LogRelay(bus, args.paths, offsets=offsets, tap=setup)
-                    logset = LogSet(args.patterns)
-
-                    def poll() -> None:
-                        for path in logset.new_paths():  # a rank that started late
-                            _say(f"following {path} too")
-                            relay.add(path)
-                        relay.poll()
-
-                    try:
-                        _follow(
-                            poll,
-                            args.duration,
-                            stop,
-                            keys=args.tui,
-                            until_exit=args.until_exit,
-                            stdin_stops=args.until_stdin_closes,
-                        )
-                    finally:
-                        drained = relay.finish()
-                        replayed = relay.events
-                        bad_lines = relay.bad_lines
+                    _follow_into(args, bus, setup, stop, run)
                 else:
-                    # The live view has the terminal while it runs: no progress bar then.
-                    shown = not (args.json or args.tui)
-                    with ReadProgress(total_bytes(args.paths), enabled=shown) as progress:
-                        stream = merged_records(
-                            args.paths, records.infos, progress=progress.advance
-                        )
-                        replayed = feed(
-                            bus,
-                            progress.until_done(stream),
-                            pace=_pacer(speed),
-                            sources=records.sources,
-                            tap=setup,
-                        )
+                    run.replayed = _replay_recorded(args, bus, setup, records, speed)
+        except _Refused as refused:
+            return command_error("replay", str(refused), refused.status)
         except KeyboardInterrupt:
             interrupted = True
         except EventLogError as exc:
@@ -281,22 +326,32 @@ def _replay_into_sinks(
                 dropped += setup.dropped
     # The stats are the bus's folds of what was read: printed however the run ended (a failed
     # export, Ctrl-C), since they do not depend on the sinks, and the failure line follows.
-    _print_replayed(args, bus, replayed, setup, console)
+    _print_replayed(args, bus, run.replayed, setup, console)
     if interrupted:
-        _say(f"interrupted after {replayed} events")
+        _say(f"interrupted after {run.replayed} events")
         return 130
     if not exported:
         # Exporting was what this run was for: a failed export fails the command.
-        return command_error("replay", f"{setup.export_error}; {replayed} events read", status=1)
+        return command_error(
+            "replay", f"{setup.export_error}; {run.replayed} events read", status=1
+        )
+    return _outcome(run, dropped)
+
+
+def _outcome(run: _Run, dropped: int) -> int:
+    """The exit status of a replay whose export went through: 1, with the line saying why,
+    when an event did not reach every sink, a line was unreadable or a sink fell behind."""
+    replayed = run.replayed
     if dropped:
         return command_error(
             "replay", f"{dropped} of {replayed} events did not reach every sink", status=1
         )
-    if bad_lines:
-        lines = "1 line of the logs is" if bad_lines == 1 else f"{bad_lines} lines of the logs are"
+    if run.bad_lines:
+        bad = run.bad_lines
+        lines = "1 line of the logs is" if bad == 1 else f"{bad} lines of the logs are"
         message = f"{lines} no record this version reads (skipped)"
         return command_error("replay", f"{message}; {replayed} events relayed", status=1)
-    if not drained:
+    if not run.drained:
         message = f"a sink did not keep up: not all of {replayed} events were delivered in time"
         return command_error("replay", message, status=1)
     return 0
