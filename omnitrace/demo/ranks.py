@@ -261,41 +261,10 @@ def run_ranks(
                 summary = Path(scratch) / f"rank-{index}.json"
                 device = devices[index] if devices else None
                 started.append(_start(index, ranks, argv, device, summary, pattern))
-            start = time.monotonic()
-
-            def progress() -> None:
-                running = sum(r.process.poll() is None for r in started)
-                board.progress = (
-                    f"ranks {running} running of {ranks} · elapsed "
-                    f"{time.monotonic() - start:.1f} s",
-                )
-
-            def poll() -> None:
-                for rank in started:
-                    if rank.follower is None and rank.log_started.is_set():
-                        rank.follower = EventLogFollower(rank.log)
-                    if rank.follower is not None:
-                        board.add(rank.follower.poll())
-                progress()
-
             board.footer = ("Ctrl-C stops every rank",) if tui else ()
             view = LiveView(board, console=console) if tui else contextlib.nullcontext()
             with view:
-                while not (stop.is_set() or ctrl_c.is_set()) and any(
-                    r.process.poll() is None for r in started
-                ):
-                    poll()
-                    time.sleep(POLL_S)
-                if ctrl_c.is_set():
-                    # A Ctrl-C at the terminal reached the ranks too; one sent to this
-                    # process alone is passed on. Each rank closes its bus and log and
-                    # says how far it got.
-                    interrupted = True
-                    _stop(started, signal.SIGINT)
-                elif stop.is_set():
-                    interrupted = True
-                    _stop(started, signal.SIGTERM)
-                poll()
+                interrupted = _watch(started, board, stop, ctrl_c)
                 board.footer = ()  # the frame the view leaves on the terminal: no key hint
         except KeyboardInterrupt:
             # Where the handler is not in place (off the main thread, or before it was
@@ -308,10 +277,8 @@ def run_ranks(
                 if rank.forwarder is not None:
                     rank.forwarder.join(5.0)
         for rank in started:
-            if rank.follower is None and rank.log_started.is_set():
-                rank.follower = EventLogFollower(rank.log)
+            _poll(rank, board)
             if rank.follower is not None:
-                board.add(rank.follower.poll())
                 rank.follower.close()
         summaries = [_summary(rank.summary) for rank in started]
     board.progress = ()
@@ -325,6 +292,45 @@ def run_ranks(
         devices=list(devices),
         pattern=str(pattern).replace("{rank}", "*").replace("{pid}", "*"),
     )
+
+
+def _poll(rank: _Rank, board: RecordBoard) -> None:
+    """Read what ``rank``'s log gained (its follower opened once the log exists)."""
+    if rank.follower is None and rank.log_started.is_set():
+        rank.follower = EventLogFollower(rank.log)
+    if rank.follower is not None:
+        board.add(rank.follower.poll())
+
+
+def _watch(
+    started: Sequence[_Rank], board: RecordBoard, stop: threading.Event, ctrl_c: threading.Event
+) -> bool:
+    """Follow the ranks' logs until every rank ended, SIGTERM (``stop``) or Ctrl-C
+    (``ctrl_c``), which are passed on to every rank; return whether a signal ended it."""
+    start = time.monotonic()
+
+    def poll() -> None:
+        for rank in started:
+            _poll(rank, board)
+        running = sum(r.process.poll() is None for r in started)
+        board.progress = (
+            f"ranks {running} running of {len(started)} · elapsed {time.monotonic() - start:.1f} s",
+        )
+
+    while not (stop.is_set() or ctrl_c.is_set()) and any(r.process.poll() is None for r in started):
+        poll()
+        time.sleep(POLL_S)
+    interrupted = False
+    if ctrl_c.is_set():
+        # A Ctrl-C at the terminal reached the ranks too; one sent to this process alone
+        # is passed on. Each rank closes its bus and log and says how far it got.
+        interrupted = True
+        _stop(started, signal.SIGINT)
+    elif stop.is_set():
+        interrupted = True
+        _stop(started, signal.SIGTERM)
+    poll()
+    return interrupted
 
 
 def _summary(path: Path) -> dict[str, Any] | None:
