@@ -259,18 +259,7 @@ def configure_sdk(
         MissingExtraError: the gRPC exporter is asked for but not installed (the message
             says which extra to install; an ImportError).
     """
-    if protocol is None:
-        protocol_name = "OTEL_EXPORTER_OTLP_PROTOCOL"
-        protocol_text = os.environ.get(protocol_name, "").strip() or "http/protobuf"
-    else:
-        protocol_name, protocol_text = "protocol", protocol
-    if protocol_text not in OTLP_PROTOCOLS:
-        # http/json is a valid OTLP protocol, but no OpenTelemetry Python exporter speaks it:
-        # say so, rather than let the value look like a typo.
-        raise ConfigError(
-            f"{protocol_name}: expected one of {', '.join(OTLP_PROTOCOLS)} (the OTLP protocols the "
-            f"OpenTelemetry Python exporters support), got {protocol_text!r}"
-        )
+    protocol_text = _protocol(protocol)
     endpoints: dict[str, OTLPEndpoint] = {}
     if otlp:
         if endpoint is None:
@@ -283,14 +272,7 @@ def configure_sdk(
         endpoints = otlp_endpoints(os.environ, protocol_text, base=endpoint)
         if not otlp_metrics:
             del endpoints["metrics"]
-    if export_interval_s is None:
-        interval = env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
-    else:
-        low, high = INTERVAL_RANGE_S
-        interval = check_duration("export_interval_s", export_interval_s, low=low, high=high)
-    span_delay = env_millis("OTEL_BSP_SCHEDULE_DELAY")
-    low, high = TIMEOUT_RANGE_S
-    timeout = check_duration("export_timeout_s", export_timeout_s, low=low, high=high)
+    interval, span_delay, timeout = _timings(export_interval_s, export_timeout_s)
     if prometheus_port is not None:
         check_int("prometheus_port", prometheus_port, maximum=65535, meaning="a port in [0, 65535]")
         if not prometheus:
@@ -327,23 +309,16 @@ def configure_sdk(
     readers: list[MetricReader] = []
     prometheus_reader = server = thread = None
     if prometheus:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import REGISTRY, start_http_server
-
-        registry = REGISTRY if prometheus_registry is None else prometheus_registry
-        prometheus_reader = PrometheusMetricReader(registry=registry)
+        try:
+            prometheus_reader, server, thread = _prometheus_reader(
+                prometheus_registry, prometheus_port, prometheus_host
+            )
+        except BaseException:
+            for exporter in (span_exporter, metric_exporter):
+                if exporter is not None:
+                    exporter.shutdown()
+            raise
         readers.append(prometheus_reader)
-        if prometheus_port is not None:
-            try:
-                server, thread = start_http_server(
-                    prometheus_port, addr=prometheus_host, registry=registry
-                )
-            except BaseException:
-                prometheus_reader.shutdown()  # unregisters it from the registry
-                for exporter in (span_exporter, metric_exporter):
-                    if exporter is not None:
-                        exporter.shutdown()
-                raise
 
     # OTelSetup.shutdown (bounded) replaces the providers' own exit hooks (unbounded).
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
@@ -382,6 +357,61 @@ def configure_sdk(
         prometheus_thread=thread,
         exporters=[e for e in (span_exporter, metric_exporter) if e is not None],
     )
+
+
+def _protocol(protocol: str | None) -> str:
+    """The OTLP protocol: ``protocol``, else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else
+    http/protobuf; one the Python exporters do not speak is a ConfigError naming it."""
+    if protocol is None:
+        name = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        text = os.environ.get(name, "").strip() or "http/protobuf"
+    else:
+        name, text = "protocol", protocol
+    if text not in OTLP_PROTOCOLS:
+        # http/json is a valid OTLP protocol, but no OpenTelemetry Python exporter speaks it:
+        # say so, rather than let the value look like a typo.
+        raise ConfigError(
+            f"{name}: expected one of {', '.join(OTLP_PROTOCOLS)} (the OTLP protocols the "
+            f"OpenTelemetry Python exporters support), got {text!r}"
+        )
+    return text
+
+
+def _timings(
+    export_interval_s: float | None, export_timeout_s: float
+) -> tuple[float, float | None, float]:
+    """Seconds between metric exports, the span batch delay (None: not set) and the export
+    deadline, each checked against its range (see :func:`configure_sdk`)."""
+    if export_interval_s is None:
+        interval = env_millis("OTEL_METRIC_EXPORT_INTERVAL") or 10.0
+    else:
+        low, high = INTERVAL_RANGE_S
+        interval = check_duration("export_interval_s", export_interval_s, low=low, high=high)
+    span_delay = env_millis("OTEL_BSP_SCHEDULE_DELAY")
+    low, high = TIMEOUT_RANGE_S
+    timeout = check_duration("export_timeout_s", export_timeout_s, low=low, high=high)
+    return interval, span_delay, timeout
+
+
+def _prometheus_reader(
+    registry: CollectorRegistry | None, port: int | None, host: str
+) -> tuple[Any, Any, Any]:
+    """A Prometheus metric reader on ``registry`` (the global one by default) and, with a
+    ``port``, the scrape server and its thread; a server that cannot start leaves no reader
+    registered."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import REGISTRY, start_http_server
+
+    registry = REGISTRY if registry is None else registry
+    reader = PrometheusMetricReader(registry=registry)
+    server = thread = None
+    if port is not None:
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except BaseException:
+            reader.shutdown()  # unregisters it from the registry
+            raise
+    return reader, server, thread
 
 
 class SdkSink(NamedTuple):
