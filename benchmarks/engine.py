@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -479,16 +480,17 @@ def _run_alone(
 # -- what the event log says -------------------------------------------------------------------
 
 
-def event_figures(paths: Sequence[Path]) -> dict[str, Any]:
-    """Graphs, pool bytes, encoder device time and hit counts from the workers' event logs:
-    in all, per adapter (misses by reason) and per worker (graphs and pool bytes a device)."""
+def event_figures(paths: Sequence[Path], skip: dict[Path, int] | None = None) -> dict[str, Any]:
+    """Graphs, pool bytes, encoder device time and hit counts from the workers' event logs
+    (each after its first ``skip`` lines, if given): in all, per adapter (misses by reason)
+    and per worker (graphs and pool bytes a device)."""
     figures: dict[str, Any] = {"graphs": 0, "pool_bytes": 0, "hits": 0, "misses": 0}
     device: dict[str, float] = {}
     adapters: dict[str, dict[str, Any]] = {}
     workers: dict[str, dict[str, int]] = {}
     for path in paths:
         worker = workers.setdefault(path.stem, {"graphs": 0, "pool_bytes": 0})
-        _fold_log(path, figures, device, adapters, worker)
+        _fold_log(path, figures, device, adapters, worker, (skip or {}).get(path, 0))
     figures["encoder_device_s"] = device if paths else None
     figures["workers"] = workers
     figures["adapters"] = {
@@ -505,9 +507,10 @@ def _fold_log(
     device: dict[str, float],
     adapters: dict[str, dict[str, Any]],
     worker: dict[str, int],
+    skip: int = 0,
 ) -> None:
     with path.open(encoding="utf-8") as lines:
-        for line in lines:
+        for line in itertools.islice(lines, skip, None):
             event = json.loads(line)
             kind = event.get("type")
             mine = adapters.setdefault(
@@ -546,26 +549,16 @@ def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
     once the warm-up captured what it would): calls, hits and the hit rate, in all and per
     encoder, with the misses by reason."""
     encoders: dict[str, dict[str, Any]] = {}
-    for path in paths:
-        with path.open(encoding="utf-8") as lines:
-            for i, line in enumerate(lines):
-                if i < skip.get(path, 0):
-                    continue
-                event = json.loads(line)
-                kind = event.get("type")
-                if kind not in ("GraphReplayed", "GraphMissed"):
-                    continue
-                mine = encoders.setdefault(
-                    str(event.get("adapter")), {"calls": 0, "hits": 0, "misses": {}}
-                )
-                mine["calls"] += 1
-                if kind == "GraphReplayed":
-                    mine["hits"] += 1
-                else:
-                    reason = str(event.get("reason"))
-                    mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
-    for mine in encoders.values():
-        mine["hit_rate"] = mine["hits"] / mine["calls"]
+    for name, adapter in event_figures(paths, skip)["adapters"].items():
+        calls = adapter["hits"] + sum(adapter["misses"].values())
+        if calls:
+            hits = adapter["hits"]
+            encoders[name] = {
+                "calls": calls,
+                "hits": hits,
+                "misses": adapter["misses"],
+                "hit_rate": hits / calls,
+            }
     calls = sum(e["calls"] for e in encoders.values())
     hits = sum(e["hits"] for e in encoders.values())
     return {
