@@ -603,6 +603,25 @@ def _log_line(raw: str) -> Text:
 _LEVEL_STYLES = {"error": "bold red", "critical": "bold red", "warning": "yellow"}
 
 
+def _header(snapshot: LiveSnapshot) -> Text:
+    """The frame's first row: the title and the snapshot's clock."""
+    header = Text(safe(snapshot.title), style="bold")
+    header.append(f"   {clock(snapshot.taken_epoch_ns)}", style="dim")
+    return _line(header)
+
+
+def _bus_line(snapshot: LiveSnapshot) -> Text:
+    """The bus's counts: events emitted and dropped (drops in red)."""
+    bus = Text("bus  ")
+    bus.append("events " + ("—" if snapshot.emitted is None else str(snapshot.emitted)))
+    bus.append(" · dropped ")
+    if snapshot.dropped is None:
+        bus.append("— (not in the event log)", style="dim")
+    else:
+        bus.append(str(snapshot.dropped), style="bold red" if snapshot.dropped else "green")
+    return _line(bus)
+
+
 def _frame(
     snapshot: LiveSnapshot,
     width: int,
@@ -611,9 +630,7 @@ def _frame(
     logs: int,
     missed: int = _MISSED,
 ) -> Group:
-    header = Text(safe(snapshot.title), style="bold")
-    header.append(f"   {clock(snapshot.taken_epoch_ns)}", style="dim")
-    parts: list[RenderableType] = [_line(header)]
+    parts: list[RenderableType] = [_header(snapshot)]
     parts.extend(_line(line) for line in snapshot.progress)
     if snapshot.encoders:
         parts.append(_layout(snapshot.encoders, width, notices, key_limit))
@@ -635,14 +652,7 @@ def _frame(
         parts.append(Text("no encoder events yet", style="dim"))
     if snapshot.requests is not None and snapshot.requests.get("kinds"):
         parts.append(_requests_panel(snapshot.requests, width - 4))
-    bus = Text("bus  ")
-    bus.append("events " + ("—" if snapshot.emitted is None else str(snapshot.emitted)))
-    bus.append(" · dropped ")
-    if snapshot.dropped is None:
-        bus.append("— (not in the event log)", style="dim")
-    else:
-        bus.append(str(snapshot.dropped), style="bold red" if snapshot.dropped else "green")
-    parts.append(_line(bus))
+    parts.append(_bus_line(snapshot))
     parts.extend(_line(line) for line in snapshot.footer)
     if logs and snapshot.log:
         parts.extend(_log_line(line) for line in snapshot.log[-logs:])
@@ -680,9 +690,7 @@ def _summary_frame(snapshot: LiveSnapshot, lines: bool) -> Group:
     """The frame of a terminal too small for the panels: one row per encoder (hit rate,
     hits of calls, graphs held of the cap), the bus's counts, and with ``lines`` the
     progress and footer lines; numbers stay whole, the names shorten."""
-    header = Text(safe(snapshot.title), style="bold")
-    header.append(f"   {clock(snapshot.taken_epoch_ns)}", style="dim")
-    parts: list[RenderableType] = [_line(header)]
+    parts: list[RenderableType] = [_header(snapshot)]
     if lines:
         parts.extend(_line(line) for line in snapshot.progress)
     table = Table.grid(padding=(0, 2))
@@ -701,9 +709,7 @@ def _summary_frame(snapshot: LiveSnapshot, lines: bool) -> Group:
             f"{stats.num_graphs}/{cap}",
         )
     parts.append(table)
-    bus = Text("bus  events " + ("—" if snapshot.emitted is None else str(snapshot.emitted)))
-    bus.append(" · dropped " + ("—" if snapshot.dropped is None else str(snapshot.dropped)))
-    parts.append(_line(bus))
+    parts.append(_bus_line(snapshot))
     if lines:
         parts.extend(_line(line) for line in snapshot.footer)
     return Group(*parts)
