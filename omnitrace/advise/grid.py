@@ -155,6 +155,15 @@ class Advice:
     """Other settings as good as the best by the objective (they hold more, or are less
     conservative)."""
     notes: tuple[str, ...] = field(default=())
+    budgeted: bool = field(init=False, default=False)
+    """Whether the grid or the logged run has a pool budget: then every setting's overrides
+    name ``pool_budget_bytes`` (0: none)."""
+
+    def __post_init__(self) -> None:
+        budgeted = any(r.setting.pool_budget_bytes for r in self.results) or any(
+            s.pool_budget_bytes for s in self.recording.logged.values()
+        )
+        object.__setattr__(self, "budgeted", budgeted)
 
     @property
     def overrides(self) -> dict[str, int | bool] | None:
@@ -166,11 +175,8 @@ class Advice:
     def setting_keys(self, setting: Setting) -> dict[str, int | bool]:
         """The ``--hf-overrides`` keys of ``setting`` as this advice shows each setting:
         ``skip_profiling`` where the log has profiling calls, ``pool_budget_bytes`` where
-        the grid or the logged run has a budget."""
-        budget = any(r.setting.pool_budget_bytes for r in self.results) or any(
-            s.pool_budget_bytes for s in self.recording.logged.values()
-        )
-        return setting.overrides(profiling=self.recording.profiling, budget=budget)
+        the grid or the logged run has a budget (:attr:`budgeted`)."""
+        return setting.overrides(profiling=self.recording.profiling, budget=self.budgeted)
 
     def why(self) -> str:
         """Say in a sentence or two why the best setting is recommended."""
