@@ -329,6 +329,11 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def diff_text(row: dict[str, Any]) -> str:
+    """A kind's paired difference as the tables show it: median (interquartile range), ms."""
+    return f"{row['diff_median_ms']:+.1f} ({row['diff_q25_ms']:+.1f} … {row['diff_q75_ms']:+.1f})"
+
+
 def table(result: dict[str, Any]) -> str:
     """The result as Markdown: the paired table, then the phases of each half."""
     lines = [
@@ -344,8 +349,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {kind} | {r['eager_p50_ms']:.1f} | {r['eager_p99_ms']:.1f} | "
             f"{r['graphed_p50_ms']:.1f} | {r['graphed_p99_ms']:.1f} | "
-            f"{r['diff_median_ms']:+.1f} ({r['diff_q25_ms']:+.1f} … {r['diff_q75_ms']:+.1f}) | "
-            f"{r['diff_median_pct']:+.1f} % | {r['graphed_faster']}/{r['pairs']} |"
+            f"{diff_text(r)} | {r['diff_median_pct']:+.1f} % | {r['graphed_faster']}/{r['pairs']} |"
         )
     from omnitrace.requests import PHASES
 

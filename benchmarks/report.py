@@ -752,6 +752,8 @@ def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]
 
 def _offline(model: dict[str, Any]) -> list[Table]:
     """The offline pairs: graphs off and on inside one vllm.LLM engine, same kinds."""
+    from benchmarks.paired import diff_text
+
     paired = model.get("offline_paired")
     if not paired:
         return []
@@ -772,7 +774,7 @@ def _offline(model: dict[str, Any]) -> list[Table]:
                 kind,
                 _ms(r["eager_p50_ms"]),
                 _ms(r["graphed_p50_ms"]),
-                f"{r['diff_median_ms']:+.1f} ({r['diff_q25_ms']:+.1f} … {r['diff_q75_ms']:+.1f})",
+                diff_text(r),
                 f"{r['diff_median_pct']:+.1f} %",
                 f"{r['graphed_faster']}/{r['pairs']}",
             ]
