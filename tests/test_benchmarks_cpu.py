@@ -1020,3 +1020,31 @@ def test_engine_models_reads_a_list(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine.models() == ["minicpmo"]
     monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_MODELS")
     assert engine.models() == ["qwen2_5_omni", "minicpmo"]
+
+
+@pytest.mark.parametrize("value", ["eagre", ",", "eager,compile"])
+def test_engine_configurations_refuse_unknown_names(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_CONFIGS", value)
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_CONFIGS: expected"):
+        engine.chosen_configurations("minicpmo")
+
+
+def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_CONFIGS", "eager-again, omnitrace+budget,eager")
+    chosen = engine.chosen_configurations("qwen2_5_omni")
+    assert [c.name for c in chosen] == ["eager", "omnitrace+budget", "eager-again"]
+    budget = chosen[1].overrides
+    assert budget["encoder_cuda_graph_pool_budget_bytes"] == 2 * 1024**3
+    assert budget["encoder_cuda_graph_max_graphs"] == 64
+    # Qwen's audio tower graphs only through the masked attention, in every graphed config.
+    assert budget["encoder_cuda_graph_audio_attention"] == "masked"
+    monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_CONFIGS")
+    assert [c.name for c in engine.chosen_configurations("minicpmo")] == [
+        c.name for c in engine.configurations("minicpmo")
+    ]
