@@ -3,8 +3,9 @@
 A registry whose entries live in modules it must not all import (a sink's module imports
 its optional library) reads their source instead. A module declares its entry with one
 top-level assignment, ``SINK = ...`` or ``INTEGRATION = ...``; :func:`declarations` returns
-the assigned expression as written, for the registry to read. Only the package is imported,
-and only modules with a line starting with the name are parsed.
+the assigned expression as written, for the registry to read. Only the package is imported
+(its subpackages, when they are searched, are found on their paths, not imported), and only
+modules with a line starting with the name are parsed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import importlib.machinery
 import pkgutil
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,34 +39,45 @@ class Declaration:
     """The module's docstring, cleaned as :func:`inspect.cleandoc` does."""
 
 
-def declarations(package: str, name: str) -> list[Declaration]:
-    """Return the modules directly in ``package`` that assign ``name`` at top level.
+def declarations(package: str, name: str, *, subpackages: bool = False) -> list[Declaration]:
+    """Return the modules of ``package`` that assign ``name`` at top level.
 
     Modules are listed with :mod:`pkgutil` from the package's ``__path__`` and read from
     their source, sorted by module name; the last top-level assignment counts, as it would
     when the module runs. A module whose source is not installed (bytecode only) is not
-    found.
+    found. With ``subpackages``, the modules of the package's subpackages (at any depth) are
+    read too, without importing the subpackages.
     """
     path = importlib.import_module(package).__path__
     marker = re.compile(rf"^{re.escape(name)}\b", re.MULTILINE)
     found = []
-    for info in sorted(pkgutil.iter_modules(path, f"{package}."), key=lambda info: info.name):
-        # PathFinder looks on the package's path only: a module already imported, or blocked
-        # in sys.modules, is found all the same.
-        spec = importlib.machinery.PathFinder.find_spec(info.name, path)
-        if spec is None:
-            continue
+    for spec in sorted(_specs(package, path, subpackages), key=lambda spec: spec.name):
         source = _source(spec)
         if source is None or not marker.search(source):
             continue
-        filename = spec.origin or info.name
+        filename = spec.origin or spec.name
         tree = ast.parse(source, filename=filename)
         node = _assignment(tree, name)
         if node is not None and node.value is not None:
             where = f"{filename}:{node.lineno}"
             docstring = ast.get_docstring(tree)
-            found.append(Declaration(info.name, node.value, where, docstring))
+            found.append(Declaration(spec.name, node.value, where, docstring))
     return found
+
+
+def _specs(package: str, path: Sequence[str], subpackages: bool) -> Iterator[ModuleSpec]:
+    """The specs of the modules on ``path`` (a package's), and of its subpackages' with
+    ``subpackages``, found without importing any of them."""
+    for info in pkgutil.iter_modules(path, f"{package}."):
+        # PathFinder looks on the package's path only: a module already imported, or blocked
+        # in sys.modules, is found all the same.
+        spec = importlib.machinery.PathFinder.find_spec(info.name, path)
+        if spec is None:
+            continue
+        yield spec
+        locations = spec.submodule_search_locations
+        if info.ispkg and subpackages and locations:
+            yield from _specs(info.name, list(locations), subpackages)
 
 
 def _source(spec: ModuleSpec) -> str | None:

@@ -4,12 +4,13 @@ A sink module declares its sink with a module-level ``SINK``, a :class:`SinkDecl
 its name, the environment variable that asks for it, its place in the attach order, the
 factory that builds it and a description (by default the first paragraph of the module's
 docstring). :func:`discover_sinks` reads these declarations from the source of the modules
-of :mod:`omnitrace.sinks` without importing them, so a sink's optional dependency
-(OpenTelemetry, structlog, ...) is imported only when its variable is set, and a missing one
-fails only then. :data:`SINKS` is the resulting table, one :class:`SinkSpec` per sink in
-attach order, read on first use. The vLLM plugin attaches every sink its worker's
-environment asks for; ``omnitrace demo`` and ``omnitrace replay`` attach the ones they do
-not already wire from their own options (the event log and OpenTelemetry).
+of :mod:`omnitrace.sinks` and of its subpackages without importing them, so a sink's
+optional dependency (OpenTelemetry, structlog, ...) is imported only when its variable is
+set, and a missing one fails only then. :data:`SINKS` is the resulting table, one
+:class:`SinkSpec` per sink in attach order, read on first use. The vLLM plugin attaches
+every sink its worker's environment asks for; ``omnitrace demo`` and ``omnitrace replay``
+attach the ones they do not already wire from their own options (the event log and
+OpenTelemetry).
 
 Adding a sink is its module, its test and a line of docs; nothing else changes. The module
 ends with its declaration, every field of which but ``build`` is written as a literal (the
@@ -239,16 +240,21 @@ def _read(declaration: Declaration) -> tuple[int, SinkSpec]:
 
 
 def discover_sinks(package: str = "omnitrace.sinks") -> tuple[SinkSpec, ...]:
-    """Return the sinks the modules of ``package`` declare, in attach order.
+    """Return the sinks the modules of ``package`` and of its subpackages declare, in attach
+    order.
 
-    The declarations are read from the modules' source: no sink module is imported.
+    The declarations are read from the modules' source: no sink module (nor subpackage) is
+    imported.
 
     Raises:
         SinkDeclarationError: a declaration cannot be read from its source, or two modules
             declare the same name or variable.
     """
     ordered = sorted(
-        (_read(declaration) for declaration in declarations(package, _DECLARATION)),
+        (
+            _read(declaration)
+            for declaration in declarations(package, _DECLARATION, subpackages=True)
+        ),
         key=lambda item: (item[0], item[1].name),
     )
     specs = tuple(spec for _, spec in ordered)
@@ -265,7 +271,8 @@ def discover_sinks(package: str = "omnitrace.sinks") -> tuple[SinkSpec, ...]:
 
 
 #: Every sink a setting can ask for, in the order they are attached: the declarations of
-#: the modules of :mod:`omnitrace.sinks`, read on first use (a sink module imports this one).
+#: the modules of :mod:`omnitrace.sinks` and its subpackages, read on first use (a sink
+#: module imports this one).
 SINKS: tuple[SinkSpec, ...]
 
 

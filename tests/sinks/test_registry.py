@@ -77,12 +77,15 @@ def test_table_names_each_sink_once_with_its_variable() -> None:
     names = [spec.name for spec in SINKS]
     assert len(set(names)) == len(names)
     assert len({spec.env for spec in SINKS}) == len(SINKS)
-    # Read independently of the registry: the modules whose source declares a sink.
+    # Read independently of the registry: the modules whose source declares a sink, those of
+    # the subpackages (omnitrace.sinks.otel) included.
     package = Path(omnitrace.sinks.__file__).parent
     declaring = {
-        p.stem for p in package.glob("*.py") if "\nSINK = SinkDeclaration(" in p.read_text()
+        ".".join(("omnitrace.sinks", *p.relative_to(package).with_suffix("").parts))
+        for p in package.rglob("*.py")
+        if "\nSINK = SinkDeclaration(" in p.read_text()
     }
-    assert {spec.module.rsplit(".", 1)[1] for spec in SINKS} == declaring
+    assert {spec.module for spec in SINKS} == declaring
     assert {"jsonl", "otlp", "logs"} <= set(names)
     # The event log first: the sinks after it may follow it.
     assert names[0] == "jsonl"
@@ -357,6 +360,27 @@ def test_only_modules_assigning_sink_at_top_level_are_entries(
         f"{name}.probe",
         False,
     )
+
+
+def test_a_module_of_a_subpackage_is_an_entry_without_importing_the_subpackage(
+    package: Callable[..., str], tmp_path: Path
+) -> None:
+    """Sink modules in subpackages, at any depth, are read from their source: the
+    subpackages themselves are never imported."""
+    name = package(top=_PROBE.format(name="top", env="PROBE_TOP_ENV"))
+    deeper = tmp_path / name / "inner" / "deeper"
+    deeper.mkdir(parents=True)
+    for init in (deeper.parent / "__init__.py", deeper / "__init__.py"):
+        init.write_text('raise ImportError("imported")\n')
+    (deeper / "probe.py").write_text(
+        textwrap.dedent(_PROBE.format(name="deep", env="PROBE_DEEP_ENV"))
+    )
+    specs = registry.discover_sinks(name)
+    assert [(spec.name, spec.module) for spec in specs] == [
+        ("deep", f"{name}.inner.deeper.probe"),
+        ("top", f"{name}.top"),
+    ]
+    assert f"{name}.inner" not in sys.modules
 
 
 @pytest.mark.parametrize(
