@@ -298,7 +298,7 @@ def test_an_endpoint_variable_is_checked_before_the_run(
 
 def test_configure_sdk_refuses_a_bad_endpoint_argument() -> None:
     """The SDK wiring (the vLLM plugin's too) refuses the same endpoints, as a ConfigError."""
-    from omnitrace.sinks.otel_sdk import configure_sdk
+    from omnitrace.sinks.otel.sdk import configure_sdk
 
     with pytest.raises(ConfigError, match=r"^endpoint: expected a URL such as http://local"):
         configure_sdk(endpoint="collector:4318")

@@ -14,7 +14,7 @@ from omnitrace.cli import main
 from omnitrace.cli.config import settings
 from omnitrace.errors import ConfigError
 from omnitrace.otlp_receiver import OTLPReceiver
-from omnitrace.sinks.otel_sdk import configure_sdk
+from omnitrace.sinks.otel.sdk import configure_sdk
 
 BASE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"

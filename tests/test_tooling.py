@@ -61,7 +61,7 @@ def test_import_contracts_hold() -> None:
     """lint-imports keeps every layer and import contract declared in pyproject.toml."""
     proc = _lint_imports(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"^Contracts: 9 kept, 0 broken\.$", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^Contracts: 10 kept, 0 broken\.$", proc.stdout, re.MULTILINE), proc.stdout
 
 
 LAYERS = "Layers from the command line down to the core"
@@ -70,6 +70,7 @@ VLLM = "Only the vLLM graph backend and the integrations import vllm"
 BUS_UNITS = "The bus's units: the bus over process hooks over the runner over channels and folds"
 EVENTLOG_UNITS = "The event log's units: the commands' reading over the readers over the line codec"
 ADVISE_UNITS = "advise's units: the spread over the grid over the replays over the recording"
+OTEL_UNITS = "OTel's units: a replay's export over the SDK over the exporters over the sink"
 
 
 @pytest.mark.parametrize(
@@ -106,6 +107,9 @@ ADVISE_UNITS = "advise's units: the spread over the grid over the replays over t
         ("eventlog/reader.py", "import omnitrace.eventlog.chunks", {EVENTLOG_UNITS}),
         ("advise/recording.py", "import omnitrace.advise.grid", {ADVISE_UNITS}),
         ("advise/grid.py", "import omnitrace.advise.spread", {ADVISE_UNITS}),
+        ("sinks/otel/sink.py", "import omnitrace.sinks.otel.sdk", {OTEL_UNITS}),
+        ("sinks/otel/env.py", "import omnitrace.sinks.otel.export", {OTEL_UNITS}),
+        ("sinks/otel/export.py", "import omnitrace.sinks.otel.relay", {OTEL_UNITS}),
         (
             "eventlog/codec.py",
             "import omnitrace.advise",

@@ -39,7 +39,7 @@ def _endpoint_errors(command: str) -> int | None:
 @contextlib.contextmanager
 def _export_reported_by_the_cli() -> Iterator[None]:
     """Keep the OTel SDK wiring's outage warning quiet: the command reports the export itself."""
-    otel_logger = logging.getLogger("omnitrace.sinks.otel_sdk")
+    otel_logger = logging.getLogger("omnitrace.sinks.otel.sdk")
     saved = otel_logger.propagate
     quiet = logging.NullHandler()
     otel_logger.addHandler(quiet)

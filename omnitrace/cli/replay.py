@@ -173,7 +173,7 @@ def _worker_export(args: argparse.Namespace, follow: bool) -> Any:
         return None
     # Each worker of the logs exports under a resource of its own (its rank, its pid), fed
     # by the relay's tap rather than by the bus.
-    from omnitrace.sinks.otel_workers import WorkerExport
+    from omnitrace.sinks.otel.workers import WorkerExport
 
     try:
         setup = WorkerExport(

@@ -173,7 +173,7 @@ def _otlp_export(
     # Imported here: the OTel SDK and exporters are only needed when exporting.
     from prometheus_client import CollectorRegistry
 
-    from omnitrace.sinks.otel_sdk import sdk_sink
+    from omnitrace.sinks.otel import sdk_sink
 
     sink, setup = sdk_sink(
         bus,

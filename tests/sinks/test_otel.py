@@ -46,7 +46,7 @@ from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.signature import Signature
 from omnitrace.sinks.names import ATTR, METRICS, SPANS
 from omnitrace.sinks.otel import CALL_DURATION_BUCKETS, CAPTURE_DURATION_BUCKETS, OTelSink
-from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
+from omnitrace.sinks.otel.sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend, capture_events
 
 PROTOCOLS = ["http/protobuf", "grpc"]
@@ -720,11 +720,11 @@ def test_a_failing_tracer_is_counted_and_logged_once_never_raised(
     try:
         sink = OTelSink(bus, tracer_provider=BrokenProvider(), meter_provider=provider)
         bus.add_sink(sink)
-        with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otel"):
+        with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otel.sink"):
             run_scenario(bus)
             assert bus.flush(5.0)
         assert sink.errors == 3
-        records = [r for r in caplog.records if r.name == "omnitrace.sinks.otel"]
+        records = [r for r in caplog.records if r.name == "omnitrace.sinks.otel.sink"]
         assert len(records) == 1
         assert "tracer is broken" in records[0].getMessage()
         (stats,) = bus.statistics().sinks
@@ -769,7 +769,7 @@ def test_dead_endpoint_neither_raises_nor_blocks_and_is_logged_once(
         assert failures["traces"] >= 1
         assert failures["metrics"] >= 2
         assert setup.export_successes == {"traces": 0, "metrics": 0}
-        ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
+        ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel.sdk"]
         assert len(ours) == 1
         assert ours[0].levelno == logging.WARNING
         assert "failed" in ours[0].getMessage()
@@ -796,17 +796,17 @@ def test_export_failure_is_reported_again_only_after_a_recovery(
                     bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
                 )
             )
-            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel_sdk"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel.sdk"):
                 receiver.reject = True
                 assert setup.force_flush() is False
                 assert setup.force_flush() is False
-                warnings = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
+                warnings = [r for r in caplog.records if r.name == "omnitrace.sinks.otel.sdk"]
                 assert [r.levelno for r in warnings] == [logging.WARNING]
                 receiver.reject = False
                 assert setup.force_flush() is True
                 receiver.reject = True
                 assert setup.force_flush() is False
-            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
+            levels = [r.levelno for r in caplog.records if r.name == "omnitrace.sinks.otel.sdk"]
             assert levels == [logging.WARNING, logging.INFO, logging.WARNING]
             assert receiver.rejected == setup.export_failures["metrics"] == 3
             assert setup.export_successes["metrics"] == 1
@@ -831,12 +831,12 @@ def test_a_traces_only_backend_logs_the_metrics_outage_once_and_traces_still_flo
                 bus, tracer_provider=setup.tracer_provider, meter_provider=setup.meter_provider
             )
             bus.add_sink(sink)
-            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel_sdk"):
+            with caplog.at_level(logging.INFO, logger="omnitrace.sinks.otel.sdk"):
                 for _ in range(3):
                     run_scenario(bus)
                     assert bus.flush(5.0)
                     assert setup.force_flush() is False
-            ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel_sdk"]
+            ours = [r for r in caplog.records if r.name == "omnitrace.sinks.otel.sdk"]
             assert [(r.levelno, "metrics" in r.getMessage()) for r in ours] == [
                 (logging.WARNING, True)
             ]
@@ -1037,11 +1037,14 @@ def test_metric_names_follow_otel_naming_rules_in_one_namespace() -> None:
 
 
 def test_importing_omnitrace_does_not_import_opentelemetry() -> None:
-    """import omnitrace (and omnitrace.sinks) loads no OTel; the sink module loads no SDK."""
+    """import omnitrace (and omnitrace.sinks) loads no OTel, nor do the OpenTelemetry face and
+    the relay (which runs the export in a child); the sink module loads no SDK."""
     code = (
         "import sys, omnitrace, omnitrace.sinks\n"
         "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'core'\n"
-        "import omnitrace.sinks.otel\n"
+        "import omnitrace.sinks.otel, omnitrace.sinks.otel.relay\n"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'relay'\n"
+        "from omnitrace.sinks.otel import OTelSink\n"
         "assert 'opentelemetry.trace' in sys.modules\n"
         "assert not [m for m in sys.modules if m.startswith('opentelemetry.sdk')], 'sdk'\n"
     )
@@ -1058,7 +1061,7 @@ def test_install_global_lets_a_sink_without_providers_export() -> None:
         "import torch\n"
         "from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus\n"
         "from omnitrace.sinks.otel import OTelSink\n"
-        "from omnitrace.sinks.otel_sdk import configure_sdk\n"
+        "from omnitrace.sinks.otel.sdk import configure_sdk\n"
         "from omnitrace.testing import SimulatedGraphBackend\n"
         "from omnitrace.otlp_receiver import OTLPReceiver\n"
         "with OTLPReceiver() as receiver:\n"

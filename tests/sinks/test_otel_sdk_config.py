@@ -14,10 +14,10 @@ import torch
 from omnitrace import ConfigError, EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.integrations import vllm_plugin
 from omnitrace.otlp_receiver import OTLPReceiver, attributes
-from omnitrace.sinks import otel_sdk
 from omnitrace.sinks.names import ATTR, METRICS
 from omnitrace.sinks.otel import OTelSink
-from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk
+from omnitrace.sinks.otel import sdk as otel_sdk
+from omnitrace.sinks.otel.sdk import OTelSetup, configure_sdk
 from omnitrace.testing import SimulatedGraphBackend
 
 OTEL_VARIABLES = (

@@ -10,7 +10,7 @@ from omnitrace.config import ConfigError
 from omnitrace.events import GraphReplayed
 from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import EventRecord
-from omnitrace.sinks.otel_workers import WorkerExport
+from omnitrace.sinks.otel.workers import WorkerExport
 from omnitrace.testing import sig
 
 KEY = sig("float32[1,256,64]")

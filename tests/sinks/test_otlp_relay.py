@@ -17,7 +17,7 @@ from omnitrace import ConfigError, EventBus, GraphReplayed
 from omnitrace.events import Event
 from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import JsonlSink
-from omnitrace.sinks.otlp_relay import RelayedExport
+from omnitrace.sinks.otel.relay import RelayedExport
 from omnitrace.sinks.registry import build_sinks
 from omnitrace.testing import captured, sig
 
@@ -154,7 +154,7 @@ def test_a_child_that_dies_is_logged_once_and_the_worker_goes_on(
         command=(sys.executable, "-c", "raise SystemExit(3)", "--"),
     )
     assert relay._process.wait(timeout=30) == 3
-    with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otlp_relay"):
+    with caplog.at_level(logging.ERROR, logger="omnitrace.sinks.otel.relay"):
         relay.handle([])
         relay.handle([])
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

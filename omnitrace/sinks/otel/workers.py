@@ -4,7 +4,7 @@
 engine, each writing its own log) and exports them. In the serving processes each worker's
 spans and metrics carry its identity as resource attributes (``omnitrace.worker.rank``,
 ``process.pid``); a replay keeps it so: every writer of the logs, a ``(rank, pid)``, gets a
-bus of its own and an :class:`~omnitrace.sinks.otel.OTelSink` on providers whose resource
+bus of its own and an :class:`~omnitrace.sinks.otel.sink.OTelSink` on providers whose resource
 names that writer, not the replaying process. Its spans and metrics keep the encoder's own
 name (``vision``), so one dashboard shows every rank, grouped or summed by the resource,
 and a collector aggregates the ranks of several machines the same way.
@@ -36,7 +36,7 @@ from omnitrace._env import OTLPEndpoint, otlp_endpoints, otlp_where
 from omnitrace.bus import EventBus
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.sinks.names import ATTR
-from omnitrace.sinks.otel_sdk import OTelSetup, configure_sdk, sdk_sink
+from omnitrace.sinks.otel.sdk import OTelSetup, configure_sdk, sdk_sink
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -101,7 +101,7 @@ class WorkerExport:
     Args:
         prometheus_port: serve ``/metrics`` for all writers on this port (0: a free one).
         prometheus_host: the address the scrape endpoint binds.
-        settings: the other arguments of :func:`~omnitrace.sinks.otel_sdk.configure_sdk`
+        settings: the other arguments of :func:`~omnitrace.sinks.otel.sdk.configure_sdk`
             (``prometheus=True`` adds each writer's metrics to the scrape endpoint).
 
     Raises:

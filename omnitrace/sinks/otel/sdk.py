@@ -1,11 +1,11 @@
 """OpenTelemetry spans and metrics through the SDK: providers, OTLP and Prometheus exporters,
 and a sink on them, configured by OpenTelemetry's ``OTEL_*`` variables.
 
-The application edge, apart from the API-only sink (:mod:`omnitrace.sinks.otel`), as
+The application edge, apart from the API-only sink (:mod:`omnitrace.sinks.otel.sink`), as
 OpenTelemetry keeps its API and SDK packages apart. :func:`configure_sdk` imports the SDK and
 the exporters (OTLP over http/protobuf or gRPC, Prometheus) only when called and returns an
 :class:`OTelSetup` that owns their shutdown; :func:`sdk_sink` wires them and attaches an
-:class:`~omnitrace.sinks.otel.OTelSink` in one call (the vLLM plugin, the demo and replay use
+:class:`~omnitrace.sinks.otel.sink.OTelSink` in one call (the vLLM plugin, the demo and replay use
 it). Settings follow OpenTelemetry's precedence: an explicit argument, else its standard
 variable (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_METRIC_EXPORT_INTERVAL``,
 ``OTEL_BSP_SCHEDULE_DELAY``), else a default.
@@ -16,8 +16,8 @@ short, and shutdown is bounded (0.8 s by default): it skips attempts against an 
 known dead, cancels retry back-offs and abandons an export still waiting.
 
 This module wires the providers and owns their lifecycle; the guarded exporters and their
-export monitor are ``otel_export.py``, the resource and the intervals read from ``OTEL_*``
-variables ``otel_env.py``.
+export monitor are ``export.py``, the resource and the intervals read from ``OTEL_*``
+variables ``env.py``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from opentelemetry import trace as otel_trace
 from omnitrace._env import OTLPEndpoint, otlp_endpoint_errors, otlp_endpoints, otlp_where
 from omnitrace._validate import check_duration, check_int, check_text
 from omnitrace.errors import ConfigError
-from omnitrace.sinks.otel import OTLP_PROTOCOLS, OTelSink, OTLPProtocol
-from omnitrace.sinks.otel_env import INTERVAL_RANGE_S, TIMEOUT_RANGE_S, env_millis, sdk_resource
-from omnitrace.sinks.otel_export import EXPORTER_LOGGERS, ExportMonitor, guarded_exporters
+from omnitrace.sinks.otel.env import INTERVAL_RANGE_S, TIMEOUT_RANGE_S, env_millis, sdk_resource
+from omnitrace.sinks.otel.export import EXPORTER_LOGGERS, ExportMonitor, guarded_exporters
+from omnitrace.sinks.otel.sink import OTLP_PROTOCOLS, OTelSink, OTLPProtocol
 from omnitrace.sinks.registry import SinkDeclaration, SinkRequest
 
 if TYPE_CHECKING:

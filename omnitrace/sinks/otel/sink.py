@@ -4,7 +4,7 @@ from the stats fold.
 Library code, on the OpenTelemetry *API* only: :class:`OTelSink` takes a tracer and a meter
 from the providers it is given, or the global ones, so it works with any SDK or vendor
 distribution the host has wired, and costs nothing but no-op calls when none is. Wiring the
-SDK and its exporters is the application's job, done by :mod:`omnitrace.sinks.otel_sdk`
+SDK and its exporters is the application's job, done by :mod:`omnitrace.sinks.otel.sdk`
 (``configure_sdk``, ``sdk_sink``), as OpenTelemetry keeps its API and SDK packages apart.
 
 Spans are created after the fact on the sink's worker thread, with the explicit start and end

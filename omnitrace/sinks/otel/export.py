@@ -3,7 +3,7 @@
 :func:`guarded_exporters` wraps the OTLP span and metric exporters (http/protobuf or gRPC) so
 that an export that raises or fails is counted by an :class:`ExportMonitor` instead of
 raising into the SDK's threads. The monitor reports an outage once (and again only after it
-has recovered and failed anew) on the logger it is given, :mod:`omnitrace.sinks.otel_sdk`'s,
+has recovered and failed anew) on the logger it is given, :mod:`omnitrace.sinks.otel.sdk`'s,
 the one operators know these reports by; it keeps the exporters' own per-attempt lines as the
 cause it names, and at shutdown skips attempts against an endpoint already known dead and
 cancels retry back-offs.
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omnitrace.errors import MissingExtraError
-from omnitrace.sinks.otel import _name
+from omnitrace.sinks.otel.sink import _name
 
 __all__ = ["EXPORTER_LOGGERS", "ExportMonitor", "guarded_exporters"]
 
