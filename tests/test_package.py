@@ -284,6 +284,20 @@ def test_readme_documents_every_exported_name() -> None:
     assert missing == []
 
 
+def test_the_sdk_wiring_s_former_module_name_hands_on_the_same_names() -> None:
+    """``omnitrace.sinks.otel_sdk`` (the wiring's documented home before the OpenTelemetry
+    package) hands on every public name of :mod:`omnitrace.sinks.otel.sdk`, as the face of
+    :mod:`omnitrace.sinks.otel` does."""
+    import omnitrace.sinks.otel as face
+    import omnitrace.sinks.otel.sdk as sdk
+    import omnitrace.sinks.otel_sdk as former
+
+    assert set(former.__all__) == set(sdk.__all__)
+    for name in sdk.__all__:
+        assert getattr(former, name) is getattr(sdk, name), name
+        assert getattr(face, name) is getattr(sdk, name), name
+
+
 def test_the_receiver_s_former_module_name_hands_on_the_same_names() -> None:
     """``omnitrace.testing_otlp`` (users' tests import it) is the receiver's module, renamed:
     every public name is the same object."""
