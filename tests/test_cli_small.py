@@ -17,8 +17,8 @@ from omnitrace.cli.parser import HELP_EPILOGS, build_parser
 from omnitrace.demo.run import _Progress
 from omnitrace.events import GraphMissed, MissReason, Phase
 from omnitrace.sinks.jsonl import read_records
-from omnitrace.sinks.live_layout import _profiling_row
-from omnitrace.sinks.live_model import EncoderSnapshot
+from omnitrace.sinks.live.layout import _profiling_row
+from omnitrace.sinks.live.model import EncoderSnapshot
 from omnitrace.stats import AdapterStats
 from omnitrace.testing import sig
 

@@ -219,8 +219,9 @@ def test_top_json_loads_neither_the_terminal_view_nor_the_bus(tmp_path: Path) ->
         '"key":"float32[1]","monotonic_ns":1,"epoch_ns":1,"duration_s":0.001}\n'
     )
     loaded = _modules_after_cli(["top", "--json", str(log)], tmp_path)
-    assert "omnitrace.sinks.live_model" in loaded
-    unneeded = {"rich", "asyncio", "omnitrace.bus", "omnitrace.sinks.live"}
+    assert "omnitrace.sinks.live.model" in loaded
+    unneeded = {"rich", "asyncio", "omnitrace.bus", "omnitrace.sinks.live.view"}
+    unneeded |= {"omnitrace.sinks.live.layout", "omnitrace.sinks.live.total"}
     assert {m for m in loaded if m in unneeded or m.split(".")[0] in unneeded} == set()
     assert "rich" in _modules_after_cli(["top", str(log)], tmp_path)
 

@@ -142,11 +142,11 @@ def _cmd_top(args: argparse.Namespace) -> int:
         if refused is not None:
             return refused
         # No live view here: its terminal code (rich, loaded for the table) is not needed
-        # for JSON.
+        # for JSON, and omnitrace.sinks.live loads only the names asked of it.
         from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, total_bytes
         from omnitrace.events import REQUEST_EVENT_TYPES
         from omnitrace.requests import RequestJoin
-        from omnitrace.sinks.live_model import RecordBoard
+        from omnitrace.sinks.live import RecordBoard
 
         board = RecordBoard(title=f"omnitrace top · {names}")
         requests = RequestJoin()
@@ -168,7 +168,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(_top_json(board, args.paths, requests))
         else:
-            from omnitrace.sinks.live_layout import render
+            from omnitrace.sinks.live import render
 
             console = _stdout_console()
             console.print(render(board.snapshot()))

@@ -729,7 +729,7 @@ def test_a_frame_that_cannot_be_drawn_is_one_line_and_the_streams_come_back() ->
 def test_the_missed_panel_never_cuts_a_name_a_reason_or_a_number(width: int) -> None:
     """A long key shortens first; then the share and then the key column go, named in the
     panel's caption: the encoder, the reason and the counts stay whole at every width."""
-    from omnitrace.sinks.live_layout import _missed_panel
+    from omnitrace.sinks.live.layout import _missed_panel
 
     long_key = sig(
         "bfloat16[5,3,14,14336], int64[5,1024], None, int64[5,1024], bool[5,1024] @cuda:0 s=0"

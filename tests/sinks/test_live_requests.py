@@ -13,8 +13,8 @@ from omnitrace import events as ev
 from omnitrace.bus import EventBus
 from omnitrace.eventlog.codec import EventRecord
 from omnitrace.requests import RequestJoin, phases_panel
-from omnitrace.sinks.live_layout import render
-from omnitrace.sinks.live_model import BusBoard, RecordBoard
+from omnitrace.sinks.live.layout import render
+from omnitrace.sinks.live.model import BusBoard, RecordBoard
 
 MS = 1_000_000
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MissReason
 from omnitrace.sinks.jsonl import AdapterInfo, EventRecord
 from omnitrace.sinks.live import RecordBoard, render
-from omnitrace.sinks.live_total import total_panel
+from omnitrace.sinks.live.total import total_panel
 from omnitrace.stats import AdapterStats
 from omnitrace.testing import sig
 

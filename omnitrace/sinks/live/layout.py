@@ -26,8 +26,8 @@ from omnitrace.coverage import AdapterCoverage, KeyCoverage
 from omnitrace.events import MissReason, Phase
 from omnitrace.misses import MissCause, cause_label, telling
 from omnitrace.requests import PHASES
-from omnitrace.sinks.live_model import RECENT_NOTICES, EncoderSnapshot, LiveSnapshot, clock
-from omnitrace.sinks.live_total import total_panel
+from omnitrace.sinks.live.model import RECENT_NOTICES, EncoderSnapshot, LiveSnapshot, clock
+from omnitrace.sinks.live.total import total_panel
 from omnitrace.stats import AdapterStats
 
 __all__ = ["Drawn", "failed_frame", "render"]

@@ -2,7 +2,7 @@
 
 A board keeps the folded stats (and a short list of recent deferrals and failures) and
 ``snapshot()`` freezes them into a :class:`LiveSnapshot`, the one thing
-:func:`omnitrace.sinks.live_layout.render` reads. :class:`BusBoard` folds an in-process
+:func:`omnitrace.sinks.live.layout.render` reads. :class:`BusBoard` folds an in-process
 EventBus; :class:`RecordBoard` folds event-log records, one column per worker pid and rank.
 """
 

@@ -13,9 +13,9 @@ stats, each encoder's per-signature coverage feeds the panel of the top missed s
 captures of vLLM's start-up profiling run, or, where that run called the encoder not at all,
 a note saying so with the device-free memory its first graph was captured in.
 
-The boards and the snapshot are ``live_model.py``; the frame's layout, ``render``, is
-``live_layout.py``; this module holds the view itself (rich's ``Live``, and the log lines
-kept while it is up) and re-exports the names the view is used by.
+The boards and the snapshot are ``model.py``; the frame's layout, ``render``, is
+``layout.py``; this module holds the view itself (rich's ``Live``, and the log lines kept
+while it is up). :mod:`omnitrace.sinks.live` hands on the names the view is used by.
 """
 
 from __future__ import annotations
@@ -30,29 +30,10 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.live import Live
 
-from omnitrace._units import format_bytes
-from omnitrace.sinks.live_layout import Drawn, failed_frame, render
-from omnitrace.sinks.live_model import (
-    Board,
-    BusBoard,
-    EncoderSnapshot,
-    LiveSnapshot,
-    Notice,
-    RecordBoard,
-)
+from omnitrace.sinks.live.layout import Drawn, failed_frame, render
+from omnitrace.sinks.live.model import Board
 
-__all__ = [
-    "REFRESH_PER_SECOND",
-    "Board",
-    "BusBoard",
-    "EncoderSnapshot",
-    "LiveSnapshot",
-    "LiveView",
-    "Notice",
-    "RecordBoard",
-    "format_bytes",
-    "render",
-]
+__all__ = ["REFRESH_PER_SECOND", "LiveView"]
 
 REFRESH_PER_SECOND = 4.0
 
