@@ -361,7 +361,7 @@ def _print_replayed(
     args: argparse.Namespace, bus: Any, replayed: int, setup: Any, console: Console
 ) -> None:
     """Print the stats of the replayed events: the table, or with ``--json`` the JSON."""
-    from omnitrace.coverage_snapshot import encoder_summary
+    from omnitrace.coverage import encoder_summary
 
     adapter_stats = bus.adapter_stats()
     infos = bus.adapters()

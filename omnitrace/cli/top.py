@@ -76,7 +76,7 @@ def _requests_table(panel: dict[str, Any]) -> Any:
 def _top_encoder_json(encoder: Any) -> dict[str, Any]:
     """One worker's encoder in ``top --json``: the worker, then what every output of a run
     says of the encoder (``encoder_summary``: the ``graph_summary`` line's fields)."""
-    from omnitrace.coverage_snapshot import encoder_summary
+    from omnitrace.coverage import encoder_summary
 
     info = {"max_graphs": encoder.max_graphs, "backend": encoder.backend}
     fields = encoder_summary(encoder.stats, encoder.coverage, info)

@@ -350,7 +350,7 @@ def summary_fields(
 ) -> dict[str, Any]:
     """Return the fields of one encoder's ``graph_summary`` line.
 
-    Those of :func:`omnitrace.coverage_snapshot.encoder_summary`, the fields ``omnitrace
+    Those of :func:`omnitrace.coverage.encoder_summary`, the fields ``omnitrace
     top --json`` and ``replay --json`` give each encoder too: ``encoder``, the nine stats
     keys, ``calls``, ``max_graphs`` and ``backend`` (from the adapter's registered ``info``),
     ``first_capture_free_bytes``, ``top_missed`` (per signature: ``key``, ``misses``,
@@ -359,7 +359,7 @@ def summary_fields(
     have saved of it, ``None`` when no replay time is known or on the simulated backend) in
     ``time_source`` time, and ``profiling`` when there was any.
     """
-    from omnitrace.coverage_snapshot import encoder_summary
+    from omnitrace.coverage import encoder_summary
 
     return encoder_summary(stats, coverage, info, SUMMARY_TOP_MISSED)
 

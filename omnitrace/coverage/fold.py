@@ -22,7 +22,7 @@ reported of it (:class:`~omnitrace.events.ProfilingObserved`, no call of its own
 :class:`ProfilingRuns`, a few counters whatever the number of runs.
 
 This module is the fold; the frozen snapshots it returns, and their queries (top missed
-signatures, summary, eager loss), are :mod:`omnitrace.coverage_snapshot`, re-exported here.
+signatures, summary, eager loss), are :mod:`omnitrace.coverage.snapshot`.
 """
 
 from __future__ import annotations
@@ -32,15 +32,13 @@ from typing import Any
 
 from omnitrace import events as ev
 from omnitrace._validate import check_int
-from omnitrace.coverage_snapshot import (
-    GRAPHABLE_REASONS,
+from omnitrace.coverage.snapshot import (
     NO_CALLS,
     NO_RUNS,
     PHASES,
     REASONS,
     AdapterCoverage,
     CallCounts,
-    EagerLoss,
     KeyCoverage,
     ProfilingRuns,
     Timing,
@@ -50,19 +48,7 @@ from omnitrace.misses import MissCause, merge
 from omnitrace.signature import Signature
 from omnitrace.stats import StatsFold
 
-__all__ = [
-    "DEFAULT_COVERAGE_KEYS",
-    "GRAPHABLE_REASONS",
-    "MAX_COVERAGE_KEYS",
-    "AdapterCoverage",
-    "CallCounts",
-    "CoverageFold",
-    "EagerLoss",
-    "KeyCoverage",
-    "ProfilingRuns",
-    "Timing",
-    "derive_coverage",
-]
+__all__ = ["DEFAULT_COVERAGE_KEYS", "MAX_COVERAGE_KEYS", "CoverageFold", "derive_coverage"]
 
 #: Signatures tracked per adapter unless told otherwise.
 DEFAULT_COVERAGE_KEYS = 32

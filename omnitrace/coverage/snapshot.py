@@ -1,6 +1,6 @@
 """The frozen coverage of an adapter, and the questions asked of it.
 
-What :class:`omnitrace.coverage.CoverageFold` freezes: per input signature, the calls, hits
+What :class:`omnitrace.coverage.fold.CoverageFold` freezes: per input signature, the calls, hits
 and misses by reason, its capture and the time of its eager and replayed calls, each split by
 :class:`~omnitrace.events.Phase` (:class:`KeyCoverage`, of :class:`CallCounts` and
 :class:`Timing`), and per adapter its rows, the ``other`` bucket and what the engine's
