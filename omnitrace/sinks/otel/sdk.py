@@ -260,19 +260,101 @@ def configure_sdk(
             says which extra to install; an ImportError).
     """
     protocol_text = _protocol(protocol)
-    endpoints: dict[str, OTLPEndpoint] = {}
-    if otlp:
-        if endpoint is None:
-            # Every variable is checked, also one a signal's own variable hides.
-            errors = otlp_endpoint_errors(os.environ, protocol_text)
-            if errors:
-                raise ConfigError("; ".join(errors))
-        # Resolved here and given to the exporters, so what omnitrace says it exports to
-        # is where the exporters send.
-        endpoints = otlp_endpoints(os.environ, protocol_text, base=endpoint)
-        if not otlp_metrics:
-            del endpoints["metrics"]
-    interval, span_delay, timeout = _timings(export_interval_s, export_timeout_s)
+    endpoints = _otlp_endpoints(protocol_text, endpoint, otlp_metrics) if otlp else {}
+    timings = _timings(export_interval_s, export_timeout_s)
+    _check_settings(prometheus, prometheus_port, service_name, default_service_name)
+    resource = sdk_resource(
+        service_name, default_service_name, resource_attributes, resource_defaults
+    )
+    scrape = _Scrape(prometheus_registry, prometheus_port, prometheus_host) if prometheus else None
+    return _start(
+        resource, protocol_text if otlp else None, endpoints, timings, scrape, install_global
+    )
+
+
+class _Timings(NamedTuple):
+    """Seconds between metric exports, the span batch delay (None: not set), the export
+    deadline."""
+
+    interval: float
+    span_delay: float | None
+    timeout: float
+
+
+class _Scrape(NamedTuple):
+    """The Prometheus reader's registry (None: the global one), and where it is served."""
+
+    registry: CollectorRegistry | None
+    port: int | None
+    host: str
+
+
+def _start(
+    resource: Any,
+    protocol: str | None,
+    endpoints: Mapping[str, OTLPEndpoint],
+    timings: _Timings,
+    scrape: _Scrape | None,
+    install_global: bool,
+) -> OTelSetup:
+    """Start the OTLP export over ``protocol`` (None: none), the Prometheus reader and its
+    scrape endpoint, and the providers on ``resource`` (also the global ones with
+    ``install_global``).
+
+    Exporters first (a missing gRPC extra fails here, before anything runs), then the scrape
+    endpoint (a port in use fails there), and only then the threads of the batch processor
+    and the periodic reader, so a failed call leaves nothing running behind.
+    """
+    export = None if protocol is None else _otlp_export(protocol, endpoints, timings.timeout)
+    prometheus_reader = server = thread = None
+    if scrape is not None:
+        try:
+            prometheus_reader, server, thread = _prometheus_reader(*scrape)
+        except BaseException:
+            if export is not None:
+                export.shutdown()
+            raise
+    tracer_provider, meter_provider = _providers(resource, export, prometheus_reader, timings)
+    if install_global:
+        otel_trace.set_tracer_provider(tracer_provider)
+        otel_metrics.set_meter_provider(meter_provider)
+    return OTelSetup(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        protocol=protocol,
+        endpoint=None if export is None else export.where,
+        endpoints=endpoints,
+        monitor=None if export is None else export.monitor,
+        prometheus_reader=prometheus_reader,
+        prometheus_server=server,
+        prometheus_thread=thread,
+        exporters=() if export is None else export.exporters,
+    )
+
+
+def _otlp_endpoints(protocol: str, base: str | None, metrics: bool) -> dict[str, OTLPEndpoint]:
+    """Each exported signal's endpoint: both under ``base``, else as the variables give them
+    (every one of which is checked, also one a signal's own variable hides); traces only
+    without ``metrics``."""
+    if base is None:
+        errors = otlp_endpoint_errors(os.environ, protocol)
+        if errors:
+            raise ConfigError("; ".join(errors))
+    # Resolved here and given to the exporters, so what omnitrace says it exports to is where
+    # the exporters send.
+    endpoints = otlp_endpoints(os.environ, protocol, base=base)
+    if not metrics:
+        del endpoints["metrics"]
+    return endpoints
+
+
+def _check_settings(
+    prometheus: bool,
+    prometheus_port: int | None,
+    service_name: str | None,
+    default_service_name: str | None,
+) -> None:
+    """Check the scrape port (which needs ``prometheus``) and the service names."""
     if prometheus_port is not None:
         check_int("prometheus_port", prometheus_port, maximum=65535, meaning="a port in [0, 65535]")
         if not prometheus:
@@ -282,81 +364,75 @@ def configure_sdk(
     if default_service_name is not None:
         check_text("default_service_name", default_service_name)
 
+
+class _OtlpExport(NamedTuple):
+    """The OTLP side of a setup: where it exports, its monitor and its guarded exporters."""
+
+    where: str
+    monitor: ExportMonitor
+    spans: Any
+    metrics: Any | None
+    """None when metrics are not exported over OTLP."""
+
+    @property
+    def exporters(self) -> tuple[Any, ...]:
+        return (self.spans,) if self.metrics is None else (self.spans, self.metrics)
+
+    def shutdown(self) -> None:
+        for exporter in self.exporters:
+            exporter.shutdown()
+
+
+def _otlp_export(
+    protocol: str, endpoints: Mapping[str, OTLPEndpoint], timeout: float
+) -> _OtlpExport:
+    """The guarded exporters of the ``endpoints``' signals, and the monitor counting their
+    outcomes on this module's logger; a missing gRPC extra fails here."""
+    where = otlp_where(endpoints, protocol)
+    monitor = ExportMonitor(protocol, where, logger)
+    spans, metrics = guarded_exporters(
+        protocol, {s: e.url for s, e in endpoints.items()}, timeout, monitor
+    )
+    monitor.exporters = {"traces": spans}
+    if metrics is not None:
+        monitor.exporters["metrics"] = metrics
+    return _OtlpExport(where, monitor, spans, metrics)
+
+
+def _providers(
+    resource: Any, export: _OtlpExport | None, prometheus_reader: Any, timings: _Timings
+) -> tuple[SDKTracerProvider, SDKMeterProvider]:
+    """The tracer and meter providers on ``resource``: spans batched to the OTLP exporter,
+    metrics read by the Prometheus reader and periodically exported over OTLP (the OTLP
+    exporters' loggers filtered by the export's monitor)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = sdk_resource(
-        service_name, default_service_name, resource_attributes, resource_defaults
-    )
-    # Exporters first (a missing gRPC extra fails here, before anything runs), then the
-    # scrape endpoint (a port in use fails there), and only then the threads of the batch
-    # processor and the periodic reader, so a failed call leaves nothing running behind.
-    monitor: ExportMonitor | None = None
-    span_exporter = metric_exporter = None
-    where: str | None = None
-    if otlp:
-        where = otlp_where(endpoints, protocol_text)
-        monitor = ExportMonitor(protocol_text, where, logger)
-        span_exporter, metric_exporter = guarded_exporters(
-            protocol_text, {s: e.url for s, e in endpoints.items()}, timeout, monitor
-        )
-        monitor.exporters = {"traces": span_exporter}
-        if metric_exporter is not None:
-            monitor.exporters["metrics"] = metric_exporter
-
-    readers: list[MetricReader] = []
-    prometheus_reader = server = thread = None
-    if prometheus:
-        try:
-            prometheus_reader, server, thread = _prometheus_reader(
-                prometheus_registry, prometheus_port, prometheus_host
-            )
-        except BaseException:
-            for exporter in (span_exporter, metric_exporter):
-                if exporter is not None:
-                    exporter.shutdown()
-            raise
-        readers.append(prometheus_reader)
-
+    readers: list[MetricReader] = [] if prometheus_reader is None else [prometheus_reader]
     # OTelSetup.shutdown (bounded) replaces the providers' own exit hooks (unbounded).
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    # The batch processor and the periodic reader export under the same deadline.
-    deadline: dict[str, Any] = {"export_timeout_millis": timeout * 1000}
-    if span_exporter is not None:
+    if export is not None:
+        interval, span_delay, timeout = timings
+        # The batch processor and the periodic reader export under the same deadline.
+        deadline: dict[str, Any] = {"export_timeout_millis": timeout * 1000}
         delay = span_delay if span_delay is not None else min(5.0, interval)
         tracer_provider.add_span_processor(
-            BatchSpanProcessor(span_exporter, schedule_delay_millis=delay * 1000, **deadline)
+            BatchSpanProcessor(export.spans, schedule_delay_millis=delay * 1000, **deadline)
         )
-    if metric_exporter is not None:
-        readers.append(
-            PeriodicExportingMetricReader(
-                metric_exporter, export_interval_millis=interval * 1000, **deadline
+        if export.metrics is not None:
+            readers.append(
+                PeriodicExportingMetricReader(
+                    export.metrics, export_interval_millis=interval * 1000, **deadline
+                )
             )
-        )
-    if monitor is not None:
         for name in EXPORTER_LOGGERS:
-            logging.getLogger(name).addFilter(monitor)
-
+            logging.getLogger(name).addFilter(export.monitor)
     meter_provider = MeterProvider(
         resource=resource, metric_readers=readers, shutdown_on_exit=False
     )
-    if install_global:
-        otel_trace.set_tracer_provider(tracer_provider)
-        otel_metrics.set_meter_provider(meter_provider)
-    return OTelSetup(
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
-        protocol=protocol_text if otlp else None,
-        endpoint=where,
-        endpoints=endpoints,
-        monitor=monitor,
-        prometheus_reader=prometheus_reader,
-        prometheus_server=server,
-        prometheus_thread=thread,
-        exporters=[e for e in (span_exporter, metric_exporter) if e is not None],
-    )
+    return tracer_provider, meter_provider
 
 
 def _protocol(protocol: str | None) -> str:
@@ -377,9 +453,7 @@ def _protocol(protocol: str | None) -> str:
     return text
 
 
-def _timings(
-    export_interval_s: float | None, export_timeout_s: float
-) -> tuple[float, float | None, float]:
+def _timings(export_interval_s: float | None, export_timeout_s: float) -> _Timings:
     """Seconds between metric exports, the span batch delay (None: not set) and the export
     deadline, each checked against its range (see :func:`configure_sdk`)."""
     if export_interval_s is None:
@@ -390,7 +464,7 @@ def _timings(
     span_delay = env_millis("OTEL_BSP_SCHEDULE_DELAY")
     low, high = TIMEOUT_RANGE_S
     timeout = check_duration("export_timeout_s", export_timeout_s, low=low, high=high)
-    return interval, span_delay, timeout
+    return _Timings(interval, span_delay, timeout)
 
 
 def _prometheus_reader(
