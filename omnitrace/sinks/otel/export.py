@@ -15,10 +15,14 @@ import logging
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnitrace.errors import MissingExtraError
 from omnitrace.sinks.otel.sink import _name
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricExporter
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 __all__ = ["EXPORTER_LOGGERS", "ExportMonitor", "guarded_exporters"]
 
@@ -157,13 +161,23 @@ def guarded_exporters(
     ``endpoints`` gives each signal's URL as the exporter takes it (over http/protobuf,
     with its path); without ``metrics`` in it, no metric exporter is built.
     """
-    metrics = "metrics" in endpoints
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    spans, metrics = _otlp_exporters(protocol, endpoints, timeout)
+    guarded = _guarded_spans(spans, monitor)
+    return guarded, None if metrics is None else _guarded_metrics(metrics, monitor)
 
+
+def _otlp_exporters(
+    protocol: str, endpoints: Mapping[str, str], timeout: float
+) -> tuple[SpanExporter, MetricExporter | None]:
+    """The OTLP span exporter over ``protocol``, and the metric exporter when ``endpoints``
+    has ``metrics``.
+
+    Raises:
+        MissingExtraError: gRPC is asked for but its exporter is not installed.
+    """
     inner_spans: SpanExporter
     inner_metrics: MetricExporter | None = None
+    metrics = "metrics" in endpoints
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
@@ -191,6 +205,13 @@ def guarded_exporters(
         inner_spans = HttpSpanExporter(endpoint=endpoints["traces"], timeout=timeout)
         if metrics:
             inner_metrics = HttpMetricExporter(endpoint=endpoints["metrics"], timeout=timeout)
+    return inner_spans, inner_metrics
+
+
+def _guarded_spans(inner_spans: SpanExporter, monitor: ExportMonitor) -> SpanExporter:
+    """``inner_spans`` exporting through ``monitor``: each outcome counted, nothing raised."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class GuardedSpanExporter(SpanExporter):
         closed = False
@@ -221,9 +242,13 @@ def guarded_exporters(
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return inner_spans.force_flush(timeout_millis)
 
-    if inner_metrics is None:
-        return GuardedSpanExporter(), None
-    metric_exporter: MetricExporter = inner_metrics
+    return GuardedSpanExporter()
+
+
+def _guarded_metrics(metric_exporter: MetricExporter, monitor: ExportMonitor) -> MetricExporter:
+    """``metric_exporter`` exporting through ``monitor``: each outcome counted, nothing
+    raised."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
     class GuardedMetricExporter(MetricExporter):
         closed = False
@@ -260,4 +285,4 @@ def guarded_exporters(
             except Exception:
                 monitor.logger.debug("OTLP metric exporter raised on shutdown", exc_info=True)
 
-    return GuardedSpanExporter(), GuardedMetricExporter()
+    return GuardedMetricExporter()
