@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import re
@@ -22,6 +23,20 @@ def test_all_is_sorted_and_importable() -> None:
     assert list(omnitrace.__all__) == sorted(omnitrace.__all__)
     for name in omnitrace.__all__:
         assert hasattr(omnitrace, name), name
+
+
+#: The packages whose __init__ only hands on the names of their modules.
+_FACES = ("advise", "coverage", "eventlog", "sinks.live", "sinks.otel")
+
+
+@pytest.mark.parametrize("face", [f"omnitrace.{name}" for name in _FACES])
+def test_each_package_face_hands_on_every_name_it_lists(face: str) -> None:
+    """A package's face hands on each name of its __all__, loaded or on first access, and
+    lists each once."""
+    module = importlib.import_module(face)
+    assert len(set(module.__all__)) == len(module.__all__)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
 
 
 def test_fixed_public_api_names_exist() -> None:
