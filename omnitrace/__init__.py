@@ -1,9 +1,6 @@
 """omnitrace: fast, observable exact-shape CUDA graphs for multimodal encoders.
 
-The public names below are loaded on first access (PEP 562), so ``import omnitrace`` and
-the modules that only need events, stats or the event log (the ``omnitrace`` command's
-``top`` and ``replay``, every sink) never import torch; only the graph adapter does.
-"""
+Its public names load on first access, so ``import omnitrace`` never imports torch."""
 
 from __future__ import annotations
 

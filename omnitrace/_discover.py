@@ -1,12 +1,6 @@
-"""Find the modules of a package that declare something, without importing them.
-
-A registry whose entries live in modules it must not all import (a sink's module imports
-its optional library) reads their source instead. A module declares its entry with one
-top-level assignment, ``SINK = ...`` or ``INTEGRATION = ...``; :func:`declarations` returns
-the assigned expression as written, for the registry to read. Only the package is imported
-(its subpackages, when they are searched, are found on their paths, not imported), and only
-modules with a line starting with the name are parsed.
-"""
+"""Find the modules of a package (and, on request, of its subpackages) that declare ``SINK``
+or ``INTEGRATION``, from their source: a registry lists its entries without importing modules
+whose imports are optional."""
 
 from __future__ import annotations
 

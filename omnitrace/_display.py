@@ -1,16 +1,6 @@
-"""Untrusted text (from an event log, a model, an environment variable) made safe to show.
-
-Adapter names, graph keys, error messages and log lines are data. On a terminal, a raw ESC
-starts an escape sequence (colours, cursor moves, a window title), BEL rings, CR overwrites
-the line, and bidirectional overrides reorder what is read; in rich, ``[...]`` is markup that
-styles the output or, unbalanced, raises ``MarkupError``. :func:`safe` shows every such
-character as a visible escape (``\\x1b``, ``\\n``), so the text keeps one line and says what
-it held; :func:`safe_markup` also escapes rich markup, for the few places that build markup
-strings. Elsewhere, put the safe text into ``rich.text.Text`` objects, which are never parsed.
-
-This module imports nothing from omnitrace, nor rich until :func:`safe_markup` is called: the
-error messages of the lowest layers use it too.
-"""
+"""Untrusted text (from an event log, a model, an environment variable) made safe to show on a
+terminal and in rich: control characters and markup escaped, one line kept
+(docs/architecture.md, "The core", says what each escape prevents)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The files omnitrace writes: regular files only, never through a symbolic link.
-
-An event log or log file path may be mistyped, or point at ``/dev/null``, a terminal, a named
-pipe or a link an attacker planted. Writing, rotating or deleting there would replace a
-device node or a link, block on a pipe, or write through the link, so anything that is not
-a regular file is refused with a one-line :class:`~omnitrace.config.ConfigError`.
-"""
+"""The files omnitrace writes: regular files only, never through a symbolic link; anything else
+(a device, a pipe, a planted link) is refused with a one-line ConfigError."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""The paths a command reads or writes, checked before its work starts.
-
-A run that finds at its end that it cannot write its summary has lost the run, and one that
-fails on its event log after loading its models has wasted the start-up. So the commands
-check every path first, and every problem is one line in one wording, ``LABEL: PATH:
-REASON`` (``--json-summary: rodir/s.json: Permission denied (cannot create files in
-rodir)``), raised as a :class:`~omnitrace.config.ConfigError`, which the command line
-prints with exit status 2 like any other bad argument.
-
-A check never creates, truncates or writes the file it checks: an existing file is opened
-for writing without truncation and closed, and a directory is tried by creating and
-deleting a file of another name in it. Results that replace a file are written to a
-temporary file beside it and renamed over it (:func:`write_atomically`), so a failure
-midway leaves the previous file whole.
-"""
+"""The paths a command reads or writes, checked before its work starts (``LABEL: PATH: REASON``,
+a ConfigError), and results written atomically over the file they replace."""
 
 from __future__ import annotations
 

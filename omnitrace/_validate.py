@@ -1,9 +1,5 @@
-"""One validator per rule: every argument, override and variable check raises ConfigError.
-
-Messages name the setting, what was expected and what was received, in one short line
-whatever the value's size or content: ``max_bytes: expected a nonnegative integer, got -1
-(int)``. (ConfigError itself escapes any control character left in a message.)
-"""
+"""One validator per rule: every argument, override and variable check raises a one-line
+ConfigError naming the setting, what was expected and what was received."""
 
 from __future__ import annotations
 

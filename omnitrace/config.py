@@ -1,9 +1,5 @@
-"""Encoder graph configuration and ``--hf-overrides`` parsing.
-
-The errors omnitrace raises are drawn as a tree in :mod:`omnitrace.errors`; this module
-re-exports the three every user meets (``OmnitraceError``, ``ConfigError``,
-``EncoderGraphFailedError``).
-"""
+"""Encoder graph configuration and ``--hf-overrides`` parsing; it hands on the three errors
+every user meets (``OmnitraceError``, ``ConfigError``, ``EncoderGraphFailedError``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""The errors omnitrace raises on purpose.
-
-::
-
-    OmnitraceError
-     ├── ConfigError              (also a ValueError)   bad configuration value
-     │    └── ... every argument, override and variable check (omnitrace._validate)
-     ├── EncoderGraphFailedError  (also a RuntimeError) adapter is terminal after a failed capture
-     ├── EventLogError            (also a ValueError)   an event log line cannot be read
-     ├── MissingExtraError        (also an ImportError) an optional dependency is not installed
-     └── UnsupportedVllmError     (also a RuntimeError) vLLM lacks a usable encoder graph API
-"""
+"""The errors omnitrace raises on purpose: ``OmnitraceError`` and its subclasses, each also the
+builtin error a caller would catch (docs/architecture.md, "The core", draws the whole tree)."""
 
 from __future__ import annotations
 

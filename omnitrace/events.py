@@ -1,27 +1,5 @@
-"""The typed events every adapter decision produces.
-
-Events are past-tense facts: frozen, slotted, plain data (numbers, strings, tuples and the
-:class:`~omnitrace.signature.Signature` of the call), never tensors or CUDA objects, so a
-consumer on another thread or in another process can hold them without keeping device memory
-alive. Every event names its adapter and the call's signature; ``event.key`` is the
-signature's text form.
-
-Every encoder call produces exactly one :class:`GraphReplayed` (a hit) or one
-:class:`GraphMissed` (an eager run). A capture adds :class:`GraphCaptured` before the
-capturing call's :class:`GraphReplayed`; a memory deferral adds :class:`MemoryDeferred`
-before its :class:`GraphMissed`; a failed capture emits :class:`CaptureFailed` and the call
-raises. Calls rejected by a terminal adapter raise without an event.
-
-Two events are not calls and the stats ignore them: :class:`DeviceTimed` (the device time
-of a call already counted) and :class:`ProfilingObserved` (what an engine's start-up
-profiling run did with an encoder, emitted by the engine integration after the run).
-
-Two more are about requests, not adapters (their ``adapter`` is empty and the stats and
-coverage folds skip them): :class:`RequestTimed`, the timestamps of one served request up to
-its first token, and :class:`EncoderBatchRan`, one run of the engine's encoder step with the
-requests it served. :mod:`omnitrace.requests` joins them with the calls into per-request
-phases.
-"""
+"""The typed events every adapter decision produces: frozen, plain-data facts, exactly one hit
+or miss per encoder call (docs/architecture.md, "The core", gives their order)."""
 
 from __future__ import annotations
 

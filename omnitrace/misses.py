@@ -1,13 +1,5 @@
-"""Why calls missed, finer than the reason: the misses of each (reason, detail) per encoder.
-
-A miss's reason (``ineligible``, ``capacity``, ``warmup``, ``memory``) is in the stats; its
-detail says what to change: ``cpu``, ``grad``, ``disabled`` (graphs switched off or
-enforce-eager), ``paused``, ``attention_backend``, ``profiling``, ... (free text from the
-adapter or a model wrapper, so data to escape before it is shown). The coverage fold counts
-them per encoder (:attr:`~omnitrace.coverage.AdapterCoverage.miss_details`); the live view,
-the ``graph_summary`` lines, ``omnitrace top`` (its text and ``--json``), ``replay --json``
-and ``advise`` show these counts.
-"""
+"""Why calls missed, finer than the reason: the misses of each (reason, detail) per encoder,
+as the coverage fold counts them and every output shows them."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""A loopback OTLP receiver: what a collector would have received, as protobufs.
-
-``OTLPReceiver`` listens on 127.0.0.1 and a free port, speaks OTLP over http/protobuf
-(``/v1/traces``, ``/v1/metrics``, ``/v1/logs``) or gRPC (the collector's TraceService,
-MetricsService and LogsService), and keeps every export request it accepts, parsed into the
-``opentelemetry-proto`` messages. ``omnitrace receive`` runs one as a command
-(:mod:`omnitrace.receive`), to check an exporter's settings without a collector; it passes
-``keep=False`` and an ``on_request`` callback, so a long run keeps nothing. Tests point an
-exporter at ``receiver.endpoint``, flush, and check the messages field by field::
-
-    with OTLPReceiver("grpc") as receiver:
-        setup = configure_sdk(endpoint=receiver.endpoint, protocol="grpc")
-        ...
-        setup.force_flush()
-        assert receiver.wait_for(lambda r: r.spans())
-
-It needs ``opentelemetry-proto`` (both protocols; the OTLP exporter omnitrace depends on
-installs it) and ``grpcio`` (gRPC only: the ``grpc`` extra). It is not a collector: nothing
-is forwarded or kept beyond the process. ``omnitrace.otlp_receiver``, its name before, hands
-the same names on.
-"""
+"""A loopback OTLP receiver (http/protobuf or gRPC) that keeps what a collector would have
+received, as protobufs: for tests and ``omnitrace receive``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Totals across the workers of one job: each encoder's stats summed over its ranks.
-
-A tensor-parallel engine runs one worker process per rank, each with its own adapters, bus
-and event log. Readers of several logs fold each worker apart, by the ``(rank, pid)`` every
-line carries; this module adds the workers' stats of an encoder up into one total and says
-how far apart the workers are (the lowest and highest hit rate), for ``omnitrace top`` (the
-total row of the live view, ``total`` in ``--json``) and the multi-rank demo.
-
-A total is a sum, never an average: calls, hits, misses by reason, graphs held, capture
-failures and memory deferrals of every worker. Its hit rate is the total hits over the total
-calls, so a busy rank weighs more than an idle one, as it does in the traffic.
-"""
+"""Totals across the workers of one job: each encoder's stats summed, never averaged, over its
+ranks, and how far apart the workers are."""
 
 from __future__ import annotations
 

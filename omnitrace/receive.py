@@ -1,15 +1,5 @@
-"""``omnitrace receive``: listen for OTLP exports on loopback and say what arrives.
-
-What an operator needs to check exporter settings (``OTEL_EXPORTER_OTLP_ENDPOINT``, the
-protocol, the service name) without running a collector: a
-:class:`~omnitrace.otlp_receiver.OTLPReceiver` on a fixed port (4318 for http/protobuf, 4317
-for gRPC, the exporters' defaults), one line per export request (its signal, the services
-that sent it, how many spans, metrics or log records and their names), and when it stops
-(SIGINT, SIGTERM, ``--duration``) a summary of everything received. ``--json`` prints the
-same as JSON lines. Nothing is kept but the counts, so it can run for as long as needed:
-the first ``max_names`` distinct names of each signal are counted by name, the rest
-together, and each request is bounded by :class:`~omnitrace.otlp_receiver.ReceiverLimits`.
-"""
+"""``omnitrace receive``: listen for OTLP exports on loopback and say what arrives, keeping
+only bounded counts."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Feed event logs into a bus: a recorded log at once, or a log its writer still appends.
-
-This is what lets the OpenTelemetry export run outside the serving process: the server
-writes only the JSONL event log (``OMNITRACE_EVENTS_LOG``), and ``omnitrace replay
---follow`` relays the log into a bus of its own with the OTel sink attached, so the
-SDK's per-measurement Python runs under another process's GIL. The stats the relayed bus
-folds equal the writer's (they are a fold of the same events).
-
-Nothing is dropped on the way: the relay emits in chunks and waits for the bus's sinks to
-drain between them, so a log of any length fits through a bounded bus queue.
-"""
+"""Feed event logs into a bus, a recorded log at once or one its writer still appends, in
+chunks that wait for the sinks, so nothing is dropped."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Where each request's time went: its phases from arrival to first token, from the events.
-
-A :class:`~omnitrace.events.RequestTimed` holds the timestamps one request passed on its way
-to the first token; :class:`~omnitrace.events.EncoderBatchRan` events say which encoder steps
-served it. :class:`RequestJoin` joins them by vLLM's engine request id, across the logs of
-vLLM's processes (the API server writes the first, the workers the second), and
-:func:`phases_of` turns one request's timestamps into :data:`PHASES`, which add up to its
-TTFT exactly.
-
-Attribution rule for batched encoder steps: a step that encoded items of several requests
-counts its whole wall time in the ``encoders`` phase of each of them (each waited for all of
-it), clipped to the time between the request's first schedule and its first token; the part
-its own items account for, by their embedding tokens, is ``encoder_share_s``. The step's
-encoder calls are linked to every request it served.
-"""
+"""Where each request's time went: its phases from arrival to first token, joined from the
+request and encoder-step events of vLLM's processes."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Input signatures: what a graph is keyed by, as data.
-
-An encoder call's signature is, per positional input, its dtype, shape and device (or
-``None`` for an absent input), plus the replay stream when the call reached admission. The
-adapter keys its graphs by it, every event carries it, and consumers read its fields instead
-of parsing text. :attr:`Signature.text` is the human form used in log lines and tables:
-``bfloat16[1,1024,1152], None @cuda:0 s=94`` (the device once at the end when every input is
-on the same device, the stream last).
-
-Plain data, no torch: sinks and readers of event logs use it without importing torch.
-"""
+"""Input signatures: what a graph is keyed by, as plain data without torch, with a text form
+for people."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Cumulative statistics as a pure fold over the event stream.
-
-Nothing here counts anything on its own: every number is derived from events, so the stats
-an adapter reports, the stats a sink shows and the stats recomputed from an event log agree
-exactly.
-"""
+"""Cumulative statistics as a pure fold over the event stream."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Helpers for testing code that uses omnitrace, without a GPU.
-
-``SimulatedGraphBackend`` simulates a CUDA device on CPU tensors: it is for tests and the
-CPU demo, never for serving. ``capture_events`` records what a bus emits. ``sig`` builds the
-signature of a hand-made event from its text form, and ``captured`` a hand-made capture.
-"""
+"""Helpers for testing code that uses omnitrace, without a GPU: the simulated graph backend,
+``capture_events``, and hand-made signatures (``sig``) and captures (``captured``)."""
 
 from __future__ import annotations
 

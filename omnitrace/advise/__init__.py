@@ -1,8 +1,6 @@
-"""What-if replay of recorded encoder traffic (``omnitrace advise``): the recording
-(:mod:`~omnitrace.advise.recording`), its replays (:mod:`~omnitrace.advise.replaying`), the
-grid, ranking and advice (:mod:`~omnitrace.advise.grid`), each request kind's outlook
-(:mod:`~omnitrace.advise.outlook`) and the spread over the ranks
-(:mod:`~omnitrace.advise.spread`). This face hands on the grid's names."""
+"""What-if replay of recorded encoder traffic (``omnitrace advise``): the recording, its
+replays, the grid with its ranking and advice, each request kind's outlook and the spread
+over the ranks. This face hands on the grid's names."""
 
 from __future__ import annotations
 

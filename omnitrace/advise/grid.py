@@ -1,43 +1,6 @@
-"""Replay recorded encoder traffic through the admission policy under other settings.
-
-``omnitrace advise LOG...`` reads event logs, rebuilds each worker's sequence of encoder
-calls with their keys (the input signature with its replay stream), and replays it through
-:class:`~omnitrace.graphs.admission.Admission`, the policy the adapter itself runs, once per
-setting of a grid of ``max_graphs``, ``min_capture_calls`` and ``min_free_bytes`` (and
-``skip_profiling`` when the log holds profiling calls, ``pool_budget_bytes`` when asked or
-logged). For each setting it reports the hit
-rate, the graphs held, their pool memory and the time the graphs would have saved, and it
-recommends the best one as ``--hf-overrides`` JSON.
-
-What the replay takes from the log, and what it estimates:
-
-* Calls: every ``GraphReplayed`` and ``GraphMissed``, in the order each worker wrote them.
-  Calls that could never use a graph (``ineligible``: CPU, grad, streaming ...) stay misses
-  under every setting; calls the logged run kept out of admission because it skipped
-  profiling (detail ``profiling``) reach admission in settings that do not skip it. Captures
-  are replayed as synchronous: a background capture's ``preparing`` calls count as calls of
-  their key. One setting applies to every encoder, as ``--hf-overrides`` does.
-* Capture sizes: a key's ``bytes_reserved + static_bytes`` from its ``GraphCaptured``
-  events. A key the log never captured gets the encoder's recorded bytes per input element
-  times its own input elements (an estimate, and the output says how many).
-* The memory floor: device-free memory at a worker's start minus the sizes of the graphs
-  captured so far. The start is given (``free_bytes``) or estimated from the log's memory
-  deferrals (free memory then plus what had been captured before); without either the floor
-  is not simulated and only the logged floor is tried.
-* Time saved: per hit that did not capture, the key's mean eager time minus its mean replay
-  time, in device time where the encoder's events carry any (``DeviceTimed``), else host
-  time. A key never replayed (or never run eagerly) gets the encoder's replay-to-eager ratio
-  of the keys that have both. A capturing call saves nothing (it runs the warm-up and the
-  capture). When no saving can be estimated, or the log comes from the simulated backend
-  (whose replays run the forward again), settings are ranked by calls graphed instead.
-
-The best setting has the largest saving (or the most hits) among those that graph a call
-(``max_graphs`` 0 is never recommended: that is graphs off), whose pool memory fits the
-budget and whose captures fit in device-free memory where it is known; ties go to fewer
-graphs, then less pool memory, a tighter ``pool_budget_bytes`` (none last), a lower
-``max_graphs``, a higher floor, a higher ``min_capture_calls`` and skipping profiling: the
-cheapest and most conservative of equals.
-"""
+"""Replay recorded encoder traffic through the admission policy under a grid of other settings,
+rank them and recommend one as ``--hf-overrides`` (docs/operations.md, "Choosing settings",
+says what is estimated and how ties go)."""
 
 from __future__ import annotations
 

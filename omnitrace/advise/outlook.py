@@ -1,25 +1,5 @@
-"""End to end: what a setting would take off each request kind's time to first token.
-
-``omnitrace advise`` ranks settings by the encoder time they save; an operator asks what that
-does to a request. Where the logs hold request events (the vLLM plugin's ``RequestTimed`` and
-``EncoderBatchRan``, joined by :class:`~omnitrace.requests.RequestJoin` with the calls of
-each encoder step), every request's calls are revisited under the setting:
-
-* a call the log served from a graph (``hit``) whose key the setting does not capture
-  would have run eagerly: the request loses the key's saving (eager minus replay time);
-* a ``capacity`` or ``memory`` miss whose key the setting captures would have been a hit:
-  the request gains the key's saving;
-* everything else is unchanged: ineligible calls use no graph under any setting, and a
-  ``warmup`` miss is a key's first calls under any setting (steady state: the setting's own
-  warm-up misses are not simulated per request).
-
-A step serves every request it encoded items of, and each of them waited for all of it (the
-attribution rule of :mod:`omnitrace.requests`), so a call's saving counts in each of those
-requests, at most the request's ``encoders`` phase. Savings use the key costs of the
-replay (:class:`~omnitrace.advise.recording.KeyCost`: device time where the log has it, else
-host time). The predicted TTFT of a request is its logged TTFT less its saving; per kind the
-p50 and p99 of both are reported.
-"""
+"""End to end: what a setting would take off each request kind's time to first token, from
+the request events and the key costs of the replay."""
 
 from __future__ import annotations
 

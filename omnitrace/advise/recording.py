@@ -1,11 +1,5 @@
-"""Recorded encoder traffic for ``omnitrace advise``: each worker's calls as compact arrays.
-
-:meth:`Recording.from_records` reads event-log records once, as they stream, into what the
-replay needs: per worker, the key of every call as a small integer (:class:`CallSequence`:
-an ``int32`` and one byte of flags per call, however long the log), and per key its mean
-times and capture size, summed as the reference summed them (the values in order, through
-the builtin ``sum``), so every figure equals what a list of every value would give.
-"""
+"""Recorded encoder traffic for ``omnitrace advise``: each worker's calls as compact arrays, and
+each key's costs summed exactly as a list of every value would sum them."""
 
 from __future__ import annotations
 

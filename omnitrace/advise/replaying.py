@@ -1,23 +1,6 @@
-"""What-if replay of recorded traffic through admission, one setting or a whole grid.
-
-:func:`replay` is the reference: every recorded call, in order, through
-:class:`~omnitrace.graphs.admission.Admission`, as the adapter would have run it.
-:func:`replay_grid` gives the same results for every setting of a grid at a fraction of
-the cost, from what the settings share:
-
-* **Only some calls decide anything.** A call of a key already captured is a hit, and one
-  of an encoder already full is a capacity miss; neither touches admission. The replay
-  visits only the other calls (a worker's call sequence is an array of key ids, see
-  :mod:`omnitrace.advise.recording`) and counts the rest at the end: a captured key's hits
-  are its calls from its capture on, the capacity misses what is left of the encoder's.
-* **Floors share one run.** A floor no capture of the floor-0 run came near decides every
-  call as floor 0 does; a floor above a worker's device-free memory at its start defers
-  every capture, so no graph is ever captured, whatever the floor.
-* **Such runs share their history.** With no capture, a call's fate depends on its count
-  in the bounded history, which depends on ``max_graphs`` (the bound) and not on
-  ``min_capture_calls``: the counts are taken once per bound, and every
-  ``min_capture_calls`` reads them (a warm-up below it, a memory deferral from it on).
-"""
+"""What-if replay of recorded traffic through admission: one setting call by call (the
+reference), or a whole grid at once from what its settings share (docs/architecture.md,
+"advise")."""
 
 from __future__ import annotations
 

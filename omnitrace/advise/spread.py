@@ -1,12 +1,5 @@
-"""How one setting of ``omnitrace advise`` spreads over a job's workers, rank by rank.
-
-``omnitrace advise`` recommends one setting for every worker, as ``--hf-overrides`` applies
-one to every rank: it replays each worker's calls under each setting and ranks the sums.
-The sum can hide a rank that gains little (encoders run data-parallel give each rank its own
-share of the images) or one whose graphs hold more memory than the others'. This module
-replays a setting worker by worker (:func:`per_worker`; the replay of one worker does not
-depend on the others, so the rows add up to the sum) and says how far apart they are.
-"""
+"""How one setting of ``omnitrace advise`` spreads over a job's workers, replayed rank by rank,
+since a sum can hide a rank that gains little or holds more memory."""
 
 from __future__ import annotations
 

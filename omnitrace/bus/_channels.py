@@ -1,9 +1,5 @@
-"""The sink channels: one bounded queue per sink, and where each event offered to it went.
-
-Every counter here changes under the bus lock, and nothing here waits or starts anything:
-the loop runner moves batches from a channel into its sink and reports back. Methods named
-``*_locked`` expect the caller to hold the lock; the others take it themselves.
-"""
+"""The sink channels: one bounded queue per sink, and where each event offered to it went;
+counters change under the bus lock, and nothing here waits or starts anything."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The loop runner: where the bus runs, and what carries each batch into its sink.
-
-A pump task on an asyncio loop (the host's, or one on a daemon thread of the bus's own)
-distributes pending events every drain interval and wakes the sinks that got some. A plain
-sink's ``handle`` runs on a daemon thread of that sink's own, a coroutine ``handle`` as a
-task on the loop. If the host's loop ends under the bus, the runner moves to a thread of its
-own; in a forked child it forgets the parent's loop and threads and starts anew when used.
-"""
+"""The loop runner: where the bus runs (the host's asyncio loop or a thread of its own), and
+what carries each batch into its sink."""
 
 from __future__ import annotations
 

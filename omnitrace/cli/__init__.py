@@ -1,23 +1,6 @@
-"""The ``omnitrace`` command: ``demo``, ``top``, ``replay``, ``advise``, ``receive``,
-``trace``, ``config`` and ``completion``.
-
-``omnitrace demo`` runs MiniCPM-o-shaped encoders under graph adapters with every sink
-attached; ``omnitrace top`` shows (or follows) the event log a serving process writes;
-``omnitrace replay`` feeds a recorded log into the live view or into OTLP; ``omnitrace
-advise`` replays recorded traffic under other graph settings and recommends one;
-``omnitrace receive`` listens for OTLP exports and says what arrives; ``omnitrace trace``
-shows one request's phases; ``omnitrace config`` prints every setting in force and where it
-came from; ``omnitrace completion`` prints a bash or zsh completion script.
-
-The package holds a module per command (``demo.py``, ``top.py``, ``replay.py``, ``advise.py``,
-``receive.py``, ``trace.py``, ``config.py``, ``completion.py``), each with its own options
-(``add_<command>_parser``, which sets the command's handler) beside its work; the parser
-that gathers them (``parser.py``) and what they share (``options.py``: the help formatter and
-the argument types); what the commands print (``output.py``, the stats table in
-``tables.py``), the follow plumbing (``follow.py``: polling, keys, SIGTERM and Ctrl-C, stop
-conditions) and the export settings (``export.py``). ``main`` is the console entry point
-(``omnitrace.cli:main``).
-"""
+"""The ``omnitrace`` command: ``main``, its console entry point (``omnitrace.cli:main``), and
+a module per command beside it: ``demo``, ``top``, ``replay``, ``advise``, ``receive``,
+``trace``, ``config`` and ``completion``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""``omnitrace completion bash|zsh``: a shell completion script made from the parser itself.
-
-The script holds every command, its options and the choices of options that have them, read
-from the argument parser when it is printed, so it cannot drift from the command line. It
-completes a command after ``omnitrace``, then that command's options (after a ``-``), an
-option's choices (``--protocol`` gives ``http/protobuf grpc``), a positional argument's
-choices (``completion`` gives ``bash zsh``), and file names elsewhere (the event logs most
-commands take). zsh runs the same function through ``bashcompinit``.
-
-    eval "$(omnitrace completion bash)"     # in ~/.bashrc
-    eval "$(omnitrace completion zsh)"      # in ~/.zshrc
-"""
+"""``omnitrace completion bash|zsh``: a shell completion script made from the parser itself, so
+it cannot drift from the command line (``eval "$(omnitrace completion bash)"``)."""
 
 from __future__ import annotations
 

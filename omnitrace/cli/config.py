@@ -1,18 +1,5 @@
-"""``omnitrace config``: every setting in force, its value and where it came from.
-
-For the environment the command runs in and the ``--hf-overrides`` it is given (vLLM's
-JSON), it prints the encoder graph settings, the vLLM plugin's ``OMNITRACE_*`` variables and
-the OTLP export (protocol, service name and the endpoint of each signal), each with its
-source: omnitrace's default, the override, ``--enforce-eager`` or the variable that set it.
-The endpoints follow OpenTelemetry's rules: a signal's own variable
-(``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT``) is used as given; else
-``OTEL_EXPORTER_OTLP_ENDPOINT`` is the base, to which http/protobuf adds ``v1/traces`` or
-``v1/metrics``; else the protocol's localhost default.
-
-A value omnitrace would refuse is shown as invalid and said in one error line (exit status
-2); a misspelt override key or ``OMNITRACE_*`` variable is one warning line naming the right
-one. Nothing is started, imported from vLLM or sent anywhere.
-"""
+"""``omnitrace config``: every setting in force (encoder graph keys, the plugin's variables, the
+OTLP export), its value and where it came from; nothing is started or sent."""
 
 from __future__ import annotations
 

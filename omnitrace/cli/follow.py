@@ -1,9 +1,5 @@
-"""Following logs as they grow (``top --follow``, ``replay --follow``) and how a follow stops.
-
-A follow polls every :data:`FOLLOW_POLL_S` until its duration passed, q is typed, Ctrl-C or
-SIGTERM (both set the stop event, :func:`_signal_stops`), a watched process exited or standard
-input closed.
-"""
+"""Following logs as they grow (``top --follow``, ``replay --follow``) and how a follow stops:
+its duration, q, Ctrl-C or SIGTERM, a watched process's exit or standard input's end."""
 
 from __future__ import annotations
 

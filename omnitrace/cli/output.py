@@ -1,8 +1,5 @@
-"""What the commands print: status lines and errors on stderr, results and JSON on stdout.
-
-Status lines quote paths and log text: control characters are shown escaped, never sent to
-the terminal. JSON has no NaN or Infinity: they print as null.
-"""
+"""What the commands print: status lines and errors on stderr, with control characters escaped;
+results and JSON (NaN and Infinity as null) on stdout."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The ``omnitrace`` command's argument parser: each command adds its own, from its module.
-
-Only what ``--help``, ``--version`` and argument errors need is imported here: rich, the sinks
-and torch load inside the commands that use them, so the command line answers at once.
-"""
+"""The ``omnitrace`` command's argument parser: each command adds its own, from its module; it
+imports only what ``--help`` and argument errors need, so the command line answers at once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Small real transformer encoders with MiniCPM-o 4.5's vision and audio input signatures.
-
-Random weights; the geometry is configurable so the same code serves the CPU demo (tiny),
-the GPU tests (small) and the benchmarks (SigLIP so400m and Whisper-medium sizes).
-"""
+"""Small real transformer encoders with MiniCPM-o 4.5's vision and audio input signatures:
+random weights, at sizes from the CPU demo's tiny ones to the benchmarks' SigLIP so400m and
+Whisper-medium."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""``omnitrace demo --ranks N``: one demo process per rank, as a tensor-parallel engine runs.
-
-A served 7B-8B omni model often spans two GPUs (``--tensor-parallel-size 2``): each rank is
-a worker process of its own, with its own adapters, bus and event log. This launcher shows
-what that looks like: it starts ``omnitrace demo`` N times, with ``RANK``, ``LOCAL_RANK``
-and ``WORLD_SIZE`` set as a launcher sets them, each rank writing its own event log (the
-``--events-log`` path with ``{rank}`` and ``{pid}`` filled in, as a real engine's workers
-fill ``OMNITRACE_EVENTS_LOG``), and follows all the logs into one live view: a column per
-rank and their total.
-
-Each rank sends its own traffic (the seed plus its rank), as encoders run data-parallel
-across ranks see their own share of the items. On a machine with CUDA devices each rank
-gets one of its own (``CUDA_VISIBLE_DEVICES``); otherwise every rank runs on the simulated
-backend. The ranks' JSON log lines reach this process's stderr with their rank added, and
-their status lines prefixed with it; Ctrl-C and ``SIGTERM`` are passed on to every rank,
-which each close their bus and log as a single demo does.
-"""
+"""``omnitrace demo --ranks N``: one demo process per rank, as a tensor-parallel engine runs
+them, each with its own traffic and event log, followed into one live view."""
 
 from __future__ import annotations
 

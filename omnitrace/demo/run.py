@@ -1,10 +1,5 @@
-"""Run MiniCPM-o-shaped encoders under graph adapters, with every sink attached.
-
-On a CUDA machine the encoders run in bf16 on the real graph backend; without one they run
-on the CPU under :class:`~omnitrace.testing.SimulatedGraphBackend`, which reproduces the
-admission logic, the events and the sinks but not the speed-up (a simulated "replay" runs
-the forward again).
-"""
+"""Run MiniCPM-o-shaped encoders under graph adapters, with every sink attached: on the real
+graph backend in bf16 on a CUDA machine, else on the CPU under the simulated backend."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""What SIGTERM leaves on the demo's terminal: the live view taken down, the bus's last line.
-
-``EventBus.close_on_signal`` closes the bus on SIGTERM, logs one line saying what was
-delivered, then hands the signal to the handler that was installed before it. The default
-action of SIGTERM ends the process at once, so neither the live view's ``__exit__`` (which
-shows the cursor again and puts ``sys.stderr`` back) nor the view's hand-back of its log lines
-would run: the terminal would be left without a cursor, and the bus's line would be lost with
-the view's log tail. :class:`SigtermExit` is that earlier handler. It takes the view down,
-writes the bus's lines to the terminal the view was drawn on, then ends the process as SIGTERM
-does. While it is installed, the bus's log lines go to standard error as before and, with
-``--log-file``, to that file too, as JSON lines beside the demo's other log lines.
-"""
+"""What SIGTERM leaves on the demo's terminal: the live view taken down, the bus's last line
+(docs/architecture.md, "The demo", says why a handler beneath the bus's is needed)."""
 
 from __future__ import annotations
 

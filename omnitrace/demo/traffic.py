@@ -1,12 +1,5 @@
-"""A seeded, MiniCPM-o-shaped request mix for the demo.
-
-Vision requests are image slices of a few patch grids (448x448 slices of 14-pixel patches
-give up to 32x32 = 1024 tokens; other aspect ratios and thumbnails give fewer), some
-recurring across requests, some seen once. Audio requests are 1-second chunks (100 mel
-frames) and longer clips; a few are streaming calls, which are stateful and always run
-eagerly. Near the end a burst of new shapes arrives, each repeated so it would qualify for
-capture, and runs into the graph cap.
-"""
+"""A seeded, MiniCPM-o-shaped request mix for the demo: recurring and one-off image slices and
+audio clips, a few streaming calls, and a burst of new shapes that runs into the graph cap."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Event logs: the format of a line (:mod:`~omnitrace.eventlog.codec`, its fast path
-:mod:`~omnitrace.eventlog.fast`), the readers and follower (:mod:`~omnitrace.eventlog.reader`),
-the commands' chunked reading (:mod:`~omnitrace.eventlog.chunks`) and the logs a reader is
-given (:mod:`~omnitrace.eventlog.patterns`). This face hands on the readers' names."""
+"""Event logs: the format of a line (``codec``, its fast path ``fast``), the readers and
+follower (``reader``), the commands' chunked reading (``chunks``) and the logs a reader is
+given (``patterns``). This face hands on the readers' names."""
 
 from __future__ import annotations
 

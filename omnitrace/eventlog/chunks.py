@@ -1,15 +1,5 @@
-"""Read recorded event logs for ``omnitrace top``, ``replay`` and ``advise``.
-
-The commands read a log a chunk at a time (:func:`omnitrace.eventlog.read_chunks`), so a
-log of ten million events takes the memory of a chunk, not of the log. On a terminal,
-:class:`ReadProgress` shows how far the reading (and any later phase, such as advise's
-settings) has got: a rich progress bar on stderr, off when stderr is not a terminal or the
-command prints JSON, so it never mixes with the results on stdout.
-
-A path that cannot be read, or a line no reader knows, ends the reading with
-:class:`LogReadError`, whose message is the command's one line of error; so does a set of
-logs without any record.
-"""
+"""Read recorded event logs for ``omnitrace top``, ``replay`` and ``advise``: a chunk at a
+time, with a progress bar on a terminal, and one line of error (:class:`LogReadError`)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,5 @@
-"""The event log format: its schema and codec, shared by the writer and every reader.
-
-One record per line, JSON, with a versioned schema::
-
-    {"v": 2, "type": "GraphCaptured", "pid": 4242, "rank": 0, "adapter": "vision",
-     "signature": {"inputs": [{"dtype": "bfloat16", "shape": [1, 1024, 1152],
-                               "device": "cuda:0"}, null], "stream": 94},
-     "key": "bfloat16[1,1024,1152], None @cuda:0 s=94", ...}
-
-Every line names the writing process (``pid``) and its worker rank, so the logs of several
-workers can be merged and still told apart. Events carry their structured signature; ``key``
-repeats its text form for people reading or grepping the file (readers ignore it in version
-2). Version 1 logs, which had only the text ``key``, are still read: the signature is parsed
-back from the text.
-
-The version counts changes a reader cannot follow (how a signature is written), not
-additions: a field added later with a default (``GraphCaptured.free_bytes``) reads as that
-default from older lines and is ignored by older readers, and a record type added later
-(``ProfilingObserved``) is refused by name by an older reader, whose error says which.
-
-Besides events a log holds ``"type": "AdapterInfo"`` lines (what the bus knew about each
-adapter: its graph cap and memory floor), which :func:`read_records` yields and
-:func:`read_events` skips, and, at the top of a file started by rotation, a
-``"type": "LogSegment"`` line counting the events before it and how many of those rotation
-deleted, which :func:`log_gap` reads.
-
-The writer is :class:`omnitrace.sinks.jsonl.JsonlSink`; this module is the codec both
-sides share (the schema, the records, encoding and decoding one line). The readers are in
-:mod:`omnitrace.eventlog`, which re-exports these names.
-"""
+"""The event log format: its versioned schema and the codec of one line, shared by the writer
+and every reader (docs/architecture.md, "The event log", says what the version counts)."""
 
 from __future__ import annotations
 

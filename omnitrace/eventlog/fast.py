@@ -1,26 +1,5 @@
-"""The fast path of the event-log decoder: the writer's own version-2 lines, checked cheaply.
-
-:func:`omnitrace.eventlog.decode_record` checks every field of every line with the message
-it would give, and rebuilds every signature from its JSON form: right for any line, and
-most of a reader's time on a log of millions of lines. Nearly every line of a real log is
-one the writer wrote, though, and its signatures repeat (one per graph key). This decoder
-takes such a line at a fraction of the cost:
-
-* each field's JSON type is checked exactly (``type(value) is int``: no bool, no float for
-  an int), and a value the reference decoder would convert (an integer or ``null`` time, a
-  schema-1 line, a missing field without default) is not taken: the caller falls back to
-  the reference decoder, which converts it or raises its error for it;
-* a signature is decoded once per distinct JSON text and the same frozen object is handed
-  out again, so readers also share its cached hash;
-* the event is built from its fields positionally, as the adapter builds its hits;
-* :meth:`FastDecoder.lines` takes the raw lines of a chunk: the writer puts what repeats
-  from one line to the next (type, writer, key, adapter, signature) before the call's
-  times, so that head is parsed and checked once per distinct text, and of each line only
-  the rest is parsed.
-
-What it returns is equal to what the reference decoder returns for the same line; it never
-raises for a line's content.
-"""
+"""The fast path of the event-log decoder: the writer's own version-2 lines, checked cheaply,
+with the same result as the reference decoder (docs/architecture.md, "The event log")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""The event logs a reader is given: paths, and patterns it expands itself.
-
-The workers of a tensor-parallel engine each write their own log (``events-{rank}-{pid}
-.jsonl``), so a reader is most often given them all as one pattern: ``omnitrace top
---follow 'events-*.jsonl'``. A shell expands an unquoted pattern; a quoted one reaches
-omnitrace as it is, and is expanded here, in sorted order. A path that exists is never read
-as a pattern, whatever its name holds.
-
-A match that is a rotated file of another match (``events-0.jsonl.1`` beside
-``events-0.jsonl``) is left out: reading a log reads its rotated files. While following,
-:class:`LogSet` looks for new matches about once a second, so a rank that starts late, or a
-worker restarted under a new pid, joins the view.
-"""
+"""The event logs a reader is given: paths, and quoted patterns it expands itself (rotated
+files left out, new matches found while following)."""
 
 from __future__ import annotations
 

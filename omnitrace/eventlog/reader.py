@@ -1,18 +1,5 @@
-"""Event logs read back: whole finished logs a chunk at a time, and logs still written.
-
-The format (schema, records, the codec of one line) is :mod:`omnitrace.eventlog.codec`;
-its names are re-exported here, so readers and the writer import one module. The writer
-is :class:`omnitrace.sinks.jsonl.JsonlSink`; ``omnitrace top``, ``replay`` and ``advise``
-only read, through this module, so they never load a sink.
-
-A finished log is read a chunk (:data:`READ_CHUNK`) at a time, so a reader's memory does
-not grow with the log: :func:`read_records` and :func:`read_events` yield as they read.
-Lines are cut from the chunks in time linear in the bytes, and a line longer than
-:data:`MAX_LINE` is skipped as unreadable as it is read, never held whole. A log still
-written is read by :class:`EventLogFollower`, at most :data:`POLL_BYTES` a poll.
-Nearly every line is decoded by the fast path (:mod:`omnitrace.eventlog.fast`); any line it
-does not take goes through :func:`decode_record`, which converts it or says what is wrong.
-"""
+"""Event logs read back: whole finished logs a chunk at a time, in memory that does not grow
+with the log, and logs still written."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Graph adapters: admission policy, pools and backends around an encoder forward.
-
-The names below load on first access (PEP 562): the admission policy is pure Python, and
-``omnitrace advise`` replays it without loading torch.
-"""
+"""Graph adapters: admission policy, pools and backends around an encoder forward; the names
+load on first access, so the pure-Python admission policy is usable without torch."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""The exact-shape encoder graph adapter.
-
-One call reads: check eligibility (``eligibility.py``), look the key up, replay; or admit
-(``admission.py``) and capture, or run eagerly. Every decision is an event, folded into the
-adapter's own stats and put on the bus. Opt-in variants, all off by default:
-
-* ``compile``: the captured forward is ``torch.compile(forward)`` (``compiling.py``);
-  eager misses still run the plain forward.
-* ``background_capture``: the call that admits a key hands a copy of its inputs to this
-  adapter's preparation thread (``preparation.py``) and runs eagerly; the next call of the
-  key, once it is prepared, captures it without the slow warm-up. Until then calls of that
-  key are ``warmup`` misses with detail ``preparing``.
-* ``device_timing``: CUDA events around eager and replayed calls, resolved off the call path
-  (``timing.py``) into DeviceTimed events.
-"""
+"""The exact-shape encoder graph adapter: key a call, replay its graph, or admit and capture
+it, or run it eagerly, with every decision an event (docs/architecture.md, "One encoder
+call", walks through it)."""
 
 from __future__ import annotations
 

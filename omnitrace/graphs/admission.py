@@ -1,18 +1,5 @@
-"""Admission policy: which call of an uncaptured key gets a graph.
-
-Pure bookkeeping with no torch and no clock, so it can be checked exhaustively against a
-reference model of the rules:
-
-* an encoder holds at most ``max_graphs`` graphs; they are never evicted or replaced, so once
-  the cache is full every call of an uncaptured key is a capacity miss (its first call too);
-* a key is captured on its ``min_capture_calls``-th call; fewer calls are warm-up misses;
-* the call history holds at most ``4 * max_graphs`` keys; the least recently called key
-  leaves first and, if it comes back, counts its calls from zero again;
-* before a capture, device-free memory below ``min_free_bytes`` defers it (a memory miss);
-  the key keeps its count, so the next call tries again;
-* with a ``pool_budget_bytes``, once the graphs took that much at capture the cache is full
-  as well (a capacity miss whose decision says ``budget``).
-"""
+"""Exact-shape admission: which call of an uncaptured key gets a graph, and when (pure
+bookkeeping, no torch, no clock; the rules are in docs/architecture.md, "The graph adapter")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Capturing one key's graph for an adapter, keeping it and reporting it.
-
-The adapter decides (eligibility, admission) and, with its lock held, hands a key that is
-due for a graph to its :class:`Capturer`: this picks the key's pool and capture stream
-(``pools.py``), asks the backend for the capture under the process-wide capture lock (and
-torch.compile's, with a compiled forward), keeps the graph in the table the call path looks
-hits up in, and emits ``GraphCaptured`` with the capture's host time, memory and pool. A
-capture that raises goes to the adapter's failure contract (``CaptureFailed``, terminal) and
-propagates untouched.
-"""
+"""Capturing one key's graph for an adapter: its pool and capture stream, the backend's capture
+under the capture lock, the graph kept for hits, and ``GraphCaptured`` or the failure."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""torch.compile around captured forwards: the compiled forward, and the lock its tracing needs.
-
-With ``compile`` on, an adapter captures its graphs from ``torch.compile(forward)``
-(inductor's fused kernels); eager misses still run the plain forward. The compiled forward is
-made once per adapter, on first use.
-"""
+"""torch.compile around captured forwards: the compiled forward, made once per adapter, and
+the lock its tracing needs."""
 
 from __future__ import annotations
 

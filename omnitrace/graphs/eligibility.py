@@ -1,26 +1,5 @@
-"""Eligibility: can this call be graphed at all, and what is its key?
-
-Beside admission (``admission.py``, which decides *when* an eligible key is captured), this
-module decides *whether* a call can use a graph. :func:`examine` reads the inputs once into a
-:class:`Call` (the key's parts); :func:`ineligible_detail` names the reason a call must run
-eagerly, or returns None. The checks, in order:
-
-``disabled``       graphs switched off (``encoder_cuda_graph: false``, enforce-eager)
-``no_tensors``     no tensor input to key on
-``mixed_devices``  inputs on several devices
-``<device type>``  inputs on a device the backend cannot graph (``cpu``)
-``layout``         a sparse or other non-strided input
-``grad``           autograd is recording
-``autocast``       autocast is on for the device (it would bake casts into the graph)
-``capturing``      the current stream is already capturing a graph
-
-The first five depend on the inputs only, the last three on the process's state
-(:func:`state_detail`). A key holds every input's shape, dtype, device and layout, so a key
-that has a graph was captured from inputs that passed the first five: the hit path (a
-:func:`call_key` found among the graphs) only needs :func:`state_detail`.
-
-No events and no locks here: the adapter reports what these functions decide.
-"""
+"""Eligibility: can this call be graphed at all, and what is its key? (The checks and their
+order: docs/architecture.md, "The graph adapter".)"""
 
 from __future__ import annotations
 

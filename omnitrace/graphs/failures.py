@@ -1,11 +1,5 @@
-"""What a failed capture reports: a bounded message without tensor values, and the refusal.
-
-A capture (or background preparation) that raises makes its adapter terminal. The message
-goes to events, logs and spans, so it is cut to one bounded line and stripped of the tensor
-values a forward's exception may carry; the exception itself propagates untouched. Every
-later call is refused with :class:`~omnitrace.errors.EncoderGraphFailedError`, chained to
-the original error.
-"""
+"""What a failed capture reports: a bounded message without tensor values, and the refusal of
+every later call, chained to the original error."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Sharing the GIL between a compiling preparation and the calls that serve requests.
-
-Compiling (dynamo, AOTAutograd, inductor's lowering) is Python and holds the GIL. An encoder
-call that runs eagerly drops the GIL at every operator it dispatches and takes it back after,
-so while a compile runs on another thread it waits for the GIL hundreds of times per call, up
-to a switch interval each time: the request stalls behind the compile.
-
-Two measures, both only while a compiling preparation runs:
-
-* :class:`SwitchInterval` shortens the interpreter's switch interval, so each wait is short.
-* :class:`CompileYield` makes the compiling thread step aside: it pauses, at the start of
-  one of its Python calls, while any eager encoder call is in flight (from
-  :meth:`CompileYield.begin` to :meth:`CompileYield.end`). So the compile
-  progresses between requests rather than inside them. A pause lasts at most
-  ``max_pause_s``; after one that long the compile runs for ``slice_s`` before it pauses
-  again, so it still finishes under a stream of eager calls with no gap.
-
-No events and no I/O here; the adapter reads :meth:`CompileYield.statistics` into its log.
-"""
+"""Sharing the GIL between a compiling preparation and the calls that serve requests: a short
+switch interval, and a compile that steps aside while an eager call is in flight
+(docs/architecture.md, "The graph adapter", says why)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What an adapter lends the parts that work for it: its name, lock, event path and state.
-
-The capture (``capture.py``) and the background preparation (``preparation.py``) report
-through their adapter and never import it: the adapter hands each one its
-:class:`AdapterHooks`.
-"""
+"""What an adapter lends the parts that work for it (its name, lock, event path and state), so
+the capture and the preparation report through it without importing it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Graph memory pools and capture streams, per adapter, device and replay stream.
-
-With sharing on, every graph an adapter captures on one device for one replay stream goes
-into one pool through one capture stream: graphs of one replay stream never run at the same
-time, so their transient capture allocations can reuse the same memory. Different adapters
-and different replay streams could overlap in time, so they never share. With sharing off,
-every graph gets a pool and capture stream of its own (the A/B comparison).
-"""
+"""Graph memory pools and capture streams, per adapter, device and replay stream (or one per
+graph when sharing is off)."""
 
 from __future__ import annotations
 

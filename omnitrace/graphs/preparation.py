@@ -1,21 +1,5 @@
-"""Background preparation: an adapter's thread that warms up (and compiles) admitted keys.
-
-With ``background_capture``, the call that admits a key hands a copy of its inputs to its
-adapter's :class:`Preparation` and runs eagerly; the preparation thread warms the key up (and
-compiles it) on a side stream, never capturing, and marks the key ready. The next call of the
-key captures it on its own thread, without the warm-up (eager forward) or with one quick
-compiled call (compiled forward), and is served by the graph. Until then calls of that key are
-``warmup`` misses with detail ``preparing``. The stream capture itself stays on the calling
-thread because it cannot run beside other threads' CUDA-graph recordings or device
-synchronisations (``cudaErrorStreamCaptureUnsupported`` in whichever thread hits it). A failed
-preparation makes the adapter terminal like a failed capture; the next call raises, chained to
-the original error.
-
-The preparation keeps the keys in flight (``preparing``), those ready for capture (``ready``)
-and those whose call found the capture lock taken (``wanted``); the adapter reads and updates
-them under its own lock, which it lends the preparation. The thread starts on the first
-submitted job and stops on :meth:`Preparation.stop`.
-"""
+"""Background preparation: an adapter's thread that warms up (and compiles) admitted keys on a
+side stream, so that their next call captures without the slow part."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Device time of encoder calls, measured without stalling the call path.
-
-With ``device_timing`` on, the adapter asks its backend's clock for a marker before and after
-each eager or replayed call (for CUDA: an event recorded on the call's stream, no host
-synchronisation) and hands the pair to a :class:`DeviceTimer`. A daemon thread polls the
-pending pairs, and once the device has passed the second marker reads the elapsed time and
-emits a :class:`~omnitrace.events.DeviceTimed` event. Nothing on the call path waits for the
-device: the cost there is two marker records and a deque append.
-
-Markers are reused: a resolved pair goes back to the clock's free list. An adapter holds one
-timer per device (:class:`DeviceTimers`).
-"""
+"""Device time of encoder calls, measured without stalling the call path: marker pairs on the
+call's stream, resolved by a daemon thread into ``DeviceTimed`` events."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""What every model integration shares: its registry record, config, routing and attaching.
-
-A model integration (omnitrace's own, such as ``omnitrace.integrations.minicpmo``, or a
-third party's) holds only knowledge of its model: which encoder stack a graph can serve,
-where the eager boundary lies, and which calls must stay eager. It publishes a
-:class:`ModelIntegration` as its module's ``INTEGRATION`` (a third party's also under the
-``omnitrace.models`` entry-point group; see :mod:`omnitrace.integrations.registry`) and
-builds on the helpers here:
-
-* :func:`config_from_model`: the ``encoder_cuda_graph*`` keys from the model's hf config
-  (or vLLM's ``model_config.hf_config``) and vLLM's ``enforce_eager``;
-* :class:`Adapters`: the model's config, bus and backend choice, which makes an
-  :class:`~omnitrace.graphs.adapter.EncoderCudaGraph` per encoder and stores it on the
-  model (idempotently);
-* :func:`route_method`: serve a module's or model's method through a wrapper bound on that
-  instance only (the class, shared with every other instance, stays untouched);
-* :func:`record_ineligible`: count a call the model runs eagerly before reaching its
-  adapter, so stats and event logs still cover every encoder call;
-* :func:`warn_unsupported`: say which part of a model runs without graphs, and why;
-* :func:`code_names` and :func:`code_strings`: what a function's code reads, to recognise
-  the vLLM method an integration reproduces or routes;
-* :data:`attach_lock`: held while attaching, so two threads never attach twice.
-"""
+"""What every model integration shares: its registry record (``ModelIntegration``), the config
+from the model, adapters per encoder, routing a method on one instance, recording fallbacks
+(docs/vllm.md, "Adding a model")."""
 
 from __future__ import annotations
 

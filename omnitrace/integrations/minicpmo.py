@@ -1,37 +1,6 @@
-"""Attach encoder graph adapters to a loaded MiniCPM-o 4.5 model.
-
-Two adapters, named as the design note names them:
-
-* vision, on ``model.vpm._encoder_graph``. Where the model's ``get_vision_hidden_states`` is
-  vLLM's MiniCPM-V 2.5+ method (MiniCPM-o 4.5 in vLLM), the adapter serves the whole vision
-  path as one graph per ``(slices, longest slice)`` shape: patch embedding, the SigLIP
-  encoder, the post-layernorm and the resampler, with everything that depends on the slices'
-  sizes prepared once per size tuple (:mod:`omnitrace.integrations.minicpmo_vision`, which
-  also says how each capture is checked against vLLM's own method). Elsewhere (another
-  model class, a tower without vLLM's resampler) it serves the SigLIP encoder stack alone,
-  ``(hidden, attention_mask) -> hidden``: :func:`instrument` routes ``model.vpm.encoder``
-  through it, so vLLM's own ``vpm.forward`` runs unchanged around the graph. The graph key is
-  the padded pixel batch and the prepared tensors' shapes, or the embedded sequence and its
-  mask, never the variable-size image.
-* audio, on ``model._audio_encoder_graph``: the stateless Whisper encoder, the audio
-  projection and the average pooling, ``(mel, attention_mask) -> embeddings``.
-  :func:`encode_audio` calls it, and :func:`instrument` binds a wrapper over the model's own
-  batch audio method (vLLM's ``get_audio_hidden_states``, found by
-  :func:`audio_batch_method`) that pads the features and builds the mask eagerly exactly as
-  vLLM does, runs apm + projection + pooling through :func:`encode_audio` (one graph call per
-  batch, keyed by the padded shape), then slices and concatenates per audio item eagerly.
-
-Eager fallbacks stay eager and are recorded as ineligible misses without touching the graph:
-training mode, extra arguments to the vision encoder (attention or hidden-state outputs
-requested), data-parallel vision sharding, video slices with temporal ids, fp16 audio
-(the Whisper layers check for fp16 overflow on the host, which a graph cannot do), and the
-stateful streaming audio path (:func:`encode_audio_streaming`), which never calls the graph,
-and batch audio calls whose arguments the wrapper does not recognise (run by the original
-method). CPU, grad and autocast are handled by the adapter itself.
-
-Configuration comes from the model's hf config (the ``--hf-overrides`` keys land there as
-attributes) and from vLLM's ``enforce_eager``, which always disables the graphs.
-"""
+"""Attach encoder graph adapters to a loaded MiniCPM-o 4.5 model: the whole vision path (or the
+SigLIP stack alone) and the batch audio path, each fallback recorded as an ineligible miss
+(docs/vllm.md, "MiniCPM-o 4.5", says what each graph holds and why)."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
-"""MiniCPM-o's whole vision path in one graph: patch embedding, SigLIP, post-norm, resampler.
-
-vLLM's ``get_vision_hidden_states(data)`` of MiniCPM-V 4.5 (and MiniCPM-o 4.5, which inherits
-it) pads the slices into one ``(B, 3, 14, L)`` batch, builds the patch mask, runs the
-embeddings (whose position ids it computes per slice on the host, syncing with the device),
-the encoder, the post-layernorm, and the resampler (which reads ``tgt_sizes`` on the host
-per slice). Everything that depends on the slices' ``tgt_sizes`` is small and is a function
-of those sizes alone, so it is computed here once per size tuple and cached on the device:
-the position ids, the additive attention mask, the resampler's positional-table indices and
-its key padding mask. What remains is static for a given ``(B, L)`` and is what the adapter
-serves as one graph::
-
-    forward(pixels, position_ids, attention_mask, pos_index, key_padding_mask) -> (B, Q, D)
-
-Both vLLM rules that differ between releases are followed as the loaded model states them:
-the position ids come from ``embeddings.get_position_ids`` where it exists (vLLM 0.33) and
-from the per-slice computation of 0.26's ``embeddings.forward`` otherwise; the attention mask
-is left out when no slice is padded only where ``vpm.forward`` does so (0.26).
-
-Every graph is checked against vLLM's own ``get_vision_hidden_states`` on the call that
-captured it (one extra eager run per captured shape, bounded by ``max_graphs``). A result
-that differs turns this path off for the model: one warning, and every later call runs vLLM's
-method (``ineligible``, detail ``diverged``); the call that found it returns vLLM's result.
-Calls this path does not cover run vLLM's method too, counted as ``ineligible``: video
-slices with temporal ids (``temporal``), data-parallel vision (``data_parallel``), training
-(``training``), a slice larger than the positional table the graphs hold (``pos_cache``; see
-:class:`PositionTable`), and arguments it does not recognise (``arguments``).
-"""
+"""MiniCPM-o's whole vision path in one graph (patch embedding, SigLIP, post-norm, resampler),
+what depends on the slices' sizes prepared once per size tuple, each capture checked against
+vLLM's own method (docs/vllm.md, "MiniCPM-o 4.5")."""
 
 from __future__ import annotations
 

@@ -1,33 +1,6 @@
-"""omnitrace's masked audio attention for Qwen2.5-Omni's audio tower, and its binding.
-
-With ``encoder_cuda_graph_audio_attention: "masked"``, the Qwen2.5-Omni integration
-(``qwen2_5_omni.py``) graphs the audio tower's calls under ``sdpa`` or ``eager`` attention
-too, which split by ``lengths.tolist()`` on the host, with an attention omnitrace owns
-(:func:`masked_audio_attention`): one
-``scaled_dot_product_attention`` over the whole packed sequence, with a block-diagonal
-boolean mask made on the device from ``cu_seqlens`` (each position's chunk by
-``searchsorted``), so nothing in the graphed forward reads a value on the host. It goes
-through transformers' own dispatch: the function is registered in the tower module's
-``ALL_ATTENTION_FUNCTIONS`` under :data:`MASKED_AUDIO_ATTENTION` (a new name; no
-existing entry and no class is changed), and while the adapter's forward runs, and only
-then, the configs of this tower's attention layers name it as their
-``_attn_implementation`` (restored after the last call in flight leaves). The name
-contains ``flash`` because transformers passes ``cu_seqlens`` to the attention function,
-instead of looping, only for implementations it takes for flash attention; the forward
-is given ``max_seqlen`` (the longest chunk, read off the padded chunks' shape), which the
-function ignores, so transformers never computes it with ``.item()``. The key is as for
-the native route without flash attention (no bound). The result is not bitwise the
-per-chunk loop's (masked positions leave the summation order of a row changed), hence
-opt-in: measured on CPU, float32 within 6e-7 and bfloat16 within 1/128 of it. Every
-call the adapter serves, replayed or eager (warm-up, capacity and every other adapter
-miss run the same forward), uses the masked attention, so hits and misses agree
-bitwise; calls the adapter never serves (``arguments``, ``training``) run the tower's
-own forward, native. A tower already on flash attention keeps it. Where the tower's
-module has no ``ALL_ATTENTION_FUNCTIONS`` or the tower has no attention layer of that
-class, the option is not applied; one log line says so. The mask is ``n * n`` booleans
-for ``n`` positions after the convolutions (1,500 for 30 s of audio) and the attention
-does ``n * n`` work where the loop did the sum of the chunks' squares.
-"""
+"""omnitrace's masked audio attention for Qwen2.5-Omni's audio tower (one SDPA with a
+block-diagonal mask made on the device), and its binding into transformers' dispatch
+(docs/vllm.md, "Qwen2.5-Omni", says how and why it is opt-in)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""Find the model integration for a loaded model: detector, then instrument.
-
-A model integration is a :class:`~omnitrace.integrations.base.ModelIntegration` published as
-a module-level ``INTEGRATION``. omnitrace's own are the modules of this package that assign
-one (:func:`builtin_entry_points` finds them from their source, so adding a model is adding
-its module); another package adds a model without changing omnitrace, as an entry point of
-the ``omnitrace.models`` group in its own metadata::
-
-    [project.entry-points."omnitrace.models"]
-    mymodel = "mypackage.mymodel:INTEGRATION"
-
-The vLLM plugin asks :func:`find_integration` for every model vLLM loads; the first
-integration (by name: an in-tree module's name, another package's entry-point name) whose
-detector accepts the model instruments it. An in-tree module counts as the entry point that
-would declare it (``minicpmo = omnitrace.integrations.minicpmo:INTEGRATION``), so an
-installed distribution that still declares it loads it once.
-
-Entry points are read from the installed metadata: after adding one to a package's
-metadata, reinstall that package so the environment sees it.
-"""
+"""Find the model integration for a loaded model among omnitrace's own modules and the
+``omnitrace.models`` entry-point group: the first, in name order, whose detector accepts it
+(docs/vllm.md, "Adding a model")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Make omnitrace's log lines visible in a vLLM process, next to vLLM's own.
-
-vLLM configures the ``vllm`` logger only; a library's ``logging.getLogger(__name__)`` lines
-at INFO reach no handler there, so the plugin's "encoder graphs attached" line, its
-profiling notices and its one-line configuration errors would never be seen in ``vllm
-serve``. :func:`show_plugin_logs` gives the ``omnitrace`` logger a handler on the stream of
-vLLM's own handler and with vLLM's formatter, so omnitrace's lines look like vLLM's and land
-in the same place (a worker's ``(Worker pid=...)`` prefix included).
-
-It changes nothing where the host configured logging itself: with
-``VLLM_CONFIGURE_LOGGING=0``, when the root logger has handlers, or when the ``omnitrace``
-logger already has one.
-"""
+"""Make omnitrace's log lines visible in a vLLM process, next to vLLM's own and in its format,
+unless the host configured logging itself (docs/vllm.md, "Environment")."""
 
 from __future__ import annotations
 

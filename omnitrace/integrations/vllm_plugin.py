@@ -1,56 +1,6 @@
-"""vLLM general plugin: encoder graphs and telemetry for omni models in ``vllm serve``.
-
-Installed with omnitrace's ``vllm`` extra (``pip install '.[vllm]'`` from a checkout), the
-``vllm.general_plugins`` entry point ``omnitrace = omnitrace.integrations.vllm_plugin:register``
-makes vLLM call :func:`register` in every process it starts. ``register`` wraps vLLM's model
-loader so that every loaded model is offered to the model integrations
-(:mod:`omnitrace.integrations.registry`: omnitrace's own modules and the ``omnitrace.models``
-entry-point group): the first whose detector accepts it attaches its adapters (omnitrace's
-own models are listed in ``docs/vllm.md``). vLLM itself is not edited.
-
-Each worker process gets one event bus of its own (created on first use in that process,
-so a forked worker never shares its parent's). ``OMNITRACE_PLUGIN=0`` keeps the plugin
-installed but inert; the sinks come from the environment, as the table of
-:mod:`omnitrace.sinks.registry` maps its variables:
-
-``OMNITRACE_EVENTS_LOG=path``
-    a JSONL event log (``omnitrace.sinks.jsonl.JsonlSink``); ``{pid}`` and ``{rank}`` in
-    the path are filled in per worker, and every line carries the pid and rank.
-``OMNITRACE_OTLP=1``
-    OpenTelemetry spans and metrics (``omnitrace.sinks.otel``), with the worker's pid and
-    rank as resource attributes. Everything else comes from OpenTelemetry's own variables:
-    ``OTEL_SERVICE_NAME`` (default ``omnitrace``), ``OTEL_RESOURCE_ATTRIBUTES``,
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``_PROTOCOL``, ``OTEL_METRIC_EXPORT_INTERVAL``.
-``OMNITRACE_REQUESTS=0``
-    leaves out the per-request timing (:mod:`omnitrace.integrations.vllm_requests`: one
-    ``RequestTimed`` per request at its first token, one ``EncoderBatchRan`` per encoder
-    step), which is on by default.
-``OMNITRACE_LOGS=1``
-    structlog JSON lines (``omnitrace.sinks.logs``) with a ``graph_summary`` line per
-    encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and when the worker stops.
-
-vLLM's shutdown often kills a worker before the interpreter's exit handlers run, so the plugin
-closes the adapters and the bus of each model process first thing in vLLM's own shutdown of
-that process, and holds vLLM's process-manager kill until they are closed, for a few seconds
-at most (:mod:`omnitrace.integrations.vllm_shutdown`; ``docs/vllm.md`` says what survives
-which way of stopping the server).
-
-The plugin's own lines (the worker's "encoder graphs attached" line, profiling notices, and
-one ERROR line naming an invalid ``encoder_cuda_graph_*`` override before the worker stops)
-are printed beside vLLM's, in its format (:mod:`omnitrace.integrations.vllm_logging`).
-
-Once a model has adapters, the plugin also wraps vLLM's start-up profiling run,
-``profile_run`` of both model runners: V1's ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
-and V2's ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (vLLM 0.26's default; the CPU
-runners inherit one or the other). While it runs, every adapter attached in the process is in
-the ``profiling`` phase, so its events say so, and with ``encoder_cuda_graph_skip_profiling``
-its dummy maximum-size calls stay eager and out of the admission history and the graph slots.
-After each run the plugin emits a ``ProfilingObserved`` event per attached adapter (how many
-calls of that encoder the run made) and, the first time a run calls no encoder at all in a
-worker, logs one line saying so: V2's run profiles the language model alone, so the encoders'
-graphs are first captured while serving, after the KV cache took its memory. Where a vLLM has
-neither runner the plugin logs it once and those calls are tagged ``serving``.
-"""
+"""vLLM general plugin: encoder graphs and telemetry for omni models in ``vllm serve``, with a
+bus per worker, sinks from the environment and the start-up profiling run tagged
+(docs/vllm.md says what it hooks and why)."""
 
 from __future__ import annotations
 

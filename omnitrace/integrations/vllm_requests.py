@@ -1,32 +1,6 @@
-"""Per-request timestamps inside vLLM: where each request's time goes up to its first token.
-
-The vLLM plugin installs these hooks (``OMNITRACE_REQUESTS=0`` leaves them out;
-:func:`set_request_timing` switches them off and on at run time, in this process). Each wraps
-one of vLLM's methods, takes a timestamp (``time.monotonic_ns()``, one clock for every
-process of a host) and calls the original with its arguments unchanged, so outputs and
-scheduling stay vLLM's own. Where a hook point is not there (another vLLM release), that
-hook is left out and logged once; nothing raises into vLLM.
-
-In the API server (vLLM 0.26; docs/vllm.md lists the points and where 0.33 differs):
-
-* ``vllm/entrypoints/openai/api_server.py::build_app`` (0.33:
-  ``vllm/entrypoints/launchers/app.py``, called from ``launchers/api_server/entry.py``): an
-  ASGI middleware stamps the arrival of each HTTP request and reads its ``traceparent``;
-* ``vllm/renderers/base.py::BaseRenderer.render_chat_async``: the renderer starts;
-* ``BaseRenderer.process_for_engine_async``: the model's multimodal processor starts and
-  ends, and the request's media are counted;
-* ``vllm/v1/engine/async_llm.py::AsyncLLM.add_request``: the request gets its engine id;
-* ``vllm/v1/engine/output_processor.py::OutputProcessor._update_stats_from_output``: its
-  first token arrives; vLLM's own request stats give the engine core's QUEUED, SCHEDULED and
-  first-token timestamps. One :class:`~omnitrace.events.RequestTimed` is emitted.
-
-In the worker:
-
-* V1 runner ``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._execute_mm_encoder`` and
-  V2's ``vllm/v1/worker/gpu/mm/encoder_runner.py::EncoderRunner.prepare_mm_inputs`` /
-  ``execute_mm_encoder``: one encoder step, the requests whose items it encodes and their
-  tokens; one :class:`~omnitrace.events.EncoderBatchRan` is emitted after it.
-"""
+"""Per-request timestamps inside vLLM: hooks around vLLM's methods that stamp each request on
+its way to the first token, leaving vLLM's outputs and scheduling unchanged (docs/vllm.md,
+"Where each request's time goes", lists the hook points)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
-"""Flush the workers' buses on vLLM's own shutdown paths, before anything kills them.
-
-A worker's bus is otherwise closed by the interpreter's exit handlers, which vLLM's
-shutdown often never reaches: with ``--shutdown-timeout 0`` (the default) the API server's
-process manager sends the engine core SIGTERM and, at once, SIGKILLs its process tree
-(``vllm.v1.utils.shutdown`` → ``kill_process_tree``); a worker started by ``fork`` leaves
-through ``os._exit``, which runs no exit handler at all. Two hooks close the bus earlier:
-
-* **In the process that runs the model** (:func:`hook_model_process`): the engine core's
-  ``EngineCoreProc.shutdown`` (the model in the engine core's own process) and the
-  multiprocess executor's ``WorkerProc.shutdown`` (one process per worker) close the
-  adapters and the bus first, within :data:`CLOSE_S`, then run vLLM's teardown. vLLM calls
-  both from a ``finally`` block on every way out of its busy loop: a SIGTERM or SIGINT to
-  that process, the parent's exit ("Parent process exited, terminating worker queues"), an
-  error. A process stopped by SIGKILL before that point loses what was not written yet.
-* **In the process that kills them** (:func:`hook_process_manager`): before vLLM's
-  ``kill_process_tree`` SIGKILLs an engine core and its workers, it waits until every
-  model process of this server has closed its bus (or exited), for at most
-  :data:`KILL_DELAY_S`. The model processes say so through a directory the first process
-  that loads the plugin makes (named by :data:`ENV_SHUTDOWN_DIR`, inherited by every child):
-  a file per pid while its bus is open, removed once it closed. A server none of whose
-  children opened a bus kills as at once as before.
-
-Nothing here runs on an encoder call.
-"""
+"""Flush the workers' buses on vLLM's own shutdown paths, before anything kills them; nothing
+here runs on an encoder call (docs/vllm.md, "Stopping the server", says why and how)."""
 
 from __future__ import annotations
 

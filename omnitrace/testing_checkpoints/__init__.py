@@ -1,23 +1,6 @@
-"""Write tiny, complete model directories that a real vLLM engine loads offline.
-
-For tests and benchmarks that start an engine (``vllm.LLM`` or ``vllm serve``) without a
-model hub: everything a checkpoint directory holds except weights, which the engine makes
-itself with ``load_format="dummy"``. The weights are random, so the text an engine generates
-is meaningless; the encoders still run on real inputs, which forward hooks and omnitrace's
-events prove.
-
-- :func:`write_qwen2_5_omni` (:mod:`.qwen2_5_omni`): a Qwen2.5-Omni thinker, from
-  transformers' own config and processor classes;
-- :func:`write_minicpmo` (:mod:`.minicpmo`): a MiniCPM-o 4.5, whose config class, image
-  processor and tokenizer are omnitrace's own remote code (:mod:`.minicpmo_remote`), loaded
-  with ``trust_remote_code=True``.
-
-Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
-``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
-does not depend on them.
-
-From a shell: ``python -m omnitrace.testing_checkpoints {qwen2_5_omni,minicpmo} DIR``.
-"""
+"""Write tiny, complete model directories (no weights) that a real vLLM engine loads offline,
+for tests and benchmarks: ``python -m omnitrace.testing_checkpoints {qwen2_5_omni,minicpmo}
+DIR`` (docs/vllm.md, "A real engine as the test bed")."""
 
 from __future__ import annotations
 

@@ -1,33 +1,6 @@
-"""A tiny MiniCPM-o 4.5 directory that vLLM 0.26 serves as ``MiniCPMO`` (``MiniCPMO4_5``).
-
-Neither transformers 5.17 nor vLLM knows the model type ``minicpmo``, so the directory
-carries its own remote code, registered through ``auto_map`` and loaded with
-``trust_remote_code=True``: the three modules of
-:mod:`omnitrace.testing_checkpoints.minicpmo_remote` (config class, image processor,
-tokenizer), which omnitrace writes itself from the interface vLLM calls. vLLM's own model code
-and its vendored processor wrapper (``vllm.transformers_utils.processors.minicpmo``, named by
-``processor_class``) run unmodified around them.
-
-:func:`write_minicpmo` writes:
-
-- ``config.json``: a Qwen3 language model, a SigLIP vision config (patch 14, a 70x70 position
-  grid as the 980 px so400m tower has, 448 px slices), a Whisper audio config (80 mel bins,
-  1500 positions: 30 s), ``query_num`` 64, ``audio_pool_step`` 5, ``audio_chunk_length`` 1 s
-  and ``version`` "4.5"; head dims of 64 everywhere the attention kernels need them, a text
-  hidden size that is a multiple of 128 (vLLM gives the resampler ``hidden // 128`` heads),
-  an audio feed-forward four times its width (vLLM's projection reads ``encoder_ffn_dim // 4``
-  features from the Whisper encoder's output), and ``vocab_size`` the tokenizer's length
-  padded to a multiple of 64;
-- a byte-level BPE tokenizer trained here on a fixed corpus, holding the markers the
-  processor finds spans by (``<image>``, ``<slice>``, ``<image_id>``, ``<audio>``, ``<spk>``,
-  their closing tokens, and ``<unk>``, the token every embedding position holds), with a chat
-  template that takes string content (vLLM then puts its ``(<image>./</image>)`` and
-  ``(<audio>./</audio>)`` placeholders in the text);
-- ``processor_config.json``: the image processor (up to 9 slices) and a Whisper feature
-  extractor at 16 kHz with 80 mel bins and 30 s windows.
-
-Writing is deterministic (same arguments, same bytes).
-"""
+"""A tiny MiniCPM-o 4.5 directory that vLLM 0.26 serves as ``MiniCPMO`` (``MiniCPMO4_5``), with
+omnitrace's own remote code for the model type neither transformers nor vLLM knows
+(docs/vllm.md, "A tiny MiniCPM-o 4.5 for the engine tests", says what each file holds)."""
 
 from __future__ import annotations
 

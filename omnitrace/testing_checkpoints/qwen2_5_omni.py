@@ -1,23 +1,5 @@
-"""A tiny Qwen2.5-Omni directory (the thinker is what vLLM serves).
-
-:func:`write_qwen2_5_omni` writes:
-
-- ``config.json`` from transformers' own config classes, at tiny sizes that vLLM 0.26
-  accepts: head dims of 64 (FlashAttention and SDPA both take them), an ``mrope_section``
-  summing to half the text head dim, vision ``out_hidden_size`` and audio ``output_dim``
-  equal to the text hidden size, ``fullatt_block_indexes`` naming existing blocks, 128 mel
-  bins (the Whisper feature extractor's size), and ``vocab_size`` equal to the tokenizer's
-  length padded to a multiple of 64, with every multimodal token id taken from the tokenizer;
-- a byte-level BPE tokenizer trained here with ``tokenizers`` on a fixed corpus, holding
-  every special token the processor and the chat template use;
-- the processor's configs (Qwen2-VL image and video processors, Whisper feature extractor at
-  16 kHz) and a chat template that places an image, a video or an audio clip where a message
-  part asks for one.
-
-Writing is deterministic (same arguments, same bytes) and takes about a second. It needs
-``transformers`` (5.x) and ``tokenizers``, which an engine's environment has; omnitrace itself
-does not depend on them.
-"""
+"""A tiny Qwen2.5-Omni directory (the thinker is what vLLM serves): transformers' own config
+and processor classes at sizes vLLM accepts, and a tokenizer trained here."""
 
 from __future__ import annotations
 

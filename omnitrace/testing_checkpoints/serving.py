@@ -1,9 +1,5 @@
-"""Start ``vllm serve`` on a written checkpoint and give it media, for tests and benchmarks.
-
-What the engine tests and the end-to-end benchmark both need, once: a free loopback port,
-the ``vllm`` command of the running environment, the ``vllm serve`` command line for a
-checkpoint, and images and clips as the data URLs an OpenAI client sends.
-"""
+"""Start ``vllm serve`` on a written checkpoint and give it media, for tests and benchmarks: a
+free port, the ``vllm`` command line, and images and clips as data URLs."""
 
 from __future__ import annotations
 

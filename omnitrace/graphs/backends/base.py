@@ -1,23 +1,6 @@
-"""The contract between the adapter and a graph backend, and the capture discipline they share.
-
-A captured graph must own every device buffer it touches for as long as it lives. Three kinds
-of memory are involved in a capture:
-
-* static inputs and outputs: ordinary allocations made on the replay stream outside capture,
-  held by the graph object (:class:`StaticBuffers`);
-* transient allocations made during capture: they come from the graph's memory pool, which
-  stays reserved while any graph captured into it lives;
-* per-stream library state allocated lazily on first use: cuBLAS (and cuBLASLt) give every
-  (handle, stream) pair a workspace the first time a GEMM runs on that stream. Allocated
-  outside capture, the workspace is an ordinary allocation that the graph would keep
-  pointing at without owning it: ``torch._C._cuda_clearCublasWorkspaces()`` (which
-  torch.compile's CUDA-graph trees call around every recording) frees it, ``empty_cache``
-  hands it back to the driver, and the next replay reads unmapped or foreign memory.
-
-So no eager work ever runs on a capture stream (:func:`capture_ordering`): the warm-up runs
-on the replay stream, and the first GEMM on the capture stream happens inside a capture,
-where its workspace is allocated from the graph's own pool.
-"""
+"""The contract between the adapter and a graph backend, and the capture discipline they share:
+no eager work on a capture stream, so every graph owns the memory it touches
+(docs/architecture.md, "Graph backends", says why)."""
 
 from __future__ import annotations
 

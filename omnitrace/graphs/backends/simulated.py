@@ -1,10 +1,5 @@
-"""A graph backend that simulates a device on the CPU, for tests and the CPU demo.
-
-It is *not* an accelerator: "replay" runs the forward again. What it reproduces exactly is
-everything around the graph (static input and output buffers, cloned outputs, pools,
-capture streams, device-free memory, capture failures, the capturing state), so the full
-admission logic, every event and every sink can run on a machine without a GPU.
-"""
+"""A graph backend that simulates a device on the CPU, for tests and the CPU demo: everything
+around the graph is reproduced exactly, but "replay" runs the forward again."""
 
 from __future__ import annotations
 

@@ -1,50 +1,6 @@
-"""Graph backend on vLLM's ``EncoderCudaGraphManager``, used for exact input shapes.
-
-vLLM's manager keys graphs by *token budget* and packs several items into one padded batch.
-The omnitrace adapter keys graphs by the exact signature of the inputs, so this backend builds
-one manager per captured key, around an exact-shape model object (:class:`ExactShapeEncoder`)
-that satisfies vLLM's ``SupportsEncoderCudaGraph`` protocol: one indivisible item per batch,
-a single token budget equal to the product of the output shape without its last dimension,
-static input buffers filled with an exact ``copy_`` (no zero padding: the shapes always
-match), and outputs cloned in the manager's postprocessing step. How each vLLM release
-spells that protocol (API detection, config copies, the model object, the captured graph's
-layout, the default capture stream) is :mod:`omnitrace.graphs.backends.vllm_protocol`; its
-names are re-exported here.
-
-Every manager gets its own *copy* of the vLLM config with the budget, batch size and frame
-limit of that one key; the caller's config is never mutated. The manager is handed the pool
-the adapter chose (shared per encoder, device and replay stream, or separate for the A/B
-comparison).
-
-Streams, and why the graph owns every buffer it touches (see
-:mod:`omnitrace.graphs.backends.base`). ``manager.capture(pool)`` runs one eager warm-up
-forward on the current stream and then captures. Newer vLLM captures on the current stream
-(``stream=current_stream()``); vLLM 0.26 passes no stream, so ``torch.cuda.graph`` uses its
-process-wide default capture stream, shared with every other graph captured that way: such
-graphs would share one cuBLAS workspace across encoders and replay streams, allocated in
-whichever pool captured first. This backend therefore:
-
-* makes the adapter's capture stream current around ``manager.capture(pool)`` and, for that
-  call only and under a process-wide lock, makes it ``torch.cuda.graph``'s default capture
-  stream as well, so every vLLM version captures on the adapter's own capture stream;
-* routes the manager's warm-up forward (the call made outside capture) to the replay
-  stream, so no eager GEMM ever runs on the capture stream and its cuBLAS workspace is
-  allocated inside the capture, from the adapter's pool.
-
-Statistics: the manager counts only the calls that reach it, which are the adapter's hits
-(a manager exists only for a key that was captured). Calls the adapter rejects before any
-manager (ineligible, capacity, warm-up, memory) are never seen by vLLM.
-:meth:`VllmGraphBackend.merged_stats` adds the two together; it must agree with the adapter's
-own ``get_cumulative_stats()``, which is the fold of its events.
-
-Importing this module does not import vLLM: :class:`VllmGraphBackend` imports it when it is
-constructed (:func:`load_vllm_api`). Note that importing vLLM's torch utilities patches
-``torch.cuda.set_stream`` process-wide (vLLM tracks the current stream itself); that is
-vLLM's behaviour, not ours.
-
-Exceptions: :class:`UnsupportedVllmError` (``vllm_protocol``), when vLLM lacks a usable encoder
-graph API.
-"""
+"""Graph backend on vLLM's ``EncoderCudaGraphManager``: one manager per exact input shape,
+capturing on the adapter's own stream and pool, with vLLM's counters merged into the stats
+(docs/vllm.md, "Backends and statistics", says why)."""
 
 from __future__ import annotations
 

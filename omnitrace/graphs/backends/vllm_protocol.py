@@ -1,21 +1,6 @@
-"""vLLM's encoder graph protocol, as each vLLM release spells it, for exact-shape managers.
-
-What :class:`~omnitrace.graphs.backends.vllm.VllmGraphBackend` needs from vLLM and how it
-speaks vLLM's side: finding the manager and its data classes and detecting their field
-layout (:func:`load_vllm_api`, :func:`detect_vllm_api`: detected, never pinned to a version);
-the copy of the engine's config for one exact-shape manager (:func:`copy_vllm_config`); the
-model object that satisfies ``SupportsEncoderCudaGraph`` for one exact input signature
-(:class:`ExactShapeEncoder`: 0.26's calls and tensors as well as newer releases' axis keys
-and per-path dicts); where a captured graph lies in a manager (:func:`captured_budget_graph`);
-and the default capture stream vLLM 0.26's capture uses (:func:`default_capture_stream`).
-
-Importing this module does not import vLLM: :func:`load_vllm_api` imports it.
-
-Exceptions::
-
-    OmnitraceError
-     └── UnsupportedVllmError (also a RuntimeError)   vLLM lacks a usable encoder graph API
-"""
+"""vLLM's encoder graph protocol as each release spells it, detected rather than pinned: the
+manager's API, config copies, the exact-shape model object, the captured graph's layout and
+vLLM 0.26's default capture stream (docs/vllm.md, "vLLM versions")."""
 
 from __future__ import annotations
 

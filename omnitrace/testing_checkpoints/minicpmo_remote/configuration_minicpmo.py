@@ -1,12 +1,5 @@
-"""MiniCPM-o 4.5's config class for a tiny test checkpoint (loaded with trust_remote_code).
-
-MiniCPM-o 4.5 is a Qwen3 language model with a SigLIP vision tower (NaViT-style, position
-buckets over a 70x70 grid), a Whisper encoder for audio, a resampler of ``query_num`` queries
-per image slice and an average pooler of ``audio_pool_step`` frames. vLLM's ``MiniCPMO``
-reads the Qwen3 fields from this config itself (the language model is built from it) and the
-rest from the fields below; the sub-configs must be transformers' own classes, because vLLM
-passes them to ``Idefics2VisionTransformer`` and transformers' ``WhisperEncoder``.
-"""
+"""MiniCPM-o 4.5's config class for a tiny test checkpoint (loaded with trust_remote_code): a
+Qwen3 config with SigLIP vision and Whisper audio sub-configs of transformers' own classes."""
 
 from __future__ import annotations
 

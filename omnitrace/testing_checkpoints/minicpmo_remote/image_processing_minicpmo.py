@@ -1,24 +1,5 @@
-"""MiniCPM-o 4.5's image processor for a tiny test checkpoint (loaded with trust_remote_code).
-
-MiniCPM-V/o encode an image as a thumbnail of the whole image plus, for a large one, a grid
-of slices, each near ``scale_resolution`` squared pixels with sides that are multiples of the
-patch size; every slice becomes ``image_feature_size`` embeddings (the resampler's queries).
-vLLM's ``MiniCPMVProcessingInfo`` and its vendored ``MiniCPMOProcessor`` call this class for:
-
-- ``get_sliced_grid(size, max_slice_nums)``: the ``(columns, rows)`` grid, or None for the
-  thumbnail alone, so that vLLM counts ``(columns * rows + 1) * image_feature_size`` tokens;
-- ``get_slice_image_placeholder(size, image_idx, max_slice_nums, use_image_id)``: the text
-  that stands for the image, one ``<unk>`` per embedding, which must agree with that count;
-- ``__call__(images, do_pad, max_slice_nums, return_tensors)``: per prompt, the slices as
-  ``(3, patch, h * w * patch / patch)`` "patch rows" (vLLM's NaViT SigLIP reads them with one
-  patch-sized convolution), the ``(h, w)`` patch grid of each slice and the image sizes;
-- ``image_feature_size``, ``max_slice_nums`` and the marker strings (``im_start_token``,
-  ``im_id_start`` ...).
-
-The slicing rule here is this project's own reading of the published scheme (slice count from
-the area, grid from the aspect ratio, at most ``max_slice_nums`` slices); it is consistent with
-itself, which is all a checkpoint with random weights needs.
-"""
+"""MiniCPM-o 4.5's image processor for a tiny test checkpoint (loaded with trust_remote_code): a
+thumbnail plus a grid of slices, and the placeholder text vLLM counts the tokens of."""
 
 from __future__ import annotations
 

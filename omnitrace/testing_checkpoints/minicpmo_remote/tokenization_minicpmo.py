@@ -1,12 +1,5 @@
-"""MiniCPM-o 4.5's tokenizer class for a tiny test checkpoint (loaded with trust_remote_code).
-
-vLLM's vendored ``MiniCPMOProcessor`` finds the image, slice, audio and speaker spans of a
-prompt by token id, reading ``im_start_id``, ``im_end_id``, ``slice_start_id``,
-``slice_end_id``, ``audio_start_id``, ``audio_end_id``, ``spk_start_id`` and ``spk_end_id``
-off the tokenizer, and the marker strings ``audio_start`` and ``audio_end``. A fast tokenizer
-with those names as properties is all this class adds; the vocabulary is the directory's
-``tokenizer.json``.
-"""
+"""MiniCPM-o 4.5's tokenizer class for a tiny test checkpoint (loaded with trust_remote_code): a
+fast tokenizer with the marker ids and strings vLLM's processor finds spans by."""
 
 from __future__ import annotations
 
