@@ -819,3 +819,53 @@ def test_advise_without_request_events_has_no_end_to_end_rows(
     assert json.loads(capsys.readouterr().out)["requests"] == []
     assert main(["advise", str(_six_hot_log(tmp_path))]) == 0
     assert "end to end" not in capsys.readouterr().out
+
+
+H200_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200"
+
+
+def _calls_before(log: Path, calls_after: int, out: Path) -> Path:
+    """The head of ``log`` up to the encoder call that leaves ``calls_after`` calls after it."""
+    lines = log.read_text().splitlines(keepends=True)
+    at = [
+        i
+        for i, line in enumerate(lines)
+        if '"type":"GraphReplayed"' in line or '"type":"GraphMissed"' in line
+    ]
+    out.write_text("".join(lines[: at[len(at) - calls_after - 1] + 1]))
+    return out
+
+
+@pytest.mark.parametrize("model", ["minicpmo", "qwen2_5_omni"])
+def test_advise_on_the_h200_engine_benchmark_logs_names_a_budget_past_95_percent(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker logs of the H200 engine benchmark (``vllm serve``, omnitrace's defaults): the
+    replay of the logged setting gives exactly the hits the served engine had after its warm-up,
+    and the setting advise recommends, which names a pool budget, takes them past 95 %."""
+    import tarfile
+
+    with tarfile.open(H200_RESULTS / "engine_c32_events.tar.xz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    served = json.loads((H200_RESULTS / f"engine_{model}_c32.json").read_text())
+    measured = served["result"]["models"][model]["configurations"]["omnitrace"]["after_warmup"]
+    (log,) = (tmp_path / model / "omnitrace").glob("events-0-*.jsonl")
+    warmup = _calls_before(log, measured["calls"], tmp_path / "warmup.jsonl")
+    grid = ["--pool-budget", "0,512MiB,1GiB,2GiB", "--max-graphs", "4,8,16,64", "--json"]
+
+    def advised(path: Path) -> dict[str, Any]:
+        assert main(["advise", str(path), *grid]) == 0
+        return dict(json.loads(capsys.readouterr().out))
+
+    whole, head = advised(log), advised(warmup)
+
+    def after_warmup(setting: dict[str, int]) -> tuple[int, int]:
+        (w,) = [r for r in whole["results"] if r["setting"] == setting]
+        (h,) = [r for r in head["results"] if r["setting"] == setting]
+        return w["hits"] - h["hits"], w["calls"] - h["calls"]
+
+    assert after_warmup(whole["logged"]["setting"]) == (measured["hits"], measured["calls"])
+    recommended = whole["recommended"]
+    assert recommended["encoder_cuda_graph_pool_budget_bytes"] > 0
+    hits, calls = after_warmup(recommended)
+    assert hits / calls >= 0.95
