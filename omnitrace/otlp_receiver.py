@@ -4,6 +4,7 @@ received, as protobufs: for tests and ``omnitrace receive``."""
 from __future__ import annotations
 
 import errno
+import functools
 import http.server
 import importlib
 import io
@@ -436,200 +437,14 @@ class OTLPReceiver:
     # -- HTTP -----------------------------------------------------------------------------
 
     def _start_http(self) -> None:
-        receiver = self
-        limits = self.limits
         # One request at a time is inflated, parsed and reported: what a request costs
         # beyond its body is held once, however many connections are open. (Parsing holds
         # the interpreter lock anyway.)
-        decoding = threading.Lock()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            _reader: _DeadlineReader
-            _buffered: io.BufferedReader
-            _announced = "0"
-
-            def setup(self) -> None:
-                super().setup()
-                self.rfile.close()
-                self._reader = _DeadlineReader(self.connection, limits.idle_timeout_s)
-                self._buffered = io.BufferedReader(self._reader, _READ_STEP)
-                self.rfile = self._buffered
-
-            def handle_one_request(self) -> None:
-                # Wait for a request no longer than the idle timeout; then its request
-                # line and headers get the header timeout, as a whole.
-                self._reader.deadline = None
-                try:
-                    if not self._buffered.peek(1):
-                        self.close_connection = True
-                        return
-                except OSError:  # timed out, or reset
-                    self._cut_off()
-                    return
-                self._reader.deadline = time.monotonic() + limits.header_timeout_s
-                try:
-                    # The standard library ends the connection on a timeout itself.
-                    super().handle_one_request()
-                except OSError:  # reset mid-request: nothing left to answer
-                    self._cut_off()
-                    return
-                if self._reader.expired is not None:
-                    self._cut_off()
-
-            def _cut_off(self) -> None:
-                """Count a connection ended by a timeout or an error, and end it."""
-                self.close_connection = True
-                why = self._reader.expired
-                receiver._refuse("closed: connection error" if why is None else f"closed: {why}")
-                self._reader.expired = None
-
-            def do_POST(self) -> None:
-                self._reader.deadline = None  # the body: no silence past the idle timeout
-                self.connection.settimeout(limits.idle_timeout_s)
-                length = self._length()
-                if length is None:
-                    return
-                if length > limits.max_body_bytes:
-                    self._refuse(
-                        413,
-                        "413 body past max_body_bytes",
-                        f"the body of {self._announced} bytes is past the limit of "
-                        f"{limits.max_body_bytes} bytes",
-                        length,
-                    )
-                    return
-                body = self._body(length)
-                if body is None:
-                    return
-                route = _HTTP_PATHS.get(self.path.split("?", 1)[0])
-                if route is None:
-                    self._reply(404, b"", "text/plain")
-                    return
-                with decoding:
-                    self._decode(body, *route)
-
-            def _decode(self, body: bytearray, message_type: type[_Request], ok: bytes) -> None:
-                encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
-                data: bytes | bytearray | memoryview = memoryview(body)
-                try:
-                    if encoding in ("gzip", "deflate"):
-                        data = memoryview(
-                            _inflate(memoryview(body), encoding, limits.max_decompressed_bytes)
-                        )
-                        del body  # the compressed copy is no longer needed
-                    request = message_type.FromString(data)
-                except _TooLarge:
-                    self._refuse(
-                        413,
-                        "413 inflated past max_decompressed_bytes",
-                        f"the body inflates past the limit of "
-                        f"{limits.max_decompressed_bytes} bytes",
-                    )
-                    return
-                except Exception as exc:
-                    self._reply(400, f"cannot parse the request: {exc}".encode(), "text/plain")
-                    return
-                del data
-                verdict = receiver._accept(request)
-                if verdict == "accepted":
-                    self._reply(200, ok, "application/x-protobuf")
-                elif verdict == "rejected":
-                    self._reply(400, b"rejected by the test receiver", "text/plain")
-                else:
-                    self._reply(
-                        503, b"the receiver is not taking requests", "text/plain", close=True
-                    )
-
-            def _length(self) -> int | None:
-                """The body's length, or None when the request was answered here."""
-                if self.headers.get("Transfer-Encoding"):
-                    self._refuse(
-                        411,
-                        "411 no Content-Length",
-                        "a Content-Length is needed (no chunked bodies)",
-                    )
-                    return None
-                values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
-                text = values[0] if values else "0"
-                if len(set(values)) > 1 or not text.isascii() or not text.isdigit():
-                    self._refuse(
-                        400, "400 bad Content-Length", f"bad Content-Length: {text[:40]!r}"
-                    )
-                    return None
-                # A well-formed length too long to be a size: past any limit, not malformed.
-                self._announced = text if len(text) <= 18 else f"{text[:18]}… ({len(text)} digits)"
-                return int(text) if len(text) <= 18 else 1 << 62
-
-            def _body(self, length: int) -> bytearray | None:
-                """Read ``length`` bytes as they arrive (held as sent, not as announced);
-                None if the client stopped or went silent first."""
-                body = bytearray()
-                step = bytearray(_READ_STEP)
-                try:
-                    while len(body) < length:
-                        n = self._buffered.readinto(memoryview(step)[: length - len(body)])
-                        if not n:
-                            self.close_connection = True
-                            return None
-                        body += memoryview(step)[:n]
-                except OSError:
-                    self._cut_off()
-                    return None
-                return body
-
-            def _refuse(self, status: int, reason: str, why: str, pending: int = 0) -> None:
-                """Answer ``status`` and close; of the ``pending`` bytes of body not read,
-                some are read and thrown away, briefly, so the client sees the answer."""
-                receiver._refuse(reason)
-                self.close_connection = True
-                try:
-                    self._reply(status, why.encode(), "text/plain", close=True)
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_WR)
-                except OSError:
-                    return
-                self._linger(pending)
-
-            def _linger(self, pending: int) -> None:
-                # Closing a socket with unread data sends a reset, which can reach the
-                # client before the answer it has not read yet.
-                end = time.monotonic() + _LINGER_S
-                scrap = bytearray(_READ_STEP)
-                try:
-                    while pending > 0 and (left := end - time.monotonic()) > 0:
-                        self._reader.idle_s = min(_LINGER_SILENCE_S, left)
-                        n = self._buffered.readinto(scrap)
-                        if not n:
-                            return
-                        pending -= n
-                except OSError:
-                    return
-
-            def _reply(
-                self, status: int, body: bytes, content_type: str, *, close: bool = False
-            ) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                if close:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def send_error(
-                self, code: int, message: str | None = None, explain: str | None = None
-            ) -> None:
-                # A malformed request line or headers (400, 414, 431...): counted, answered.
-                receiver._refuse(f"{int(code)} malformed request")
-                self.connection.settimeout(limits.idle_timeout_s)
-                super().send_error(code, message, explain)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                # Test output should show assertions, not an access log.
-                return
-
+        handler = functools.partial(
+            _HTTPHandler, receiver=self, limits=self.limits, decoding=threading.Lock()
+        )
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        server = _LimitedServer((self.host, self._bind_port), Handler, family, receiver)
+        server = _LimitedServer((self.host, self._bind_port), handler, family, self)
         self._http = server
         self._port = int(server.server_address[1])
         self._http_thread = threading.Thread(
@@ -698,6 +513,202 @@ class OTLPReceiver:
         self._port = int(port)
 
 
+class _HTTPHandler(http.server.BaseHTTPRequestHandler):
+    """One HTTP connection to an :class:`OTLPReceiver`: its requests read within the
+    ``limits``, decoded one at a time (under ``decoding``), and handed to the receiver."""
+
+    _reader: _DeadlineReader
+    _buffered: io.BufferedReader
+    _announced = "0"
+
+    def __init__(
+        self,
+        request: Any,
+        client_address: Any,
+        server: socketserver.BaseServer,
+        *,
+        receiver: OTLPReceiver,
+        limits: ReceiverLimits,
+        decoding: threading.Lock,
+    ) -> None:
+        self._receiver = receiver
+        self._limits = limits
+        self._decoding = decoding
+        # The base class serves the connection from its constructor.
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self._reader = _DeadlineReader(self.connection, self._limits.idle_timeout_s)
+        self._buffered = io.BufferedReader(self._reader, _READ_STEP)
+        self.rfile = self._buffered
+
+    def handle_one_request(self) -> None:
+        # Wait for a request no longer than the idle timeout; then its request
+        # line and headers get the header timeout, as a whole.
+        self._reader.deadline = None
+        try:
+            if not self._buffered.peek(1):
+                self.close_connection = True
+                return
+        except OSError:  # timed out, or reset
+            self._cut_off()
+            return
+        self._reader.deadline = time.monotonic() + self._limits.header_timeout_s
+        try:
+            # The standard library ends the connection on a timeout itself.
+            super().handle_one_request()
+        except OSError:  # reset mid-request: nothing left to answer
+            self._cut_off()
+            return
+        if self._reader.expired is not None:
+            self._cut_off()
+
+    def _cut_off(self) -> None:
+        """Count a connection ended by a timeout or an error, and end it."""
+        self.close_connection = True
+        why = self._reader.expired
+        self._receiver._refuse("closed: connection error" if why is None else f"closed: {why}")
+        self._reader.expired = None
+
+    def do_POST(self) -> None:
+        self._reader.deadline = None  # the body: no silence past the idle timeout
+        self.connection.settimeout(self._limits.idle_timeout_s)
+        length = self._length()
+        if length is None:
+            return
+        if length > self._limits.max_body_bytes:
+            self._refuse(
+                413,
+                "413 body past max_body_bytes",
+                f"the body of {self._announced} bytes is past the limit of "
+                f"{self._limits.max_body_bytes} bytes",
+                length,
+            )
+            return
+        body = self._body(length)
+        if body is None:
+            return
+        route = _HTTP_PATHS.get(self.path.split("?", 1)[0])
+        if route is None:
+            self._reply(404, b"", "text/plain")
+            return
+        with self._decoding:
+            self._decode(body, *route)
+
+    def _decode(self, body: bytearray, message_type: type[_Request], ok: bytes) -> None:
+        encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
+        data: bytes | bytearray | memoryview = memoryview(body)
+        try:
+            if encoding in ("gzip", "deflate"):
+                data = memoryview(
+                    _inflate(memoryview(body), encoding, self._limits.max_decompressed_bytes)
+                )
+                del body  # the compressed copy is no longer needed
+            request = message_type.FromString(data)
+        except _TooLarge:
+            self._refuse(
+                413,
+                "413 inflated past max_decompressed_bytes",
+                f"the body inflates past the limit of {self._limits.max_decompressed_bytes} bytes",
+            )
+            return
+        except Exception as exc:
+            self._reply(400, f"cannot parse the request: {exc}".encode(), "text/plain")
+            return
+        del data
+        verdict = self._receiver._accept(request)
+        if verdict == "accepted":
+            self._reply(200, ok, "application/x-protobuf")
+        elif verdict == "rejected":
+            self._reply(400, b"rejected by the test receiver", "text/plain")
+        else:
+            self._reply(503, b"the receiver is not taking requests", "text/plain", close=True)
+
+    def _length(self) -> int | None:
+        """The body's length, or None when the request was answered here."""
+        if self.headers.get("Transfer-Encoding"):
+            self._refuse(
+                411,
+                "411 no Content-Length",
+                "a Content-Length is needed (no chunked bodies)",
+            )
+            return None
+        values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
+        text = values[0] if values else "0"
+        if len(set(values)) > 1 or not text.isascii() or not text.isdigit():
+            self._refuse(400, "400 bad Content-Length", f"bad Content-Length: {text[:40]!r}")
+            return None
+        # A well-formed length too long to be a size: past any limit, not malformed.
+        self._announced = text if len(text) <= 18 else f"{text[:18]}… ({len(text)} digits)"
+        return int(text) if len(text) <= 18 else 1 << 62
+
+    def _body(self, length: int) -> bytearray | None:
+        """Read ``length`` bytes as they arrive (held as sent, not as announced);
+        None if the client stopped or went silent first."""
+        body = bytearray()
+        step = bytearray(_READ_STEP)
+        try:
+            while len(body) < length:
+                n = self._buffered.readinto(memoryview(step)[: length - len(body)])
+                if not n:
+                    self.close_connection = True
+                    return None
+                body += memoryview(step)[:n]
+        except OSError:
+            self._cut_off()
+            return None
+        return body
+
+    def _refuse(self, status: int, reason: str, why: str, pending: int = 0) -> None:
+        """Answer ``status`` and close; of the ``pending`` bytes of body not read,
+        some are read and thrown away, briefly, so the client sees the answer."""
+        self._receiver._refuse(reason)
+        self.close_connection = True
+        try:
+            self._reply(status, why.encode(), "text/plain", close=True)
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        self._linger(pending)
+
+    def _linger(self, pending: int) -> None:
+        # Closing a socket with unread data sends a reset, which can reach the
+        # client before the answer it has not read yet.
+        end = time.monotonic() + _LINGER_S
+        scrap = bytearray(_READ_STEP)
+        try:
+            while pending > 0 and (left := end - time.monotonic()) > 0:
+                self._reader.idle_s = min(_LINGER_SILENCE_S, left)
+                n = self._buffered.readinto(scrap)
+                if not n:
+                    return
+                pending -= n
+        except OSError:
+            return
+
+    def _reply(self, status: int, body: bytes, content_type: str, *, close: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if close:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # A malformed request line or headers (400, 414, 431...): counted, answered.
+        self._receiver._refuse(f"{int(code)} malformed request")
+        self.connection.settimeout(self._limits.idle_timeout_s)
+        super().send_error(code, message, explain)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Test output should show assertions, not an access log.
+        return
+
+
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
     b"Connection: close\r\nContent-Length: 34\r\n\r\nthe receiver serves enough already"
@@ -714,7 +725,7 @@ class _LimitedServer(http.server.ThreadingHTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
-        handler: type[socketserver.BaseRequestHandler],
+        handler: Callable[..., socketserver.BaseRequestHandler],
         family: socket.AddressFamily,
         receiver: OTLPReceiver,
     ) -> None:

@@ -282,59 +282,14 @@ def receive(
         raise MissingExtraError(
             "--protocol grpc needs grpcio: pip install 'omnitrace-graphs[grpc]'"
         )
-    # Bounded: a sender faster than the printing waits for its answer, so the backlog of
-    # described requests stays small. ``closed`` is set under the same lock as the last
-    # take: a request is either in the summary or answered 503.
-    backlog: deque[Received] = deque()
-    changed = threading.Condition()
-    closed = False
-
-    def on_request(signal: str, request: Any) -> bool:
-        if closed:  # no time spent describing what is turned away
-            return False
-        received = describe_request(signal, request)
-        with changed:
-            while len(backlog) >= _BACKLOG and not closed:
-                changed.wait(_POLL_S)
-            if closed:
-                return False
-            backlog.append(received)
-            changed.notify_all()
-        return True
-
-    def take(wait: float) -> list[Received]:
-        with changed:
-            if not backlog and wait:
-                changed.wait(wait)
-            taken = list(backlog)
-            backlog.clear()
-            changed.notify_all()
-        return taken
-
+    backlog = _Backlog()
     receiver = OTLPReceiver(
-        protocol, host=host, port=port, keep=False, on_request=on_request, limits=limits
+        protocol, host=host, port=port, keep=False, on_request=backlog.on_request, limits=limits
     )
     tally = Tally(max_names=max_names)
     receiver.start()
     start = time.monotonic()
     deadline = None if duration_s is None else start + duration_s
-
-    def show(taken: list[Received]) -> None:
-        # Printed here, on the one thread that writes ``out``, in arrival order.
-        for received in taken:
-            tally.add(received)
-            print(json.dumps(received.as_json()) if as_json else received.line(), file=out)
-        refusals = receiver.refusals
-        new = refusals - tally.refused
-        if new:
-            tally.refused = refusals
-            if as_json:
-                print(json.dumps({"refused": dict(new)}), file=out)
-            else:
-                print(safe(f"refused {_refusals(new)}"), file=out)
-        if taken or new:
-            out.flush()
-
     try:
         say(
             f"listening for OTLP ({protocol}) on {receiver.endpoint}: point the exporter "
@@ -342,15 +297,13 @@ def receive(
         )
         try:
             while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                show(take(_POLL_S))
+                _show(backlog.take(_POLL_S), tally, receiver, as_json, out)
         except KeyboardInterrupt:
             pass  # Ctrl-C is how a receiver is stopped.
     finally:
-        with changed:
-            closed = True
-            changed.notify_all()
+        backlog.close()
         receiver.stop(_STOP_GRACE_S)
-    show(take(0))
+    _show(backlog.take(0), tally, receiver, as_json, out)
     elapsed = time.monotonic() - start
     if as_json:
         print(json.dumps(tally.as_json(elapsed)), file=out)
@@ -359,3 +312,69 @@ def receive(
             print(line, file=out)
     out.flush()
     return tally
+
+
+class _Backlog:
+    """The requests described on the server's threads and not printed yet.
+
+    Bounded: a sender faster than the printing waits for its answer, so the backlog of
+    described requests stays small. ``closed`` is set under the same lock as the last
+    take: a request is either in the summary or answered 503.
+    """
+
+    def __init__(self) -> None:
+        self._received: deque[Received] = deque()
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def on_request(self, signal: str, request: Any) -> bool:
+        """Describe one request and queue it; False (answered 503) once closed."""
+        if self._closed:  # no time spent describing what is turned away
+            return False
+        received = describe_request(signal, request)
+        with self._changed:
+            while len(self._received) >= _BACKLOG and not self._closed:
+                self._changed.wait(_POLL_S)
+            if self._closed:
+                return False
+            self._received.append(received)
+            self._changed.notify_all()
+        return True
+
+    def take(self, wait: float) -> list[Received]:
+        """Every request queued, after waiting up to ``wait`` seconds for one if none is."""
+        with self._changed:
+            if not self._received and wait:
+                self._changed.wait(wait)
+            taken = list(self._received)
+            self._received.clear()
+            self._changed.notify_all()
+        return taken
+
+    def close(self) -> None:
+        """Turn away every request from now on, and wake the senders waiting for room."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+def _show(
+    taken: list[Received], tally: Tally, receiver: OTLPReceiver, as_json: bool, out: IO[str]
+) -> None:
+    """Print ``taken`` and the receiver's new refusals on ``out``, counting them in ``tally``.
+
+    Printed on the one thread that writes ``out``, in arrival order.
+    """
+    for received in taken:
+        tally.add(received)
+        print(json.dumps(received.as_json()) if as_json else received.line(), file=out)
+    refusals = receiver.refusals
+    new = refusals - tally.refused
+    if new:
+        tally.refused = refusals
+        if as_json:
+            print(json.dumps({"refused": dict(new)}), file=out)
+        else:
+            print(safe(f"refused {_refusals(new)}"), file=out)
+    if taken or new:
+        out.flush()

@@ -293,10 +293,13 @@ def test_top_follow_sees_events_written_by_another_writer(
     capsys.readouterr()
     path = tmp_path / "live.jsonl"
     path.touch()
+    # One writer at a time sets RANK: two interleaved contexts would restore each other's
+    # value, and leave RANK set for the tests after this one.
+    rank_env = threading.Lock()
 
     def write(rank: str) -> None:
         time.sleep(0.3)
-        with pytest.MonkeyPatch.context() as env:
+        with rank_env, pytest.MonkeyPatch.context() as env:
             env.setenv("RANK", rank)
             sink = JsonlSink(path)
         try:

@@ -412,3 +412,58 @@ def test_the_circle_check_finds_a_circle_through_a_function_level_import(tmp_pat
     (bench / "d.py").write_text("from . import c\n")
     circles = import_circles(import_graph(tmp_path))
     assert [[p.name for p in group] for group in circles] == [["a.py", "b.py"]]
+
+
+# -- function length --------------------------------------------------------------------------
+
+#: The most lines a function or method of the package may take, from its ``def`` line to the
+#: last line of its body (decorators left out).
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path, limit: int) -> dict[str, int]:
+    """``path:line:name`` of each function or method (nested ones included) of the Python
+    files under ``root`` longer than ``limit`` lines, and its length."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                where = path.relative_to(root.parent).as_posix()
+                found[f"{where}:{node.lineno}:{node.name}"] = lines
+    return found
+
+
+def test_no_function_in_the_package_is_too_long() -> None:
+    """Every function and method of the package fits in MAX_FUNCTION_LINES lines."""
+    assert long_functions(ROOT / "omnitrace", MAX_FUNCTION_LINES) == {}
+
+
+def test_the_length_check_counts_from_def_to_the_last_line(tmp_path: Path) -> None:
+    """A function's lines run from ``def`` to its body's last line, decorators left out;
+    methods and nested functions are counted on their own too."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "mod.py").write_text(
+        "import functools\n"
+        "\n"
+        "@functools.cache\n"
+        "def short():\n"
+        "    return 1\n"
+        "\n"
+        "class C:\n"
+        "    def method(self):\n"
+        "        def inner():\n"
+        "            x = 1\n"
+        "            return x\n"
+        "        return inner\n"
+    )
+    assert long_functions(package, 1) == {
+        "pkg/mod.py:4:short": 2,
+        "pkg/mod.py:8:method": 5,
+        "pkg/mod.py:9:inner": 3,
+    }
+    assert long_functions(package, 3) == {"pkg/mod.py:8:method": 5}

@@ -439,8 +439,22 @@ class _WorkerReplay:
                     for other in self.keys_of[adapter]:
                         live[other] = False
                         active[other] = False
+        self._count_outcomes(states, calls, captured, warm, memory)
+        pool = sum(used.values()) if used else 0
+        return _Run(states, pool, lowest, reached)
+
+    def _count_outcomes(
+        self,
+        states: dict[str, _EncoderState],
+        calls: _Calls,
+        captured: list[list[tuple[int, int]]],
+        warm: list[int],
+        memory: list[int],
+    ) -> None:
+        """Count each encoder's hits (the calls of its keys from their capture on), its
+        warm-up and memory misses, and the rest as capacity misses, into ``states``."""
         keys = self.sequence.keys
-        for adapter, name in enumerate(names):
+        for adapter, name in enumerate(self.adapters):
             state = states[name]
             hits = 0
             for key_id, position in captured[adapter]:
@@ -452,8 +466,6 @@ class _WorkerReplay:
             state.misses[MissReason.WARMUP] = warm[adapter]
             state.misses[MissReason.MEMORY] = memory[adapter]
             state.misses[MissReason.CAPACITY] = total - hits - warm[adapter] - memory[adapter]
-        pool = sum(used.values()) if used else 0
-        return _Run(states, pool, lowest, reached)
 
     def _without_captures(self, g: int, c: int, skip: bool) -> _Run:
         """Every capture deferred: each call is a warm-up below ``c`` calls in the history,

@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import omnitrace.cli.options as opt
 from omnitrace.cli.export import (
@@ -20,6 +20,11 @@ from omnitrace.cli.output import _say, _stdout_console, command_error
 from omnitrace.cli.tables import stats_table
 from omnitrace.config import ConfigError, EncoderGraphConfig
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from omnitrace.demo.run import DemoResult
+
 __all__ = ["add_demo_parser", "_cmd_demo"]
 
 
@@ -28,29 +33,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from omnitrace.demo.run import DemoOptions, run_demo
 
-    if args.hf_overrides is not None and not args.hf_overrides.strip():
-        # Given but blank is most often an unset shell variable: running with the defaults
-        # would hide that the settings meant for this run never arrived.
-        return command_error(
-            "demo",
-            "--hf-overrides: expected a JSON object, e.g. "
-            "'{\"encoder_cuda_graph_max_graphs\": 8}', got "
-            f"{args.hf_overrides!r} (leave the option out for the defaults)",
-        )
-    try:
-        config = EncoderGraphConfig.from_hf_overrides(
-            args.hf_overrides,
-            enforce_eager=args.enforce_eager,
-            warn=lambda message: _say(f"warning: --hf-overrides: {message}"),
-        )
-    except ConfigError as exc:
-        return command_error("demo", f"--hf-overrides: {exc}")
-    if args.requests == 0 and args.duration is None:
-        return command_error("demo", "--requests 0 (no limit) needs --duration")
-    if args.hidden % args.heads:
-        return command_error(
-            "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
-        )
+    config = _checked_config(args)
+    if not isinstance(config, EncoderGraphConfig):
+        return config
     if args.ranks > 1:  # checked above once, rather than once by each rank
         from omnitrace.demo.ranks import run_command
 
@@ -82,6 +67,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from omnitrace._paths import describe_os_error
 
         return command_error("demo", describe_os_error(exc), status=1)
+    return _report(args, result, console)
+
+
+def _checked_config(args: argparse.Namespace) -> EncoderGraphConfig | int:
+    """The graph settings of ``--hf-overrides``, once the options are checked; or the exit
+    status of the one-line error said instead."""
+    if args.hf_overrides is not None and not args.hf_overrides.strip():
+        # Given but blank is most often an unset shell variable: running with the defaults
+        # would hide that the settings meant for this run never arrived.
+        return command_error(
+            "demo",
+            "--hf-overrides: expected a JSON object, e.g. "
+            "'{\"encoder_cuda_graph_max_graphs\": 8}', got "
+            f"{args.hf_overrides!r} (leave the option out for the defaults)",
+        )
+    try:
+        config = EncoderGraphConfig.from_hf_overrides(
+            args.hf_overrides,
+            enforce_eager=args.enforce_eager,
+            warn=lambda message: _say(f"warning: --hf-overrides: {message}"),
+        )
+    except ConfigError as exc:
+        return command_error("demo", f"--hf-overrides: {exc}")
+    if args.requests == 0 and args.duration is None:
+        return command_error("demo", "--requests 0 (no limit) needs --duration")
+    if args.hidden % args.heads:
+        return command_error(
+            "demo", f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})"
+        )
+    return config
+
+
+def _report(args: argparse.Namespace, result: DemoResult, console: Console) -> int:
+    """Print what the demo did (and write ``--json-summary``); return the exit status."""
     if result.interrupted:
         _say(f"interrupted after {result.requests} requests")
     console.print(

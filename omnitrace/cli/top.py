@@ -16,6 +16,10 @@ from omnitrace.cli.output import _print_json, _say, _stdout_console, command_err
 if TYPE_CHECKING:
     from omnitrace.eventlog import EventRecord
 
+    #: What ``_record_filter`` returns: the filter of a chunk of records, the encoders and
+    #: the ranks it has seen.
+    _Selection = tuple[Callable[[Sequence[EventRecord]], list[EventRecord]], set[str], set[int]]
+
 __all__ = ["add_top_parser", "_cmd_top"]
 
 
@@ -85,7 +89,7 @@ def _top_encoder_json(encoder: Any) -> dict[str, Any]:
 
 def _record_filter(
     args: argparse.Namespace,
-) -> tuple[Callable[[Sequence[EventRecord]], list[EventRecord]], set[str], set[int]] | None:
+) -> _Selection | None:
     """Keep the records of the encoders (``--encoder``) and ranks (``--rank``) asked for,
     noting every encoder and rank seen; None when neither is asked for.
 
@@ -134,48 +138,56 @@ def _cmd_top(args: argparse.Namespace) -> int:
     names = ", ".join(str(p) for p in args.paths)
     selected = _record_filter(args)
     if not args.follow:
-        if args.duration is not None:
-            return command_error(
-                "top", "--duration needs --follow (a recorded log is read at once)"
-            )
-        refused = _unmatched_patterns("top", args.paths)
+        return _top_recorded(args, names, selected)
+    return _top_followed(args, names, selected)
+
+
+def _top_recorded(args: argparse.Namespace, names: str, selected: _Selection | None) -> int:
+    """``top`` of recorded logs: read them at once, print one snapshot (or its JSON)."""
+    if args.duration is not None:
+        return command_error("top", "--duration needs --follow (a recorded log is read at once)")
+    refused = _unmatched_patterns("top", args.paths)
+    if refused is not None:
+        return refused
+    # No live view here: its terminal code (rich, loaded for the table) is not needed
+    # for JSON, and omnitrace.sinks.live loads only the names asked of it.
+    from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, total_bytes
+    from omnitrace.events import REQUEST_EVENT_TYPES
+    from omnitrace.requests import RequestJoin
+    from omnitrace.sinks.live import RecordBoard
+
+    board = RecordBoard(title=f"omnitrace top · {names}")
+    requests = RequestJoin()
+    try:
+        with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
+            for _, chunk in read_logs(args.paths, progress=progress.advance):
+                if selected is not None:
+                    chunk = selected[0](chunk)
+                board.add(chunk)
+                for record in chunk:
+                    if type(record.item) in REQUEST_EVENT_TYPES:
+                        requests.add(record.item, record.pid)
+    except LogReadError as exc:
+        return command_error("top", str(exc), exc.status)
+    if selected is not None:
+        refused = _unseen(args, selected[1], selected[2])
         if refused is not None:
             return refused
-        # No live view here: its terminal code (rich, loaded for the table) is not needed
-        # for JSON, and omnitrace.sinks.live loads only the names asked of it.
-        from omnitrace.eventlog.chunks import LogReadError, ReadProgress, read_logs, total_bytes
-        from omnitrace.events import REQUEST_EVENT_TYPES
-        from omnitrace.requests import RequestJoin
-        from omnitrace.sinks.live import RecordBoard
+    if args.json:
+        _print_json(_top_json(board, args.paths, requests))
+    else:
+        from omnitrace.sinks.live import render
 
-        board = RecordBoard(title=f"omnitrace top · {names}")
-        requests = RequestJoin()
-        try:
-            with ReadProgress(total_bytes(args.paths), enabled=not args.json) as progress:
-                for _, chunk in read_logs(args.paths, progress=progress.advance):
-                    if selected is not None:
-                        chunk = selected[0](chunk)
-                    board.add(chunk)
-                    for record in chunk:
-                        if type(record.item) in REQUEST_EVENT_TYPES:
-                            requests.add(record.item, record.pid)
-        except LogReadError as exc:
-            return command_error("top", str(exc), exc.status)
-        if selected is not None:
-            refused = _unseen(args, selected[1], selected[2])
-            if refused is not None:
-                return refused
-        if args.json:
-            _print_json(_top_json(board, args.paths, requests))
-        else:
-            from omnitrace.sinks.live import render
+        console = _stdout_console()
+        console.print(render(board.snapshot()))
+        panel = _requests_panel(requests)
+        if panel["kinds"]:
+            console.print(_requests_table(panel))
+    return 0
 
-            console = _stdout_console()
-            console.print(render(board.snapshot()))
-            panel = _requests_panel(requests)
-            if panel["kinds"]:
-                console.print(_requests_table(panel))
-        return 0
+
+def _top_followed(args: argparse.Namespace, names: str, selected: _Selection | None) -> int:
+    """``top --follow``: read the logs as they grow, in the live view on a terminal."""
     if args.json:
         return command_error(
             "top", "--json prints one snapshot; it cannot be combined with --follow"

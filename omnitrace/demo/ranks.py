@@ -238,34 +238,19 @@ def run_ranks(
     ):
         try:
             for index in range(ranks):
-                argv = [*command, "demo", *child_argv, "--no-tui", "--events-log", str(pattern)]
-                argv += ["--seed", str(seed + index)]
-                if prometheus_port is not None:
-                    port = prometheus_port + index if prometheus_port else 0
-                    argv += ["--prometheus-port", str(port)]
+                argv = _rank_argv(command, child_argv, pattern, seed, prometheus_port, index)
                 summary = Path(scratch) / f"rank-{index}.json"
                 device = devices[index] if devices else None
                 started.append(_start(index, ranks, argv, device, summary, pattern))
-            board.footer = ("Ctrl-C stops every rank",) if tui else ()
-            view = LiveView(board, console=console) if tui else contextlib.nullcontext()
-            with view:
-                interrupted = _watch(started, board, stop, ctrl_c)
-                board.footer = ()  # the frame the view leaves on the terminal: no key hint
+            interrupted = _watch_in_view(started, board, stop, ctrl_c, console if tui else None)
         except KeyboardInterrupt:
             # Where the handler is not in place (off the main thread, or before it was
             # set), Ctrl-C arrives as this exception.
             interrupted = True
             _stop(started, signal.SIGINT)
         finally:
-            _stop(started, signal.SIGTERM)
-            for rank in started:
-                if rank.forwarder is not None:
-                    rank.forwarder.join(5.0)
-        for rank in started:
-            _poll(rank, board)
-            if rank.follower is not None:
-                rank.follower.close()
-        summaries = [_summary(rank.summary) for rank in started]
+            _shut_down(started)
+        summaries = _collect(started, board)
     board.progress = ()
     board.footer = ()
     return RanksResult(
@@ -277,6 +262,58 @@ def run_ranks(
         devices=list(devices),
         pattern=str(pattern).replace("{rank}", "*").replace("{pid}", "*"),
     )
+
+
+def _rank_argv(
+    command: Sequence[str],
+    child_argv: Sequence[str],
+    pattern: Path,
+    seed: int,
+    prometheus_port: int | None,
+    index: int,
+) -> list[str]:
+    """The command line of rank ``index``: the demo's options, its log pattern, its seed
+    (``seed + index``) and (where asked) its ``/metrics`` port."""
+    argv = [*command, "demo", *child_argv, "--no-tui", "--events-log", str(pattern)]
+    argv += ["--seed", str(seed + index)]
+    if prometheus_port is not None:
+        port = prometheus_port + index if prometheus_port else 0
+        argv += ["--prometheus-port", str(port)]
+    return argv
+
+
+def _watch_in_view(
+    started: Sequence[_Rank],
+    board: RecordBoard,
+    stop: threading.Event,
+    ctrl_c: threading.Event,
+    console: Console | None,
+) -> bool:
+    """:func:`_watch` the ranks, in the live view drawn on ``console`` (None: no view)."""
+    board.footer = ("Ctrl-C stops every rank",) if console is not None else ()
+    view = LiveView(board, console=console) if console is not None else contextlib.nullcontext()
+    with view:
+        interrupted = _watch(started, board, stop, ctrl_c)
+        board.footer = ()  # the frame the view leaves on the terminal: no key hint
+    return interrupted
+
+
+def _shut_down(started: Sequence[_Rank]) -> None:
+    """Stop every rank still running (SIGTERM), and wait for their output to be passed on."""
+    _stop(started, signal.SIGTERM)
+    for rank in started:
+        if rank.forwarder is not None:
+            rank.forwarder.join(5.0)
+
+
+def _collect(started: Sequence[_Rank], board: RecordBoard) -> list[dict[str, Any] | None]:
+    """Once the ranks have ended: read the rest of each log onto ``board``, close the logs,
+    and return each rank's summary (None where it wrote none)."""
+    for rank in started:
+        _poll(rank, board)
+        if rank.follower is not None:
+            rank.follower.close()
+    return [_summary(rank.summary) for rank in started]
 
 
 def _poll(rank: _Rank, board: RecordBoard) -> None:

@@ -473,60 +473,43 @@ def _run(
 ) -> DemoResult:
     bus = EventBus()
     jsonl: JsonlSink | None = None
-    # Beneath the bus's handler: after the close, it takes the live view down (the cursor
-    # shown again) and writes the bus's line on the terminal before the process ends.
-    sigterm = SigtermExit(log_file=options.log_file is not None).__enter__()
-    # SIGTERM (a supervisor stopping the demo) would otherwise lose the queued events
-    # unrecorded: close the bus within a bound, log the loss, then terminate as asked.
-    restore_sigterm = (
-        bus.close_on_signal(signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread()
-        else None
-    )
-    # Ctrl-C sets an event the traffic loop checks between two requests: never raised
-    # inside an adapter, the bus or a sink, and one more during the close does not cut it.
-    ctrl_c = threading.Event()
-    sigint = signals_set(ctrl_c, signal.SIGINT)
-    sigint.__enter__()
     try:
-        bus.add_sink(LogSink(sample_every=options.log_sample_every, bus=bus))
-        # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
-        # the OpenTelemetry export, which come from the demo's own options.
-        for sink in build_sinks(bus, os.environ, exclude=_OWN_SINKS):
-            bus.add_sink(sink)
-        # Adapters emit only when called, so the sinks below still see every event.
-        encoders = _Encoders(options, bus, device, dtype, backends)
-        progress = _Progress(options.requests, options.duration_s)
-        with _otlp_export(bus, say, options.prometheus_port) as export:
-            # A fresh log per run, so the log holds exactly this run's events; created only
-            # once every setting has been read (the sinks above, OTEL_*), so a start that
-            # fails on one leaves the previous run's log as it was.
-            jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
-            say(f"{LOG_STARTED}{jsonl.path.resolve()}")
-            bus.add_sink(jsonl)
-            board = BusBoard(
-                bus,
-                title=f"omnitrace demo · {backend_name} backend on {device.type}",
-                footer=lambda: [*encoders.footer(), *export.status()],
-                progress=progress.lines,
-            )
-            start = progress.start = time.monotonic()
-            with _progress(options, console, board, progress, sigterm) as advance, torch.no_grad():
-                served, interrupted = _drive(options, encoders, advance, start, ctrl_c)
-                progress.end = time.monotonic()
-                elapsed = progress.end - start
-                # Closed while the view still holds stderr: the log lines the close writes
-                # (the final graph_summary per encoder) go where the view's lines go, not
-                # across the terminal after it, and the final frame shows the closed bus.
-                bus.close()
-        statistics = bus.statistics()
+        with _signals(bus, options) as (sigterm, ctrl_c):
+            bus.add_sink(LogSink(sample_every=options.log_sample_every, bus=bus))
+            # Sinks the environment asks for, as in the vLLM plugin, beyond the event log and
+            # the OpenTelemetry export, which come from the demo's own options.
+            for sink in build_sinks(bus, os.environ, exclude=_OWN_SINKS):
+                bus.add_sink(sink)
+            # Adapters emit only when called, so the sinks below still see every event.
+            encoders = _Encoders(options, bus, device, dtype, backends)
+            progress = _Progress(options.requests, options.duration_s)
+            with _otlp_export(bus, say, options.prometheus_port) as export:
+                # A fresh log per run, so the log holds exactly this run's events; created only
+                # once every setting has been read (the sinks above, OTEL_*), so a start that
+                # fails on one leaves the previous run's log as it was.
+                jsonl = JsonlSink(options.events_log, bus=bus, fresh=True)
+                say(f"{LOG_STARTED}{jsonl.path.resolve()}")
+                bus.add_sink(jsonl)
+                board = BusBoard(
+                    bus,
+                    title=f"omnitrace demo · {backend_name} backend on {device.type}",
+                    footer=lambda: [*encoders.footer(), *export.status()],
+                    progress=progress.lines,
+                )
+                start = progress.start = time.monotonic()
+                with (
+                    _progress(options, console, board, progress, sigterm) as advance,
+                    torch.no_grad(),
+                ):
+                    served, interrupted = _drive(options, encoders, advance, start, ctrl_c)
+                    progress.end = time.monotonic()
+                    elapsed = progress.end - start
+                    # Closed while the view still holds stderr: the log lines the close writes
+                    # (the final graph_summary per encoder) go where the view's lines go, not
+                    # across the terminal after it, and the final frame shows the closed bus.
+                    bus.close()
+            statistics = bus.statistics()
     finally:
-        bus.close()
-        # Restored only once the bus is closed: a SIGTERM during the close still counts.
-        if restore_sigterm is not None:
-            restore_sigterm()
-        sigint.__exit__(None, None, None)
-        sigterm.__exit__(None, None, None)
         if jsonl is not None:
             jsonl.close()
     return DemoResult(
@@ -550,6 +533,36 @@ def _run(
         otlp_error=export.error,
         otlp_endpoints=export.endpoints,
     )
+
+
+@contextlib.contextmanager
+def _signals(bus: EventBus, options: DemoOptions) -> Iterator[tuple[SigtermExit, threading.Event]]:
+    """Handle SIGTERM and Ctrl-C for the run; yield the SIGTERM handler and the event Ctrl-C
+    sets. At the end, ``bus`` is closed before the handlers are restored."""
+    # Beneath the bus's handler: after the close, it takes the live view down (the cursor
+    # shown again) and writes the bus's line on the terminal before the process ends.
+    sigterm = SigtermExit(log_file=options.log_file is not None).__enter__()
+    # SIGTERM (a supervisor stopping the demo) would otherwise lose the queued events
+    # unrecorded: close the bus within a bound, log the loss, then terminate as asked.
+    restore_sigterm = (
+        bus.close_on_signal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
+    # Ctrl-C sets an event the traffic loop checks between two requests: never raised
+    # inside an adapter, the bus or a sink, and one more during the close does not cut it.
+    ctrl_c = threading.Event()
+    sigint = signals_set(ctrl_c, signal.SIGINT)
+    sigint.__enter__()
+    try:
+        yield sigterm, ctrl_c
+    finally:
+        bus.close()
+        # Restored only once the bus is closed: a SIGTERM during the close still counts.
+        if restore_sigterm is not None:
+            restore_sigterm()
+        sigint.__exit__(None, None, None)
+        sigterm.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

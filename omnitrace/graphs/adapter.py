@@ -74,6 +74,61 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
+def _checked(
+    forward: Callable[..., Any],
+    name: str,
+    config: EncoderGraphConfig | None,
+    bus: EventBus | None,
+    backend: GraphBackend | None,
+    vllm_config: Any,
+) -> tuple[EncoderGraphConfig, GraphBackend, tuple[str, ...]]:
+    """Check an adapter's arguments; return its config (the default for None), its backend
+    (selected for None) and the backend's error modes."""
+    if not callable(forward):
+        raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+    check_name("name", name)
+    if config is None:
+        config = EncoderGraphConfig()
+    elif not isinstance(config, EncoderGraphConfig):
+        raise TypeError(f"config must be an EncoderGraphConfig, got {type(config).__name__}")
+    if bus is not None and not isinstance(bus, EventBus):
+        raise TypeError(f"bus must be an EventBus, got {type(bus).__name__}")
+    if backend is None:
+        from omnitrace.graphs.backends.select import select_backend
+
+        backend = select_backend(vllm_config)
+    modes = tuple(getattr(backend, "error_modes", ("global",)))
+    if config.background_capture:
+        check_backend(backend.name, modes)
+    if config.background_capture and config.compile:
+        logger.warning(
+            "omnitrace: %r compiles on its preparation thread; while it does, a "
+            "torch.compile'd function called on another thread raises (PyTorch's FX "
+            "tracing flag is process-wide). Use background compiled capture only where no "
+            "other thread calls compiled code.",
+            name,
+        )
+    return config, backend, modes
+
+
+def _registered_settings(config: EncoderGraphConfig, backend: GraphBackend) -> dict[str, Any]:
+    """The settings an adapter registers on its bus."""
+    return {
+        "enabled": config.enabled,
+        "max_graphs": config.max_graphs,
+        "min_capture_calls": config.min_capture_calls,
+        "min_free_bytes": config.min_free_bytes,
+        "pool_budget_bytes": config.pool_budget_bytes,
+        "share_pools": config.share_pools,
+        "compile": config.compile,
+        "background_capture": config.background_capture,
+        "device_timing": config.device_timing,
+        "skip_profiling": config.skip_profiling,
+        "backend": backend.name,
+        "simulated": backend.simulated,
+    }
+
+
 class EncoderCudaGraph:
     """Replay one CUDA graph per exact input signature of an encoder forward.
 
@@ -107,30 +162,7 @@ class EncoderCudaGraph:
         backend: GraphBackend | None = None,
         vllm_config: Any = None,
     ) -> None:
-        if not callable(forward):
-            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
-        check_name("name", name)
-        if config is None:
-            config = EncoderGraphConfig()
-        elif not isinstance(config, EncoderGraphConfig):
-            raise TypeError(f"config must be an EncoderGraphConfig, got {type(config).__name__}")
-        if bus is not None and not isinstance(bus, EventBus):
-            raise TypeError(f"bus must be an EventBus, got {type(bus).__name__}")
-        if backend is None:
-            from omnitrace.graphs.backends.select import select_backend
-
-            backend = select_backend(vllm_config)
-        modes = tuple(getattr(backend, "error_modes", ("global",)))
-        if config.background_capture:
-            check_backend(backend.name, modes)
-        if config.background_capture and config.compile:
-            logger.warning(
-                "omnitrace: %r compiles on its preparation thread; while it does, a "
-                "torch.compile'd function called on another thread raises (PyTorch's FX "
-                "tracing flag is process-wide). Use background compiled capture only where no "
-                "other thread calls compiled code.",
-                name,
-            )
+        config, backend, modes = _checked(forward, name, config, bus, backend, vllm_config)
         self._forward = forward
         self.name = name
         self.config = config
@@ -184,23 +216,7 @@ class EncoderCudaGraph:
             warm_up=lambda inputs: owner.backend.warm_up(owner._capture_forward(), inputs),
         )
         if bus is not None:
-            bus.register_adapter(
-                name,
-                {
-                    "enabled": config.enabled,
-                    "max_graphs": config.max_graphs,
-                    "min_capture_calls": config.min_capture_calls,
-                    "min_free_bytes": config.min_free_bytes,
-                    "pool_budget_bytes": config.pool_budget_bytes,
-                    "share_pools": config.share_pools,
-                    "compile": config.compile,
-                    "background_capture": config.background_capture,
-                    "device_timing": config.device_timing,
-                    "skip_profiling": config.skip_profiling,
-                    "backend": backend.name,
-                    "simulated": backend.simulated,
-                },
-            )
+            bus.register_adapter(name, _registered_settings(config, backend))
 
     # -- public introspection -------------------------------------------------------------
 

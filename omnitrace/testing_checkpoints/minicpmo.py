@@ -210,10 +210,37 @@ def _write_minicpmo(transformers: Any, directory: Path, sizes: MiniCPMOSizes) ->
         chat_template=_CHAT_TEMPLATE,
     )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MINICPMO_SPECIAL_TOKENS}
+    vocab_size = padded(len(tokenizer)) if sizes.text_vocab is None else sizes.text_vocab
+    _save_config(transformers, configuration_minicpmo, directory, sizes, vocab_size, ids)
+    _amend(directory / "config.json", auto_map=_AUTO_CONFIG)
+
+    tokenizer.save_pretrained(directory)
+    _amend(
+        directory / "tokenizer_config.json",
+        auto_map=_AUTO_TOKENIZER,
+        tokenizer_class="MiniCPMOTokenizerFast",
+    )
+
+    _save_processor_config(transformers, image_processing_minicpmo, directory, sizes)
+    _dump(
+        directory / "generation_config.json",
+        {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+    )
+
+
+def _save_config(
+    transformers: Any,
+    configuration_minicpmo: Any,
+    directory: Path,
+    sizes: MiniCPMOSizes,
+    vocab_size: int,
+    ids: dict[str, int],
+) -> None:
+    """Save the model's config.json: the language model and the vision and audio towers."""
     text_head_dim = sizes.text_hidden // sizes.text_heads
     with quiet(transformers):
         config = configuration_minicpmo.MiniCPMOConfig(
-            vocab_size=padded(len(tokenizer)) if sizes.text_vocab is None else sizes.text_vocab,
+            vocab_size=vocab_size,
             hidden_size=sizes.text_hidden,
             intermediate_size=sizes.text_intermediate,
             num_hidden_layers=sizes.text_layers,
@@ -257,15 +284,12 @@ def _write_minicpmo(transformers: Any, directory: Path, sizes: MiniCPMOSizes) ->
         )
         config.architectures = ["MiniCPMO"]
         config.save_pretrained(directory)
-    _amend(directory / "config.json", auto_map=_AUTO_CONFIG)
 
-    tokenizer.save_pretrained(directory)
-    _amend(
-        directory / "tokenizer_config.json",
-        auto_map=_AUTO_TOKENIZER,
-        tokenizer_class="MiniCPMOTokenizerFast",
-    )
 
+def _save_processor_config(
+    transformers: Any, image_processing_minicpmo: Any, directory: Path, sizes: MiniCPMOSizes
+) -> None:
+    """Save processor_config.json: the image processor and the Whisper feature extractor."""
     image_processor = image_processing_minicpmo.MiniCPMOImageProcessor(
         max_slice_nums=sizes.max_slice_nums,
         scale_resolution=448,
@@ -288,10 +312,6 @@ def _write_minicpmo(transformers: Any, directory: Path, sizes: MiniCPMOSizes) ->
             },
             "feature_extractor": feature_extractor.to_dict(),
         },
-    )
-    _dump(
-        directory / "generation_config.json",
-        {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
     )
 
 

@@ -184,11 +184,32 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
     )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN2_5_OMNI_SPECIAL_TOKENS}
     vocab_size = _padded(len(tokenizer)) if sizes.text_vocab is None else sizes.text_vocab
+    thinker = _thinker_config(configs, sizes, ids, vocab_size)
+    talker = _talker_config(configs, ids)
+    with quiet(transformers):
+        config = configs.Qwen2_5OmniConfig(
+            thinker_config=thinker, talker_config=talker, enable_audio_output=False
+        )
+    config.architectures = ["Qwen2_5OmniModel"]
+    with quiet(transformers):
+        config.save_pretrained(directory)
+
+    _save_processor(transformers, directory, tokenizer)
+    tokenizer.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}) + "\n"
+    )
+
+
+def _thinker_config(
+    configs: Any, sizes: Qwen2_5OmniSizes, ids: dict[str, int], vocab_size: int
+) -> Any:
+    """The thinker's configuration: the text model and the vision and audio encoders."""
     text_head_dim = sizes.text_hidden // sizes.text_heads
     eighth = text_head_dim // 16
     # Temporal, height, width sections of the rotary half-dim (32 for head dim 64).
     mrope_section = [2 * eighth, 3 * eighth, 3 * eighth]
-    thinker = configs.Qwen2_5OmniThinkerConfig(
+    return configs.Qwen2_5OmniThinkerConfig(
         text_config=configs.Qwen2_5OmniTextConfig(
             vocab_size=vocab_size,
             hidden_size=sizes.text_hidden,
@@ -240,8 +261,12 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    # The talker (speech output) is not served; its token ids must still lie in the vocabulary.
-    talker = configs.Qwen2_5OmniTalkerConfig(
+
+
+def _talker_config(configs: Any, ids: dict[str, int]) -> Any:
+    """The talker's configuration: speech output is not served, but its token ids must
+    still lie in the vocabulary."""
+    return configs.Qwen2_5OmniTalkerConfig(
         **{
             name: ids[token]
             for name, token in (
@@ -258,14 +283,10 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
             )
         }
     )
-    with quiet(transformers):
-        config = configs.Qwen2_5OmniConfig(
-            thinker_config=thinker, talker_config=talker, enable_audio_output=False
-        )
-    config.architectures = ["Qwen2_5OmniModel"]
-    with quiet(transformers):
-        config.save_pretrained(directory)
 
+
+def _save_processor(transformers: Any, directory: Path, tokenizer: Any) -> None:
+    """Save the processor: images, audio features, the tokenizer, video where it imports."""
     image_processor = transformers.Qwen2VLImageProcessor(
         patch_size=14,
         merge_size=2,
@@ -287,10 +308,6 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
         processor_parts["video_processor"] = video_processor
     processor = transformers.Qwen2_5OmniProcessor(**processor_parts)
     processor.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    (directory / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}) + "\n"
-    )
 
 
 def _video_processor(transformers: Any) -> Any:
