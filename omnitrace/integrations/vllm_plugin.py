@@ -437,6 +437,12 @@ def pause_graphs(worker: Any = None, paused: bool = True) -> int:
     return len(adapters)
 
 
+def graphs_paused(worker: Any = None) -> dict[str, bool]:
+    """Whether each adapter attached in this process has its graphs paused, by name (the
+    worker first and unused, as :func:`pause_graphs` takes it)."""
+    return {adapter.name: adapter.graphs_paused for adapter in list(_attached)}
+
+
 def time_requests(worker: Any = None, enabled: bool = True) -> bool:
     """Switch this process's per-request timing off or on; return whether it was on.
 

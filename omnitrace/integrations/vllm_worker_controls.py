@@ -1,0 +1,63 @@
+"""omnitrace's run-time switches as methods of vLLM's workers, so ``collective_rpc`` reaches
+them by name (``vllm serve --worker-extension-cls``; docs/vllm.md, "Switching graphs off and
+on in a running server")."""
+
+from __future__ import annotations
+
+from omnitrace.integrations.vllm_plugin import graphs_paused, pause_graphs, time_requests
+
+#: The value of ``--worker-extension-cls`` that adds these methods to vLLM's workers.
+QUALNAME = "omnitrace.integrations.vllm_worker_controls.WorkerControls"
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` as a bool: a JSON ``true``/``false`` or one of the words ``true``, ``1``,
+    ``yes``, ``on``, ``false``, ``0``, ``no``, ``off`` (any case), as vLLM's
+    ``/collective_rpc`` endpoint hands its ``args`` on unconverted.
+
+    Raises:
+        ValueError: anything else, naming ``name`` and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    raise ValueError(f"{name}: expected true or false, got {value!r}")
+
+
+class WorkerControls:
+    """Methods vLLM mixes into each worker when started with
+    ``--worker-extension-cls omnitrace.integrations.vllm_worker_controls.WorkerControls``;
+    with ``VLLM_SERVER_DEV_MODE=1`` its ``POST /collective_rpc`` calls them by name, e.g.
+    ``{"method": "omnitrace_pause_graphs", "args": [true]}``."""
+
+    def omnitrace_pause_graphs(self, paused: object = True) -> int:
+        """Pause (``true``) or resume (``false``) the graphs of every adapter in this worker;
+        return how many adapters that was. Paused calls run eagerly as ``ineligible`` misses,
+        detail ``paused``; graphs, history and pools are kept.
+
+        Raises:
+            ValueError: ``paused`` is neither true nor false.
+        """
+        return pause_graphs(self, flag(paused, "paused"))
+
+    def omnitrace_graphs_paused(self) -> dict[str, bool]:
+        """Whether each adapter attached in this worker has its graphs paused, by name."""
+        return graphs_paused(self)
+
+    def omnitrace_time_requests(self, enabled: object = True) -> bool:
+        """Switch this worker's per-request timing (its encoder-step hooks) on or off; return
+        whether it was on. The API server's hooks are switched by ``OMNITRACE_REQUESTS`` at
+        start-up only.
+
+        Raises:
+            ValueError: ``enabled`` is neither true nor false.
+        """
+        return time_requests(self, flag(enabled, "enabled"))

@@ -1,0 +1,102 @@
+"""Graphs switched off and on in a running ``vllm serve``, by name, through vLLM's
+``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) and omnitrace's worker extension."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
+
+from engine.engine_run import image
+from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.test_qwen2_5_omni_serve import Server
+from omnitrace.integrations.vllm_worker_controls import QUALNAME
+from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command
+
+pytestmark = pytest.mark.engine
+
+
+def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Paused, every adapter of the worker says so and the server keeps serving (on a CPU its
+    calls are ``ineligible`` misses, detail ``cpu``, either way; the H200 benchmark checks the
+    ``paused`` misses); a value that is not a flag is refused with omnitrace's message and
+    changes nothing; resumed, none is paused."""
+    import httpx
+    import openai
+
+    port = free_port()
+    env = engine_environment(
+        OMNITRACE_EVENTS_LOG=str(tmp_path / "events-{rank}.jsonl"), VLLM_SERVER_DEV_MODE="1"
+    )
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    command = serve_command(
+        checkpoint,
+        port,
+        max_model_len=2048,
+        max_num_seqs=4,
+        hf_overrides={},
+        extra=("--worker-extension-cls", QUALNAME),
+    )
+    output = tmp_path / "serve.log"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            command, env=env, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT
+        )
+    server = Server(process, port, output, tmp_path / "events-0.jsonl")
+    try:
+        server.wait_ready(ENGINE_TIMEOUT_S)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
+        model = client.models.list().data[0].id
+
+        def ask(seed: int) -> None:
+            picture = data_url("image/png", png(image(seed, 252, 252)))
+            reply = client.chat.completions.create(
+                model=model,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": picture}},
+                            {"type": "text", "text": "Describe it."},
+                        ],
+                    }
+                ],
+                max_tokens=2,
+                temperature=0.0,
+            )
+            assert reply.choices[0].finish_reason in ("length", "stop")
+
+        def rpc(method: str, *args: Any) -> Any:
+            response = httpx.post(
+                f"{server.base_url}/collective_rpc",
+                json={"method": method, "args": list(args)},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            (result,) = response.json()["results"]  # one worker
+            return result
+
+        ask(1)
+        assert rpc("omnitrace_graphs_paused") == {"vision": False, "audio": False}
+        assert rpc("omnitrace_pause_graphs", True) == "2"
+        assert rpc("omnitrace_graphs_paused") == {"vision": True, "audio": True}
+        ask(2)
+        refused = httpx.post(
+            f"{server.base_url}/collective_rpc",
+            json={"method": "omnitrace_pause_graphs", "args": ["perhaps"]},
+            timeout=60,
+        )
+        assert refused.status_code >= 400, refused.text
+        assert "paused: expected true or false, got 'perhaps'" in refused.text + server.text()
+        assert rpc("omnitrace_graphs_paused") == {"vision": True, "audio": True}
+        assert rpc("omnitrace_pause_graphs", "false") == "2"
+        assert rpc("omnitrace_graphs_paused") == {"vision": False, "audio": False}
+        ask(3)
+    finally:
+        server.stop()
