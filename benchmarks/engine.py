@@ -18,7 +18,9 @@ configuration                 what
                               every encoder call eager (the adapter only times it), vLLM's own
                               language-model graphs on
 ``omnitrace``                 exact-shape graphs, default settings (Qwen2.5-Omni's audio tower
-                              through the masked attention, without which it cannot graph)
+                              through the masked attention, without which it cannot graph);
+                              after its passes, each kind in pairs, graphs switched off and
+                              on through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`)
 ``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``
 ``omnitrace+budget``          the graphs' count set by a pool budget instead of the default
                               four: ``encoder_cuda_graph_pool_budget_bytes`` 2 GiB per encoder
@@ -79,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import engine_phases
+from benchmarks import engine_phases, served_pairs
 from benchmarks.common import (
     BenchmarkFailedError,
     Context,
@@ -115,6 +117,9 @@ class Configuration:
     plugin: bool = True
     #: Environment variables of the server (``OMNITRACE_REQUESTS``, say).
     env: dict[str, str] = field(default_factory=dict)
+    #: After its passes, serve eager and graphed requests in pairs, switching the graphs
+    #: through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`).
+    paired: bool = False
 
 
 #: The repeated baseline's configuration name.
@@ -130,7 +135,7 @@ def configurations(model_kind: str) -> list[Configuration]:
         graphs["encoder_cuda_graph_audio_attention"] = "masked"
     return [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
-        Configuration("omnitrace", dict(graphs)),
+        Configuration("omnitrace", dict(graphs), paired=True),
         Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
         Configuration(
             BUDGET,
@@ -285,6 +290,8 @@ def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[
         # One log per worker: each rank of a tensor-parallel engine writes its own.
         env["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}-{pid}.jsonl")
     env.update(config.env)
+    if config.paired:
+        env.update(served_pairs.EXTENSION_ENV)
     if cuda:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     else:
@@ -336,6 +343,7 @@ def serving(
             ),
             *(("--trust-remote-code",) if trust_remote_code else ()),
             *(("--tensor-parallel-size", str(tp)) if tp > 1 else ()),
+            *(served_pairs.EXTENSION_ARGS if config.paired else ()),
         ),
     )
     output = out / "serve.log"
@@ -805,8 +813,12 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
                 passes.append(measured)
                 if concurrency == 1 and config.plugin:
                     device_s_c1 = _device_s_since(server.events, skip)
+            # Hits after the warm-up count the measured passes only, not the pairs.
             figures = event_figures(server.events)
             after_warmup = hits_since(server.events, warmed) if config.plugin else None
+            pairs = None
+            if config.paired:
+                pairs = _served_pairs(ctx, server, kinds)
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
             row = {
                 "ready_s": ready_s,
@@ -848,10 +860,63 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
                 table, problems = engine_phases.phase_table(p.completions, views)
                 row["event_phases"][f"c{p.concurrency}"] = table
                 row["event_problems"] += [f"c{p.concurrency} {x}" for x in problems]
+            if pairs is not None:
+                row["served_pairs"] = _pair_outcomes(pairs, views)
         entry["configurations"][config.name] = row
         write_partial(ctx, NAME, {**result, "models": {**result["models"], model_kind: entry}})
         ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
     return entry
+
+
+def _served_pairs(ctx: Context, server: Server, kinds: Sequence[RequestKind]) -> dict[str, Any]:
+    """Eager and graphed requests of each kind in pairs, one at a time, in this server."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=600
+    )
+    model = client.models.list().data[0].id
+    ctx.log(f"  {server.config.name}: graphs off and on in pairs (served_pairs)")
+    base_url = f"http://127.0.0.1:{server.port}"
+    pairs = served_pairs.run(
+        base_url,
+        kinds,
+        lambda kind, seed: _one(client, model, kind, seed, 1),
+        pairs=ctx.pick(8, 2, 1),
+        seed=300_000,
+    )
+    ctx.log(f"  {server.config.name}: request timing off and on in rounds (served_pairs)")
+    pairs["timing_cost"] = served_pairs.timing_cost(
+        base_url,
+        kinds,
+        lambda kind, seed: _one(client, model, kind, seed, 4),
+        rounds=ctx.pick(8, 2, 1),
+        seed=400_000,
+    )
+    return pairs
+
+
+def _pair_outcomes(pairs: dict[str, Any], views: dict[str, Any]) -> dict[str, Any]:
+    """The pairs' summaries and, per half, the outcomes of the encoder calls that served its
+    requests (from the request events): every paused call must be ``miss ineligible/paused``
+    where graphs capture at all."""
+    outcomes: dict[str, dict[str, int]] = {"eager": {}, "graphed": {}}
+    missing = 0
+    for sent in pairs["requests"]:
+        view = views.get(sent["request_id"])
+        if view is None:
+            missing += 1
+            continue
+        half = outcomes["eager" if sent["paused"] else "graphed"]
+        for step in view.steps:
+            for call in step.calls:
+                half[call["outcome"]] = half.get(call["outcome"], 0) + 1
+    return {
+        "kinds": pairs["kinds"],
+        "encoder_calls": outcomes,
+        "without_event": missing,
+        "timing_cost": pairs.get("timing_cost"),
+    }
 
 
 def offline_enabled() -> bool:

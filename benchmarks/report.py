@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import served_pairs
 from benchmarks.suites import BENCHMARKS, SUITES
 from benchmarks.table import Table
 
@@ -708,7 +709,7 @@ def _engine(result: dict[str, Any]) -> list[Table]:
                 notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
         engines.note = " ".join(notes)
         tables += [ttft, engines, *_engine_phases(model, configs)]
-        tables += [*_event_phases(model, configs), *_offline(model)]
+        tables += [*_event_phases(model, configs), *_offline(model), *served_pairs.tables(model)]
     return tables
 
 

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -1048,3 +1049,136 @@ def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyP
     assert [c.name for c in engine.chosen_configurations("minicpmo")] == [
         c.name for c in engine.configurations("minicpmo")
     ]
+
+
+def _fake_workers(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[tuple[Any, ...]]:
+    """served_pairs.rpc answered by one fake worker with a vision and an audio adapter."""
+    from benchmarks import served_pairs
+
+    calls: list[tuple[Any, ...]] = []
+    state = {"paused": False}
+
+    def rpc(base_url: str, method: str, *args: Any) -> list[Any]:
+        calls.append((method, *args))
+        if method == "omnitrace_pause_graphs":
+            state["paused"] = bool(args[0])
+            return ["2"]
+        if answer is not None:
+            return list(answer)
+        return [{"vision": state["paused"], "audio": state["paused"]}]
+
+    monkeypatch.setattr(served_pairs, "rpc", rpc)
+    return calls
+
+
+def test_served_pairs_alternate_the_halves_and_resume_the_graphs_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import served_pairs
+
+    calls = _fake_workers(monkeypatch)
+    kinds = [SimpleNamespace(name="image"), SimpleNamespace(name="audio")]
+    order: list[tuple[str, bool]] = []
+
+    def ask(kind: Any, seed: int) -> Any:
+        paused = calls[-2][1]  # the pause that preceded this request's state read
+        order.append((kind.name, paused))
+        return SimpleNamespace(ttft_s=0.100 if paused else 0.080, request_id=f"r{seed}")
+
+    result = served_pairs.run("http://x", kinds, ask, pairs=2, seed=10)
+    assert order == [
+        ("image", True), ("image", False), ("audio", False), ("audio", True),
+        ("image", False), ("image", True), ("audio", True), ("audio", False),
+    ]  # fmt: skip
+    assert calls[-1] == ("omnitrace_pause_graphs", False)
+    row = result["kinds"]["image"]
+    assert row["pairs"] == 2
+    assert row["diff_median_ms"] == pytest.approx(-20.0)
+    assert row["graphed_faster"] == 2
+    assert [r["request_id"] for r in result["requests"]] == [f"r{10 + i}" for i in range(8)]
+    table = served_pairs.tables(
+        {
+            "name": "M",
+            "configurations": {
+                "omnitrace": {
+                    "served_pairs": {
+                        **result,
+                        "encoder_calls": {"eager": {"miss ineligible/paused": 4}, "graphed": {}},
+                        "without_event": 1,
+                    }
+                },
+                "eager": {},
+            },
+        }
+    )
+    (only,) = table
+    assert [r[0] for r in only.rows] == ["image", "audio"]
+    assert only.rows[0][1:3] == ["100", "80"]
+    assert "eager halves: miss ineligible/paused 4" in only.note
+    assert "graphed halves: none" in only.note
+    assert "1 requests without an event" in only.note
+
+
+def test_served_pairs_resume_the_graphs_when_a_request_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import served_pairs
+
+    calls = _fake_workers(monkeypatch)
+
+    def ask(kind: Any, seed: int) -> Any:
+        raise RuntimeError("the server died")
+
+    with pytest.raises(RuntimeError, match="the server died"):
+        served_pairs.run("http://x", [SimpleNamespace(name="image")], ask, pairs=1, seed=0)
+    assert calls[-1] == ("omnitrace_pause_graphs", False)
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ([{"vision": True, "audio": False}], "asked for paused=True"),
+        ([{}], "has no encoder adapter"),
+        ([{"vision": True}, {"vision": False}], "asked for paused=True"),
+    ],
+)
+def test_served_pairs_refuse_a_switch_the_workers_did_not_make(
+    monkeypatch: pytest.MonkeyPatch, answer: list[Any], message: str
+) -> None:
+    from benchmarks import served_pairs
+
+    _fake_workers(monkeypatch, answer)
+    with pytest.raises(served_pairs.SwitchError, match=message):
+        served_pairs.switch("http://x", True)
+
+
+def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import served_pairs
+
+    switched: list[bool] = []
+    monkeypatch.setattr(served_pairs, "time_requests", lambda url, on: switched.append(on))
+    seeds: list[int] = []
+
+    def ask(kind: Any, seed: int) -> Any:
+        seeds.append(seed)
+        return SimpleNamespace(ttft_s=0.01, request_id=str(seed))
+
+    kinds = [SimpleNamespace(name="image"), SimpleNamespace(name="audio")]
+    cost = served_pairs.timing_cost("http://x", kinds, ask, rounds=3, seed=50, batch=4)
+    assert switched == [False, True, True, False, False, True, True]
+    assert sorted(seeds) == list(range(50, 50 + 3 * 2 * 4))
+    assert cost["rounds"] == 3
+    assert cost["batch"] == 4
+    assert len(cost["off_rps"]) == len(cost["on_rps"]) == 3
+    assert min(cost["off_rps"] + cost["on_rps"]) > 0
+
+    switched.clear()
+
+    def broken(kind: Any, seed: int) -> Any:
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        served_pairs.timing_cost("http://x", kinds, broken, rounds=1, seed=0, batch=2)
+    assert switched == [False, True]

@@ -94,6 +94,24 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
                 assert phases["prefill"] > 0, (where, phases)
                 assert phases["rendering"] > 0, (where, phases)
                 assert phases["queue"] >= 0, (where, phases)
+        # The graphed server also served each kind in pairs, its graphs switched through
+        # /collective_rpc before each request; every paired request has its event.
+        pairs = model["configurations"]["omnitrace"]["served_pairs"]
+        assert set(pairs["kinds"]) == set(model["kinds"]), model_kind
+        assert all(row["pairs"] == 1 for row in pairs["kinds"].values()), model_kind
+        assert pairs["without_event"] == 0, (model_kind, pairs)
+        for half, calls in pairs["encoder_calls"].items():
+            assert sum(calls.values()) >= len(model["kinds"]), (model_kind, half, calls)
+            if not CUDA:
+                assert set(calls) == {"miss ineligible/cpu"}, (model_kind, half, calls)
+            elif half == "eager":
+                assert set(calls) == {"miss ineligible/paused"}, (model_kind, calls)
+        # Request timing off and on in the same server, in rounds of a batch each way.
+        cost = pairs["timing_cost"]
+        assert cost["rounds"] == 1, (model_kind, cost)
+        assert len(cost["off_rps"]) == len(cost["on_rps"]) == 1, (model_kind, cost)
+        assert min(cost["off_rps"] + cost["on_rps"]) > 0, (model_kind, cost)
+        assert "served_pairs" not in model["configurations"]["eager"], model_kind
         assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
         assert model["configurations"]["eager-again"]["parity_with_eager"] is True, model_kind
         graphs = model["configurations"]["omnitrace"]["graphs"]

@@ -1,0 +1,213 @@
+"""Graphs off and on inside one ``vllm serve``: paired requests of each kind, switched through
+vLLM's ``/collective_rpc`` and omnitrace's worker extension, so the machine's drift hits both
+halves of every pair (docs/vllm.md, "Switching graphs off and on in a running server")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from benchmarks.paired import COST_BATCH, cost_summary, paired_summary
+from benchmarks.table import Table
+
+#: What the server's command line and environment need for the switch.
+EXTENSION_ARGS = (
+    "--worker-extension-cls",
+    "omnitrace.integrations.vllm_worker_controls.WorkerControls",
+)
+EXTENSION_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+class SwitchError(RuntimeError):
+    """The server did not switch its graphs as asked."""
+
+
+def rpc(base_url: str, method: str, *args: Any) -> list[Any]:
+    """Call ``method`` of every worker through ``POST /collective_rpc``; one result a worker.
+
+    Raises:
+        SwitchError: the server answered anything but 200 with results.
+    """
+    import httpx
+
+    response = httpx.post(
+        f"{base_url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=120
+    )
+    if response.status_code != 200:
+        raise SwitchError(f"{method}: HTTP {response.status_code}: {response.text[:300]}")
+    results = response.json().get("results")
+    if not isinstance(results, list) or not results:
+        raise SwitchError(f"{method}: no results in {response.text[:300]}")
+    return results
+
+
+def switch(base_url: str, paused: bool) -> None:
+    """Pause or resume every worker's graphs, then read the state back.
+
+    Raises:
+        SwitchError: a worker has no adapter, or one of them is not in the state asked for.
+    """
+    rpc(base_url, "omnitrace_pause_graphs", paused)
+    states = rpc(base_url, "omnitrace_graphs_paused")
+    if any(not isinstance(s, dict) or not s for s in states):
+        raise SwitchError(f"a worker has no encoder adapter: {states}")
+    wrong = [s for s in states if any(v is not paused for v in s.values())]
+    if wrong:
+        raise SwitchError(f"asked for paused={paused}, the workers say {states}")
+
+
+def run(
+    base_url: str,
+    kinds: Sequence[Any],
+    ask: Callable[[Any, int], Any],
+    *,
+    pairs: int,
+    seed: int,
+) -> dict[str, Any]:
+    """``pairs`` pairs of each kind, one request at a time: eager (paused) and graphed back to
+    back, the order alternating from pair to pair and kind to kind. ``ask(kind, seed)`` sends
+    one request and returns its completion (``ttft_s``, ``request_id``).
+
+    Returns:
+        per kind, :func:`benchmarks.paired.paired_summary` of the TTFTs; ``requests``: each
+        request's kind, whether it was paused and its id, in the order sent.
+    """
+    times: dict[str, dict[bool, list[float]]] = {k.name: {True: [], False: []} for k in kinds}
+    sent: list[dict[str, Any]] = []
+    try:
+        for round_ in range(pairs):
+            for index, kind in enumerate(kinds):
+                order = (True, False) if (round_ + index) % 2 == 0 else (False, True)
+                for paused in order:
+                    switch(base_url, paused)
+                    done = ask(kind, seed + len(sent))
+                    times[kind.name][paused].append(done.ttft_s)
+                    sent.append(
+                        {"kind": kind.name, "paused": paused, "request_id": done.request_id}
+                    )
+    finally:
+        rpc(base_url, "omnitrace_pause_graphs", False)
+    return {
+        "kinds": {
+            name: paired_summary(halves[True], halves[False]) for name, halves in times.items()
+        },
+        "requests": sent,
+    }
+
+
+def time_requests(base_url: str, enabled: bool) -> None:
+    """Switch request timing in the API server (omnitrace's route) and in every worker.
+
+    Raises:
+        SwitchError: either refused.
+    """
+    import httpx
+
+    from omnitrace.integrations.vllm_requests import TIMING_ROUTE
+
+    response = httpx.post(f"{base_url}{TIMING_ROUTE}", json={"enabled": enabled}, timeout=120)
+    if response.status_code != 200 or response.json().get("enabled") is not enabled:
+        raise SwitchError(f"{TIMING_ROUTE}: HTTP {response.status_code}: {response.text[:300]}")
+    rpc(base_url, "omnitrace_time_requests", enabled)
+
+
+def timing_cost(
+    base_url: str,
+    kinds: Sequence[Any],
+    ask: Callable[[Any, int], Any],
+    *,
+    rounds: int,
+    seed: int,
+    batch: int = COST_BATCH,
+) -> dict[str, Any]:
+    """Request timing's cost: each round a batch of ``batch`` requests in flight with timing
+    off and one with it on, the order alternating, graphs on; requests/s of each batch.
+
+    Returns:
+        :func:`benchmarks.paired.cost_summary` of the rounds, with each batch's rate.
+    """
+    import concurrent.futures
+
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    sent = 0
+    try:
+        for round_ in range(rounds):
+            for on in (False, True) if round_ % 2 == 0 else (True, False):
+                time_requests(base_url, on)
+                chosen = [kinds[(sent + i) % len(kinds)] for i in range(batch)]
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+                    done = [
+                        pool.submit(ask, kind, seed + sent + i) for i, kind in enumerate(chosen)
+                    ]
+                    for future in done:
+                        future.result()
+                rates[on].append(batch / (time.perf_counter() - start))
+                sent += batch
+    finally:
+        time_requests(base_url, True)
+    return {
+        **cost_summary(rates[False], rates[True]),
+        "batch": batch,
+        "off_rps": rates[False],
+        "on_rps": rates[True],
+    }
+
+
+def tables(model: dict[str, Any]) -> list[Table]:
+    """The served pairs of a model's configurations, as the engine report shows them."""
+    from benchmarks.paired import diff_text
+
+    found = []
+    for name, config in model.get("configurations", {}).items():
+        pairs = config.get("served_pairs")
+        if not pairs:
+            continue
+        table = Table(
+            f"{model['name']}: {name}, graphs off and on inside one vllm serve (TTFT, ms)",
+            [
+                "request kind",
+                "eager p50",
+                "graphed p50",
+                "paired diff median (IQR)",
+                "median %",
+                "graphed faster",
+            ],
+        )
+        for kind, r in pairs["kinds"].items():
+            table.rows.append(
+                [
+                    kind,
+                    f"{r['eager_p50_ms']:,.0f}",
+                    f"{r['graphed_p50_ms']:,.0f}",
+                    diff_text(r),
+                    f"{r['diff_median_pct']:+.1f} %",
+                    f"{r['graphed_faster']}/{r['pairs']}",
+                ]
+            )
+        calls = pairs["encoder_calls"]
+        table.note = (
+            "After the measured passes, one request at a time, the graphs switched through "
+            "/collective_rpc before each. Encoder calls of the eager halves: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(calls["eager"].items())) or "none")
+            + "; of the graphed halves: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(calls["graphed"].items())) or "none")
+            + (
+                f"; {pairs['without_event']} requests without an event"
+                if pairs["without_event"]
+                else ""
+            )
+            + "."
+        )
+        cost = pairs.get("timing_cost")
+        if cost:
+            table.note += (
+                f" Request timing's cost, same server: {cost['rounds']} rounds of a batch of "
+                f"{cost['batch']} requests in flight with timing off and one on, alternating: "
+                f"{cost['off_rps_p50']:.2f} requests/s off, {cost['on_rps_p50']:.2f} on, paired "
+                f"change {cost['change_median_pct']:+.1f} % (IQR {cost['change_q25_pct']:+.1f} "
+                f"… {cost['change_q75_pct']:+.1f} %)."
+            )
+        found.append(table)
+    return found
