@@ -310,9 +310,44 @@ def _wrap_update_stats(update: Callable[..., Any], bus_of: BusGetter) -> Callabl
     return update_stats_from_output
 
 
+#: The route that switches the API server's request timing, where vLLM's development
+#: endpoints are on (``VLLM_SERVER_DEV_MODE=1``).
+TIMING_ROUTE = "/omnitrace/request_timing"
+
+
+async def _timing_route(request: Any) -> Any:
+    """``POST {"enabled": true|false}``: switch this API server's request timing; answer the
+    new and the previous state. A body that is not such a flag gets a 400 and changes
+    nothing."""
+    from starlette.responses import JSONResponse
+
+    from omnitrace.integrations.vllm_worker_controls import flag
+
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ValueError(f"enabled: expected a JSON object, got {body!r}")
+        enabled = flag(body.get("enabled"), "enabled")
+    except ValueError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    return JSONResponse({"enabled": enabled, "was": set_request_timing(enabled)})
+
+
+def _add_timing_route(app: Any) -> None:
+    """Add :data:`TIMING_ROUTE` where vLLM adds its own development routes."""
+    import vllm.envs
+
+    if vllm.envs.VLLM_SERVER_DEV_MODE:
+        app.add_api_route(TIMING_ROUTE, _timing_route, methods=["POST"])
+
+
 def _wrap_build_app(build_app: Callable[..., Any]) -> Callable[..., Any]:
     def build_app_with_arrivals(*args: Any, **kwargs: Any) -> Any:
         app = build_app(*args, **kwargs)
+        try:
+            _add_timing_route(app)
+        except Exception as exc:
+            _report_missing(f"the request-timing route on the API server ({exc})")
         try:
             if getattr(app, "middleware_stack", None) is None:
                 app.add_middleware(_ArrivalStamp)

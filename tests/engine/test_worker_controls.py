@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 from engine.engine_run import image
 from engine.support import ENGINE_TIMEOUT_S, engine_environment
 from engine.test_qwen2_5_omni_serve import Server
+from omnitrace.integrations.vllm_requests import TIMING_ROUTE
 from omnitrace.integrations.vllm_worker_controls import QUALNAME
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command
 
@@ -26,7 +28,8 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
     """Paused, every adapter of the worker says so and the server keeps serving (on a CPU its
     calls are ``ineligible`` misses, detail ``cpu``, either way; the H200 benchmark checks the
     ``paused`` misses); a value that is not a flag is refused with omnitrace's message and
-    changes nothing; resumed, none is paused."""
+    changes nothing; resumed, none is paused. omnitrace's route beside vLLM's switches the
+    API server's request timing: the request served while it is off has no event."""
     import httpx
     import openai
 
@@ -54,7 +57,7 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         model = client.models.list().data[0].id
 
-        def ask(seed: int) -> None:
+        def ask(seed: int) -> str:
             picture = data_url("image/png", png(image(seed, 252, 252)))
             reply = client.chat.completions.create(
                 model=model,
@@ -71,6 +74,7 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
                 temperature=0.0,
             )
             assert reply.choices[0].finish_reason in ("length", "stop")
+            return str(reply.id)
 
         def rpc(method: str, *args: Any) -> Any:
             response = httpx.post(
@@ -82,11 +86,11 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
             (result,) = response.json()["results"]  # one worker
             return result
 
-        ask(1)
+        asked = [ask(1)]
         assert rpc("omnitrace_graphs_paused") == {"vision": False, "audio": False}
         assert rpc("omnitrace_pause_graphs", True) == "2"
         assert rpc("omnitrace_graphs_paused") == {"vision": True, "audio": True}
-        ask(2)
+        asked.append(ask(2))
         refused = httpx.post(
             f"{server.base_url}/collective_rpc",
             json={"method": "omnitrace_pause_graphs", "args": ["perhaps"]},
@@ -97,6 +101,31 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         assert rpc("omnitrace_graphs_paused") == {"vision": True, "audio": True}
         assert rpc("omnitrace_pause_graphs", "false") == "2"
         assert rpc("omnitrace_graphs_paused") == {"vision": False, "audio": False}
-        ask(3)
+        asked.append(ask(3))
+
+        # The API server's request timing, switched by omnitrace's route beside vLLM's.
+        def timing(value: object) -> httpx.Response:
+            return httpx.post(
+                f"{server.base_url}{TIMING_ROUTE}", json={"enabled": value}, timeout=60
+            )
+
+        off = timing(False)
+        assert off.status_code == 200, off.text
+        assert off.json() == {"enabled": False, "was": True}
+        untimed = ask(4)
+        bad = timing("maybe")
+        assert bad.status_code == 400
+        assert bad.json() == {"error": "enabled: expected true or false, got 'maybe'"}
+        on = timing("on")
+        assert on.json() == {"enabled": True, "was": False}
+        asked.append(ask(5))
     finally:
         server.stop()
+    (api_log,) = tmp_path.glob("events-api*.jsonl")
+    timed = [
+        json.loads(line)["request_id"]
+        for line in api_log.read_text().splitlines()
+        if '"RequestTimed"' in line
+    ]
+    assert sorted(timed) == sorted(asked), (timed, asked)
+    assert untimed not in timed
