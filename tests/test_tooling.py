@@ -182,8 +182,6 @@ def test_every_module_logger_is_named_after_its_module() -> None:
 #: three lines leaves it (the test below fails until it does), and no module joins it.
 LONG_MODULE_DOCSTRINGS = frozenset(
     {
-        "omnitrace/coverage/fold.py",
-        "omnitrace/coverage/snapshot.py",
         "omnitrace/sinks/__init__.py",
         "omnitrace/sinks/jsonl.py",
         "omnitrace/sinks/live/__init__.py",
