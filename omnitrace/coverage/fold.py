@@ -1,29 +1,6 @@
-"""Per-signature coverage: which input shapes each encoder saw, and how each was served.
-
-Like :mod:`omnitrace.stats`, a pure fold over the event stream: for every adapter and input
-signature it counts calls, hits and misses by reason, whether the signature holds a graph
-and what its capture took, and the time of its eager and replayed calls (host time from the
-call events, device time from :class:`~omnitrace.events.DeviceTimed` when device timing is
-on; the two are kept apart), each split by :class:`~omnitrace.events.Phase`.
-
-Memory is bounded whatever the traffic: per adapter, the table holds at most ``limit``
-signatures (default :data:`DEFAULT_COVERAGE_KEYS`). When a new signature arrives at a full
-table, the tracked signature with the fewest calls (the least recently called among equals)
-is folded into the ``other`` bucket and the newcomer takes its row. Captured signatures are
-never folded away: a table whose rows are all captured puts newcomers straight into
-``other``, and a capture always gets a row, so an encoder holding more graphs than ``limit``
-has one row per graph and no more. A row counts its signature's calls since it last entered
-the table (earlier calls are in ``other``), and totals stay exact: the tracked rows plus
-``other`` add up to every call. :func:`derive_coverage` folds a list of events into what the
-bus's live fold (``EventBus.coverage()``) shows.
-
-Beside the calls, each adapter's coverage keeps what the engine's start-up profiling runs
-reported of it (:class:`~omnitrace.events.ProfilingObserved`, no call of its own):
-:class:`ProfilingRuns`, a few counters whatever the number of runs.
-
-This module is the fold; the frozen snapshots it returns, and their queries (top missed
-signatures, summary, eager loss), are :mod:`omnitrace.coverage.snapshot`.
-"""
+"""Per-signature coverage as a pure fold over the events: per adapter and input signature,
+its calls, hits, misses, capture and time, in a table of bounded size (docs/architecture.md,
+"Coverage")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The frozen coverage of an adapter, and the questions asked of it.
-
-What :class:`omnitrace.coverage.fold.CoverageFold` freezes: per input signature, the calls, hits
-and misses by reason, its capture and the time of its eager and replayed calls, each split by
-:class:`~omnitrace.events.Phase` (:class:`KeyCoverage`, of :class:`CallCounts` and
-:class:`Timing`), and per adapter its rows, the ``other`` bucket and what the engine's
-start-up profiling runs reported (:class:`AdapterCoverage`, :class:`ProfilingRuns`). The
-queries are the snapshot's own: the top missed signatures, the summary the command line and
-the OTel sink print, and the estimated time eager calls lost (:class:`EagerLoss`).
-"""
+"""The frozen coverage of an adapter (a row per signature, the ``other`` bucket, its
+profiling runs) and the questions asked of it: top missed signatures, the encoder summary,
+the time eager calls lost."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ def show_plugin_logs(environ: Mapping[str, str]) -> logging.Handler | None:
     """Give the ``omnitrace`` logger a handler like vLLM's, once per process.
 
     Returns:
-        The handler added, or None where logging is the host's (see the module docstring)
-        or the handler is already there.
+        The handler added, or None where logging is the host's (``VLLM_CONFIGURE_LOGGING=0``,
+        or the root logger has handlers) or the ``omnitrace`` logger already has one.
     """
     if environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return None

@@ -1,31 +1,5 @@
 """The JSON Lines event-log sink: append every event to a file (``{pid}`` and ``{rank}`` in
-its path filled in per worker), rotating it by size.
-
-The format (schema, codec) and the reader live in :mod:`omnitrace.eventlog`; their names
-are re-exported here. Every line names the writing process (``pid``) and its worker rank
-(``RANK`` or ``LOCAL_RANK``, else 0), so the logs of several workers can be merged and still
-told apart. Each batch the bus delivers is written with one unbuffered ``write()`` (per file), so
-another process (``omnitrace top --follow``) sees whole lines as they happen. The file is
-rotated before a line would grow it past ``max_bytes``, its header lines included (a batch is
-split across files, so a file exceeds ``max_bytes`` only when a single line is longer than
-that): ``events.jsonl`` becomes ``events.jsonl.1`` and so on, up to ``backups`` old files;
-the oldest is deleted (a rotation lists the directory once: it costs what the files there
-cost, whatever ``backups`` allows). A full disk is counted and logged, and writing resumes
-once space is freed.
-
-Several processes may write one path: writes and rotations take an advisory lock of the
-log's directory, so lines stay whole, files stay within ``max_bytes`` and a writer follows
-another's rotation (see :class:`JsonlSink`). When the bus's ``close()`` gives up on a batch,
-:meth:`JsonlSink.abandon` stops the sink and says what of the batch is written, so the file
-holds exactly the events counted as delivered.
-
-Besides events, the writer records what the bus knows about each adapter (its graph cap
-and memory floor) as ``AdapterInfo`` lines, and starts every file it opens by rotation with
-a ``LogSegment`` line counting the events before it and how many rotation deleted.
-
-Only regular files are written, rotated or deleted: a path that is a device, a named pipe,
-a directory or a symbolic link is refused with a :class:`~omnitrace.config.ConfigError`.
-"""
+its path filled in per worker), rotating it by size."""
 
 from __future__ import annotations
 

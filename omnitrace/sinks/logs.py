@@ -1,26 +1,6 @@
 """Structured JSON logs of adapter decisions through structlog: captures, deferrals,
 failures and what start-up profiling runs did with each encoder, and a ``graph_summary``
-line per encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and at exit.
-
-The sink only asks for ``structlog.get_logger("omnitrace")``: how lines are rendered and
-where they go is the application's choice, made once at its edge (the CLI calls
-:func:`configure_logging`). Each line's ``event`` is one of :data:`names.LOG_EVENTS`, at the
-level listed there, so an alert rule can match a fixed name (``capture_failed``) rather
-than a message text::
-
-    {"event": "capture_failed", "level": "error", "encoder": "vision",
-     "key": "bfloat16[1,1024,1152], None @cuda:0 s=0", "error_type": "RuntimeError", ...}
-
-Replays and misses are the bulk of events and are logged at debug level; ``sample_every``
-keeps one in N of them per encoder and counts the rest (each logged line says how many
-were skipped before it).
-
-Given the bus, the sink also writes a ``graph_summary`` line per encoder every
-``OMNITRACE_SUMMARY_INTERVAL`` seconds (default 60; 0: only the last) and once more when it
-closes (``final: true``): the encoder's stats, its top missed signatures with their reason
-and share of calls, the eager time graphs could have saved, and its profiling-phase calls.
-They come from the bus's folds, so they count every event, even ones a full queue dropped.
-"""
+line per encoder every ``OMNITRACE_SUMMARY_INTERVAL`` seconds and at exit."""
 
 from __future__ import annotations
 

@@ -1,45 +1,6 @@
-"""The sinks a setting can ask for, each declared by its own module.
-
-A sink module declares its sink with a module-level ``SINK``, a :class:`SinkDeclaration`:
-its name, the environment variable that asks for it, its place in the attach order, the
-factory that builds it and a description (by default the first paragraph of the module's
-docstring). :func:`discover_sinks` reads these declarations from the source of the modules
-of :mod:`omnitrace.sinks` and of its subpackages without importing them, so a sink's
-optional dependency (OpenTelemetry, structlog, ...) is imported only when its variable is
-set, and a missing one fails only then. :data:`SINKS` is the resulting table, one
-:class:`SinkSpec` per sink in attach order, read on first use. The vLLM plugin attaches
-every sink its worker's environment asks for; ``omnitrace demo`` and ``omnitrace replay``
-attach the ones they do not already wire from their own options (the event log and
-OpenTelemetry).
-
-Adding a sink is its module, its test and a line of docs; nothing else changes. The module
-ends with its declaration, every field of which but ``build`` is written as a literal (the
-registry reads them without running the module); without ``description``, the first
-paragraph of the module's docstring describes the sink::
-
-    import kafka  # the sink's library: imported with the module, when OMNITRACE_KAFKA is set
-
-    from omnitrace.sinks.registry import SinkDeclaration
-
-
-    class KafkaSink:
-        def __init__(self, topic, *, bus): ...
-        def handle(self, events): ...
-
-
-    SINK = SinkDeclaration(
-        name="kafka",
-        env="OMNITRACE_KAFKA",
-        order=40,
-        build=lambda request: KafkaSink(request.value, bus=request.bus),
-        description="events to this Kafka topic (broker:port/topic)",
-    )
-
-Errors: a variable a sink cannot use raises :class:`~omnitrace.config.ConfigError` naming
-it; a sink whose module cannot be imported raises :class:`SinkUnavailableError` naming the
-variable that asked for it; a declaration that cannot be read from the source raises
-:class:`SinkDeclarationError` naming its module and line.
-"""
+"""The sinks a setting can ask for, each declared by its own module's ``SINK`` and read from
+its source without importing it, so a sink's library loads only when its variable is set
+(docs/architecture.md, "The sinks")."""
 
 from __future__ import annotations
 

@@ -34,6 +34,9 @@ from omnitrace.sinks.registry import (
     requested,
 )
 
+#: The page whose "Adding a sink" example the discovery tests add to the package.
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
 #: Events each Recorder saw, by the value of the variable that asked for it.
 RECORDED: dict[str, list[Event]] = {}
 RECORDER_ENV = "OMNITRACE_TEST_RECORDER"
@@ -211,8 +214,8 @@ def test_replay_never_writes_the_event_log_variable(
     structlog.reset_defaults()
 
 
-def test_module_docstring_example_is_a_valid_entry(kafka_example: str) -> None:
-    """The Kafka module in the module docstring, put in omnitrace.sinks, declares its sink."""
+def test_the_documented_example_is_a_valid_entry(kafka_example: str) -> None:
+    """The Kafka module of docs/operations.md, put in omnitrace.sinks, declares its sink."""
     spec = {spec.name: spec for spec in registry.discover_sinks()}["kafka"]
     assert (spec.name, spec.env) == ("kafka", "OMNITRACE_KAFKA")
     assert spec.module == "omnitrace.sinks.kafka"
@@ -223,10 +226,12 @@ def test_module_docstring_example_is_a_valid_entry(kafka_example: str) -> None:
 
 @pytest.fixture
 def kafka_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The docstring's omnitrace/sinks/kafka.py, added to the package; its library missing."""
-    doc = registry.__doc__ or ""
-    example = doc[doc.index("    import kafka") : doc.index("\n\nErrors")]
-    (tmp_path / "kafka.py").write_text(textwrap.dedent(example))
+    """The omnitrace/sinks/kafka.py of docs/operations.md ("Adding a sink"), importing its
+    library as a sink module does, added to the package; the library is missing."""
+    page = OPERATIONS.read_text(encoding="utf-8")
+    start = page.index("```python\n", page.index("### Adding a sink")) + len("```python\n")
+    example = textwrap.dedent(page[start : page.index("```", start)])
+    (tmp_path / "kafka.py").write_text(f"import kafka\n\n{example}")
     monkeypatch.setattr(omnitrace.sinks, "__path__", [*omnitrace.sinks.__path__, str(tmp_path)])
     monkeypatch.setitem(sys.modules, "kafka", None)
     for name in ("OMNITRACE_EVENTS_LOG", "OMNITRACE_OTLP", "OMNITRACE_LOGS"):

@@ -179,7 +179,8 @@ def warm_up(
     """Run ``forward`` eagerly ``iters`` times (at least once) and return its output layout.
 
     Lazy initialisation and autotuning happen here, outside any capture; run it on the
-    replay stream or on a side stream, never on a capture stream (module docstring).
+    replay stream or on a side stream, never on a capture stream (docs/architecture.md,
+    "Graph backends: who owns which memory").
     """
     out = None
     for _ in range(max(1, iters)):
@@ -202,7 +203,7 @@ def capture_ordering(
     raised) and, after a capture that succeeded, waits for the capture stream; a failed
     capture's stream is left alone, so nothing masks the original exception. Run warm-ups
     *before* entering: eager work on a capture stream would give it a cuBLAS workspace the
-    graph does not own (module docstring).
+    graph does not own (docs/architecture.md, "Graph backends: who owns which memory").
     """
     capture_stream.wait_stream(replay_stream)
     with stream_scope(capture_stream):

@@ -410,8 +410,8 @@ def default_capture_stream(stream: Any) -> Iterator[None]:
     """Make ``stream`` the default capture stream of ``torch.cuda.graph`` for one capture.
 
     vLLM 0.26's manager calls ``torch.cuda.graph(graph, pool=...)`` without a stream, which
-    captures on a process-wide stream shared with every graph captured that way (module
-    docstring of :mod:`omnitrace.graphs.backends.vllm`). Newer vLLM passes the current stream
+    captures on a process-wide stream shared with every graph captured that way (docs/vllm.md,
+    "Backends and statistics"). Newer vLLM passes the current stream
     and ignores the default. The swap is held under a process-wide lock and always undone.
     """
     graph_cls = torch.cuda.graph

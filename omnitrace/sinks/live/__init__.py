@@ -1,9 +1,6 @@
-"""The live terminal view: the frozen snapshot and the boards that freeze it
-(:mod:`~omnitrace.sinks.live.model`), the frame's layout (:mod:`~omnitrace.sinks.live.layout`,
-its total across workers :mod:`~omnitrace.sinks.live.total`) and the view in the terminal
-(:mod:`~omnitrace.sinks.live.view`). This face hands on the names the view is used by, each
-loaded on first access (PEP 562), so a board's snapshot (``omnitrace top --json``) loads no
-rich."""
+"""The live terminal view: the snapshot and its boards (``model``), the frame's layout
+(``layout``, its total across workers ``total``) and the view (``view``). This face hands on
+their names on first access, so a board's snapshot (``omnitrace top --json``) loads no rich."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The live view's rich layout: one frame of a :class:`LiveSnapshot` as panels and rows.
-
-``render`` is a pure function of the frozen snapshot, so what an operator sees can be tested
-exactly on a recording console. Beside the stats, each encoder's per-signature coverage feeds
-the panel of the top missed signatures (their reason and share of calls), the estimated time
-eager calls lost, and the calls and captures of vLLM's start-up profiling run, or, where that
-run called the encoder not at all, a note saying so with the device-free memory its first
-graph was captured in. A frame taller than the terminal sheds old notices, then missed rows,
-log lines and keys, so it is never cut.
-"""
+"""The live view's rich layout: ``render`` lays a :class:`LiveSnapshot` out as one frame of
+panels and rows, shedding rows on a short terminal rather than cutting the frame."""
 
 from __future__ import annotations
 

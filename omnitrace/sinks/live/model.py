@@ -1,10 +1,6 @@
-"""The live view's data model: the frozen snapshot of a frame, and the boards that freeze it.
-
-A board keeps the folded stats (and a short list of recent deferrals and failures) and
-``snapshot()`` freezes them into a :class:`LiveSnapshot`, the one thing
-:func:`omnitrace.sinks.live.layout.render` reads. :class:`BusBoard` folds an in-process
-EventBus; :class:`RecordBoard` folds event-log records, one column per worker pid and rank.
-"""
+"""The live view's data model: the frozen snapshot of a frame (:class:`LiveSnapshot`) and the
+boards that freeze it, of an in-process bus (:class:`BusBoard`) or of event-log records
+(:class:`RecordBoard`, one column per worker)."""
 
 from __future__ import annotations
 

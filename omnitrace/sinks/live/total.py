@@ -1,10 +1,5 @@
-"""The live view's total across workers: one row per encoder, summed over its ranks.
-
-Shown under the workers' panels when a frame holds more than one worker (the logs of a
-tensor-parallel engine's ranks): each encoder's calls, hit rate and graphs over every
-worker, the lowest and highest hit rate of a worker (the spread) and the misses by reason.
-The sums are :func:`omnitrace.ranks.totals`; this module only lays them out.
-"""
+"""The live view's total across workers: one row per encoder, summed over its ranks by
+:func:`omnitrace.ranks.totals`, under the workers' panels when a frame holds several."""
 
 from __future__ import annotations
 

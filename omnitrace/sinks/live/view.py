@@ -1,22 +1,5 @@
-"""A rich live terminal view of graph coverage, fed from the stats fold.
-
-The view never renders per event: a board keeps the folded stats (and a short list of
-recent deferrals and failures), ``snapshot()`` freezes them, and rich's ``Live`` pulls
-``render(board.snapshot())`` at a fixed rate (4 Hz), whatever the event rate. ``render`` is
-a pure function of the frozen snapshot, so what an operator sees can be tested exactly on
-a recording console.
-
-Two boards feed the same view: :class:`BusBoard` (in-process, from an EventBus) and
-:class:`RecordBoard` (from event-log records, one column per worker pid and rank). Beside the
-stats, each encoder's per-signature coverage feeds the panel of the top missed signatures
-(their reason and share of calls), the estimated time eager calls lost, and the calls and
-captures of vLLM's start-up profiling run, or, where that run called the encoder not at all,
-a note saying so with the device-free memory its first graph was captured in.
-
-The boards and the snapshot are ``model.py``; the frame's layout, ``render``, is
-``layout.py``; this module holds the view itself (rich's ``Live``, and the log lines kept
-while it is up). :mod:`omnitrace.sinks.live` hands on the names the view is used by.
-"""
+"""The live view in the terminal: rich's ``Live`` drawing a board's snapshot four times a
+second, whatever the event rate, and the log lines kept while it is up."""
 
 from __future__ import annotations
 

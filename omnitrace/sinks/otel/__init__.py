@@ -1,10 +1,6 @@
-"""OpenTelemetry: the sink on the API (:mod:`~omnitrace.sinks.otel.sink`), the SDK's wiring
-(:mod:`~omnitrace.sinks.otel.sdk`) with its guarded exporters
-(:mod:`~omnitrace.sinks.otel.export`) and its ``OTEL_*`` settings
-(:mod:`~omnitrace.sinks.otel.env`), a replay's export per worker
-(:mod:`~omnitrace.sinks.otel.workers`) and the export beside the worker
-(:mod:`~omnitrace.sinks.otel.relay`). This face hands on the sink's and the SDK's names, each
-loaded on first access (PEP 562), so the relay loads no OpenTelemetry."""
+"""OpenTelemetry: the API-only sink, the SDK's wiring with its guarded exporters and ``OTEL_*``
+settings, a replay's export per worker and the export beside the worker. This face hands on
+the sink's and the SDK's names on first access, so the relay loads no OpenTelemetry."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The SDK's settings read from OpenTelemetry's variables: the resource and export intervals.
-
-:func:`sdk_resource` merges omnitrace's defaults (service name, pid, worker ranks) under
-``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` and those under explicit arguments;
-:func:`env_millis` reads a millisecond variable (``OTEL_METRIC_EXPORT_INTERVAL``,
-``OTEL_BSP_SCHEDULE_DELAY``) within :data:`INTERVAL_RANGE_S`.
-"""
+"""The SDK's settings read from OpenTelemetry's variables: the resource (omnitrace's defaults
+under ``OTEL_*``, those under explicit arguments) and the export intervals."""
 
 from __future__ import annotations
 

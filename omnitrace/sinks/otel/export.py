@@ -1,13 +1,5 @@
-"""OTLP export that never reaches the host: each outcome counted, an outage reported once.
-
-:func:`guarded_exporters` wraps the OTLP span and metric exporters (http/protobuf or gRPC) so
-that an export that raises or fails is counted by an :class:`ExportMonitor` instead of
-raising into the SDK's threads. The monitor reports an outage once (and again only after it
-has recovered and failed anew) on the logger it is given, :mod:`omnitrace.sinks.otel.sdk`'s,
-the one operators know these reports by; it keeps the exporters' own per-attempt lines as the
-cause it names, and at shutdown skips attempts against an endpoint already known dead and
-cancels retry back-offs.
-"""
+"""OTLP export that never reaches the host: each outcome counted, an outage reported once
+(docs/telemetry.md, "A dead or refusing endpoint")."""
 
 from __future__ import annotations
 

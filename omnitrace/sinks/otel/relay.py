@@ -1,19 +1,5 @@
 """OpenTelemetry export beside the worker, off its GIL: ``omnitrace replay --follow`` on the
-worker's event log (``OMNITRACE_EVENTS_LOG``).
-
-The OTel SDK does several microseconds of Python per measurement, and on a sink thread that
-work takes the GIL from the serving thread. ``OMNITRACE_OTLP_RELAY=1`` keeps it out of the
-worker: the worker writes only its JSONL event log (``OMNITRACE_EVENTS_LOG``, required), and
-this sink starts one child process that follows that log and exports what it reads through
-the same OTel sink, configured by the worker's ``OTEL_*`` variables. The spans and metrics
-are those ``OMNITRACE_OTLP=1`` would export from inside the worker.
-
-The sink itself does nothing per event (the child reads the log). When the bus closes it
-closes the child's standard input, which tells the child to stop: it relays what is left,
-exports it and exits. The pipe also closes when the worker exits, however it ends, and the
-child watches the worker's pid as well. A child that dies
-early is logged as an error once, with its exit status; the worker serves on.
-"""
+worker's event log (``OMNITRACE_EVENTS_LOG``)."""
 
 from __future__ import annotations
 

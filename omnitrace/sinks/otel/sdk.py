@@ -1,24 +1,5 @@
 """OpenTelemetry spans and metrics through the SDK: providers, OTLP and Prometheus exporters,
-and a sink on them, configured by OpenTelemetry's ``OTEL_*`` variables.
-
-The application edge, apart from the API-only sink (:mod:`omnitrace.sinks.otel.sink`), as
-OpenTelemetry keeps its API and SDK packages apart. :func:`configure_sdk` imports the SDK and
-the exporters (OTLP over http/protobuf or gRPC, Prometheus) only when called and returns an
-:class:`OTelSetup` that owns their shutdown; :func:`sdk_sink` wires them and attaches an
-:class:`~omnitrace.sinks.otel.sink.OTelSink` in one call (the vLLM plugin, the demo and replay use
-it). Settings follow OpenTelemetry's precedence: an explicit argument, else its standard
-variable (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_METRIC_EXPORT_INTERVAL``,
-``OTEL_BSP_SCHEDULE_DELAY``), else a default.
-
-Export problems never reach the host: a failing exporter is counted and reported once on this
-module's logger (and again only after it has recovered and failed anew), exporter timeouts are
-short, and shutdown is bounded (0.8 s by default): it skips attempts against an endpoint already
-known dead, cancels retry back-offs and abandons an export still waiting.
-
-This module wires the providers and owns their lifecycle; the guarded exporters and their
-export monitor are ``export.py``, the resource and the intervals read from ``OTEL_*``
-variables ``env.py``.
-"""
+and a sink on them, configured by OpenTelemetry's ``OTEL_*`` variables."""
 
 from __future__ import annotations
 

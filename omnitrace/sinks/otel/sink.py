@@ -1,22 +1,5 @@
-"""OpenTelemetry sink: spans for captures, deferrals, failures and profiling runs; metrics
-from the stats fold.
-
-Library code, on the OpenTelemetry *API* only: :class:`OTelSink` takes a tracer and a meter
-from the providers it is given, or the global ones, so it works with any SDK or vendor
-distribution the host has wired, and costs nothing but no-op calls when none is. Wiring the
-SDK and its exporters is the application's job, done by :mod:`omnitrace.sinks.otel.sdk`
-(``configure_sdk``, ``sdk_sink``), as OpenTelemetry keeps its API and SDK packages apart.
-
-Spans are created after the fact on the sink's worker thread, with the explicit start and end
-times the events carry: nothing here runs on the encoder's hot path. Counters and gauges are
-observable instruments that read ``bus.adapter_stats()``, so every exported number equals the
-stats fold exactly, including events a full sink queue dropped.
-
-Export problems never reach the host: a failing exporter is counted and reported once on this
-module's logger (and again only after it has recovered and failed anew), exporter timeouts are
-short, and shutdown is bounded (0.8 s by default): it skips attempts against an endpoint already
-known dead, cancels retry back-offs and abandons an export still waiting.
-"""
+"""OpenTelemetry sink on the API only: spans for captures, deferrals, failures and profiling
+runs, made after the fact off the hot path; metrics read from the stats fold."""
 
 from __future__ import annotations
 

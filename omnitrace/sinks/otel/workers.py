@@ -1,27 +1,5 @@
-"""OpenTelemetry export of replayed event logs, each worker under a resource of its own.
-
-``omnitrace replay`` reads the logs of a job's workers (the ranks of a tensor-parallel
-engine, each writing its own log) and exports them. In the serving processes each worker's
-spans and metrics carry its identity as resource attributes (``omnitrace.worker.rank``,
-``process.pid``); a replay keeps it so: every writer of the logs, a ``(rank, pid)``, gets a
-bus of its own and an :class:`~omnitrace.sinks.otel.sink.OTelSink` on providers whose resource
-names that writer, not the replaying process. Its spans and metrics keep the encoder's own
-name (``vision``), so one dashboard shows every rank, grouped or summed by the resource,
-and a collector aggregates the ranks of several machines the same way.
-
-The writer's rank and pid replace omnitrace's defaults (this process's pid and ``RANK``),
-and each writer gets a ``service.instance.id`` of its own (the SDK's is one per process);
-``OTEL_RESOURCE_ATTRIBUTES`` still overrides them (the exporter a worker starts beside
-itself passes its identity that way) and ``service.name`` is the replay's, as before.
-
-Prometheus scrapes one endpoint for all writers: each writer's metrics are read from a
-registry of its own and served with the writer's ``omnitrace_worker_rank`` and
-``process_pid`` labels (the names a collector's resource-to-telemetry conversion gives the
-resource attributes), so two ranks' series never collide.
-
-:class:`WorkerExport` is the relay's tap (:data:`omnitrace.relay.Tap`): handed every record
-with its writer, it emits it, under the encoder's own name, into that writer's bus.
-"""
+"""OpenTelemetry export of replayed event logs, each worker under a resource of its own (its
+rank and pid) and, for Prometheus, a registry of its own."""
 
 from __future__ import annotations
 
