@@ -93,15 +93,21 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_them() -> None:
 def test_every_ci_tier_makes_its_own_fresh_environment_and_runs_its_tests() -> None:
     """Each tier script creates a virtual environment of its own and runs pytest in it."""
     tiers = sorted((ROOT / ".ci" / "tiers").glob("*.sh"))
-    assert [t.name for t in tiers] == ["engine.sh", "ops.sh", "vllm-0.26.sh", "vllm.sh"]
+    assert [t.name for t in tiers] == [
+        "engine-0.32.sh",
+        "engine.sh",
+        "ops.sh",
+        "vllm-0.26.sh",
+        "vllm.sh",
+    ]
     for tier in (t for t in tiers if t.name != "vllm-0.26.sh"):
         text = tier.read_text()
         assert 'fresh_venv "$work/' in text, tier.name
-        # The engine tier tests an installed wheel, so it runs the pytest script (which puts
+        # The engine tiers test an installed wheel, so they run the pytest script (which puts
         # no checkout on sys.path) instead of python3 -m pytest.
         runs = (
             "OMNITRACE_FORBID_SKIPS=1 pytest"
-            if tier.name == "engine.sh"
+            if tier.name.startswith("engine")
             else ("OMNITRACE_FORBID_SKIPS=1 python3 -m pytest")
         )
         assert runs in text, tier.name
