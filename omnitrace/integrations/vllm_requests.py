@@ -338,7 +338,7 @@ def _add_timing_route(app: Any) -> None:
     import vllm.envs
 
     if vllm.envs.VLLM_SERVER_DEV_MODE:
-        app.add_api_route(TIMING_ROUTE, _timing_route, methods=["POST"])
+        app.add_route(TIMING_ROUTE, _timing_route, methods=["POST"])
 
 
 def _wrap_build_app(build_app: Callable[..., Any]) -> Callable[..., Any]:
