@@ -897,7 +897,7 @@ def test_report_renders_a_partial_result(bench: Any) -> None:
 def test_profiling_benchmark_counts_profiling_graphs_and_skip_keeps_them_out(bench: Any) -> None:
     """Two profiling runs capture one dummy graph per encoder, which serving never replays;
     with skip_profiling none is captured and serving is the same as with one run."""
-    from benchmarks import profiling
+    from benchmarks.probes import profiling
 
     result = profiling.measure(seeds=[0], requests=300, rounds=[1, 2], slices=10)
     rows = {(r["rounds"], r["skip_profiling"]): r["totals"] for r in result["rows"]}
