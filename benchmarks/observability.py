@@ -71,6 +71,7 @@ from benchmarks.common import (
     sink_rows,
     target,
 )
+from benchmarks.table import Table, pct
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import (
     AUDIO_FULL,
@@ -686,3 +687,47 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax.set_ylim(max(0.0, min(lows) - 2), max(105.0, max(medians) + 2))
     ax.set_title("Encoder throughput with observability (bars: median of paired rounds)")
     return [save_plot(plt, fig, out_dir / "observability.png")]
+
+
+# -- tables for BENCHMARKS.md -----------------------------------------------------------
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        "End-to-end throughput with sinks",
+        [
+            "configuration",
+            "sinks on",
+            "calls/s (median)",
+            "loss vs bus, median of paired rounds",
+            "p25 / p75",
+            "loss, total time",
+            "events",
+            "dropped",
+        ],
+    )
+    for arm in result["arms"].values():
+        paired = arm.get("vs_baseline") or {}
+        t.rows.append(
+            [
+                arm["label"],
+                ", ".join(arm.get("sinks_on") or []) or "-",
+                f"{arm['calls_per_s']:,.1f}",
+                pct(paired.get("loss")),
+                f"{pct(paired.get('loss_p25'))} / {pct(paired.get('loss_p75'))}",
+                pct(paired.get("loss_total")),
+                "-" if arm.get("emitted") is None else str(arm["emitted"]),
+                "-" if arm.get("dropped") is None else str(arm["dropped"]),
+            ]
+        )
+    sinks = ", ".join(
+        f"{name}: {'on' if s['status'] == 'on' else 'skipped (' + s['reason'] + ')'}"
+        for name, s in result["sinks"].items()
+    )
+    t.note = (
+        f"Loss: 1 - median over {result.get('rounds', 'n/a')} rounds of the arm's calls/s "
+        "over the bus-without-sinks arm's in the same round (positive: slower); arms "
+        "interleaved with a rotating start, the same call sequence in every arm and round. "
+        f"Sinks: {sinks}."
+    )
+    return [t]

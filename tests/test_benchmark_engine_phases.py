@@ -147,7 +147,7 @@ def test_means_add_up_and_a_request_without_figures_voids_the_kind(phases: Any) 
 
 
 def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
-    from benchmarks import report
+    from benchmarks import engine_report
 
     def config(scale: float, with_phases: bool) -> dict[str, Any]:
         rows = {}
@@ -188,7 +188,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
         "configurations": {"eager": config(1.0, True), "omnitrace": config(0.5, True)},
     }
     payload = {"sizes": "released", "models": {"m": model}}
-    tables = report._engine(payload)
+    tables = engine_report.tables(payload)
     where = [t for t in tables if "where the TTFT goes" in t.title]
     assert len(where) == 1
     rows = {(r[0], r[1]): r[2:] for r in where[0].rows}
@@ -198,7 +198,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     assert len(rows) == 4
     # A kind whose requests lack figures in one configuration is shown as n/a, not dropped.
     model["configurations"]["omnitrace"]["rows"]["c1/image-1"]["phases_mean_ms"] = None
-    (where,) = [t for t in report._engine(payload) if "where the TTFT goes" in t.title]
+    (where,) = [t for t in engine_report.tables(payload) if "where the TTFT goes" in t.title]
     rows = {(r[0], r[1]): r[2:] for r in where.rows}
     assert rows[("image-1", "omnitrace")] == ["n/a"] * 5
     assert rows[("image-1", "eager")] == ["103", "2", "40", "1", "60"]
@@ -206,7 +206,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     for entry in model["configurations"].values():
         for row in entry["rows"].values():
             row.pop("phases_mean_ms", None)
-    tables = report._engine({"sizes": "released", "models": {"m": model}})
+    tables = engine_report.tables({"sizes": "released", "models": {"m": model}})
     assert not [t for t in tables if "where the TTFT goes" in t.title]
 
 
