@@ -227,7 +227,7 @@ def test_a_requests_ttft_starts_after_its_media_are_made(
     import time
     from types import SimpleNamespace
 
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     def slow_messages(kind: Any, seed: int) -> list[dict[str, Any]]:
         time.sleep(0.5)
@@ -242,18 +242,18 @@ def test_a_requests_ttft_starts_after_its_media_are_made(
         return iter([chunk([7]), chunk([8])])
 
     client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
-    monkeypatch.setattr(engine, "messages", slow_messages)
-    kind = engine.request_kinds("quick")[0]
-    done = engine._one(client, "m", kind, seed=1, max_tokens=2)
+    monkeypatch.setattr(engine_serving, "messages", slow_messages)
+    kind = engine_serving.request_kinds("quick")[0]
+    done = engine_serving._one(client, "m", kind, seed=1, max_tokens=2)
     assert done.tokens == [7, 8]
     assert done.ttft_s < 0.25, done.ttft_s
     assert done.total_s < 0.25, done.total_s
 
 
 def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_checks, engine_serving
 
-    kinds = [k for k in engine.request_kinds("quick") if k.modality == "image"]
+    kinds = [k for k in engine_serving.request_kinds("quick") if k.modality == "image"]
 
     def config(scale: float, inside: float | None) -> dict[str, Any]:
         return {
@@ -269,16 +269,16 @@ def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
         }
 
     entry = {"configurations": {"eager": config(1.0, 80.0), "omnitrace": config(0.9, 40.0)}}
-    change = engine._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
+    change = engine_checks._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
     assert change == pytest.approx(-0.1)
-    inside = engine._median_change(
+    inside = engine_checks._median_change(
         entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
     )
     assert inside == pytest.approx(-0.5)
     # A run without the phase split has no such figure, rather than a median of fewer kinds.
     entry["configurations"]["omnitrace"]["rows"][f"c1/{kinds[0].name}"]["engine_ttft_p50_ms"] = None
     assert (
-        engine._median_change(
+        engine_checks._median_change(
             entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
         )
         is None
