@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import quantile
+from benchmarks.common import max_rel_err, quantile
 from benchmarks.traffic import Request
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, Event, GraphMissed
 
@@ -112,12 +112,6 @@ MODES = (
 )
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref32 = ref.float()
-    scale = float(ref32.abs().max())
-    return float((out.float() - ref32).abs().max()) / max(scale, 1e-12)
-
-
 def tail(samples_s: list[float]) -> dict[str, float | int]:
     """Return count, p50, p90, p99, max and mean of ``samples_s``, in microseconds."""
     ordered = sorted(s * 1e6 for s in samples_s)
@@ -207,7 +201,7 @@ class CoTenant:
             # A new inference step: CUDA-graph trees may reuse the previous call's outputs.
             torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         out = self.fn(self.x)
-        err = _rel_err(out, self.ref)
+        err = max_rel_err(out, self.ref)
         with self.lock:
             self.calls += 1
             self.max_rel_err = max(self.max_rel_err, err)
@@ -282,7 +276,7 @@ def serve(
                     client.sync()
                     latency[i] = perf() - start
                     if i % CHECK_EVERY == 0:
-                        err = _rel_err(out, traffic.refs[key])
+                        err = max_rel_err(out, traffic.refs[key])
                         with lock:
                             checked[0] += 1
                             worst[0] = max(worst[0], err)

@@ -73,6 +73,7 @@ from benchmarks.common import (
     Context,
     free_cuda_memory,
     geometry_fields,
+    max_rel_err,
     rotated,
     save_plot,
     simulated_compile,
@@ -147,12 +148,6 @@ def _input(
     gen = torch.Generator(device="cpu").manual_seed(size * 31 + batch)
     x = torch.randn(*_input_shape(encoder, size, batch, hidden), generator=gen)
     return x.to(device=device, dtype=dtype)
-
-
-def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref32 = ref.float()
-    scale = float(ref32.abs().max())
-    return float((out.float() - ref32).abs().max()) / max(scale, 1e-12)
 
 
 class Budget:
@@ -263,7 +258,7 @@ def _build(
     entry["build_s"] = time.perf_counter() - start
     entry.update(timed.info)
     if spec.tolerance is not None and isinstance(out, torch.Tensor):
-        err = _max_rel_err(out, point.ref)
+        err = max_rel_err(out, point.ref)
         entry.update(
             max_rel_err=err, tolerance=spec.tolerance, within_tolerance=err <= spec.tolerance
         )
