@@ -129,6 +129,9 @@ def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None
     return max(per_worker) if per_worker else None
 
 
+# -- the targets and figures -------------------------------------------------------------------
+
+
 def _median_change(
     entry: dict[str, Any],
     model_kind: str,

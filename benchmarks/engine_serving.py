@@ -27,6 +27,9 @@ from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serv
 
 SAMPLING_RATE = 16_000
 
+#: The models compared, in the order they are served, and their names in the report.
+MODELS = {"qwen2_5_omni": "Qwen2.5-Omni-7B thinker", "minicpmo": "MiniCPM-o 4.5"}
+
 
 @dataclass(frozen=True)
 class Configuration:
@@ -414,7 +417,3 @@ def _run_alone(
         )
         completions.append(completion)
     return Pass(1, wall_s, completions)
-
-
-#: The models compared, in the order they are served, and their names in the report.
-MODELS = {"qwen2_5_omni": "Qwen2.5-Omni-7B thinker", "minicpmo": "MiniCPM-o 4.5"}
