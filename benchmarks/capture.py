@@ -57,40 +57,47 @@ Simulated (``--simulate``): tiny encoders on CPU on the simulated backend, whose
 :data:`SIMULATED_CAPTURE_S` to stand in for a capture and :data:`SIMULATED_WARMUP_S` for a warm-up
 (a background preparation's step); the compiles use the eager backend. The plumbing and the counts
 are real; the times mean nothing.
+
+The modes, the client threads and one pass are in :mod:`benchmarks.capture_serving`, the targets
+and figures in :mod:`benchmarks.capture_goals`, the table in :mod:`benchmarks.capture_report`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import itertools
-import queue
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import capture_goals
+from benchmarks.capture_serving import (
+    CHECK_EVERY,
+    CLIENTS,
+    COTENANT_EVERY,
+    GRAPHS_PER_CLIENT,
+    MODES,
+    Client,
+    CoTenant,
+    Mode,
+    PreparingCounter,
+    Traffic,
+    serve,
+)
 from benchmarks.common import (
     BenchmarkFailedError,
     Context,
     GcClock,
-    figure,
     free_cuda_memory,
     geometry_fields,
-    quantile,
     save_plot,
     simulated_compile,
-    target,
 )
-from benchmarks.traffic import AUDIO_MEDIUM, VISION_MEDIUM, Request, make_stream
-from omnitrace import EncoderCudaGraph, EncoderGraphConfig, Event, EventBus, GraphMissed
+from benchmarks.traffic import AUDIO_MEDIUM, VISION_MEDIUM, make_stream
+from omnitrace import EncoderCudaGraph, EventBus
 from omnitrace.demo.encoders import AUDIO_TINY, VISION_TINY, AudioEncoder, VisionEncoder
 from omnitrace.graphs.gil import COMPILE_YIELD
 from omnitrace.testing import SimulatedGraphBackend
@@ -98,21 +105,11 @@ from omnitrace.testing import SimulatedGraphBackend
 NAME = "capture"
 NEEDS_CUDA = True
 
-#: Client threads serving the stream.
-CLIENTS = 2
-#: Graphs per encoder and client: the default four, for each client's replay stream.
-GRAPHS_PER_CLIENT = 4
-#: Requests whose index is a multiple of this are checked against eager.
-CHECK_EVERY = 5
-#: The main thread calls the co-tenant once per this many requests the clients serve.
-COTENANT_EVERY = 5
-#: How often the main thread looks whether the co-tenant is due while the clients serve.
-COTENANT_POLL_S = 0.0005
+
 #: Audio frames of the co-tenant's input: half a second, which the stream never draws.
 COTENANT_FRAMES = 50
-#: Graphs replay the eager kernels; compiled graphs run inductor's fused kernels.
-GRAPH_TOLERANCE = 1e-2
-COMPILE_TOLERANCE = 1e-1
+
+
 #: Seconds a mode may take to prepare its graphs after the cold pass, by scale.
 PREPARE_TIMEOUT_S = {"full": 180.0, "quick": 60.0, "tiny": 30.0}
 #: What a simulated capture takes (it stands in for capture and compile).
@@ -120,77 +117,6 @@ SIMULATED_CAPTURE_S = 0.02
 SIMULATED_WARMUP_S = 0.02
 #: The passes over the stream, in order: the cold start, then the same stream again.
 PASSES = ("cold", "warm")
-#: Characters of a client's exception message kept in the result.
-ERROR_CHARS = 500
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way of capturing: the config switches and the output tolerance they allow."""
-
-    name: str
-    title: str
-    background: bool
-    compile: bool
-    tolerance: float
-    clients: int = CLIENTS
-    cotenant: bool = True
-    """Whether the reduce-overhead co-tenant is called beside the clients in this mode."""
-    graphs: bool = True
-    """Whether the adapters capture graphs at all (off: every request runs eagerly)."""
-
-    def config(self) -> EncoderGraphConfig:
-        return EncoderGraphConfig(
-            enabled=self.graphs,
-            max_graphs=GRAPHS_PER_CLIENT * self.clients,
-            background_capture=self.background,
-            compile=self.compile,
-        )
-
-
-MODES = (
-    Mode(
-        "sync_one_client",
-        "synchronous capture, one client (reference)",
-        False,
-        False,
-        GRAPH_TOLERANCE,
-        clients=1,
-    ),
-    Mode("sync", "synchronous capture (default)", False, False, GRAPH_TOLERANCE),
-    Mode("background", "background capture", True, False, GRAPH_TOLERANCE),
-    # No co-tenant: PyTorch's FX-tracing flag is process-wide, so while the preparation
-    # thread compiles, a torch.compile'd call on another thread raises ("Detected that you
-    # are using FX to symbolically trace a dynamo-optimized function"); the option says so.
-    # The references of the compiled mode run without the co-tenant, as it does.
-    Mode(
-        "eager",
-        "no graphs, every request eager (reference)",
-        False,
-        False,
-        GRAPH_TOLERANCE,
-        cotenant=False,
-        graphs=False,
-    ),
-    Mode(
-        "background_compiled",
-        "background compiled capture",
-        True,
-        True,
-        COMPILE_TOLERANCE,
-        cotenant=False,
-    ),
-    # After the background compiled mode: its compiles find the disk caches that mode left,
-    # which can only shorten the waits it is compared by.
-    Mode(
-        "sync_compiled",
-        "synchronous compiled capture (reference)",
-        False,
-        True,
-        COMPILE_TOLERANCE,
-        cotenant=False,
-    ),
-)
 
 
 def _backend(ctx: Context, mode: Mode) -> SimulatedGraphBackend | None:
@@ -198,251 +124,6 @@ def _backend(ctx: Context, mode: Mode) -> SimulatedGraphBackend | None:
     if not ctx.simulate:
         return None
     return SimulatedGraphBackend(capture_delay=SIMULATED_CAPTURE_S, warmup_delay=SIMULATED_WARMUP_S)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref32 = ref.float()
-    scale = float(ref32.abs().max())
-    return float((out.float() - ref32).abs().max()) / max(scale, 1e-12)
-
-
-def tail(samples_s: list[float]) -> dict[str, float | int]:
-    """Return count, p50, p90, p99, max and mean of ``samples_s``, in microseconds."""
-    ordered = sorted(s * 1e6 for s in samples_s)
-    if not ordered:
-        raise ValueError("tail() needs at least one sample")
-    return {
-        "n": len(ordered),
-        "p50": quantile(ordered, 0.50),
-        "p90": quantile(ordered, 0.90),
-        "p99": quantile(ordered, 0.99),
-        "max": ordered[-1],
-        "mean": sum(ordered) / len(ordered),
-    }
-
-
-# -- client threads ----------------------------------------------------------------------
-
-
-class Client(threading.Thread):
-    """A client thread with a CUDA stream of its own that runs the jobs it is given, in order.
-
-    Threads live for the whole benchmark: per-thread state (grad mode, streams) is set
-    up once.
-    """
-
-    def __init__(self, index: int, on_cuda: bool) -> None:
-        super().__init__(name=f"bench-client-{index}", daemon=True)
-        self.index = index
-        self.stream: Any = torch.cuda.Stream() if on_cuda else None  # type: ignore[no-untyped-call]
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-
-    def submit(self, job: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._jobs.put((job, future))
-        return future
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self.join(timeout=30.0)
-
-    def sync(self) -> None:
-        """Wait until this client's stream has finished its work (a no-op on CPU)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, future = item
-            try:
-                # Grad mode is per thread: the adapter serves no_grad calls only.
-                with torch.no_grad(), self._on_stream():
-                    future.set_result(job())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
-
-
-class CoTenant:
-    """A reduce-overhead compiled encoder of a shape of its own, checked on every call."""
-
-    def __init__(self, model: torch.nn.Module, x: torch.Tensor, on_cuda: bool) -> None:
-        self.x = x
-        with torch.no_grad():
-            self.ref = model(x)
-        self.on_cuda = on_cuda
-        self.fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        self.calls = 0
-        self.wrong = 0
-        self.max_rel_err = 0.0
-        self.lock = threading.Lock()
-
-    def call(self) -> None:
-        with torch.no_grad():
-            self._call()
-
-    def _call(self) -> None:
-        if self.on_cuda:
-            # A new inference step: CUDA-graph trees may reuse the previous call's outputs.
-            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
-        out = self.fn(self.x)
-        err = _rel_err(out, self.ref)
-        with self.lock:
-            self.calls += 1
-            self.max_rel_err = max(self.max_rel_err, err)
-            if err > COMPILE_TOLERANCE:
-                self.wrong += 1
-
-    def counts(self) -> tuple[int, int]:
-        with self.lock:
-            return self.calls, self.wrong
-
-
-class PreparingCounter:
-    """A bus fold counting the eager calls made while a graph was being prepared."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, event: Event) -> None:
-        if type(event) is GraphMissed and event.detail == "preparing":
-            self.count += 1
-
-
-# -- one pass ----------------------------------------------------------------------------
-
-
-@dataclass
-class Traffic:
-    """What every mode serves: the stream, its inputs, the checked requests' eager outputs."""
-
-    stream: list[Request]
-    inputs: dict[tuple[str, tuple[int, ...]], torch.Tensor]
-    refs: dict[tuple[str, tuple[int, ...]], torch.Tensor]
-
-
-def serve(
-    clients: list[Client],
-    adapters: dict[str, EncoderCudaGraph],
-    traffic: Traffic,
-    tolerance: float,
-    cotenant: CoTenant | None,
-    backends: list[Any],
-) -> dict[str, Any]:
-    """Serve the stream once with every client; return latencies, checks and errors."""
-    n = len(traffic.stream)
-    latency: list[float | None] = [None] * n
-    counter = itertools.count()
-    stop = threading.Event()
-    lock = threading.Lock()
-    wrong: list[int] = []
-    checked = [0]
-    worst = [0.0]
-    errors: list[dict[str, str]] = []
-    served_total = [0]  # pacing of the co-tenant only: an unlocked, approximate count
-    perf = time.perf_counter
-
-    def client_loop(client: Client) -> None:
-        served = 0
-        with contextlib.ExitStack() as stack:
-            for backend in backends:
-                # The simulated backend's replay stream, as a CUDA client's own stream.
-                stack.enter_context(backend.stream(client.index + 1))
-            try:
-                while not stop.is_set():
-                    i = next(counter)
-                    if i >= n:
-                        return
-                    req = traffic.stream[i]
-                    key = (req.encoder, req.shape)
-                    x = traffic.inputs[key]
-                    start = perf()
-                    out = adapters[req.encoder](x)
-                    client.sync()
-                    latency[i] = perf() - start
-                    if i % CHECK_EVERY == 0:
-                        err = _rel_err(out, traffic.refs[key])
-                        with lock:
-                            checked[0] += 1
-                            worst[0] = max(worst[0], err)
-                            if err > tolerance:
-                                wrong.append(i)
-                    served += 1
-                    served_total[0] += 1
-            except Exception as exc:
-                stop.set()
-                with lock:
-                    errors.append(
-                        {
-                            "client": str(client.index),
-                            "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS],
-                            "traceback": traceback.format_exc(),
-                        }
-                    )
-
-    before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
-    start = perf()
-    futures = [c.submit(functools.partial(client_loop, c)) for c in clients]
-    # The co-tenant runs here, on the thread that owns its CUDA-graph trees, beside the
-    # clients.
-    made = 0
-    while not all(f.done() for f in futures):
-        if cotenant is None or served_total[0] // COTENANT_EVERY <= made:
-            time.sleep(COTENANT_POLL_S)
-            continue
-        made += 1
-        try:
-            cotenant.call()
-        except Exception as exc:
-            stop.set()
-            with lock:
-                errors.append(
-                    {
-                        "client": "co-tenant",
-                        "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS],
-                        "traceback": traceback.format_exc(),
-                    }
-                )
-            break
-    for future in futures:
-        future.result()
-    wall = perf() - start
-    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
-    served = [s for s in latency if s is not None]
-    hits = sum(int(after[k]["graph_hits"] - before[k]["graph_hits"]) for k in adapters)
-    misses = sum(int(after[k]["graph_misses"] - before[k]["graph_misses"]) for k in adapters)
-    by_encoder = {}
-    for enc in adapters:
-        mine = [
-            s
-            for r, s in zip(traffic.stream, latency, strict=True)
-            if r.encoder == enc and s is not None
-        ]
-        if mine:
-            by_encoder[enc] = tail(mine)
-    return {
-        "requests": len(served),
-        "wall_s": wall,
-        "latency_us": tail(served) if served else None,
-        "latency_by_encoder_us": by_encoder,
-        "hits": hits,
-        "misses": misses,
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "checked": checked[0],
-        "wrong": len(wrong),
-        "wrong_requests": wrong[:50],
-        "max_rel_err": worst[0],
-        "errors": errors,
-    }
 
 
 # -- one mode ----------------------------------------------------------------------------
@@ -739,8 +420,8 @@ def run(ctx: Context) -> dict[str, Any]:
         "(stream.synchronize()), perf_counter",
         "cotenant": cotenant_info,
         "rows": rows,
-        "targets": _targets(rows, cotenant_info),
-        "figures": _figures(rows),
+        "targets": capture_goals.targets(rows, cotenant_info, MODES),
+        "figures": capture_goals.figures(rows),
         "simulated": ctx.simulate,
     }
     failed = [f"{r['mode']}: {e['error']}" for r in rows for e in r["errors"]]
@@ -749,143 +430,6 @@ def run(ctx: Context) -> dict[str, Any]:
             f"{len(failed)} failure(s) while serving: " + "; ".join(failed)[:1000], result
         )
     return result
-
-
-def _mode_change(
-    rows: list[dict[str, Any]],
-    mode: str,
-    versus: str,
-    read: Callable[[dict[str, Any]], float | None],
-) -> float | None:
-    """Return ``read(row)`` of ``mode`` against ``versus``'s in percent, if both modes ran
-    without errors and ``read`` has a figure for each."""
-    by = {r["mode"]: r for r in rows}
-
-    def value(name: str) -> float | None:
-        row = by.get(name)
-        return None if row is None or row["errors"] else read(row)
-
-    mine, theirs = value(mode), value(versus)
-    return mine / theirs * 100 - 100 if mine is not None and theirs else None
-
-
-def _cold_p99(row: dict[str, Any]) -> float | None:
-    lat = (row.get("cold") or {}).get("latency_us")
-    return None if lat is None else float(lat["p99"])
-
-
-def _median_capture_s(row: dict[str, Any]) -> float | None:
-    """Median ``GraphCaptured`` duration: the time a capturing call spent capturing."""
-    seconds = sorted(row.get("capture_seconds") or [])
-    return float(quantile(seconds, 0.5)) if seconds else None
-
-
-def _cold_p99_change(rows: list[dict[str, Any]], mode: str, versus: str) -> float | None:
-    """Return the cold-pass p99 of ``mode`` against ``versus``'s in percent, if both ran."""
-    return _mode_change(rows, mode, versus, _cold_p99)
-
-
-def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return each background mode's cold-pass p99 against one client's synchronous capture,
-    and the compiled one's against serving with no graphs."""
-    return [
-        figure(
-            "background compiled capture: cold-pass p99 vs no graphs, every request eager "
-            "(reference)",
-            _cold_p99_change(rows, "background_compiled", "eager"),
-            "%",
-            goal="background",
-            note="two clients each; while shapes compile their requests run eagerly, so this "
-            "is what the compile adds to eager serving",
-        ),
-    ] + [
-        figure(
-            f"{title}: cold-pass p99 vs synchronous capture with one client (reference)",
-            _cold_p99_change(rows, mode, "sync_one_client"),
-            "%",
-            goal="background",
-            note="the background mode serves with two clients, the reference with one",
-        )
-        for mode, title in (
-            ("background", "background capture"),
-            ("background_compiled", "background compiled capture"),
-        )
-    ]
-
-
-def _targets(rows: list[dict[str, Any]], cotenant: dict[str, Any]) -> list[dict[str, Any]]:
-    def cut(
-        mode: str,
-        title: str,
-        reference: str = "sync",
-        reference_title: str = "synchronous capture",
-        note: str = "p99 request latency of the cold pass, where shapes are captured",
-    ) -> dict[str, Any]:
-        value = _cold_p99_change(rows, mode, reference)
-        return target(
-            f"{title}: cold-pass p99 vs {reference_title}",
-            value,
-            "<",
-            0.0,
-            "%",
-            note=note + ("" if value is not None else "; a mode failed or did not run"),
-            goal="background",
-        )
-
-    passes = [r[p] for r in rows for p in ("cold", "warm") if p in r]
-    complete = len(rows) == len(MODES)
-    waited = _mode_change(rows, "background", "sync", _median_capture_s)
-    return [
-        cut("background", "background capture"),
-        cut("background_compiled", "background compiled capture"),
-        cut(
-            "background_compiled",
-            "background compiled capture",
-            "sync_compiled",
-            "synchronous compiled capture",
-            note="both compile every shape they capture; synchronously, the admitting request "
-            "waits for its shape's compile",
-        ),
-        target(
-            "background capture: median time a call spends capturing vs synchronous capture",
-            waited,
-            "<",
-            0.0,
-            "%",
-            note="GraphCaptured durations, both passes: a synchronous capture warms up, "
-            "settles the device and captures; a prepared key's call only captures"
-            + ("" if waited is not None else "; a mode failed or captured nothing"),
-            goal="background",
-        ),
-        target(
-            "requests whose output is beyond tolerance of eager, every mode",
-            float(sum(p["wrong"] for p in passes)) if complete else None,
-            "<=",
-            0.0,
-            "requests",
-            note=f"{sum(p['checked'] for p in passes)} checked (every {CHECK_EVERY}th request "
-            "of every pass)",
-            goal="background",
-        ),
-        target(
-            "exceptions and failed preparations, every mode",
-            float(sum(len(r["errors"]) for r in rows)) if complete else None,
-            "<=",
-            0.0,
-            "errors",
-            note="in client threads and preparation threads; a failed mode stops at once",
-            goal="background",
-        ),
-        target(
-            "co-tenant (reduce-overhead) outputs beyond tolerance",
-            float(cotenant["wrong"]) if "wrong" in cotenant else None,
-            "<=",
-            0.0,
-            "calls",
-            note=f"{cotenant.get('calls', 0)} calls, every one checked",
-            goal="background",
-        ),
-    ]
 
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:

@@ -41,6 +41,7 @@ __all__ = [
     "figure",
     "free_cuda_memory",
     "geometry_fields",
+    "max_rel_err",
     "quantile",
     "rotated",
     "save_plot",
@@ -412,6 +413,13 @@ def free_cuda_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Return ``max |out - ref| / max |ref|``, in float32."""
+    ref32 = ref.float()
+    scale = float(ref32.abs().max())
+    return float((out.float() - ref32).abs().max()) / max(scale, 1e-12)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Where ``vllm serve`` requests' time goes, from omnitrace's own per-request events.
 
 One ``vllm serve`` with omnitrace's defaults (request timing on) serves the engine
-benchmark's traffic (:mod:`benchmarks.engine`'s kinds, streamed OpenAI chat requests) one at a
-time and eight at a time; every request is found again in the API server's event log by its
+benchmark's traffic (:mod:`benchmarks.engine_serving`'s kinds, streamed OpenAI chat requests)
+one at a time and eight at a time; every request is found again in the API server's event log by its
 id, and its ``RequestTimed`` joined with the encoder steps that served it gives its phases
 (:mod:`omnitrace.requests`). At concurrency 1 each request is also split by vLLM's own
 histograms around it (:mod:`benchmarks.engine_phases`), so the two methods can be read side
@@ -28,16 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import engine, engine_phases
+from benchmarks import engine, engine_phases, engine_serving
 from benchmarks.common import Context
 
 
 def _serve(
     ctx: Context,
-    config: engine.Configuration,
+    config: engine_serving.Configuration,
     model: Path,
     work: Path,
-    kinds: Sequence[engine.RequestKind],
+    kinds: Sequence[engine_serving.RequestKind],
     *,
     per_kind: int,
     c8_rounds: int,
@@ -45,27 +45,35 @@ def _serve(
     minicpmo: bool,
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    with engine.serving(
+    with engine_serving.serving(
         config, model, work, ctx, max_num_seqs=8, trust_remote_code=minicpmo
     ) as server:
         ready_s = time.perf_counter() - started
         for warm in range(2):
-            engine.run_pass(
-                server, engine.schedule(kinds, 1, warm), seed=100 + warm, concurrency=1, tokens=1
+            engine_serving.run_pass(
+                server,
+                engine_serving.schedule(kinds, 1, warm),
+                seed=100 + warm,
+                concurrency=1,
+                tokens=1,
             )
         out: dict[str, Any] = {"ready_s": ready_s}
         passes = []
         if solo:
             passes.append(
-                engine.run_pass(
-                    server, engine.schedule(kinds, per_kind, 7), seed=201, concurrency=1, tokens=4
+                engine_serving.run_pass(
+                    server,
+                    engine_serving.schedule(kinds, per_kind, 7),
+                    seed=201,
+                    concurrency=1,
+                    tokens=4,
                 )
             )
         rates = []
         for r in range(c8_rounds):
-            batch = engine.run_pass(
+            batch = engine_serving.run_pass(
                 server,
-                engine.schedule(kinds, per_kind, 11 + r),
+                engine_serving.schedule(kinds, per_kind, 11 + r),
                 seed=300 + r,
                 concurrency=8,
                 tokens=4,
@@ -103,11 +111,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = engine._checkpoint(model_kind, work / "checkpoint", scale)
         names = set(args.kinds.split(",")) if args.kinds else None
         kinds = [
-            k for k in engine.request_kinds(scale, model_kind) if names is None or k.name in names
+            k
+            for k in engine_serving.request_kinds(scale, model_kind)
+            if names is None or k.name in names
         ]
-        base = next(c for c in engine.configurations(model_kind) if c.name == "omnitrace")
-        on = engine.Configuration("requests-on", dict(base.overrides))
-        off = engine.Configuration(
+        base = next(c for c in engine_serving.configurations(model_kind) if c.name == "omnitrace")
+        on = engine_serving.Configuration("requests-on", dict(base.overrides))
+        off = engine_serving.Configuration(
             "requests-off", dict(base.overrides), env={"OMNITRACE_REQUESTS": "0"}
         )
         entry: dict[str, Any] = {"kinds": [k.name for k in kinds], "per_kind": args.per_kind}

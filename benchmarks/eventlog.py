@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks.common import Context, figure, target
 from benchmarks.eventlog_traffic import GENERATOR_VERSION, write_log
+from benchmarks.table import Table, verdict
 
 NAME = "eventlog"
 NEEDS_CUDA = False
@@ -262,10 +263,8 @@ def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def tables(result: dict[str, Any]) -> list[Any]:
+def tables(result: dict[str, Any]) -> list[Table]:
     """The benchmark's table for ``BENCHMARKS.md`` (rendered by :mod:`benchmarks.report`)."""
-    from benchmarks.table import Table
-
     t = Table(
         "Event-log tools by log size",
         ["tool", "events", "log MB", "omnitrace", "wall s", "CPU s", "peak RSS MB", "output"],
@@ -302,9 +301,13 @@ def tables(result: dict[str, Any]) -> list[Any]:
     for item in result.get("targets", []):
         value = item["value"]
         shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[item["met"]]
         goals.rows.append(
-            [item["name"], shown, f"{item['op']} {item['limit']:g} {item['unit']}", verdict]
+            [
+                item["name"],
+                shown,
+                f"{item['op']} {item['limit']:g} {item['unit']}",
+                verdict(item["met"]),
+            ]
         )
     for item in result.get("figures", []):
         value = item["value"]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Context, GiB, MiB, free_cuda_memory, save_plot, target
+from benchmarks.table import Table, mib, times
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import EncoderGeometry, VisionEncoder
 from omnitrace.testing import SimulatedGraphBackend, capture_events
@@ -253,3 +254,69 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return [save_plot(plt, fig, out_dir / "memory.png")]
+
+
+# -- tables for BENCHMARKS.md -----------------------------------------------------------
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        f"Device memory held by N graphs ({result['encoder']})",
+        [
+            "graphs",
+            "shared pools MiB",
+            "separate pools MiB",
+            "saved",
+            "capture peak shared",
+            "capture peak separate",
+        ],
+    )
+    by = {(r["graphs"], r["share_pools"]): r for r in result["rows"]}
+    for n in sorted({r["graphs"] for r in result["rows"]}):
+        shared, separate = by.get((n, True)), by.get((n, False))
+        held_s = shared["held_bytes"] if shared else None
+        held_p = separate["held_bytes"] if separate else None
+        t.rows.append(
+            [
+                str(n),
+                mib(held_s),
+                mib(held_p),
+                times(held_p / held_s) if held_s and held_p else "n/a",
+                mib(shared["peak_bytes"]) if shared else "n/a",
+                mib(separate["peak_bytes"]) if separate else "n/a",
+            ]
+        )
+    t.note = (
+        "Held: torch.cuda.memory_reserved() growth after capture and empty_cache(), static "
+        "buffers included. Peak: max_memory_reserved() growth during the captures."
+    )
+    tables = [t]
+    floor = result.get("floor")
+    if floor:
+        f = Table(
+            "min_free_bytes under tight memory",
+            [
+                "floor",
+                "floor GiB",
+                "free GiB at admission",
+                "memory misses",
+                "deferrals",
+                "graphs",
+                "hits",
+            ],
+        )
+        for row in floor["rows"]:
+            f.rows.append(
+                [
+                    row["label"],
+                    f"{row['floor_bytes'] / (1 << 30):.2f}",
+                    "n/a" if row["free_bytes"] is None else f"{row['free_bytes'] / (1 << 30):.2f}",
+                    str(row["memory_misses"]),
+                    str(row["memory_deferrals"]),
+                    str(row["num_graphs"]),
+                    str(row["graph_hits"]),
+                ]
+            )
+        f.note = floor.get("note", "")
+        tables.append(f)
+    return tables

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import BareGraph, Context, save_plot, summarize, target
+from benchmarks.common import BareGraph, Context, max_rel_err, save_plot, summarize, target
 from omnitrace import (
     EncoderCudaGraph,
     EncoderGraphConfig,
@@ -447,8 +447,8 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
             for _ in range(config.min_capture_calls):
                 adapter(x)
         errors = {
-            "bare": _max_rel_err(bare(x), ref),
-            **{name: _max_rel_err(a(x), ref) for name, a in adapters.items()},
+            "bare": max_rel_err(bare(x), ref),
+            **{name: max_rel_err(a(x), ref) for name, a in adapters.items()},
         }
         variants: dict[str, Callable[[], object]] = {
             "replay_only": bare.replay_only,
@@ -497,11 +497,6 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
         "delivered": sink.received,
         "max_rel_err": errors,
     }
-
-
-def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = float(ref.float().abs().max())
-    return float((out.float() - ref.float()).abs().max()) / max(scale, 1e-12)
 
 
 # -- entry point -------------------------------------------------------------------------

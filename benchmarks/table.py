@@ -1,14 +1,16 @@
-"""A titled table of preformatted cells: what a benchmark's results render into.
+"""A titled table of preformatted cells, and the cell formats: what results render into.
 
-:mod:`benchmarks.report` turns tables into markdown and text; a benchmark that renders its
-own results builds them from here, so it never imports the report (which imports it).
+:mod:`benchmarks.report` turns tables into markdown and text; each benchmark builds its own
+tables from here (its ``tables(result)``), so none imports the report (which imports them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Table"]
+__all__ = ["MiB", "Table", "mib", "ms", "ns", "pct", "times", "us", "verdict"]
+
+MiB = 1 << 20
 
 
 @dataclass
@@ -19,3 +21,31 @@ class Table:
     headers: list[str]
     rows: list[list[str]] = field(default_factory=list)
     note: str = ""
+
+
+def us(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def ns(value_us: float | None) -> str:
+    return "n/a" if value_us is None else f"{value_us * 1000:,.0f}"
+
+
+def times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.2f} %"
+
+
+def mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / MiB:,.1f}"
+
+
+def ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def verdict(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: "not measured"}[met]

@@ -27,6 +27,7 @@ from benchmarks.common import (
     summarize,
     target,
 )
+from benchmarks.table import Table, mib, pct, us
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import (
     AUDIO_TINY,
@@ -293,3 +294,44 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     return [save_plot(plt, fig, out_dir / "traffic.png")]
+
+
+# -- tables for BENCHMARKS.md -----------------------------------------------------------
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    t = Table(
+        "Traffic replay: admission settings",
+        [
+            "max_graphs",
+            "min_capture_calls",
+            "hit rate",
+            "mean latency us",
+            "vs eager",
+            "captures",
+            "graph MiB (events)",
+            "reserved delta MiB",
+            "misses w/c/m",
+        ],
+    )
+    for row in result["rows"]:
+        t.rows.append(
+            [
+                str(row["max_graphs"]),
+                str(row["min_capture_calls"]) if row["max_graphs"] else "-",
+                f"{row['hit_rate'] * 100:.1f} %",
+                us(row["mean_latency_us"], 0),
+                pct(row.get("vs_eager")),
+                str(row["captures"]),
+                mib(row["graph_bytes"]),
+                mib(row.get("reserved_delta_bytes")),
+                f"{row['warmup_misses']}/{row['capacity_misses']}/{row['memory_misses']}",
+            ]
+        )
+    stream = result["stream"]
+    t.note = (
+        f"{stream['requests']} requests ({stream['vision_requests']} image, "
+        f"{stream['audio_requests']} audio), {stream['distinct_keys']} distinct shapes, "
+        f"seed {stream['seed']}. Graph MiB: bytes_reserved + static_bytes of GraphCaptured events."
+    )
+    return [t]

@@ -147,7 +147,7 @@ def test_means_add_up_and_a_request_without_figures_voids_the_kind(phases: Any) 
 
 
 def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
-    from benchmarks import report
+    from benchmarks import engine_report
 
     def config(scale: float, with_phases: bool) -> dict[str, Any]:
         rows = {}
@@ -188,7 +188,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
         "configurations": {"eager": config(1.0, True), "omnitrace": config(0.5, True)},
     }
     payload = {"sizes": "released", "models": {"m": model}}
-    tables = report._engine(payload)
+    tables = engine_report.tables(payload)
     where = [t for t in tables if "where the TTFT goes" in t.title]
     assert len(where) == 1
     rows = {(r[0], r[1]): r[2:] for r in where[0].rows}
@@ -198,7 +198,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     assert len(rows) == 4
     # A kind whose requests lack figures in one configuration is shown as n/a, not dropped.
     model["configurations"]["omnitrace"]["rows"]["c1/image-1"]["phases_mean_ms"] = None
-    (where,) = [t for t in report._engine(payload) if "where the TTFT goes" in t.title]
+    (where,) = [t for t in engine_report.tables(payload) if "where the TTFT goes" in t.title]
     rows = {(r[0], r[1]): r[2:] for r in where.rows}
     assert rows[("image-1", "omnitrace")] == ["n/a"] * 5
     assert rows[("image-1", "eager")] == ["103", "2", "40", "1", "60"]
@@ -206,7 +206,7 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     for entry in model["configurations"].values():
         for row in entry["rows"].values():
             row.pop("phases_mean_ms", None)
-    tables = report._engine({"sizes": "released", "models": {"m": model}})
+    tables = engine_report.tables({"sizes": "released", "models": {"m": model}})
     assert not [t for t in tables if "where the TTFT goes" in t.title]
 
 
@@ -227,7 +227,7 @@ def test_a_requests_ttft_starts_after_its_media_are_made(
     import time
     from types import SimpleNamespace
 
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     def slow_messages(kind: Any, seed: int) -> list[dict[str, Any]]:
         time.sleep(0.5)
@@ -242,18 +242,18 @@ def test_a_requests_ttft_starts_after_its_media_are_made(
         return iter([chunk([7]), chunk([8])])
 
     client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
-    monkeypatch.setattr(engine, "messages", slow_messages)
-    kind = engine.request_kinds("quick")[0]
-    done = engine._one(client, "m", kind, seed=1, max_tokens=2)
+    monkeypatch.setattr(engine_serving, "messages", slow_messages)
+    kind = engine_serving.request_kinds("quick")[0]
+    done = engine_serving.one_request(client, "m", kind, seed=1, max_tokens=2)
     assert done.tokens == [7, 8]
     assert done.ttft_s < 0.25, done.ttft_s
     assert done.total_s < 0.25, done.total_s
 
 
 def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_checks, engine_serving
 
-    kinds = [k for k in engine.request_kinds("quick") if k.modality == "image"]
+    kinds = [k for k in engine_serving.request_kinds("quick") if k.modality == "image"]
 
     def config(scale: float, inside: float | None) -> dict[str, Any]:
         return {
@@ -269,16 +269,16 @@ def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
         }
 
     entry = {"configurations": {"eager": config(1.0, 80.0), "omnitrace": config(0.9, 40.0)}}
-    change = engine._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
+    change = engine_checks._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
     assert change == pytest.approx(-0.1)
-    inside = engine._median_change(
+    inside = engine_checks._median_change(
         entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
     )
     assert inside == pytest.approx(-0.5)
     # A run without the phase split has no such figure, rather than a median of fewer kinds.
     entry["configurations"]["omnitrace"]["rows"][f"c1/{kinds[0].name}"]["engine_ttft_p50_ms"] = None
     assert (
-        engine._median_change(
+        engine_checks._median_change(
             entry, "qwen2_5_omni", "quick", "omnitrace", "image", field="engine_ttft_p50_ms"
         )
         is None

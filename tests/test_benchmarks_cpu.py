@@ -731,7 +731,7 @@ def test_an_arm_that_raises_fails_the_run_with_its_traceback(
     in_process: Callable[..., tuple[int, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An exception building an arm exits 1, printed and recorded; the other arms still run."""
-    from benchmarks.latency import Arm
+    from benchmarks.latency_arms import Arm
 
     arms = [*_arms("eager", "adapter"), Arm("exploding", "exploding", _explode, (), None, False)]
     code, out = in_process(tmp_path, arms)
@@ -757,7 +757,7 @@ def test_a_timed_call_that_raises_fails_at_once_keeping_earlier_shapes(
     in_process: Callable[..., tuple[int, Path]], tmp_path: Path
 ) -> None:
     """An exception while timing stops the benchmark, status error, with the shapes measured."""
-    from benchmarks.latency import Arm, Timed
+    from benchmarks.latency_arms import Arm, Timed
 
     def flaky(point: Any) -> Any:
         calls = []
@@ -803,15 +803,15 @@ def test_a_fatal_signal_ends_the_run_and_keeps_the_shapes_measured(tmp_path: Pat
     script = textwrap.dedent(
         """
         import faulthandler, sys
-        from benchmarks import latency, run
+        from benchmarks import latency, latency_arms, run
 
         def crash(point):
             if point.shape.encoder == "vision":
                 faulthandler._sigsegv()
-            return latency.Timed(lambda: point.model(point.x))
+            return latency_arms.Timed(lambda: point.model(point.x))
 
         latency.ARMS[:] = [a for a in latency.ARMS if a.name in ("eager", "adapter")]
-        latency.arm("crash", "crash")(crash)
+        latency_arms.arm("crash", "crash")(crash)
         sys.exit(run.main(sys.argv[1:]))
         """
     )
@@ -898,7 +898,7 @@ def test_report_renders_a_partial_result(bench: Any) -> None:
 def test_profiling_benchmark_counts_profiling_graphs_and_skip_keeps_them_out(bench: Any) -> None:
     """Two profiling runs capture one dummy graph per encoder, which serving never replays;
     with skip_profiling none is captured and serving is the same as with one run."""
-    from benchmarks import profiling
+    from benchmarks.probes import profiling
 
     result = profiling.measure(seeds=[0], requests=300, rounds=[1, 2], slices=10)
     rows = {(r["rounds"], r["skip_profiling"]): r["totals"] for r in result["rows"]}
@@ -946,7 +946,7 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
     tmp_path: Path,
 ) -> None:
     """Each rank's log is counted; per worker and per adapter; device time is the slowest's."""
-    from benchmarks import engine
+    from benchmarks import engine_checks
 
     captured = {"type": "GraphCaptured", "adapter": "vision", "bytes_reserved": 100}
     rank0 = _rank_log(
@@ -967,7 +967,7 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
             {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.5},
         ],
     )
-    figures = engine.event_figures([rank0, rank1])
+    figures = engine_checks.event_figures([rank0, rank1])
     assert (figures["graphs"], figures["hits"], figures["misses"]) == (2, 1, 2)
     assert figures["pool_bytes"] == 230
     assert figures["workers"] == {
@@ -978,10 +978,10 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
     assert figures["encoder_device_s"] == {"vision": 1.25}
     # The slowest rank after the lines already read: rank 0 has 0.75 s in all, 0.25 s after
     # its first four lines; rank 1 has 0.5 s.
-    assert engine._device_s_since([rank0, rank1], {}) == 0.75
-    assert engine._device_s_since([rank0, rank1], {rank0: 4}) == 0.5
-    assert engine._device_s_since([rank0], {rank0: 5}) is None
-    assert engine._line_counts([rank0, rank1]) == {rank0: 5, rank1: 3}
+    assert engine_checks.device_s_since([rank0, rank1], {}) == 0.75
+    assert engine_checks.device_s_since([rank0, rank1], {rank0: 4}) == 0.5
+    assert engine_checks.device_s_since([rank0], {rank0: 5}) is None
+    assert engine_checks.line_counts([rank0, rank1]) == {rank0: 5, rank1: 3}
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", 1), ("2", 2), (" 4 ", 4)])

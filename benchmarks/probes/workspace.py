@@ -16,7 +16,7 @@ memory with sentinel tensors, replays, and reports whether the replay still matc
 whether any sentinel changed. Each case runs in a child process, because an illegal memory
 access poisons the CUDA context; a child that dies is reported with its error.
 
-Usage (GPU): python3 benchmarks/workspace_probe.py [--json PATH]
+Usage (GPU): python3 -m benchmarks.probes.workspace [--json PATH]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ loop, the device drained between loops), beside the bare copy-replay-clone it is
 The ``idle device:`` rows time single calls each started on an idle device, as the latency
 benchmark does, arms taking turns call by call.
 
-Usage (GPU): python3 -m benchmarks.hitpath_profile [--json PATH]
+Usage (GPU): python3 -m benchmarks.probes.hitpath_profile [--json PATH]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ while profiling, how many of them serving ever replayed, the serving hit rate an
 misses, and the same run with ``encoder_cuda_graph_skip_profiling``.
 
 CPU only: admission decides by keys, so the forward is a stand-in and no timing is measured.
-``python -m benchmarks.profiling`` prints the table; ``--json PATH`` writes the figures.
+``python -m benchmarks.probes.profiling`` prints the table; ``--json PATH`` writes the figures.
 """
 
 from __future__ import annotations
@@ -192,7 +192,9 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the measurement, print the table, and write JSON if asked; return 0."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profiling", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.profiling", description=__doc__
+    )
     parser.add_argument("--seeds", type=int, default=5, help="traffic seeds 0..N-1 (default 5)")
     parser.add_argument("--requests", type=int, default=2000, help="requests per run (2000)")
     parser.add_argument("--slices", type=int, default=10, help="slices of the vision dummy (10)")

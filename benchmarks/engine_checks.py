@@ -1,0 +1,280 @@
+"""The engine benchmark's readings and checks: what the workers' event logs say, and the
+targets and figures of each model's results against eager.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import figure, target
+from benchmarks.engine_serving import AGAIN, BUDGET, MODELS, request_kinds
+
+GOAL = "end_to_end"
+
+
+# -- what the event log says -------------------------------------------------------------------
+
+
+def event_figures(paths: Sequence[Path], skip: dict[Path, int] | None = None) -> dict[str, Any]:
+    """Graphs, pool bytes, encoder device time and hit counts from the workers' event logs
+    (each after its first ``skip`` lines, if given): in all, per adapter (misses by reason)
+    and per worker (graphs and pool bytes a device)."""
+    figures: dict[str, Any] = {"graphs": 0, "pool_bytes": 0, "hits": 0, "misses": 0}
+    device: dict[str, float] = {}
+    adapters: dict[str, dict[str, Any]] = {}
+    workers: dict[str, dict[str, int]] = {}
+    for path in paths:
+        worker = workers.setdefault(path.stem, {"graphs": 0, "pool_bytes": 0})
+        _fold_log(path, figures, device, adapters, worker, (skip or {}).get(path, 0))
+    figures["encoder_device_s"] = device if paths else None
+    figures["workers"] = workers
+    figures["adapters"] = {
+        name: entry
+        for name, entry in adapters.items()
+        if entry["graphs"] or entry["hits"] or entry["misses"]
+    }
+    return figures
+
+
+def _fold_log(
+    path: Path,
+    figures: dict[str, Any],
+    device: dict[str, float],
+    adapters: dict[str, dict[str, Any]],
+    worker: dict[str, int],
+    skip: int = 0,
+) -> None:
+    with path.open(encoding="utf-8") as lines:
+        for line in itertools.islice(lines, skip, None):
+            event = json.loads(line)
+            kind = event.get("type")
+            mine = adapters.setdefault(
+                str(event.get("adapter")), {"graphs": 0, "hits": 0, "misses": {}}
+            )
+            if kind == "GraphCaptured":
+                pool = int(event["bytes_reserved"]) + int(event["static_bytes"])
+                figures["graphs"] += 1
+                mine["graphs"] += 1
+                worker["graphs"] += 1
+                figures["pool_bytes"] += pool
+                worker["pool_bytes"] += pool
+            elif kind == "GraphReplayed":
+                figures["hits"] += 1
+                mine["hits"] += 1
+            elif kind == "GraphMissed":
+                figures["misses"] += 1
+                reason = str(event.get("reason"))
+                mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
+            elif kind == "DeviceTimed":
+                device[event["adapter"]] = device.get(event["adapter"], 0.0) + float(
+                    event["device_s"]
+                )
+
+
+def line_counts(paths: Sequence[Path]) -> dict[Path, int]:
+    counts = {}
+    for path in paths:
+        with path.open("rb") as lines:
+            counts[path] = sum(1 for _ in lines)
+    return counts
+
+
+def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
+    """The encoder calls in each log after its first ``skip`` lines (the measured passes,
+    once the warm-up captured what it would): calls, hits and the hit rate, in all and per
+    encoder, with the misses by reason."""
+    encoders: dict[str, dict[str, Any]] = {}
+    for name, adapter in event_figures(paths, skip)["adapters"].items():
+        calls = adapter["hits"] + sum(adapter["misses"].values())
+        if calls:
+            hits = adapter["hits"]
+            encoders[name] = {
+                "calls": calls,
+                "hits": hits,
+                "misses": adapter["misses"],
+                "hit_rate": hits / calls,
+            }
+    calls = sum(e["calls"] for e in encoders.values())
+    hits = sum(e["hits"] for e in encoders.values())
+    return {
+        "calls": calls,
+        "hits": hits,
+        "hit_rate": hits / calls if calls else None,
+        "encoders": encoders,
+    }
+
+
+def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:
+    """Encoder device seconds in each log's events after its first ``skip`` lines: the most
+    of any worker (tensor-parallel ranks run their encoders side by side).
+
+    None when there are none: device timing needs CUDA events, so a CPU run has no figure.
+    """
+    per_worker = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            timed = [
+                float(e["device_s"])
+                for i, e in enumerate(map(json.loads, lines))
+                if i >= skip.get(path, 0) and e.get("type") == "DeviceTimed"
+            ]
+        if timed:
+            per_worker.append(sum(timed))
+    return max(per_worker) if per_worker else None
+
+
+# -- the targets and figures -------------------------------------------------------------------
+
+
+def _median_change(
+    entry: dict[str, Any],
+    model_kind: str,
+    scale: str,
+    config: str,
+    modality: str,
+    field: str = "ttft_p50_ms",
+) -> float | None:
+    """Relative change of the median over ``modality``'s kinds of their ``field`` (TTFT p50,
+    or vLLM's own) at concurrency 1."""
+    configs = entry["configurations"]
+    if config not in configs or "eager" not in configs:
+        return None
+    kinds = {k.name: k for k in request_kinds(scale, model_kind)}
+
+    def p50(name: str) -> float | None:
+        rows = [
+            r.get(field)
+            for r in configs[name]["rows"].values()
+            if r["concurrency"] == 1 and kinds[r["kind"]].modality == modality
+        ]
+        if not rows or any(v is None for v in rows):
+            return None
+        return float(np.median(rows))
+
+    base, new = p50("eager"), p50(config)
+    return None if base is None or new is None or base <= 0 else (new - base) / base
+
+
+def check_model(result: dict[str, Any], model_kind: str, entry: dict[str, Any]) -> None:
+    configs = entry["configurations"]
+    label = MODELS[model_kind]
+    scale = "full" if result["sizes"] == "released" else "quick"
+    for modality in ("image", "audio"):
+        change = _median_change(entry, model_kind, scale, "omnitrace", modality)
+        result["targets"].append(
+            target(
+                f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders",
+                None if change is None else 100 * change,
+                "<=",
+                -30.0,
+                "%",
+                goal=GOAL,
+            )
+        )
+        # vLLM's own TTFT leaves out the transfer before its renderer: reported beside.
+        inside = _median_change(
+            entry, model_kind, scale, "omnitrace", modality, field="engine_ttft_p50_ms"
+        )
+        result["figures"].append(
+            figure(
+                f"{label}: {modality} TTFT p50 inside vLLM (renderer to first token) at "
+                "concurrency 1, omnitrace vs eager encoders",
+                None if inside is None else 100 * inside,
+                "%",
+                goal=GOAL,
+                note="from vLLM's histograms around each request (benchmarks/engine_phases.py)",
+            )
+        )
+    if "omnitrace" in configs and "eager" in configs:
+        eager_kv = configs["eager"]["kv_cache_tokens"]
+        graph_kv = configs["omnitrace"]["kv_cache_tokens"]
+        result["figures"].append(
+            figure(
+                f"{label}: KV cache with omnitrace's graphs, change against eager",
+                None
+                if not eager_kv or graph_kv is None
+                else 100 * (graph_kv - eager_kv) / eager_kv,
+                "%",
+                goal=GOAL,
+                note=f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}",
+            )
+        )
+    for modality in ("image", "audio"):
+        # A/B/A: the baseline served again last; a large drift makes every change suspect.
+        drift = _median_change(entry, model_kind, scale, AGAIN, modality)
+        result["figures"].append(
+            figure(
+                f"{label}: {modality} TTFT p50 at concurrency 1, eager served again last vs "
+                "eager first (the machine's drift across the run)",
+                None if drift is None else 100 * drift,
+                "%",
+                goal=GOAL,
+            )
+        )
+    _load_checks(result, label, configs)
+    for name, why in entry["not_applicable"].items():
+        result["figures"].append(
+            figure(f"{label}: {name} not applicable", None, "", goal=GOAL, note=why)
+        )
+
+
+def _load_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) -> None:
+    """At the highest concurrency: requests/s and TTFT p99 against eager's; and the hit rate
+    of the measured passes with the defaults."""
+    if "omnitrace" not in configs or "eager" not in configs:
+        return
+    graphed, eager = configs["omnitrace"], configs["eager"]
+    top = max(int(key[1:]) for key in eager["requests_per_s"])
+    rate = graphed["requests_per_s"][f"c{top}"] / eager["requests_per_s"][f"c{top}"]
+    result["targets"].append(
+        target(
+            f"{label}: requests/s at concurrency {top}, omnitrace over eager encoders",
+            rate,
+            ">=",
+            1.3,
+            "x",
+            goal=GOAL,
+        )
+    )
+
+    def p99(row: dict[str, Any]) -> float:
+        return float(
+            np.median([r["ttft_p99_ms"] for r in row["rows"].values() if r["concurrency"] == top])
+        )
+
+    change = (p99(graphed) - p99(eager)) / p99(eager)
+    result["targets"].append(
+        target(
+            f"{label}: TTFT p99 at concurrency {top} (median over kinds), omnitrace vs eager",
+            100 * change,
+            "<",
+            0.0,
+            "%",
+            goal=GOAL,
+        )
+    )
+    for name, what in (("omnitrace", "omnitrace defaults"), (BUDGET, "a 2 GiB pool budget")):
+        if name not in configs:
+            continue
+        warm = configs[name].get("after_warmup") or {}
+        result["targets"].append(
+            target(
+                f"{label}: encoder calls served by a graph after the warm-up, {what}",
+                None if warm.get("hit_rate") is None else 100 * warm["hit_rate"],
+                ">=",
+                95.0,
+                "%",
+                goal=GOAL,
+                note=f"pool bytes {configs[name].get('pool_bytes')}; misses by reason: "
+                + "; ".join(
+                    f"{encoder} {e['misses']}"
+                    for encoder, e in sorted(warm.get("encoders", {}).items())
+                ),
+            )
+        )

@@ -1,0 +1,204 @@
+"""The end-to-end benchmark's tables in ``BENCHMARKS.md``, rendered by :mod:`benchmarks.report`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import served_pairs
+from benchmarks.table import Table, mib, ms
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    tables: list[Table] = []
+    for model in result.get("models", {}).values():
+        configs: dict[str, Any] = model["configurations"]
+        if not configs:
+            continue
+        concurrencies = sorted(
+            {row["concurrency"] for c in configs.values() for row in c["rows"].values()}
+        )
+        ttft = Table(
+            f"{model['name']} ({result['sizes']} sizes"
+            + (
+                f", tensor-parallel over {result['tensor_parallel_size']}"
+                if result.get("tensor_parallel_size", 1) > 1
+                else ""
+            )
+            + "): TTFT p50 / p99 (ms) by request kind",
+            ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
+        )
+        for kind in model["kinds"]:
+            cells = [kind]
+            for c in concurrencies:
+                for entry in configs.values():
+                    row = entry["rows"].get(f"c{c}/{kind}")
+                    cells.append(
+                        "n/a"
+                        if row is None
+                        else f"{ms(row['ttft_p50_ms'])} / {ms(row['ttft_p99_ms'])}"
+                    )
+            ttft.rows.append(cells)
+        ttft.note = (
+            f"{model['per_kind']} requests of each kind per pass, {model['max_tokens']} output "
+            "tokens, greedy; "
+            + " and ".join(f"c{c}" for c in concurrencies)
+            + ": requests in flight. p99 of so few samples is their maximum."
+        )
+        engines = Table(
+            f"{model['name']}: engines",
+            [
+                "configuration",
+                "ready (s)",
+                *(f"requests/s c{c}" for c in concurrencies),
+                "encoder share of TTFT, c1",
+                "graphs",
+                "hits / misses",
+                "hits after warm-up",
+                "pool MiB",
+                "KV cache tokens",
+                "tokens equal eager's: c1, batched",
+            ],
+        )
+        for name, entry in configs.items():
+            share = entry.get("encoder_share_of_ttft_c1")
+            engines.rows.append(
+                [
+                    name,
+                    f"{entry['ready_s']:.0f}",
+                    *(f"{entry['requests_per_s'].get(f'c{c}', 0.0):.2f}" for c in concurrencies),
+                    "n/a" if share is None else f"{100 * share:.1f} %",
+                    str(entry["graphs"]),
+                    f"{entry['hits']} / {entry['misses']}",
+                    _hit_rate(entry.get("after_warmup")),
+                    mib(entry["pool_bytes"]),
+                    "n/a" if entry["kv_cache_tokens"] is None else f"{entry['kv_cache_tokens']:,}",
+                    "baseline"
+                    if "parity_with_eager" not in entry
+                    else f"{'yes' if entry['parity_with_eager'] else 'NO'}, "
+                    f"{entry.get('batched_equal_eager', 'n/a')} of "
+                    f"{entry.get('batched_requests', 'n/a')}",
+                ]
+            )
+        missing = "; ".join(f"{k}: {v}" for k, v in model.get("not_applicable", {}).items())
+        notes = ["Not applicable: " + missing + "."] if missing else []
+        for name, entry in configs.items():
+            per_adapter = [
+                f"{adapter} {a['graphs']} graphs, {a['hits']} hits, misses "
+                + (", ".join(f"{r} {n}" for r, n in sorted(a["misses"].items())) or "none")
+                for adapter, a in sorted((entry.get("adapters") or {}).items())
+            ]
+            if per_adapter and entry["graphs"]:
+                notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
+        engines.note = " ".join(notes)
+        tables += [ttft, engines, *_engine_phases(model, configs)]
+        tables += [*_event_phases(model, configs), *_offline(model), *served_pairs.tables(model)]
+    return tables
+
+
+def _hit_rate(after: dict[str, Any] | None) -> str:
+    if not after or after.get("hit_rate") is None:
+        return "n/a"
+    return f"{100 * after['hit_rate']:.1f} % of {after['calls']}"
+
+
+def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:
+    """Each kind's phases at every concurrency, from omnitrace's per-request events."""
+    from omnitrace.requests import PHASES
+
+    table = Table(
+        f"{model['name']}: where the TTFT goes, from the request events (mean ms)",
+        ["request kind", "configuration", "concurrency", "event TTFT p50", *PHASES],
+    )
+    for name, entry in configs.items():
+        for concurrency, rows in (entry.get("event_phases") or {}).items():
+            for kind, row in rows.items():
+                phases = row["phases_mean_ms"]
+                table.rows.append(
+                    [
+                        kind,
+                        name,
+                        concurrency,
+                        ms(row["event_ttft_p50_ms"]),
+                        *(ms(phases[p]) for p in PHASES),
+                    ]
+                )
+    if not table.rows:
+        return []
+    problems = [f"{n}: {p}" for n, e in configs.items() for p in e.get("event_problems", [])]
+    table.note = (
+        "Each request's RequestTimed joined with the encoder steps that served it "
+        "(omnitrace.requests), read after the server stopped."
+        + (" Not found: " + "; ".join(problems) + "." if problems else "")
+    )
+    return [table]
+
+
+def _offline(model: dict[str, Any]) -> list[Table]:
+    """The offline pairs: graphs off and on inside one vllm.LLM engine, same kinds."""
+    from benchmarks.paired import diff_text
+
+    paired = model.get("offline_paired")
+    if not paired:
+        return []
+    table = Table(
+        f"{model['name']}: offline, graphs off and on inside one engine (ms)",
+        [
+            "request kind",
+            "eager p50",
+            "graphed p50",
+            "paired diff median (IQR)",
+            "median %",
+            "graphed faster",
+        ],
+    )
+    for kind, r in paired["kinds"].items():
+        table.rows.append(
+            [
+                kind,
+                ms(r["eager_p50_ms"]),
+                ms(r["graphed_p50_ms"]),
+                diff_text(r),
+                f"{r['diff_median_pct']:+.1f} %",
+                f"{r['graphed_faster']}/{r['pairs']}",
+            ]
+        )
+    table.note = (
+        f"benchmarks.paired in the same invocation, before the servers: {paired['pairs']} "
+        f"pairs a kind after {paired['warmup']} warm-up rounds, one token a request, eager and "
+        "graphed alternating inside one engine."
+        + (" PROBLEMS: " + "; ".join(paired["problems"]) if paired.get("problems") else "")
+    )
+    return [table]
+
+
+def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:
+    """Where each kind's TTFT went at concurrency 1, when the run measured it."""
+    from benchmarks.engine_phases import PHASES
+
+    table = Table(
+        f"{model['name']}: where the TTFT goes, c1 (mean ms)",
+        ["request kind", "configuration", "TTFT", *PHASES],
+    )
+    measured = False
+    for kind in model["kinds"]:
+        for name, entry in configs.items():
+            phases = (entry["rows"].get(f"c1/{kind}") or {}).get("phases_mean_ms")
+            if phases is None:
+                # A request the histograms did not count alone: shown, not left out.
+                table.rows.append([kind, name, *["n/a"] * (1 + len(PHASES))])
+                continue
+            measured = True
+            total = sum(phases[p] for p in PHASES)
+            table.rows.append([kind, name, ms(total), *(ms(phases[p]) for p in PHASES)])
+    if not measured:
+        return []
+    table.note = (
+        "From vLLM's own histograms read around each request, one request at a time: "
+        "rendering is from the request's arrival at vLLM's renderer (chat template, decoding "
+        "the media, the model's processor) to the first token, less queue and prefill, so it "
+        "also holds the hand-offs between the server and the engine core; queue is the "
+        "scheduler's wait; prefill is from the first schedule to the first token (the encoders "
+        "and the language model's prefill); outside is the rest of the client's TTFT (HTTP and "
+        "request handling). Means, so the phases add up to the mean TTFT."
+    )
+    return [table]
