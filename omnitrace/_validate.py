@@ -169,6 +169,25 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` as a bool: a bool, or one of the words ``true``, ``1``, ``yes``,
+    ``on``, ``false``, ``0``, ``no``, ``off`` (any case, surrounding blanks ignored), as a
+    JSON body or an HTTP argument carries a switch.
+
+    Raises:
+        ConfigError: anything else, naming ``name`` and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("true", "1", "yes", "on"):
+            return True
+        if word in ("false", "0", "no", "off"):
+            return False
+    raise ConfigError(f"{name}: expected true or false, got {describe(value)}")
+
+
 def check_text(name: str, value: object) -> str:
     """Return ``value`` if it is a string with more than white space in it.
 

@@ -321,13 +321,13 @@ async def _timing_route(request: Any) -> Any:
     nothing."""
     from starlette.responses import JSONResponse
 
-    from omnitrace.integrations.vllm_worker_controls import flag
+    from omnitrace._validate import check_flag
 
     try:
         body = await request.json()
         if not isinstance(body, dict):
             raise ValueError(f"enabled: expected a JSON object, got {body!r}")
-        enabled = flag(body.get("enabled"), "enabled")
+        enabled = check_flag("enabled", body.get("enabled"))
     except ValueError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
     return JSONResponse({"enabled": enabled, "was": set_request_timing(enabled)})

@@ -4,32 +4,11 @@ on in a running server")."""
 
 from __future__ import annotations
 
+from omnitrace._validate import check_flag
 from omnitrace.integrations.vllm_plugin import graphs_paused, pause_graphs, time_requests
 
 #: The value of ``--worker-extension-cls`` that adds these methods to vLLM's workers.
 QUALNAME = "omnitrace.integrations.vllm_worker_controls.WorkerControls"
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def flag(value: object, name: str) -> bool:
-    """``value`` as a bool: a JSON ``true``/``false`` or one of the words ``true``, ``1``,
-    ``yes``, ``on``, ``false``, ``0``, ``no``, ``off`` (any case), as vLLM's
-    ``/collective_rpc`` endpoint hands its ``args`` on unconverted.
-
-    Raises:
-        ValueError: anything else, naming ``name`` and the value.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _TRUE:
-            return True
-        if word in _FALSE:
-            return False
-    raise ValueError(f"{name}: expected true or false, got {value!r}")
 
 
 class WorkerControls:
@@ -44,9 +23,9 @@ class WorkerControls:
         detail ``paused``; graphs, history and pools are kept.
 
         Raises:
-            ValueError: ``paused`` is neither true nor false.
+            ConfigError: ``paused`` is neither true nor false.
         """
-        return pause_graphs(self, flag(paused, "paused"))
+        return pause_graphs(self, check_flag("paused", paused))
 
     def omnitrace_graphs_paused(self) -> dict[str, bool]:
         """Whether each adapter attached in this worker has its graphs paused, by name."""
@@ -58,6 +37,6 @@ class WorkerControls:
         start-up only.
 
         Raises:
-            ValueError: ``enabled`` is neither true nor false.
+            ConfigError: ``enabled`` is neither true nor false.
         """
-        return time_requests(self, flag(enabled, "enabled"))
+        return time_requests(self, check_flag("enabled", enabled))

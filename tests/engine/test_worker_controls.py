@@ -115,7 +115,7 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         untimed = ask(4)
         bad = timing("maybe")
         assert bad.status_code == 400
-        assert bad.json() == {"error": "enabled: expected true or false, got 'maybe'"}
+        assert bad.json() == {"error": "enabled: expected true or false, got 'maybe' (str)"}
         on = timing("on")
         assert on.json() == {"enabled": True, "was": False}
         asked.append(ask(5))

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from omnitrace import EncoderCudaGraph
+from omnitrace._validate import check_flag
+from omnitrace.errors import ConfigError
 from omnitrace.integrations import vllm_plugin, vllm_worker_controls
-from omnitrace.integrations.vllm_worker_controls import QUALNAME, WorkerControls, flag
+from omnitrace.integrations.vllm_worker_controls import QUALNAME, WorkerControls
 from omnitrace.testing import SimulatedGraphBackend
 
 
@@ -20,13 +22,13 @@ from omnitrace.testing import SimulatedGraphBackend
     [(True, True), (False, False), ("true", True), (" Off ", False), ("1", True), ("no", False)],
 )
 def test_flag_reads_json_booleans_and_words(value: object, expected: bool) -> None:
-    assert flag(value, "paused") is expected
+    assert check_flag("paused", value) is expected
 
 
 @pytest.mark.parametrize("value", [1, 0, None, "maybe", "", [True]])
 def test_flag_refuses_anything_else_by_name(value: object) -> None:
-    with pytest.raises(ValueError, match=r"^paused: expected true or false, got "):
-        flag(value, "paused")
+    with pytest.raises(ConfigError, match=r"^paused: expected true or false, got "):
+        check_flag("paused", value)
 
 
 def test_the_qualified_name_resolves_to_the_class() -> None:
