@@ -59,9 +59,12 @@ def test_ctrl_c_ends_the_demo_between_two_requests(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SIGINT during an endless demo: the traffic ends, the run closes its log and reports
-    (exit 130), and Python's own Ctrl-C handler is back afterwards."""
+    (exit 130), and the Ctrl-C handler from before the run is back afterwards."""
     from omnitrace.cli import main
 
+    # Ctrl-C's handler before the run: Python's own, or SIG_IGN where the suite was started
+    # in the background by a shell without job control.
+    before = signal.getsignal(signal.SIGINT)
     log = tmp_path / "events.jsonl"
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
@@ -77,6 +80,6 @@ def test_ctrl_c_ends_the_demo_between_two_requests(
     assert status == 130
     err = capsys.readouterr().err
     assert "omnitrace: interrupted after" in err, err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
     finals = [r for r in read_records(log) if hasattr(r.item, "info")]
     assert finals  # the log was closed by the run
