@@ -135,33 +135,14 @@ def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]
 
 def _offline(model: dict[str, Any]) -> list[Table]:
     """The offline pairs: graphs off and on inside one vllm.LLM engine, same kinds."""
-    from benchmarks.paired import diff_text
+    from benchmarks.paired import pairs_table
 
     paired = model.get("offline_paired")
     if not paired:
         return []
-    table = Table(
-        f"{model['name']}: offline, graphs off and on inside one engine (ms)",
-        [
-            "request kind",
-            "eager p50",
-            "graphed p50",
-            "paired diff median (IQR)",
-            "median %",
-            "graphed faster",
-        ],
+    table = pairs_table(
+        f"{model['name']}: offline, graphs off and on inside one engine (ms)", paired["kinds"]
     )
-    for kind, r in paired["kinds"].items():
-        table.rows.append(
-            [
-                kind,
-                ms(r["eager_p50_ms"]),
-                ms(r["graphed_p50_ms"]),
-                diff_text(r),
-                f"{r['diff_median_pct']:+.1f} %",
-                f"{r['graphed_faster']}/{r['pairs']}",
-            ]
-        )
     table.note = (
         f"benchmarks.paired in the same invocation, before the servers: {paired['pairs']} "
         f"pairs a kind after {paired['warmup']} warm-up rounds, one token a request, eager and "

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import quantile
+from benchmarks.table import Table, ms
 
 SAMPLING_RATE = 16_000
 _USER = "<|im_start|>user\n"
@@ -334,6 +335,43 @@ def diff_text(row: dict[str, Any]) -> str:
     return f"{row['diff_median_ms']:+.1f} ({row['diff_q25_ms']:+.1f} … {row['diff_q75_ms']:+.1f})"
 
 
+def pairs_table(title: str, kinds: dict[str, dict[str, Any]]) -> Table:
+    """The engine report's table of paired kinds (:func:`paired_summary` rows), in ms."""
+    table = Table(
+        title,
+        [
+            "request kind",
+            "eager p50",
+            "graphed p50",
+            "paired diff median (IQR)",
+            "median %",
+            "graphed faster",
+        ],
+    )
+    for kind, r in kinds.items():
+        table.rows.append(
+            [
+                kind,
+                ms(r["eager_p50_ms"]),
+                ms(r["graphed_p50_ms"]),
+                diff_text(r),
+                f"{r['diff_median_pct']:+.1f} %",
+                f"{r['graphed_faster']}/{r['pairs']}",
+            ]
+        )
+    return table
+
+
+def cost_text(cost: dict[str, Any]) -> str:
+    """Request timing's cost (:func:`cost_summary`, with ``batch``) as one sentence."""
+    return (
+        f"Request timing's cost: {cost['rounds']} rounds of a batch of {cost['batch']} "
+        f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s off, "
+        f"{cost['on_rps_p50']:.2f} on; paired change {cost['change_median_pct']:+.1f} % "
+        f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)"
+    )
+
+
 def table(result: dict[str, Any]) -> str:
     """The result as Markdown: the paired table, then the phases of each half."""
     lines = [
@@ -365,13 +403,7 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {half} | {cells} | {calls} |")
     cost = result.get("timing_cost")
     if cost:
-        lines += [
-            "",
-            f"Request timing's cost: {cost['rounds']} rounds of a batch of {cost['batch']} "
-            f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s off, "
-            f"{cost['on_rps_p50']:.2f} on; paired change {cost['change_median_pct']:+.1f} % "
-            f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)",
-        ]
+        lines += ["", cost_text(cost)]
     for problem in result["problems"]:
         lines.append(f"\nPROBLEM: {problem}")
     return "\n".join(lines)

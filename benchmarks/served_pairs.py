@@ -157,35 +157,17 @@ def timing_cost(
 
 def tables(model: dict[str, Any]) -> list[Table]:
     """The served pairs of a model's configurations, as the engine report shows them."""
-    from benchmarks.paired import diff_text
+    from benchmarks.paired import cost_text, pairs_table
 
     found = []
     for name, config in model.get("configurations", {}).items():
         pairs = config.get("served_pairs")
         if not pairs:
             continue
-        table = Table(
+        table = pairs_table(
             f"{model['name']}: {name}, graphs off and on inside one vllm serve (TTFT, ms)",
-            [
-                "request kind",
-                "eager p50",
-                "graphed p50",
-                "paired diff median (IQR)",
-                "median %",
-                "graphed faster",
-            ],
+            pairs["kinds"],
         )
-        for kind, r in pairs["kinds"].items():
-            table.rows.append(
-                [
-                    kind,
-                    f"{r['eager_p50_ms']:,.0f}",
-                    f"{r['graphed_p50_ms']:,.0f}",
-                    diff_text(r),
-                    f"{r['diff_median_pct']:+.1f} %",
-                    f"{r['graphed_faster']}/{r['pairs']}",
-                ]
-            )
         calls = pairs["encoder_calls"]
         table.note = (
             "After the measured passes, one request at a time, the graphs switched through "
@@ -202,12 +184,6 @@ def tables(model: dict[str, Any]) -> list[Table]:
         )
         cost = pairs.get("timing_cost")
         if cost:
-            table.note += (
-                f" Request timing's cost, same server: {cost['rounds']} rounds of a batch of "
-                f"{cost['batch']} requests in flight with timing off and one on, alternating: "
-                f"{cost['off_rps_p50']:.2f} requests/s off, {cost['on_rps_p50']:.2f} on, paired "
-                f"change {cost['change_median_pct']:+.1f} % (IQR {cost['change_q25_pct']:+.1f} "
-                f"… {cost['change_q75_pct']:+.1f} %)."
-            )
+            table.note += f" {cost_text(cost)}, in the same server."
         found.append(table)
     return found
