@@ -12,6 +12,7 @@ from omnitrace.events import GraphCaptured
 from omnitrace.graphs.backends.base import CAPTURE_LOCK, CaptureRequest
 from omnitrace.graphs.compiling import compile_lock
 from omnitrace.graphs.pools import PoolRegistry
+from omnitrace.graphs.timing import CAPTURES
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +117,7 @@ class Capturer:
                 quiet=prepared,
                 layout=layout,
             )
-            with CAPTURE_LOCK, compile_lock(self._compiled):
+            with CAPTURE_LOCK, compile_lock(self._compiled), CAPTURES.capturing():
                 graph = self._backend.capture(request)
         except BaseException as exc:
             self._hooks.fail(exc, signature, device, stream)

@@ -3,19 +3,61 @@ call's stream, resolved by a daemon thread into ``DeviceTimed`` events."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from omnitrace.events import DeviceTimed, Event, Phase
 from omnitrace.signature import Signature
 
-__all__ = ["DeviceClock", "DeviceTimer", "DeviceTimers", "HostClock"]
+__all__ = ["CAPTURES", "CaptureGate", "DeviceClock", "DeviceTimer", "DeviceTimers", "HostClock"]
 
 _mono = time.monotonic_ns
 _epoch = time.time_ns
+
+
+class CaptureGate:
+    """The graph captures under way in this process, and the device queries kept out of them.
+
+    In CUDA's global capture mode (vLLM's manager's, and the adapter's default) a query of an
+    event from another thread while a capture is under way is a prohibited call: it fails
+    and invalidates the capture, which then fails on the capturing thread. The device
+    timers query only through :meth:`querying`, which says no while a capture runs; a
+    capture waits at most for one round of non-blocking queries to end.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._captures = 0
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Count a capture (with its warm-up) as under way inside the block."""
+        with self._lock:
+            self._captures += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._captures -= 1
+
+    @contextlib.contextmanager
+    def querying(self) -> Iterator[bool]:
+        """Yield whether the device may be queried now; no capture starts inside the block."""
+        with self._lock:
+            yield self._captures == 0
+
+    @property
+    def under_way(self) -> int:
+        """Captures under way now."""
+        return self._captures
+
+
+#: The process's one gate: every capture of every adapter and backend passes through it.
+CAPTURES = CaptureGate()
 
 
 class DeviceClock(Protocol):
@@ -133,7 +175,10 @@ class DeviceTimer:
     def _resolve_passed(self) -> int:
         """Emit the events of the pairs the device has passed; return how many pairs are left."""
         ready: list[DeviceTimed] = []
-        with self._lock:
+        with self._lock, CAPTURES.querying() as allowed:
+            if not allowed:
+                # A capture is under way: the markers are read once it has ended.
+                return len(self._pending)
             kept: deque[tuple[Any, Any, str, Signature, str, Phase]] = deque()
             while self._pending:
                 item = self._pending.popleft()

@@ -335,6 +335,10 @@ def _wrap_profile_run(profile_run: Callable[..., Any], owner: type) -> Callable[
         counted = {adapter: _calls(adapter) for adapter in adapters}
         with profiling_phase(adapters):
             result = profile_run(self, *args, **kwargs)
+        # vLLM captures its own graphs next, in CUDA's global mode, where a device timer's
+        # query from its thread would break the capture: none is left pending by then.
+        for adapter in adapters:
+            adapter.flush_device_timing()
         # Only a run that finished is reported: one that raised fails vLLM's start-up.
         _observe_profiling(runner, counted)
         return result

@@ -147,3 +147,102 @@ def test_background_compiled_capture_beside_reduce_overhead() -> None:
     scale = float(reference.abs().max())
     print(f"\nmax rel err vs eager {worst / scale:.2e}")
     assert worst / scale <= COMPILED_TOL
+
+
+_QUERY_DURING_CAPTURE = """
+import threading, torch
+done = torch.cuda.Event()
+done.record()
+torch.cuda.synchronize()
+stop = threading.Event()
+def hammer():
+    while not stop.is_set():
+        try:
+            done.query()
+        except Exception:
+            pass
+thread = threading.Thread(target=hammer)
+thread.start()
+x = torch.randn(256, 256, device="cuda")
+try:
+    for _ in range(20):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="global"):
+            for _ in range(50):
+                x = x @ x
+    print("captured")
+except Exception as exc:
+    print("failed:", type(exc).__name__, str(exc).splitlines()[0])
+finally:
+    stop.set()
+    thread.join()
+"""
+
+
+def test_an_event_query_from_another_thread_breaks_a_global_mode_capture() -> None:
+    """The hazard the capture gate exists for, shown in a child process (a broken capture can
+    leave the device in an error state): another thread's event query during a capture in
+    CUDA's global mode fails the capture."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _QUERY_DURING_CAPTURE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    print("\nchild:", child.stdout.strip(), child.stderr.strip()[-300:])
+    assert child.stdout.startswith("failed:"), child.stdout + child.stderr[-2000:]
+
+
+def test_device_timing_stays_out_of_global_mode_captures(bus: EventBus) -> None:
+    """vLLM's manager captures in CUDA's global mode. A device timer whose thread queries
+    events all through the adapter's captures (a pair that never resolves) must not break
+    them: the gate keeps every query out of every capture, and the queries go on after."""
+    from omnitrace.events import Phase
+    from omnitrace.graphs.backends.torch import TorchGraphBackend
+    from omnitrace.graphs.timing import CAPTURES, DeviceTimer
+    from omnitrace.testing import sig
+
+    class GlobalOnly(TorchGraphBackend):
+        error_modes = ("global",)
+
+    backend = GlobalOnly()
+    clock = backend.device_clock(torch.device("cuda"))
+    queries = {"outside": 0}
+    done = torch.cuda.Event()
+    done.record()
+
+    class NeverPassed:
+        """The backend's clock, but a marker never passes: its thread queries all along."""
+
+        mark, seconds, release = clock.mark, clock.seconds, clock.release
+
+        def passed(self, marker: object) -> bool:
+            assert CAPTURES.under_way == 0
+            done.query()
+            queries["outside"] += 1
+            return False
+
+    timer = DeviceTimer(NeverPassed(), lambda event: None, poll_interval=0)
+    timer.stop(timer.start(), "t", sig("float32[1,4] @cuda:0 s=0"), "eager", Phase.SERVING)
+    model = vision()
+    graph = EncoderCudaGraph(
+        model, name="v", config=CFG.replace(device_timing=True), bus=bus, backend=backend
+    )
+    shapes = [torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (64, 96, 128)]
+    try:
+        with capture_events(bus) as events:
+            for x in shapes:
+                for _ in range(3):
+                    out = graph(x)
+                torch.testing.assert_close(out, model(x), rtol=GRAPH_TOL, atol=GRAPH_TOL)
+        captured_before = queries["outside"]
+        time.sleep(0.05)
+        assert queries["outside"] > captured_before > 0  # it queried all along, outside them
+    finally:
+        timer.close(0)
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 3
+    assert graph.num_graphs == 3

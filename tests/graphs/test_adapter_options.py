@@ -27,7 +27,7 @@ from omnitrace import (
 )
 from omnitrace.events import DeviceTimed, Phase
 from omnitrace.graphs.gil import COMPILE_SWITCH_INTERVAL, COMPILE_YIELD
-from omnitrace.graphs.timing import DeviceTimer, HostClock
+from omnitrace.graphs.timing import CAPTURES, DeviceTimer, HostClock
 from omnitrace.testing import SimulatedGraphBackend, capture_events, sig
 
 CFG = EncoderGraphConfig(min_free_bytes=0)
@@ -652,6 +652,88 @@ def test_a_flush_returns_only_once_the_timings_another_resolve_took_are_emitted(
     assert flushed == [True]
     assert len(emitted) == 1
     timer.close()
+
+
+class _WatchedClock(HostClock):
+    """A host clock that records, at each query, how many captures were under way."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def passed(self, marker: Any) -> bool:
+        self.seen.append(CAPTURES.under_way)
+        return True
+
+
+def test_the_device_timer_never_queries_while_a_capture_is_under_way() -> None:
+    """CUDA's global capture mode forbids another thread's event query during a capture (it
+    breaks the capture): the timer skips its round while one runs and reads the markers after."""
+    clock = _WatchedClock()
+    emitted: list[Any] = []
+    timer = DeviceTimer(clock, emitted.append, poll_interval=3600)
+    timer.stop(timer.start(), "a", sig("float32[1] @cpu s=0"), "eager", Phase.SERVING)
+    with CAPTURES.capturing():
+        assert timer.resolve() is False  # skipped: the pair stays pending
+        assert (clock.seen, emitted, timer.pending) == ([], [], 1)
+    assert timer.resolve() is True
+    assert (clock.seen, len(emitted)) == ([0], 1)
+    timer.close()
+
+
+def test_a_capture_waits_for_a_round_of_queries_in_flight_and_none_starts_inside_it() -> None:
+    """A capture that begins while the timer reads its markers starts once that round ends."""
+    querying, release = threading.Event(), threading.Event()
+
+    class SlowClock(_WatchedClock):
+        def passed(self, marker: Any) -> bool:
+            querying.set()
+            assert release.wait(10)
+            return super().passed(marker)
+
+    clock = SlowClock()
+    timer = DeviceTimer(clock, lambda event: None, poll_interval=3600)
+    timer.stop(timer.start(), "a", sig("float32[1] @cpu s=0"), "eager", Phase.SERVING)
+    reader = threading.Thread(target=timer.resolve)
+    reader.start()
+    assert querying.wait(10)
+    began: list[int] = []
+
+    def capture() -> None:
+        with CAPTURES.capturing():
+            began.append(len(clock.seen))
+
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    capturer.join(0.2)
+    assert capturer.is_alive()
+    assert not began
+    release.set()
+    reader.join(10)
+    capturer.join(10)
+    assert began == [1]
+    assert clock.seen == [0]
+    timer.close()
+
+
+def test_every_capture_of_the_adapter_passes_through_the_capture_gate(bus: EventBus) -> None:
+    """The adapter's captures count as under way for the gate, so its own device timer (and
+    every other adapter's) stays out of them."""
+    seen: list[int] = []
+
+    class Watching(SimulatedGraphBackend):
+        def capture(self, request: Any) -> Any:
+            seen.append(CAPTURES.under_way)
+            return super().capture(request)
+
+    graph = EncoderCudaGraph(
+        encoder, name="v", config=CFG.replace(device_timing=True), bus=bus, backend=Watching()
+    )
+    for n in (2, 3):
+        for _ in range(3):
+            graph(torch.randn(1, n, 3))
+    assert graph.flush_device_timing(5)
+    assert seen == [1, 1]
+    assert CAPTURES.under_way == 0
 
 
 @pytest.mark.parametrize(
