@@ -22,9 +22,8 @@ configuration                 what
                               after its passes, each kind in pairs, graphs switched off and
                               on through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`)
 ``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``
-``omnitrace+budget``          the graphs' count set by a pool budget instead of the default
-                              four: ``encoder_cuda_graph_pool_budget_bytes`` 2 GiB per encoder
-                              with ``encoder_cuda_graph_max_graphs`` 64 as the ceiling
+``omnitrace-4``               a plain count of four graphs an encoder and no pool budget
+                              (``encoder_cuda_graph_max_graphs`` 4, the former default)
 ``vllm-encoder-graphs``       vLLM's own encoder graphs (``cudagraph_mm_encoder``), where the
                               model implements vLLM's protocol; recorded as not applicable
                               otherwise

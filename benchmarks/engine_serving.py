@@ -48,8 +48,8 @@ class Configuration:
 
 #: The repeated baseline's configuration name.
 AGAIN = "eager-again"
-#: The configuration whose graph count a pool budget sets.
-BUDGET = "omnitrace+budget"
+#: The configuration that keeps four graphs an encoder, no pool budget (the former default).
+COUNTED = "omnitrace-4"
 
 
 def configurations(model_kind: str) -> list[Configuration]:
@@ -61,14 +61,7 @@ def configurations(model_kind: str) -> list[Configuration]:
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
         Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
-        Configuration(
-            BUDGET,
-            {
-                **graphs,
-                "encoder_cuda_graph_max_graphs": 64,
-                "encoder_cuda_graph_pool_budget_bytes": 2 * 1024**3,
-            },
-        ),
+        Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         Configuration(
             "vllm-encoder-graphs",
             {},

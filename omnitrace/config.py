@@ -16,6 +16,8 @@ from omnitrace.errors import ConfigError, EncoderGraphFailedError, OmnitraceErro
 
 __all__ = [
     "AUDIO_ATTENTION_ROUTES",
+    "DEFAULT_MAX_GRAPHS",
+    "DEFAULT_POOL_BUDGET_BYTES",
     "HF_OVERRIDE_KEYS",
     "INT64_MAX",
     "MAX_GRAPHS_CAP",
@@ -31,6 +33,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+#: Graphs an encoder may keep when neither ``max_graphs`` nor a pool budget is set: a
+#: ceiling, since the default pool budget decides how many shapes fit.
+DEFAULT_MAX_GRAPHS = 16
+#: The pool budget of each encoder when neither ``max_graphs`` nor a budget is set.
+DEFAULT_POOL_BUDGET_BYTES = 2 * GiB
 #: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
 #: admission history keeps four keys per graph; no deployment needs more.
 MAX_GRAPHS_CAP = 1024
@@ -66,6 +73,18 @@ def _parse_json_int(text: str) -> int | OversizedInt:
     return OversizedInt(text) if len(text) > _MAX_JSON_DIGITS else int(text)
 
 
+class _Unset(int):
+    """The default of ``max_graphs`` and ``pool_budget_bytes``: not set by the user."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset(-1)
+
+
 @dataclass(frozen=True, slots=True)
 class EncoderGraphConfig:
     """Admission and memory settings shared by the encoder graph adapters.
@@ -74,7 +93,9 @@ class EncoderGraphConfig:
         enabled: capture and replay graphs at all (``--enforce-eager`` forces false; every
             call is then an ``ineligible`` miss, detail ``disabled``).
         max_graphs: graphs retained per encoder, at most 1024; 0 captures nothing (a cache
-            of zero graphs is full: every eligible call is a ``capacity`` miss).
+            of zero graphs is full: every eligible call is a ``capacity`` miss). Not set
+            (default): at most ``DEFAULT_MAX_GRAPHS`` (16), and the pool budget decides
+            how many shapes fit (see ``pool_budget_bytes``).
         min_capture_calls: calls with the same key before it is captured (at least 2).
         min_free_bytes: device-free memory floor checked before each capture; 0 disables it.
         pool_budget_bytes: a byte budget for the encoder's graphs beside the graph count:
@@ -83,7 +104,10 @@ class EncoderGraphConfig:
             is admitted (a ``capacity`` miss, detail ``budget``). ``max_graphs`` stays the
             ceiling: raise it too (say to 64) to let the budget decide how many shapes fit.
             The last graph admitted may take the total past the budget by its own size (a
-            capture's memory is known only after it). 0 (default): no budget.
+            capture's memory is known only after it). 0: no budget. Not set (default):
+            ``DEFAULT_POOL_BUDGET_BYTES`` (2 GiB) when ``max_graphs`` is not set either,
+            and no budget when it is, so an explicit ``max_graphs`` alone is a plain
+            graph count.
         share_pools: share one memory pool and capture stream per encoder, device and
             replay stream (false gives every graph its own, for an A/B comparison).
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
@@ -121,10 +145,10 @@ class EncoderGraphConfig:
     """
 
     enabled: bool = True
-    max_graphs: int = 4
+    max_graphs: int = _UNSET
     min_capture_calls: int = 2
     min_free_bytes: int = GiB
-    pool_budget_bytes: int = 0
+    pool_budget_bytes: int = _UNSET
     share_pools: bool = True
     compile: bool = False
     background_capture: bool = False
@@ -133,6 +157,12 @@ class EncoderGraphConfig:
     audio_attention: str = "native"
 
     def __post_init__(self) -> None:
+        counted = self.max_graphs is not _UNSET
+        if not counted:
+            object.__setattr__(self, "max_graphs", DEFAULT_MAX_GRAPHS)
+        if self.pool_budget_bytes is _UNSET:
+            budget = 0 if counted else DEFAULT_POOL_BUDGET_BYTES
+            object.__setattr__(self, "pool_budget_bytes", budget)
         check_bool(_FIELD_TO_KEY["enabled"], self.enabled)
         check_int(
             _FIELD_TO_KEY["max_graphs"],
@@ -177,6 +207,14 @@ class EncoderGraphConfig:
     def history_size(self) -> int:
         """Keys remembered by admission: four times ``max_graphs``."""
         return 4 * self.max_graphs
+
+    @property
+    def by_default_budget(self) -> bool:
+        """Whether the cap and the budget are the defaults for neither being set."""
+        return (self.max_graphs, self.pool_budget_bytes) == (
+            DEFAULT_MAX_GRAPHS,
+            DEFAULT_POOL_BUDGET_BYTES,
+        )
 
     @property
     def captures_enabled(self) -> bool:
@@ -253,6 +291,14 @@ class EncoderGraphConfig:
                     f"(valid: {', '.join(sorted(known))})"
                 )
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if (
+            "max_graphs" in changes
+            and "pool_budget_bytes" not in changes
+            and (self.by_default_budget)
+        ):
+            # The default budget came with the default cap: a cap set now stands alone,
+            # as it would have from the start.
+            values["pool_budget_bytes"] = _UNSET
         values.update(changes)
         return EncoderGraphConfig(**values)
 

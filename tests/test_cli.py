@@ -28,6 +28,7 @@ import structlog
 import omnitrace
 from omnitrace import derive_coverage, derive_stats
 from omnitrace.cli import main
+from omnitrace.config import DEFAULT_MAX_GRAPHS
 from omnitrace.demo.run import BURST_AT
 from omnitrace.demo.traffic import TrafficMix
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MissReason, Phase
@@ -154,7 +155,7 @@ def test_demo_prints_the_stats_table_and_says_where_the_log_went(
             str(s["graph_hits"]),
             f"{s['hit_rate'] * 100:.1f} %",
         ]
-        assert cells["graphs"] == f"{s['num_graphs']}/4"
+        assert cells["graphs"] == f"{s['num_graphs']}/{DEFAULT_MAX_GRAPHS}"
     assert f"streaming audio {summary['streaming_eager_calls']} eager calls" in out
     assert "no CUDA device" in err or "simulated" in err
     assert f"event log: {log.resolve()}" in err
@@ -282,7 +283,8 @@ def test_top_shows_the_stats_of_a_finished_log(
         s = summary["encoders"][name]
         assert f"╭─ {name} " in out
         assert f"hits {s['graph_hits']} / calls {s['calls']}" in out
-    assert f"graphs   {summary['encoders']['vision']['num_graphs']} / 4" in out
+    vision = summary["encoders"]["vision"]
+    assert f"graphs   {vision['num_graphs']} / {DEFAULT_MAX_GRAPHS}" in out
 
 
 def test_top_follow_sees_events_written_by_another_writer(
@@ -459,7 +461,7 @@ def test_replay_follow_relays_what_a_writer_appends_into_otlp(
         data = json.loads(out)
         assert data["events"] == len(events)
         assert _stats_of(data["encoders"], summary["encoders"]) == {
-            name: {**s, "max_graphs": 4} for name, s in summary["encoders"].items()
+            name: {**s, "max_graphs": DEFAULT_MAX_GRAPHS} for name, s in summary["encoders"].items()
         }
         # The final export at the end of the follow carries the whole run.
         captures = sum(s["num_graphs"] for s in summary["encoders"].values())
@@ -787,7 +789,7 @@ def test_top_json_prints_the_stats_of_each_worker(
         stats = {k: entry[k] for k in derived[entry["encoder"]]}
         assert stats == derived[entry["encoder"]]
         assert entry["calls"] == stats["graph_hits"] + stats["graph_misses"]
-        assert (entry["max_graphs"], entry["rank"]) == (4, 0)
+        assert (entry["max_graphs"], entry["rank"]) == (DEFAULT_MAX_GRAPHS, 0)
 
 
 def test_top_json_lists_each_encoders_top_missed_signatures_and_eager_time(
@@ -843,7 +845,8 @@ def test_replay_json_prints_the_replayed_stats(
     assert data["otlp_endpoint"] is None
     # Beside these, each encoder has the fields of a graph_summary line (test_outputs_agree).
     assert _stats_of(data["encoders"], summary["encoders"]) == {
-        name: {**summary["encoders"][name], "max_graphs": 4} for name in summary["encoders"]
+        name: {**summary["encoders"][name], "max_graphs": DEFAULT_MAX_GRAPHS}
+        for name in summary["encoders"]
     }
 
 

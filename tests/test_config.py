@@ -17,14 +17,47 @@ ON = "encoder_cuda_graph"
 AUDIO = "encoder_cuda_graph_audio_attention"
 
 
-def test_defaults_follow_the_design_note() -> None:
-    """Defaults are four graphs, capture on the second call, a 1 GiB floor, shared pools."""
+def test_defaults_capture_on_the_second_call_under_a_pool_budget() -> None:
+    """Defaults: at most 16 graphs under a 2 GiB pool budget, capture on the second call, a
+    1 GiB floor, shared pools."""
     cfg = EncoderGraphConfig()
-    assert (cfg.enabled, cfg.max_graphs, cfg.min_capture_calls) == (True, 4, 2)
+    assert (cfg.enabled, cfg.max_graphs, cfg.min_capture_calls) == (True, 16, 2)
+    assert cfg.pool_budget_bytes == 2 * 1024**3
+    assert cfg.by_default_budget
     assert cfg.min_free_bytes == 1073741824
     assert cfg.share_pools is True
-    assert cfg.history_size == 16
+    assert cfg.history_size == 64
     assert cfg.audio_attention == "native"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"max_graphs": 4},
+        {MAX: 4},
+    ],
+)
+def test_a_graph_count_set_alone_follows_the_design_note(given: dict[str, int]) -> None:
+    """max_graphs set without a budget is a plain count: no budget, history of four per graph."""
+    if MAX in given:
+        cfg = EncoderGraphConfig.from_hf_overrides(given)
+    else:
+        cfg = EncoderGraphConfig(**given)
+    assert (cfg.max_graphs, cfg.pool_budget_bytes, cfg.history_size) == (4, 0, 16)
+    assert not cfg.by_default_budget
+
+
+def test_a_budget_set_alone_keeps_the_default_ceiling_and_a_later_cap_drops_it() -> None:
+    cfg = EncoderGraphConfig(pool_budget_bytes=512 << 20)
+    assert (cfg.max_graphs, cfg.pool_budget_bytes) == (16, 512 << 20)
+    # A cap set later on the defaults stands alone, as it would have from the start ...
+    assert EncoderGraphConfig().replace(max_graphs=4).pool_budget_bytes == 0
+    # ... but a budget the user chose is kept, and so is the default pair for other changes.
+    assert cfg.replace(max_graphs=8).pool_budget_bytes == 512 << 20
+    assert EncoderGraphConfig().replace(compile=True).pool_budget_bytes == 2 * 1024**3
+    # The round trip through the overrides rebuilds the same config.
+    for config in (cfg, EncoderGraphConfig(), EncoderGraphConfig(max_graphs=4)):
+        assert EncoderGraphConfig.from_hf_overrides(config.to_hf_overrides()) == config
 
 
 def test_from_hf_overrides_reads_every_key() -> None:

@@ -18,6 +18,7 @@ import structlog
 
 from omnitrace import derive_stats
 from omnitrace.cli import main
+from omnitrace.config import DEFAULT_MAX_GRAPHS
 from omnitrace.otlp_receiver import OTLPReceiver, attributes
 from omnitrace.sinks.jsonl import read_events
 
@@ -91,7 +92,7 @@ def test_top_json_on_a_quoted_pattern_shows_every_rank_and_their_total(
         rates = [stats[name]["hit_rate"] for stats in per_rank]
         assert (row["hit_rate_low"], row["hit_rate_high"]) == (min(rates), max(rates))
         assert row["hit_rate"] == row["graph_hits"] / row["calls"]
-        assert (row["workers"], row["max_graphs_per_worker"]) == (2, 4)
+        assert (row["workers"], row["max_graphs_per_worker"]) == (2, DEFAULT_MAX_GRAPHS)
     assert total["calls"] == sum(row["calls"] for row in total["encoders"])
 
 

@@ -411,17 +411,20 @@ class _Builder:
     def _logged(self, adapter: str) -> Setting:
         info = self.infos.get(adapter, {})
         default = EncoderGraphConfig()
+        # A log without the cap or the budget is older than the budget, when the defaults
+        # were four graphs and none.
+        legacy = EncoderGraphConfig(max_graphs=4)
 
         def number(name: str, fallback: int) -> int:
             value = info.get(name)
             return value if isinstance(value, int) and not isinstance(value, bool) else fallback
 
         return Setting(
-            number("max_graphs", default.max_graphs),
+            number("max_graphs", legacy.max_graphs),
             number("min_capture_calls", default.min_capture_calls),
             number("min_free_bytes", default.min_free_bytes),
             bool(info.get("skip_profiling", adapter in self.skipped_profiling)),
-            number("pool_budget_bytes", default.pool_budget_bytes),
+            number("pool_budget_bytes", legacy.pool_budget_bytes),
         )
 
     def _costs(

@@ -90,7 +90,7 @@ def test_vision_mask_and_audio_encoder_match_eager(bus: EventBus) -> None:
 def test_cap_of_four_without_eviction(bus: EventBus) -> None:
     """Four shapes are captured; a fifth stays eager from its first call on."""
     model = vision()
-    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(max_graphs=4), bus=bus)
     inputs = [
         torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16) for n in (16, 32, 48, 64, 80)
     ]

@@ -119,8 +119,9 @@ def test_returned_outputs_are_clones_that_survive_later_replays(bus: EventBus) -
 
 
 def test_cap_holds_four_graphs_without_eviction(bus: EventBus) -> None:
-    """A fifth shape is a capacity miss from its first call; the four graphs keep hitting."""
-    graph, _, _ = make(bus)
+    """With a cap of four, a fifth shape is a capacity miss from its first call; the four
+    graphs keep hitting."""
+    graph, _, _ = make(bus, CFG.replace(max_graphs=4))
     shapes = [torch.randn(n, 8) for n in range(1, 6)]
     for x in shapes[:4]:
         graph(x)
@@ -134,6 +135,20 @@ def test_cap_holds_four_graphs_without_eviction(bus: EventBus) -> None:
     assert kinds(events) == ["miss:capacity"] * 3 + ["GraphReplayed"] * 4
     assert graph.get_cumulative_stats()["capacity_misses"] == 3
     assert graph.num_graphs == 4
+
+
+def test_the_default_keeps_sixteen_graphs_when_they_fit_the_budget(bus: EventBus) -> None:
+    """Without a cap or a budget set, 16 shapes get graphs (the simulated ones are small
+    against the 2 GiB budget); the 17th is a capacity miss of the cap, not the budget."""
+    graph, _, _ = make(bus)
+    shapes = [torch.randn(n, 8) for n in range(1, 18)]
+    for x in shapes[:16]:
+        graph(x)
+        graph(x)
+    assert graph.num_graphs == 16
+    with capture_events(bus) as events:
+        graph(shapes[16])
+    assert [e.detail for e in events if isinstance(e, GraphMissed)] == ["cap"]
 
 
 def test_history_is_bounded_to_four_times_max_graphs(bus: EventBus) -> None:
