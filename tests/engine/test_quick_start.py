@@ -19,8 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
-from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.support import Server, engine_environment, start_server
 from omnitrace.testing_checkpoints.serving import free_port
 
 pytestmark = pytest.mark.engine
@@ -94,19 +92,26 @@ def _version(tier: str) -> str:
     return match[1]
 
 
-def _wait_ready(process: subprocess.Popen[str], port: int, output: Path) -> None:
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the serve block exited with {process.returncode}:\n{output.read_text()}")
+class PastedServer(Server):
+    """The serve block, in a session of its own as in a terminal: Ctrl-C stops its group."""
+
+    new_session = True
+
+    def exited_message(self) -> str:
+        return f"the serve block exited with {self.process.returncode}:\n{self.output.read_text()}"
+
+    def unready_message(self, timeout: float) -> str:
+        return f"the server never answered /health:\n{self.output.read_text()[-5000:]}"
+
+    def stop(self) -> int:
+        # Ctrl-C in the server's terminal: SIGINT to its whole process group.
+        os.killpg(self.process.pid, signal.SIGINT)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"the server never answered /health:\n{output.read_text()[-5000:]}")
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+            pytest.fail(f"the server ignored Ctrl-C:\n{self.output.read_text()[-5000:]}")
 
 
 def _run(block: Block, cwd: Path, env: dict[str, str]) -> str:
@@ -143,35 +148,21 @@ def test_the_quick_start_runs_as_pasted(tmp_path: Path) -> None:
     written_s = time.monotonic() - started
     assert (tmp_path / "tiny-qwen2_5_omni" / "config.json").exists()
 
-    output = tmp_path / "serve.log"
-    with output.open("w") as sink:
-        server = subprocess.Popen(
-            ["bash", "-e", "-c", here(serve).body],
-            cwd=tmp_path,
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    try:
-        _wait_ready(server, port, output)
+    with start_server(
+        ["bash", "-e", "-c", here(serve).body],
+        port=port,
+        cwd=tmp_path,
+        env=env,
+        log=tmp_path / "events-0.jsonl",
+        kind=PastedServer,
+    ) as server:
         ready_s = time.monotonic() - started - written_s
         answer = _run(here(request), tmp_path, env)
         assert answer.strip(), "the request printed no reply"
         table = _run(top, tmp_path, env)
         assert "vision" in table, table
-    finally:
-        # Ctrl-C in the server's terminal: SIGINT to its whole process group.
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-            pytest.fail(f"the server ignored Ctrl-C:\n{output.read_text()[-5000:]}")
-    text = output.read_text()
-    assert server.returncode == 0, text[-5000:]
+    text = server.output.read_text()
+    assert server.process.returncode == 0, text[-5000:]
     finals = [
         json.loads(line[line.index("{") :])
         for line in text.splitlines()
