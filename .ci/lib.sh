@@ -9,3 +9,13 @@ fresh_venv() {
 
 # elapsed START: seconds since START (from $SECONDS).
 elapsed() { echo "$(( SECONDS - $1 ))s"; }
+
+# quietly CMD...: run CMD with its output in the file $log; if it fails, print that output and
+# "$tier_name: failed: CMD" and exit. A tier sets log and tier_name.
+quietly() {
+    if ! "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "$tier_name: failed: $*" >&2
+        exit 1
+    fi
+}

