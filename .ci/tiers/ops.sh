@@ -6,16 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/lib.sh
 
+tier_name="ops tier"
 work="${CI_WORK:-$(mktemp -d)}"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-quietly() {
-    if ! "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "ops tier: failed: $*" >&2
-        exit 1
-    fi
-}
 
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive

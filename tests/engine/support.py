@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+
+from omnitrace.testing_checkpoints.serving import free_port, serve_command
 
 HERE = Path(__file__).resolve().parent
 ENGINE_RUN = HERE / "engine_run.py"
@@ -104,6 +111,142 @@ def run_engine(
     (out_dir / "output.log").write_text(completed.stdout)
     result = json.loads(report.read_text()) if report.exists() else None
     return EngineRun(completed.returncode, completed.stdout, result)
+
+
+# -- vllm serve children -----------------------------------------------------------------------
+
+
+class Server:
+    """A ``vllm serve`` child on loopback, its output file and its event log."""
+
+    #: Whether the child leads a process group of its own (see :func:`start_server`).
+    new_session: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        port: int,
+        output: Path,
+        log: Path,
+        model: str = "qwen2_5_omni",
+    ):
+        self.process = process
+        self.port = port
+        self.output = output
+        self.log = log
+        self.model = model
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.text().splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for ``/health``; fail with the server's output if it dies or never answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(self.exited_message())
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        pytest.fail(self.unready_message(timeout))
+
+    def exited_message(self) -> str:
+        """The failure message for a server that exited before it answered ``/health``."""
+        return f"vllm serve exited with {self.process.returncode}:\n{self.tail()}"
+
+    def unready_message(self, timeout: float) -> str:
+        """The failure message for a server that did not answer ``/health`` in time."""
+        return f"vllm serve did not answer /health within {timeout:.0f} s:\n{self.tail()}"
+
+    def stop(self) -> int:
+        """Stop the server as an operator would (SIGINT), and return its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                return self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+                pytest.fail(f"vllm serve ignored SIGINT for 60 s:\n{self.tail()}")
+        return int(self.process.returncode)
+
+
+@contextmanager
+def start_server(
+    command: Sequence[str],
+    *,
+    port: int,
+    cwd: Path,
+    env: Mapping[str, str],
+    log: Path,
+    model: str = "qwen2_5_omni",
+    kind: type[Server] = Server,
+) -> Iterator[Server]:
+    """Run ``command`` (a server on 127.0.0.1:``port``) in ``cwd``, its output in
+    ``cwd/serve.log``; yield it once ``/health`` answers, and stop it on the way out.
+
+    ``kind`` is the :class:`Server` (or subclass) that waits for it and stops it; one whose
+    ``new_session`` is true starts the command in a session of its own."""
+    output = cwd / "serve.log"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            list(command),
+            env=dict(env),
+            cwd=cwd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=kind.new_session,
+        )
+    server = kind(process, port, output, log, model)
+    try:
+        server.wait_ready(ENGINE_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def serve_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    *,
+    hf_overrides: Mapping[str, Any],
+    extra: Sequence[str] = (),
+    model: str = "qwen2_5_omni",
+    **env: str,
+) -> Iterator[Server]:
+    """``vllm serve`` on ``checkpoint`` in ``out`` on a free port, ready for requests.
+
+    At most 2048 tokens a sequence and 4 sequences, with ``hf_overrides`` and the ``extra``
+    arguments; the workers' event logs are ``out/events-{rank}.jsonl`` (``Server.log`` is
+    rank 0's), and ``env`` is added to :func:`engine_environment`."""
+    port = free_port()
+    environment = engine_environment(OMNITRACE_EVENTS_LOG=str(out / "events-{rank}.jsonl"), **env)
+    # The server runs its engine in a process of its own, as it does for users.
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    command = serve_command(
+        checkpoint,
+        port,
+        max_model_len=2048,
+        max_num_seqs=4,
+        hf_overrides=hf_overrides,
+        extra=extra,
+    )
+    with start_server(
+        command, port=port, cwd=out, env=environment, log=out / "events-0.jsonl", model=model
+    ) as server:
+        yield server
 
 
 # -- what the engine tests of every model check ------------------------------------------------

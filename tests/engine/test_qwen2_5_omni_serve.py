@@ -12,8 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import chat_messages
-from engine.support import (
-    ENGINE_TIMEOUT_S,
-    engine_environment,
-    run_engine,
-)
-from omnitrace.testing_checkpoints.serving import free_port, serve_command
+from engine.support import Server, engine_environment, run_engine, serve_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -46,82 +39,12 @@ MAX_GRAPHS_ERROR = (
 )
 
 
-class Server:
-    """A ``vllm serve`` child on loopback, its output file and its event log."""
-
-    def __init__(
-        self,
-        process: subprocess.Popen[bytes],
-        port: int,
-        output: Path,
-        log: Path,
-        model: str = "qwen2_5_omni",
-    ):
-        self.process = process
-        self.port = port
-        self.output = output
-        self.log = log
-        self.model = model
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float) -> None:
-        """Wait for ``/health``; fail with the server's output if it dies or never answers."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        pytest.fail(f"vllm serve did not answer /health within {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def stop(self) -> int:
-        """Stop the server as an operator would (SIGINT), and return its exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                return self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-                pytest.fail(f"vllm serve ignored SIGINT for 60 s:\n{self.tail()}")
-        return int(self.process.returncode)
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``vllm serve`` on the tiny checkpoint with omnitrace's event log, ready for requests."""
     out = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    log = out / "events-{rank}.jsonl"
-    env = engine_environment(OMNITRACE_EVENTS_LOG=str(log))
-    # The server runs its engine in a process of its own, as it does for users.
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    output = out / "serve.log"
-    command = serve_command(
-        checkpoint, port, max_model_len=2048, max_num_seqs=4, hf_overrides=OVERRIDES
-    )
-    with output.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
-    served = Server(process, port, output, out / "events-0.jsonl")
-    try:
-        served.wait_ready(ENGINE_TIMEOUT_S)
+    with serve_checkpoint(checkpoint, out, hf_overrides=OVERRIDES) as served:
         yield served
-    finally:
-        served.stop()
 
 
 def _chat(server: Server, seed_offset: int) -> Any:

@@ -23,12 +23,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import chat_messages
-from engine.support import ENGINE_TIMEOUT_S, engine_environment, top_json
-from engine.test_qwen2_5_omni_serve import OVERRIDES, Server
+from engine.support import Server, serve_checkpoint, top_json
+from engine.test_qwen2_5_omni_serve import OVERRIDES
 from omnitrace.eventlog import read_records
 from omnitrace.otlp_receiver import OTLPReceiver
 from omnitrace.requests import PHASES, RequestJoin, phases_panel
-from omnitrace.testing_checkpoints.serving import free_port, serve_command
 
 pytestmark = pytest.mark.engine
 
@@ -63,38 +62,24 @@ def server(
     model: str = request.param
     checkpoint: Path = request.getfixturevalue(MODELS[model])
     out = tmp_path_factory.mktemp(f"phases-{model}")
-    port = free_port()
     endpoint = f"http://127.0.0.1:{receiver.port}"
-    env = engine_environment(
-        OMNITRACE_EVENTS_LOG=str(out / "events-{rank}.jsonl"),
-        OMNITRACE_OTLP="1",
-        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
-        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-        OTEL_BSP_SCHEDULE_DELAY="200",
-        OTEL_SERVICE_NAME="omnitrace-phases",
-    )
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    output = out / "serve.log"
-    command = serve_command(
+    with serve_checkpoint(
         checkpoint,
-        port,
-        max_model_len=2048,
-        max_num_seqs=4,
+        out,
         hf_overrides=OVERRIDES,
         extra=(
             "--otlp-traces-endpoint",
             endpoint,
             *(("--trust-remote-code",) if model == "minicpmo" else ()),
         ),
-    )
-    with output.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
-    served = Server(process, port, output, out / "events-0.jsonl", model)
-    try:
-        served.wait_ready(ENGINE_TIMEOUT_S)
+        model=model,
+        OMNITRACE_OTLP="1",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        OTEL_SERVICE_NAME="omnitrace-phases",
+    ) as served:
         yield served
-    finally:
-        served.stop()
 
 
 def _stream(server: Server, seed_offset: int, headers: dict[str, str] | None = None) -> Any:

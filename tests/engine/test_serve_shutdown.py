@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import image
-from engine.support import ENGINE_TIMEOUT_S, engine_environment, top_json
-from engine.test_qwen2_5_omni_serve import Server
-from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command
+from engine.support import serve_checkpoint, top_json
+from omnitrace.testing_checkpoints.serving import data_url, png
 
 pytestmark = pytest.mark.engine
 
@@ -45,22 +43,13 @@ def test_a_signal_to_the_api_server_leaves_the_final_summary_and_every_call(
     final summary line, and ``top --json`` on the log counts the calls those lines count."""
     import openai
 
-    port = free_port()
-    log = tmp_path / "events-{rank}.jsonl"
-    env = engine_environment(
-        OMNITRACE_EVENTS_LOG=str(log), OMNITRACE_LOGS="1", OMNITRACE_SUMMARY_INTERVAL="0"
-    )
-    # The engine in a process of its own, as vllm serve runs it for users.
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    command = serve_command(checkpoint, port, max_model_len=2048, max_num_seqs=4, hf_overrides={})
-    output = tmp_path / "serve.log"
-    with output.open("wb") as sink:
-        process = subprocess.Popen(
-            command, env=env, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT
-        )
-    server = Server(process, port, output, tmp_path / "events-0.jsonl")
-    try:
-        server.wait_ready(ENGINE_TIMEOUT_S)
+    with serve_checkpoint(
+        checkpoint,
+        tmp_path,
+        hf_overrides={},
+        OMNITRACE_LOGS="1",
+        OMNITRACE_SUMMARY_INTERVAL="0",
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         picture = data_url("image/png", png(image(3, 252, 252)))
         reply = client.chat.completions.create(
@@ -79,10 +68,8 @@ def test_a_signal_to_the_api_server_leaves_the_final_summary_and_every_call(
         )
         assert reply.choices[0].finish_reason in ("length", "stop")
         # At once: the request's last events are still on their way to the log.
-        process.send_signal(signum)
-        assert process.wait(timeout=120) == 0, server.tail()
-    finally:
-        server.stop()
+        server.process.send_signal(signum)
+        assert server.process.wait(timeout=120) == 0, server.tail()
 
     text = server.text()
     summaries = _summaries(text)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.engine_run import image
-from engine.support import ENGINE_TIMEOUT_S, engine_environment
-from engine.test_qwen2_5_omni_serve import Server
+from engine.support import serve_checkpoint
 from omnitrace.integrations.vllm_requests import TIMING_ROUTE
 from omnitrace.integrations.vllm_worker_controls import QUALNAME
-from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command
+from omnitrace.testing_checkpoints.serving import data_url, png
 
 pytestmark = pytest.mark.engine
 
@@ -33,27 +31,13 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
     import httpx
     import openai
 
-    port = free_port()
-    env = engine_environment(
-        OMNITRACE_EVENTS_LOG=str(tmp_path / "events-{rank}.jsonl"), VLLM_SERVER_DEV_MODE="1"
-    )
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    command = serve_command(
+    with serve_checkpoint(
         checkpoint,
-        port,
-        max_model_len=2048,
-        max_num_seqs=4,
+        tmp_path,
         hf_overrides={},
         extra=("--worker-extension-cls", QUALNAME),
-    )
-    output = tmp_path / "serve.log"
-    with output.open("wb") as sink:
-        process = subprocess.Popen(
-            command, env=env, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT
-        )
-    server = Server(process, port, output, tmp_path / "events-0.jsonl")
-    try:
-        server.wait_ready(ENGINE_TIMEOUT_S)
+        VLLM_SERVER_DEV_MODE="1",
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         model = client.models.list().data[0].id
 
@@ -119,8 +103,6 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         on = timing("on")
         assert on.json() == {"enabled": True, "was": False}
         asked.append(ask(5))
-    finally:
-        server.stop()
     (api_log,) = tmp_path.glob("events-api*.jsonl")
     timed = [
         json.loads(line)["request_id"]
