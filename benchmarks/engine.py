@@ -390,8 +390,9 @@ def _served_pairs(ctx: Context, server: Server, kinds: Sequence[RequestKind]) ->
         base_url,
         kinds,
         lambda kind, seed: one_request(client, model, kind, seed, 4),
-        rounds=ctx.pick(8, 2, 1),
+        rounds=ctx.pick(16, 2, 1),
         seed=400_000,
+        warmup=ctx.pick(2, 0, 0),
     )
     return pairs
 

@@ -120,9 +120,14 @@ def timing_cost(
     rounds: int,
     seed: int,
     batch: int = COST_BATCH,
+    warmup: int = 2,
 ) -> dict[str, Any]:
     """Request timing's cost: each round a batch of ``batch`` requests in flight with timing
     off and one with it on, the order alternating, graphs on; requests/s of each batch.
+
+    Both batches of a round carry the same kinds (new content each), so a round's change
+    compares like with like; the kinds move on from round to round. ``warmup`` rounds run
+    first and are not counted: their batches capture the batched shapes.
 
     Returns:
         :func:`benchmarks.paired.cost_summary` of the rounds, with each batch's rate.
@@ -132,10 +137,10 @@ def timing_cost(
     rates: dict[bool, list[float]] = {False: [], True: []}
     sent = 0
     try:
-        for round_ in range(rounds):
+        for round_ in range(-warmup, rounds):
+            chosen = [kinds[(round_ * batch + i) % len(kinds)] for i in range(batch)]
             for on in (False, True) if round_ % 2 == 0 else (True, False):
                 time_requests(base_url, on)
-                chosen = [kinds[(sent + i) % len(kinds)] for i in range(batch)]
                 start = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(batch) as pool:
                     done = [
@@ -143,7 +148,8 @@ def timing_cost(
                     ]
                     for future in done:
                         future.result()
-                rates[on].append(batch / (time.perf_counter() - start))
+                if round_ >= 0:
+                    rates[on].append(batch / (time.perf_counter() - start))
                 sent += batch
     finally:
         time_requests(base_url, True)

@@ -1165,14 +1165,22 @@ def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
     monkeypatch.setattr(served_pairs, "time_requests", lambda url, on: switched.append(on))
     seeds: list[int] = []
 
+    asked: list[tuple[bool, str]] = []
+
     def ask(kind: Any, seed: int) -> Any:
         seeds.append(seed)
+        asked.append((switched[-1], kind.name))
         return SimpleNamespace(ttft_s=0.01, request_id=str(seed))
 
-    kinds = [SimpleNamespace(name="image"), SimpleNamespace(name="audio")]
-    cost = served_pairs.timing_cost("http://x", kinds, ask, rounds=3, seed=50, batch=4)
-    assert switched == [False, True, True, False, False, True, True]
-    assert sorted(seeds) == list(range(50, 50 + 3 * 2 * 4))
+    kinds = [SimpleNamespace(name=n) for n in ("image", "audio", "both")]
+    cost = served_pairs.timing_cost("http://x", kinds, ask, rounds=3, seed=50, batch=4, warmup=1)
+    # One warm-up round (round -1: on first), then three counted, the order alternating.
+    assert switched == [True, False, False, True, True, False, False, True, True]
+    assert sorted(seeds) == list(range(50, 50 + 4 * 2 * 4))
+    # Both batches of a round carry the same kinds; the kinds move on between rounds.
+    batches = [sorted(k for _, k in asked[i : i + 4]) for i in range(0, len(asked), 4)]
+    assert all(batches[i] == batches[i + 1] for i in range(0, len(batches), 2))
+    assert batches[0] != batches[2]
     assert cost["rounds"] == 3
     assert cost["batch"] == 4
     assert len(cost["off_rps"]) == len(cost["on_rps"]) == 3
@@ -1184,5 +1192,5 @@ def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
         raise RuntimeError("refused")
 
     with pytest.raises(RuntimeError, match="refused"):
-        served_pairs.timing_cost("http://x", kinds, broken, rounds=1, seed=0, batch=2)
+        served_pairs.timing_cost("http://x", kinds, broken, rounds=1, seed=0, batch=2, warmup=0)
     assert switched == [False, True]
