@@ -6,7 +6,11 @@ __all__ = ["format_bytes"]
 
 
 def format_bytes(value: int | None) -> str:
-    """Format bytes with a binary unit: ``1.0 GiB``; ``—`` when unknown."""
+    """Format bytes with a binary unit: ``1.0 GiB``; ``—`` when unknown.
+
+    Args:
+        value: a number of bytes, or None when unknown. GiB is the largest unit.
+    """
     if value is None:
         return "—"
     size = float(value)

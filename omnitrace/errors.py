@@ -17,6 +17,9 @@ class ConfigError(OmnitraceError, ValueError):
 
     Its message is one line: a control character in it (a new line in a key, an ESC in a
     path) is shown as an escape, so a log line or a terminal shows the whole error intact.
+
+    Args:
+        *args: as for ValueError; a single string argument is the message, made safe.
     """
 
     def __init__(self, *args: object) -> None:

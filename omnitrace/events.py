@@ -127,7 +127,16 @@ class _Keyed:
 
 @dataclass(frozen=True, slots=True)
 class GraphCaptured(_Keyed):
-    """A CUDA graph was captured for its signature (the capturing call then counts as a hit)."""
+    """A CUDA graph was captured for its signature (the capturing call then counts as a hit).
+
+    Args:
+        adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
+            and the monotonic and epoch clocks when the event was made, in that order.
+        duration_s, pool_id, device, stream, capture_stream, bytes_reserved, static_bytes,
+            graph_index: then these, positional, each documented on its attribute.
+        free_bytes: device-free memory before the capture; default None (not read).
+        phase: keyword-only, last; default ``Phase.SERVING``.
+    """
 
     duration_s: float
     """Wall time of warm-up plus capture, on the host."""
@@ -154,7 +163,14 @@ class GraphCaptured(_Keyed):
 
 @dataclass(frozen=True, slots=True)
 class GraphReplayed(_Keyed):
-    """A call was served by replaying the graph for its signature."""
+    """A call was served by replaying the graph for its signature.
+
+    Args:
+        adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
+            and the monotonic and epoch clocks when the event was made, in that order.
+        duration_s: host-side time of the replay.
+        phase: keyword-only, last; default ``Phase.SERVING``.
+    """
 
     duration_s: float
     """Host-side time of copy-in, replay launch and output clones."""
@@ -162,7 +178,15 @@ class GraphReplayed(_Keyed):
 
 @dataclass(frozen=True, slots=True)
 class GraphMissed(_Keyed):
-    """A call ran the encoder eagerly."""
+    """A call ran the encoder eagerly.
+
+    Args:
+        adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
+            and the monotonic and epoch clocks when the event was made, in that order.
+        reason, detail: why no graph served the call, then the finer cause.
+        duration_s: host time of the eager forward; default None (not run by the adapter).
+        phase: keyword-only, last; default ``Phase.SERVING``.
+    """
 
     reason: MissReason
     """Why no graph served the call."""
@@ -175,7 +199,14 @@ class GraphMissed(_Keyed):
 
 @dataclass(frozen=True, slots=True)
 class MemoryDeferred(_Keyed):
-    """Admission wanted to capture its signature but device-free memory was under the floor."""
+    """Admission wanted to capture its signature but device-free memory was under the floor.
+
+    Args:
+        adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
+            and the monotonic and epoch clocks when the event was made, in that order.
+        free_bytes, floor_bytes, device: then these, positional, as on the attributes.
+        phase: keyword-only, last; default ``Phase.SERVING``.
+    """
 
     free_bytes: int
     """Device-free memory when admission looked."""
@@ -187,7 +218,14 @@ class MemoryDeferred(_Keyed):
 
 @dataclass(frozen=True, slots=True)
 class CaptureFailed(_Keyed):
-    """Capturing its signature raised; the adapter is terminal from now on."""
+    """Capturing its signature raised; the adapter is terminal from now on.
+
+    Args:
+        adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
+            and the monotonic and epoch clocks when the event was made, in that order.
+        error_type, message, device, stream: then these, positional, as on the attributes.
+        phase: keyword-only, last; default ``Phase.SERVING``.
+    """
 
     error_type: str
     """Class name of the exception the capture raised."""

@@ -92,6 +92,22 @@ class AdapterStats:
     Misses are counted per :class:`MissReason`: ``stats.misses[MissReason.CAPACITY]``, or by
     the stats key as an attribute or keyword (``stats.capacity_misses``,
     ``AdapterStats("vision", capacity_misses=3)``), for every reason the enum has.
+
+    Args:
+        adapter: the adapter's name.
+        graph_hits: calls served by a graph; default 0.
+        misses: misses per reason; default None (all zero). Reasons left out count 0.
+        capture_failures: captures that raised; default 0.
+        graphs: the graphs the adapter holds; default ().
+        memory_deferrals: captures deferred under the memory floor; default 0.
+        last_free_bytes: device-free bytes at the latest deferral; default None.
+        floor_bytes: the floor of the latest deferral; default None.
+        failure: ``"Type: message"`` of the failure that made it terminal; default None.
+        last_epoch_ns: epoch time of the latest event folded; default 0.
+        **miss_counts: ``<reason>_misses=N`` for a reason, over ``misses``.
+
+    Raises:
+        TypeError: a keyword of ``miss_counts`` names no :class:`MissReason`.
     """
 
     __slots__ = (
@@ -206,19 +222,23 @@ class AdapterStats:
 
     @property
     def graph_misses(self) -> int:
+        """Misses of every reason."""
         return sum(self.misses.values())
 
     @property
     def calls(self) -> int:
+        """Hits and misses."""
         return self.graph_hits + self.graph_misses
 
     @property
     def hit_rate(self) -> float:
+        """The share of calls that were hits (0.0 without calls)."""
         calls = self.calls
         return self.graph_hits / calls if calls else 0.0
 
     @property
     def num_graphs(self) -> int:
+        """Graphs the adapter holds."""
         return len(self.graphs)
 
     def as_dict(self) -> dict[str, int | float]:
@@ -271,7 +291,14 @@ class StatsFold:
         self.fold(event)
 
     def fold(self, event: Event) -> None:
-        """Apply one event."""
+        """Apply one event.
+
+        Args:
+            event: the event; request events (empty adapter) open no adapter's stats.
+
+        Raises:
+            TypeError: ``event`` is not an omnitrace event.
+        """
         tally = self._tallies.get(event.adapter)
         if tally is None:
             if type(event) in ev.REQUEST_EVENT_TYPES:
@@ -303,7 +330,14 @@ class StatsFold:
                 raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 
     def extend(self, events: Iterable[Event]) -> None:
-        """Apply events in order."""
+        """Apply events in order.
+
+        Args:
+            events: the events, each applied as :meth:`fold` does.
+
+        Raises:
+            TypeError: one of them is not an omnitrace event.
+        """
         for event in events:
             self.fold(event)
 
@@ -314,6 +348,12 @@ class StatsFold:
         coverage fold does: one fold call per event instead of two. A hit does
         ``tally.hits += 1`` and sets ``tally.last_epoch_ns``; every other event goes
         through :meth:`fold`.
+
+        Args:
+            adapter: the adapter's name.
+
+        Returns:
+            The adapter's mutable accumulator.
         """
         tally = self._tallies.get(adapter)
         if tally is None:
@@ -325,7 +365,11 @@ class StatsFold:
         return tuple(self._tallies)
 
     def snapshot(self, adapter: str) -> AdapterStats:
-        """Return the frozen stats of ``adapter`` (all zero if it has emitted nothing)."""
+        """Return the frozen stats of ``adapter`` (all zero if it has emitted nothing).
+
+        Args:
+            adapter: the adapter's name.
+        """
         tally = self._tallies.get(adapter)
         return tally.snapshot(adapter) if tally is not None else AdapterStats(adapter=adapter)
 
@@ -335,7 +379,14 @@ class StatsFold:
 
 
 def derive_stats(events: Iterable[Event]) -> dict[str, dict[str, int | float]]:
-    """Fold ``events`` and return ``{adapter name: get_cumulative_stats() dict}``."""
+    """Fold ``events`` and return ``{adapter name: get_cumulative_stats() dict}``.
+
+    Args:
+        events: the events, in order.
+
+    Raises:
+        TypeError: one of them is not an omnitrace event.
+    """
     fold = StatsFold()
     fold.extend(events)
     return {name: snap.as_dict() for name, snap in fold.snapshots().items()}

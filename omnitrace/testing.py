@@ -19,6 +19,9 @@ def sig(text: str) -> Signature:
 
     For events built by hand in tests: ``GraphReplayed("audio", sig("float32[1,4]"), ...)``.
 
+    Args:
+        text: a signature's text form, as ``Signature.text`` writes it.
+
     Raises:
         SignatureParseError: ``text`` is not a signature's text form.
     """
@@ -34,7 +37,18 @@ def captured(
     free_bytes: int | None = None,
 ) -> GraphCaptured:
     """Return a hand-made ``GraphCaptured`` of ``signature`` (its text form) on the CPU:
-    10 ms of capture, 1 KiB reserved, 64 static bytes, ``free_bytes`` free before it."""
+    10 ms of capture, 1 KiB reserved, 64 static bytes, ``free_bytes`` free before it.
+
+    Args:
+        adapter: the adapter's name.
+        signature: the signature's text form (see :func:`sig`).
+        epoch_ns: both its clocks (monotonic and epoch); default 0.
+        graph_index: graphs the adapter held before it; default 0.
+        free_bytes: device-free memory before the capture; default None (not read).
+
+    Raises:
+        SignatureParseError: ``signature`` is not a signature's text form.
+    """
     return GraphCaptured(
         adapter,
         sig(signature),
@@ -54,7 +68,16 @@ def captured(
 
 @contextlib.contextmanager
 def capture_events(bus: EventBus) -> Iterator[list[Event]]:
-    """Yield a list that receives, in order, every event ``bus`` emits inside the block."""
+    """Yield a list that receives, in order, every event ``bus`` emits inside the block.
+
+    The list is a fold of ``bus`` (see :meth:`EventBus.add_fold`) until the block ends.
+
+    Args:
+        bus: the bus to listen to.
+
+    Raises:
+        TypeError: ``bus`` is not an :class:`EventBus`.
+    """
     if not isinstance(bus, EventBus):
         raise TypeError(f"capture_events needs an EventBus, got {type(bus).__name__}")
     events: list[Event] = []

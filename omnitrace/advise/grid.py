@@ -60,6 +60,18 @@ def default_grid(
     memory is known; ``skip_profiling`` both ways only when the log has profiling calls;
     ``pool_budget_bytes`` (per encoder, 0: none) defaults to the logged one.
 
+    Args:
+        recording: the traffic, from :meth:`Recording.from_records`.
+        max_graphs: the values to try; default None (see above).
+        min_capture_calls: the values to try; default None (:data:`MIN_CALLS_GRID` and the
+            logged ones).
+        min_free_bytes: the values to try; default None (the logged ones, with
+            :data:`FLOOR_GRID` when device-free memory is known).
+        pool_budget_bytes: the values to try; default None (the logged ones, else 0).
+
+    Returns:
+        Every combination of the values, each value sorted and tried once.
+
     Raises:
         ConfigError: a given value is out of the range the config accepts.
     """
@@ -101,7 +113,17 @@ def default_grid(
 
 @dataclass(frozen=True, slots=True)
 class Advice:
-    """The replayed grid, ranked, and the setting it recommends."""
+    """The replayed grid, ranked, and the setting it recommends.
+
+    Built by :func:`advise`.
+
+    Args:
+        results, best, logged, objective: as on the attributes below.
+        recording: the traffic the grid was replayed on.
+        memory_budget: most pool memory one worker's graphs may hold; default None.
+        ties: other settings as good as the best; default 0.
+        notes: lines to show with the advice; default ().
+    """
 
     results: tuple[Result, ...]
     """Every setting, best first; settings over the memory budget, or whose captures would
@@ -136,9 +158,13 @@ class Advice:
         return self.setting_keys(self.best.setting)
 
     def setting_keys(self, setting: Setting) -> dict[str, int | bool]:
-        """The ``--hf-overrides`` keys of ``setting`` as this advice shows each setting:
+        """Return the ``--hf-overrides`` keys of ``setting`` as this advice shows each one:
         ``skip_profiling`` where the log has profiling calls, ``pool_budget_bytes`` where
-        the grid or the logged run has a budget (:attr:`budgeted`)."""
+        the grid or the logged run has a budget (:attr:`budgeted`).
+
+        Args:
+            setting: one setting of the grid.
+        """
         return setting.overrides(profiling=self.recording.profiling, budget=self.budgeted)
 
     def why(self) -> str:
@@ -257,9 +283,16 @@ def advise(
 
     Args:
         recording: the traffic, from :meth:`Recording.from_records`.
-        grid: the settings to try (default: :func:`default_grid`).
-        memory_budget: most pool memory one worker's graphs may hold, in bytes.
-        progress: called with 1 as each setting has been replayed.
+        grid: the settings to try; default None (:func:`default_grid`).
+        memory_budget: most pool memory one worker's graphs may hold, in bytes; default
+            None (no budget).
+        progress: called with 1 as each setting has been replayed; default None.
+
+    Returns:
+        The ranked results; its ``best`` is None when no setting that graphs a call fits.
+
+    Raises:
+        ConfigError: a setting of ``grid`` is out of the range the config accepts.
     """
     if grid is None:
         grid = default_grid(recording)
@@ -339,7 +372,11 @@ def _notes(recording: Recording) -> tuple[str, ...]:
 
 
 def format_seconds(value: float | None) -> str:
-    """Format seconds as ``1.25 s`` or ``12.5 ms``; ``unknown`` for None."""
+    """Format seconds as ``1.25 s`` or ``12.5 ms``; ``unknown`` for None.
+
+    Args:
+        value: seconds, or None.
+    """
     if value is None:
         return "unknown"
     if value >= 1:
@@ -348,7 +385,11 @@ def format_seconds(value: float | None) -> str:
 
 
 def advice_json(advice: Advice) -> dict[str, Any]:
-    """Return the advice as plain JSON data (``omnitrace advise --json``)."""
+    """Return the advice as plain JSON data (``omnitrace advise --json``).
+
+    Args:
+        advice: what :func:`advise` returned.
+    """
 
     def result(r: Result) -> dict[str, Any]:
         return {
@@ -397,6 +438,12 @@ def advice_json(advice: Advice) -> dict[str, Any]:
 def parse_size(text: str) -> int:
     """Read a byte size: ``1073741824``, ``512MiB``, ``1.5GiB``, ``64KiB``, or in decimal
     units ``2GB`` (2 * 10**9 bytes), ``500MB``, ``64kB``.
+
+    Args:
+        text: the size; units are case-insensitive, spaces around them allowed.
+
+    Returns:
+        The size in bytes (a fraction of a unit rounded down).
 
     Raises:
         ConfigError: ``text`` is not a nonnegative size.

@@ -39,6 +39,13 @@ class Setting:
     Each field is the :class:`~omnitrace.config.EncoderGraphConfig` option of the same name
     (documented there, set by its ``encoder_cuda_graph_*`` key); the other options keep
     their defaults.
+
+    Args:
+        max_graphs: graphs each encoder may keep.
+        min_capture_calls: calls of a key before it is captured.
+        min_free_bytes: the device-free memory floor, in bytes.
+        skip_profiling: keep profiling calls out of admission; default False.
+        pool_budget_bytes: each encoder's pool budget, in bytes; default 0 (none).
     """
 
     max_graphs: int
@@ -48,13 +55,25 @@ class Setting:
     pool_budget_bytes: int = 0
 
     def config(self) -> EncoderGraphConfig:
-        """Return the config this setting stands for (other fields at their defaults)."""
+        """Return the config this setting stands for (other fields at their defaults).
+
+        Raises:
+            ConfigError: a field is out of the range the config accepts.
+        """
         return EncoderGraphConfig(**asdict(self))
 
     def overrides(self, *, profiling: bool = True, budget: bool = False) -> dict[str, int | bool]:
-        """Return the ``--hf-overrides`` keys of this setting: ``skip_profiling`` only when
-        ``profiling`` (the grid varied it), ``pool_budget_bytes`` only when it is set or
-        ``budget`` (the grid or the logged run had one, so no budget must be said)."""
+        """Return the ``--hf-overrides`` keys of this setting.
+
+        Args:
+            profiling: include ``skip_profiling`` (the grid varied it); default True.
+            budget: include ``pool_budget_bytes`` even when it is 0 (the grid or the logged
+                run had one, so no budget must be said); default False. A budget that is
+                set is always included.
+
+        Returns:
+            A new dict from ``encoder_cuda_graph_*`` key to value.
+        """
         values = asdict(self)
         if not profiling:
             del values["skip_profiling"]
@@ -65,7 +84,15 @@ class Setting:
 
 @dataclass(frozen=True, slots=True)
 class KeyCost:
-    """What one key of one encoder costs: its call times and its capture size."""
+    """What one key of one encoder costs: its call times and its capture size.
+
+    Args:
+        eager_s: mean eager time of one call; None when unknown.
+        replay_s: mean replay time of one call; None when unknown.
+        capture_bytes: bytes its capture takes.
+        estimated_time: a time is estimated from the encoder's ratio; default False.
+        estimated_bytes: ``capture_bytes`` is estimated; default False.
+    """
 
     eager_s: float | None
     """Mean eager time of one call (None: not measured and not estimable)."""
@@ -120,7 +147,15 @@ class CallSequence:
 
 @dataclass(frozen=True, slots=True)
 class Recording:
-    """What the replay needs from event logs: calls per worker, costs per key, settings."""
+    """What the replay needs from event logs: calls per worker, costs per key, settings.
+
+    Built by :meth:`from_records`.
+
+    Args:
+        sequences, costs, logged, free_bytes, free_source, time_source, simulated,
+            profiling: as on the attributes below, positional, in that order.
+        ineligible: per encoder, its ineligible calls by detail; default an empty dict.
+    """
 
     sequences: Mapping[Worker, CallSequence]
     """Each worker's calls, in the order written."""
@@ -161,10 +196,12 @@ class Recording:
 
     @property
     def workers(self) -> int:
+        """Workers whose calls were recorded."""
         return len(self.sequences)
 
     @property
     def adapters(self) -> tuple[str, ...]:
+        """Names of the encoders called, in first-seen order (worker by worker)."""
         seen: dict[str, None] = {}
         for sequence in self.sequences.values():
             for key_id in first_seen(sequence.ids):
@@ -173,6 +210,7 @@ class Recording:
 
     @property
     def call_count(self) -> int:
+        """Calls recorded, all workers together."""
         return sum(len(sequence) for sequence in self.sequences.values())
 
     @property
@@ -198,8 +236,11 @@ class Recording:
         Args:
             records: the records of one or more logs, each worker's in the order written;
                 read once, as they come.
-            free_bytes: device-free memory at each worker's start, when known (else it is
-                estimated from memory deferrals, if the log has any).
+            free_bytes: device-free memory at each worker's start, when known; default
+                None: it is estimated from memory deferrals, if the log has any.
+
+        Returns:
+            The recording.
         """
         builder = _Builder()
         add = builder.add

@@ -33,7 +33,14 @@ __all__ = ["EncoderOutcome", "Result", "replay", "replay_grid"]
 
 @dataclass(frozen=True, slots=True)
 class EncoderOutcome(HitRate):
-    """One encoder's calls under one setting (all workers together)."""
+    """One encoder's calls under one setting (all workers together).
+
+    Args:
+        adapter: the encoder's name.
+        calls, hits, captures: its calls, those a graph served, and its graphs captured.
+        misses: its misses by reason.
+        pool_bytes, saved_s, estimated_sizes: as on the attributes below.
+    """
 
     adapter: str
     calls: int
@@ -50,7 +57,16 @@ class EncoderOutcome(HitRate):
 
 @dataclass(frozen=True, slots=True)
 class Result(HitRate):
-    """What one setting would have done with the recorded traffic."""
+    """What one setting would have done with the recorded traffic.
+
+    Args:
+        setting: the setting replayed.
+        encoders: each encoder's outcome.
+        pool_bytes: the most graph memory any one worker's device would hold.
+        min_free_bytes: the least device-free memory left after a capture; default None
+            (unknown).
+        captured: per encoder, the keys captured on any worker; default an empty dict.
+    """
 
     setting: Setting
     encoders: tuple[EncoderOutcome, ...]
@@ -70,10 +86,12 @@ class Result(HitRate):
 
     @property
     def calls(self) -> int:
+        """Calls of every encoder."""
         return sum(e.calls for e in self.encoders)
 
     @property
     def hits(self) -> int:
+        """Calls a graph would have served, every encoder."""
         return sum(e.hits for e in self.encoders)
 
     @property
@@ -83,11 +101,13 @@ class Result(HitRate):
 
     @property
     def saved_s(self) -> float | None:
+        """Time the hits would have saved; None when some encoder's is unknown."""
         saved = [e.saved_s for e in self.encoders]
         return None if any(s is None for s in saved) else sum(s or 0.0 for s in saved)
 
     @property
     def estimated_sizes(self) -> int:
+        """Graphs captured whose size is an estimate, every encoder."""
         return sum(e.estimated_sizes for e in self.encoders)
 
 
@@ -110,7 +130,18 @@ _VERDICT_REASON = {
 
 
 def replay(recording: Recording, setting: Setting) -> Result:
-    """Replay the recorded calls under ``setting`` and return what it would have done."""
+    """Replay the recorded calls under ``setting`` and return what it would have done.
+
+    The reference replay, one call at a time; :func:`replay_grid` gives the same results
+    (``captured`` aside) faster.
+
+    Args:
+        recording: the traffic.
+        setting: the setting to replay it with.
+
+    Raises:
+        ConfigError: ``setting`` is out of the range the config accepts.
+    """
     config = setting.config()
     floor = setting.min_free_bytes
     per_adapter: dict[str, list[_EncoderState]] = {}
@@ -213,7 +244,16 @@ def replay_grid(
 ) -> list[Result]:
     """Return ``[replay(recording, s) for s in grid]``, sharing the work between settings.
 
-    ``progress``, if given, is called with 1 as each setting is done.
+    Args:
+        recording: the traffic.
+        grid: the settings, in the order of the results.
+        progress: called with 1 as each setting is done; default None.
+
+    Returns:
+        One result per setting, its ``captured`` left empty.
+
+    Raises:
+        ConfigError: a setting is out of the range the config accepts.
     """
     time_known = recording.time_known
     # History counts past the highest min_capture_calls all decide alike: kept as one.

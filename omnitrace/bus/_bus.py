@@ -83,13 +83,14 @@ class EventBus:
     process hooks (:mod:`omnitrace.bus._process`).
 
     Args:
-        sinks: sinks to attach now (the bus then starts at once).
+        sinks: sinks to attach now (the bus then starts at once); default none.
         queue_size: capacity of the pending queue and of each sink's queue; events past it
-            are dropped and counted.
+            are dropped and counted. Default 10,000.
         drain_interval: seconds between drains of the sink queues (events wait at most this
-            long before a sink sees them; ``flush()`` drains at once).
+            long before a sink sees them; ``flush()`` drains at once). Default 0.05.
         coverage_keys: input signatures the coverage fold tracks per adapter (the rest are
-            counted together; see :mod:`omnitrace.coverage`).
+            counted together; see :mod:`omnitrace.coverage`). Default
+            :data:`~omnitrace.coverage.DEFAULT_COVERAGE_KEYS` (32).
 
     Raises:
         ConfigError: ``queue_size`` (1 to :data:`MAX_QUEUE_SIZE`), ``drain_interval``
@@ -135,6 +136,12 @@ class EventBus:
         Never blocks on a consumer and never raises: a full queue, a closed bus, a failing
         fold or a non-event argument is counted instead. Only a fold calling it (on the
         thread that runs the folds) gets a RuntimeError, instead of a deadlock.
+
+        Args:
+            event: the event; anything else is counted as rejected and ignored.
+
+        Raises:
+            RuntimeError: called from a fold.
         """
         lock = self._lock
         # Uncontended, this costs what ``with lock`` does; only a taken lock asks whether
@@ -199,6 +206,9 @@ class EventBus:
         bus from it (such a call raises RuntimeError rather than deadlock). One that raises
         is removed and reported once.
 
+        Args:
+            fold: called with each event.
+
         Raises:
             TypeError: ``fold`` is not callable.
             RuntimeError: called from a fold.
@@ -208,7 +218,14 @@ class EventBus:
             self._folds.add(fold)
 
     def remove_fold(self, fold: Fold) -> None:
-        """Stop calling ``fold`` (no error if it is not attached)."""
+        """Stop calling ``fold`` (no error if it is not attached).
+
+        Args:
+            fold: a fold added with :meth:`add_fold`.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("remove_fold")
         with self._lock:
             self._folds.remove(fold)
@@ -216,13 +233,21 @@ class EventBus:
     # -- stats and metadata ---------------------------------------------------------------
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
-        """Return the stats fold of every adapter that emitted on this bus."""
+        """Return the stats fold of every adapter that emitted on this bus.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("adapter_stats")
         with self._lock:
             return self._folds.stats.snapshots()
 
     def coverage(self) -> dict[str, AdapterCoverage]:
-        """Return the per-signature coverage of every adapter that emitted on this bus."""
+        """Return the per-signature coverage of every adapter that emitted on this bus.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("coverage")
         with self._lock:
             return self._folds.coverage.snapshots()
@@ -233,19 +258,35 @@ class EventBus:
         return self._queue_size
 
     def register_adapter(self, name: str, info: Mapping[str, Any]) -> None:
-        """Record static facts about an adapter (its cap, floor ...) for consumers."""
+        """Record static facts about an adapter (its cap, floor ...) for consumers.
+
+        Args:
+            name: the adapter's name.
+            info: the facts; a copy replaces what was recorded for ``name`` before.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("register_adapter")
         with self._lock:
             self._adapters[name] = dict(info)
 
     def adapters(self) -> dict[str, Mapping[str, Any]]:
-        """Return what ``register_adapter`` recorded, by adapter name."""
+        """Return what ``register_adapter`` recorded, by adapter name.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("adapters")
         with self._lock:
             return dict(self._adapters)
 
     def statistics(self) -> BusStatistics:
-        """Return a frozen snapshot of the emission and delivery counters."""
+        """Return a frozen snapshot of the emission and delivery counters.
+
+        Raises:
+            RuntimeError: called from a fold.
+        """
         self._refuse_in_fold("statistics")
         with self._lock:
             channels = self._channels
@@ -259,6 +300,7 @@ class EventBus:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` (or ``aclose()``) has closed the bus."""
         return self._channels.closed
 
     # -- sinks and the loop ---------------------------------------------------------------
@@ -266,10 +308,14 @@ class EventBus:
     def add_sink(self, sink: Sink, *, queue_size: int | None = None) -> None:
         """Attach ``sink``; it sees events emitted from now on. Starts the bus if needed.
 
+        Args:
+            sink: the sink (see :class:`Sink`).
+            queue_size: capacity of its queue; default None (the bus's ``queue_size``).
+
         Raises:
             TypeError: ``sink`` has no ``handle`` method.
             ConfigError: ``queue_size`` is not an integer from 1 to :data:`MAX_QUEUE_SIZE`.
-            RuntimeError: the bus is closed.
+            RuntimeError: the bus is closed, or called from a fold.
         """
         self._refuse_in_fold("add_sink")
         if not callable(getattr(sink, "handle", None)):
@@ -288,6 +334,12 @@ class EventBus:
 
         Uses ``loop`` if given, else the running loop of the calling thread, else a loop on a
         daemon thread of the bus's own.
+
+        Args:
+            loop: the asyncio loop to drain on; default None (see above).
+
+        Raises:
+            RuntimeError: called from a fold, or the bus's own thread could not start.
         """
         self._refuse_in_fold("start")
         self._runner.start(loop)
@@ -297,8 +349,15 @@ class EventBus:
     async def aflush(self, timeout: float = 5.0) -> bool:
         """Deliver every event emitted so far; return False if ``timeout`` passed first.
 
+        Args:
+            timeout: seconds to wait at most; default 5.0.
+
+        Returns:
+            True once everything emitted before the call was delivered, else False.
+
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
+            RuntimeError: called from a fold.
         """
         self._refuse_in_fold("aflush")
         timeout = _check_timeout(timeout)
@@ -313,9 +372,16 @@ class EventBus:
         Events emitted meanwhile by other threads are not waited for, so a busy emitter
         cannot keep a flush from finishing.
 
+        Args:
+            timeout: seconds to wait at most; default 5.0.
+
+        Returns:
+            True once everything emitted before the call was delivered, else False.
+
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
-            RuntimeError: called on the thread that runs the bus loop (use ``aflush``).
+            RuntimeError: called on the thread that runs the bus loop (use ``aflush``), or
+                from a fold.
         """
         self._refuse_in_fold("flush")
         timeout = _check_timeout(timeout)
@@ -331,8 +397,12 @@ class EventBus:
         Idempotent, and like :meth:`close` it returns with the final accounting, whichever
         call closes the bus. What could not be delivered in time is counted as dropped.
 
+        Args:
+            timeout: seconds to flush at most; default 5.0.
+
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
+            RuntimeError: called from a fold.
         """
         self._refuse_in_fold("aclose")
         timeout = _check_timeout(timeout)
@@ -362,10 +432,14 @@ class EventBus:
         was counted abandoned. Events emitted afterwards still reach the folds and are
         counted in ``emitted_after_close``.
 
+        Args:
+            timeout: seconds to flush at most; default 5.0.
+
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`
                 (checked before anything changes).
-            RuntimeError: called on the thread that runs the bus loop (use ``aclose``).
+            RuntimeError: called on the thread that runs the bus loop (use ``aclose``), or
+                from a fold.
         """
         self._refuse_in_fold("close")
         timeout = _check_timeout(timeout)
@@ -461,12 +535,17 @@ class EventBus:
         Call it from the main thread (Python installs signal
         handlers there only); a signal the host ignores is left alone.
 
+        Args:
+            signum: the signal; default ``signal.SIGTERM``.
+            timeout: seconds the close may take; default 2.0.
+
         Returns:
             A function that puts the previous handler back (if ours is still installed).
 
         Raises:
             ConfigError: ``timeout`` is not a number of seconds in :data:`TIMEOUT_RANGE_S`.
             ValueError: called from a thread other than the main thread.
+            RuntimeError: called from a fold.
         """
         self._refuse_in_fold("close_on_signal")
         return install_close_on_signal(self, signum, _check_timeout(timeout))

@@ -38,6 +38,10 @@ class EventsNotWritten(Exception):
     The sink stays attached: the bus counts those events as dropped (``write_failed``) and
     the rest as delivered, so ``delivered`` stays what the sink really holds. A sink raises
     it for a loss it recovers from on its own (a full disk that frees up again).
+
+    Args:
+        count: events of the batch not written.
+        reason: why, for the message (``"{count} events not written: {reason}"``).
     """
 
     def __init__(self, count: int, reason: str) -> None:
@@ -64,7 +68,20 @@ class Sink(Protocol):
     sink still does with it.
     """
 
-    def handle(self, events: Sequence[Event]) -> Any: ...
+    def handle(self, events: Sequence[Event]) -> Any:
+        """Consume one batch of events.
+
+        Args:
+            events: the batch, in emission order.
+
+        Returns:
+            Nothing the bus reads; a coroutine function's call returns the awaitable.
+
+        Raises:
+            EventsNotWritten: some of the batch was not written; the sink stays attached.
+                Any other exception disables the sink (``sink_error``).
+        """
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,13 @@ class SinkStatistics:
     """Delivery counters of one sink.
 
     Once the bus is closed, ``delivered + dropped == offered`` and ``queued == 0``.
+
+    Args:
+        name, capacity, queued, peak_queued, delivered, dropped, disabled, error: the sink's
+            name, queue capacity, events queued now and at most, events delivered and lost,
+            whether it was disabled and the error that disabled it (None if none).
+        offered: events emitted while the sink was attached; default 0.
+        dropped_by: ``dropped`` by reason; default an empty dict.
     """
 
     name: str
@@ -92,7 +116,15 @@ class SinkStatistics:
 
 @dataclass(frozen=True, slots=True)
 class BusStatistics:
-    """A frozen snapshot of the bus counters."""
+    """A frozen snapshot of the bus counters.
+
+    Args:
+        emitted: events emitted.
+        rejected: objects passed to ``emit()`` that were not events.
+        emitted_after_close: events emitted after ``close()``.
+        disabled_folds: folds disabled because they raised.
+        sinks: each sink's counters.
+    """
 
     emitted: int
     rejected: int
@@ -104,4 +136,5 @@ class BusStatistics:
 
     @property
     def dropped(self) -> int:
+        """Events lost by every sink together."""
         return sum(s.dropped for s in self.sinks)

@@ -194,9 +194,11 @@ class CoverageFold:
     Not thread-safe on its own: the bus calls it under its lock.
 
     Args:
-        limit: signatures tracked per adapter (captured ones beyond it keep their rows).
-        stats: also apply every event to this stats fold. The bus keeps both folds this
-            way: a hit then costs one fold call and one adapter lookup, not two.
+        limit: signatures tracked per adapter (captured ones beyond it keep their rows);
+            default :data:`DEFAULT_COVERAGE_KEYS` (32).
+        stats: also apply every event to this stats fold; default None (none). The bus
+            keeps both folds this way: a hit then costs one fold call and one adapter
+            lookup, not two.
 
     Raises:
         ConfigError: ``limit`` is not an integer from 1 to :data:`MAX_COVERAGE_KEYS`.
@@ -219,6 +221,7 @@ class CoverageFold:
 
     @property
     def limit(self) -> int:
+        """Signatures tracked per adapter."""
         return self._limit
 
     def __call__(self, event: Event) -> None:
@@ -233,6 +236,9 @@ class CoverageFold:
 
     def fold(self, event: Event) -> None:
         """Apply one event (and, with ``stats``, apply it to the stats too).
+
+        Args:
+            event: the event; request events (empty adapter) open no adapter's table.
 
         Raises:
             TypeError: ``event`` is not an omnitrace event.
@@ -304,7 +310,14 @@ class CoverageFold:
             raise TypeError(f"not an omnitrace event: {type(event).__name__}")
 
     def extend(self, events: Iterable[Event]) -> None:
-        """Apply events in order."""
+        """Apply events in order.
+
+        Args:
+            events: the events, each applied as :meth:`fold` does.
+
+        Raises:
+            TypeError: one of them is not an omnitrace event.
+        """
         for event in events:
             self.fold(event)
 
@@ -313,7 +326,11 @@ class CoverageFold:
         return tuple(self._tables)
 
     def snapshot(self, adapter: str) -> AdapterCoverage:
-        """Return the frozen coverage of ``adapter`` (empty if it has emitted nothing)."""
+        """Return the frozen coverage of ``adapter`` (empty if it has emitted nothing).
+
+        Args:
+            adapter: the adapter's name.
+        """
         table = self._tables.get(adapter)
         return (table or _Table(self._limit)).freeze(adapter)
 
@@ -330,7 +347,12 @@ def derive_coverage(
     Equals what a bus with the same ``coverage_keys`` shows in ``EventBus.coverage()``
     after emitting the same events.
 
+    Args:
+        events: the events, in order.
+        limit: signatures tracked per adapter; default :data:`DEFAULT_COVERAGE_KEYS` (32).
+
     Raises:
+        TypeError: one of them is not an omnitrace event.
         ConfigError: ``limit`` is out of range.
     """
     fold = CoverageFold(limit)

@@ -45,7 +45,12 @@ PHASES = tuple(Phase)
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """The sum and count of measured call times, in seconds."""
+    """The sum and count of measured call times, in seconds.
+
+    Args:
+        count: calls measured; default 0.
+        total_s: their times summed, in seconds; default 0.0.
+    """
 
     count: int = 0
     total_s: float = 0.0
@@ -69,6 +74,13 @@ class CallCounts(HitRate):
     ``eager`` and ``replay`` are host times from the call events (eager calls a model
     recorded without running them have none); ``eager_device`` and ``replay_device`` are
     device times from DeviceTimed events, present only with device timing on.
+
+    Args:
+        hits: calls served by a graph; default 0.
+        miss_counts: misses per :class:`MissReason`, in the enum's order; default all 0.
+        captures: graphs captured; default 0.
+        eager, replay, eager_device, replay_device: the host and device timings of the
+            eager and replayed calls; each defaults to an empty :class:`Timing`.
     """
 
     hits: int = 0
@@ -87,6 +99,7 @@ class CallCounts(HitRate):
 
     @property
     def graph_misses(self) -> int:
+        """Misses of every reason."""
         return sum(self.miss_counts)
 
     @property
@@ -97,14 +110,23 @@ class CallCounts(HitRate):
 
     @property
     def calls(self) -> int:
+        """Hits and misses."""
         return self.hits + self.graph_misses
 
     def eager_time(self, source: str) -> Timing:
-        """Return the eager calls' ``"host"`` or ``"device"`` timing."""
+        """Return the eager calls' ``"host"`` or ``"device"`` timing.
+
+        Args:
+            source: ``"device"`` for the device timing; anything else gives the host's.
+        """
         return self.eager_device if source == "device" else self.eager
 
     def replay_time(self, source: str) -> Timing:
-        """Return the replayed calls' ``"host"`` or ``"device"`` timing."""
+        """Return the replayed calls' ``"host"`` or ``"device"`` timing.
+
+        Args:
+            source: ``"device"`` for the device timing; anything else gives the host's.
+        """
         return self.replay_device if source == "device" else self.replay
 
     def __add__(self, other: CallCounts) -> CallCounts:
@@ -131,7 +153,15 @@ def _sum(counts: Iterable[CallCounts]) -> CallCounts:
 
 @dataclass(frozen=True, slots=True)
 class KeyCoverage:
-    """One tracked signature of an adapter, or its ``other`` bucket (``signature`` None)."""
+    """One tracked signature of an adapter, or its ``other`` bucket (``signature`` None).
+
+    Args:
+        signature: the signature; None for the ``other`` bucket.
+        by_phase: the counts per :class:`Phase`, in the enum's order.
+        captured: whether the adapter holds a graph of it; default False.
+        capture_bytes: bytes the capture took; default 0.
+        capture_phase: the phase the graph was captured in; default None (none held).
+    """
 
     signature: Signature | None
     by_phase: tuple[CallCounts, ...]
@@ -148,7 +178,14 @@ class KeyCoverage:
         return "other" if self.signature is None else self.signature.text
 
     def in_phase(self, phase: Phase) -> CallCounts:
-        """Return the counts of ``phase``."""
+        """Return the counts of ``phase``.
+
+        Args:
+            phase: the phase.
+
+        Raises:
+            ValueError: ``phase`` is not a :class:`Phase`.
+        """
         return self.by_phase[PHASES.index(phase)]
 
     @property
@@ -158,14 +195,17 @@ class KeyCoverage:
 
     @property
     def calls(self) -> int:
+        """Calls of every phase."""
         return self.total.calls
 
     @property
     def hits(self) -> int:
+        """Hits of every phase."""
         return self.total.hits
 
     @property
     def graph_misses(self) -> int:
+        """Misses of every phase and reason."""
         return self.total.graph_misses
 
     @property
@@ -185,6 +225,10 @@ class EagerLoss:
     signature). A signature never replayed gets the adapter's replay-to-eager ratio of the
     signatures that have both. Times are device times when the adapter's events carry any
     (``source`` ``"device"``), else host times.
+
+    Args:
+        misses, timed, eager_s, lost_s, source, estimated: as on the attributes below
+            (``eager_s``: seconds the graphable misses took, eagerly).
     """
 
     misses: int
@@ -202,7 +246,14 @@ class EagerLoss:
 
 @dataclass(frozen=True, slots=True)
 class ProfilingRuns:
-    """What the engine's profiling runs reported of one adapter (ProfilingObserved events)."""
+    """What the engine's profiling runs reported of one adapter (ProfilingObserved events).
+
+    Args:
+        runs: profiling runs observed; default 0.
+        encoder_calls: calls of this encoder those runs made; default 0.
+        without_calls: runs that did not call this encoder; default 0.
+        runner: the profiling method of the latest run; default "".
+    """
 
     runs: int = 0
     """Profiling runs observed."""
@@ -219,7 +270,17 @@ NO_RUNS = ProfilingRuns()
 
 @dataclass(frozen=True, slots=True)
 class AdapterCoverage:
-    """A frozen snapshot of one adapter's per-signature coverage."""
+    """A frozen snapshot of one adapter's per-signature coverage.
+
+    Args:
+        adapter: the adapter's name.
+        keys: the tracked signatures' rows, most calls first.
+        other: the row of the calls of signatures not tracked.
+        limit: signatures tracked at most.
+        evictions: rows folded into ``other`` so far; default 0.
+        profiling_runs: what the profiling runs reported; default none observed.
+        miss_details: every miss by reason and detail, most first; default ().
+    """
 
     adapter: str
     keys: tuple[KeyCoverage, ...]
@@ -241,7 +302,14 @@ class AdapterCoverage:
         return _sum(row.total for row in (*self.keys, self.other))
 
     def in_phase(self, phase: Phase) -> CallCounts:
-        """Every call of the adapter in ``phase``."""
+        """Every call of the adapter in ``phase``.
+
+        Args:
+            phase: the phase.
+
+        Raises:
+            ValueError: ``phase`` is not a :class:`Phase`.
+        """
         return _sum(row.in_phase(phase) for row in (*self.keys, self.other))
 
     @property
@@ -255,14 +323,22 @@ class AdapterCoverage:
         return sum(row.capture_bytes for row in self.keys)
 
     def key(self, signature: Signature) -> KeyCoverage | None:
-        """Return the row of ``signature``, or None when it is not tracked."""
+        """Return the row of ``signature``, or None when it is not tracked.
+
+        Args:
+            signature: the signature to look up.
+        """
         for row in self.keys:
             if row.signature == signature:
                 return row
         return None
 
     def top_missed(self, count: int = 5) -> tuple[KeyCoverage, ...]:
-        """Return up to ``count`` rows with the most misses (``other`` included), most first."""
+        """Return up to ``count`` rows with the most misses (``other`` included), most first.
+
+        Args:
+            count: most rows returned; default 5. Rows without misses are left out.
+        """
         rows = [row for row in (*self.keys, self.other) if row.graph_misses]
         rows.sort(key=lambda row: -row.graph_misses)
         return tuple(rows[:count])
@@ -279,6 +355,12 @@ class AdapterCoverage:
         profiling run was observed, so a run that called no encoder shows too; and
         ``miss_details``, ``{reason: {detail: misses}}`` (see :func:`~omnitrace.misses.
         causes_json`).
+
+        Args:
+            count: most rows in ``top_missed``; default 5.
+
+        Returns:
+            A new dict of those fields.
         """
         calls = self.total.calls or 1
         fields: dict[str, Any] = {
@@ -374,6 +456,15 @@ def encoder_summary(
     was captured with; None before any or where unread) and, with the coverage, the fields
     of :meth:`AdapterCoverage.summary`. ``lost_s`` is None on the simulated backend, whose
     replays run the forward again.
+
+    Args:
+        stats: the encoder's stats.
+        coverage: its coverage; None leaves the coverage fields out.
+        info: what the adapter registered on its bus; default None (nothing).
+        top_missed: most rows in ``top_missed``; default 5.
+
+    Returns:
+        A new dict of those fields.
     """
     info = info or {}
     max_graphs = info.get("max_graphs")

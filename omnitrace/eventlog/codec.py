@@ -56,7 +56,12 @@ class EventLogError(OmnitraceError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
-    """Static facts about an adapter as its bus registered them (cap, floor, backend)."""
+    """Static facts about an adapter as its bus registered them (cap, floor, backend).
+
+    Args:
+        adapter: the adapter's name.
+        info: the facts, by name.
+    """
 
     adapter: str
     info: Mapping[str, Any]
@@ -64,7 +69,12 @@ class AdapterInfo:
 
 @dataclass(frozen=True, slots=True)
 class LogSegment:
-    """The first line of a file started by rotation: what the log held before this file."""
+    """The first line of a file started by rotation: what the log held before this file.
+
+    Args:
+        events_before: events in the earlier files of the log.
+        events_deleted: events rotation had deleted from the log when this file began.
+    """
 
     events_before: int
     """Events in the earlier files of the log, as far as the writer knew."""
@@ -75,7 +85,13 @@ class LogSegment:
 
 @dataclass(frozen=True, slots=True)
 class EventRecord:
-    """One line of an event log: the event (or adapter info) and the process that wrote it."""
+    """One line of an event log: the event (or adapter info) and the process that wrote it.
+
+    Args:
+        item: the event, or the adapter info.
+        pid: the writing process's id.
+        rank: the writing worker's rank.
+    """
 
     item: Event | AdapterInfo
     pid: int
@@ -88,7 +104,14 @@ class EventRecord:
 
 
 def encode_signature(signature: Signature) -> dict[str, Any]:
-    """Return the JSON form of a signature (schema version 2)."""
+    """Return the JSON form of a signature (schema version 2).
+
+    Args:
+        signature: the signature.
+
+    Returns:
+        ``{"inputs": [{"dtype", "shape", "device"} or None, ...], "stream": int | None}``.
+    """
     return {
         "inputs": [
             None
@@ -101,7 +124,16 @@ def encode_signature(signature: Signature) -> dict[str, Any]:
 
 
 def encode_event(event: Event, *, pid: int, rank: int) -> dict[str, Any]:
-    """Return the JSON-ready record of ``event`` (schema version :data:`SCHEMA_VERSION`)."""
+    """Return the JSON-ready record of ``event`` (schema version :data:`SCHEMA_VERSION`).
+
+    Args:
+        event: the event.
+        pid: the writing process's id (keyword-only).
+        rank: the writing worker's rank (keyword-only).
+
+    Raises:
+        KeyError: ``event`` is not an omnitrace event.
+    """
     record: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "type": type(event).__name__,
@@ -140,6 +172,10 @@ def _int_list(value: object) -> bool:
 
 def decode_signature(value: object, *, where: str = "signature") -> Signature:
     """Rebuild a signature from its JSON form (schema version 2).
+
+    Args:
+        value: the parsed JSON form.
+        where: where it was read, to start error messages with; default "signature".
 
     Raises:
         EventLogError: ``value`` is not a signature's JSON form.
@@ -231,6 +267,11 @@ def decode_record(record: Mapping[str, Any], *, where: str = "record") -> EventR
 
     Reads schema versions 1 and 2.
 
+    Args:
+        record: the parsed line.
+        where: where it was read (file and line), to start error messages with; default
+            "record".
+
     Raises:
         EventLogError: the line has a newer schema version, an unknown type or a missing
             field; the message says where and what.
@@ -274,7 +315,11 @@ def decode_record(record: Mapping[str, Any], *, where: str = "record") -> EventR
 
 
 def segment_of(line: bytes) -> LogSegment | None:
-    """Decode ``line`` as a segment header; None when it is anything else."""
+    """Decode ``line`` as a segment header; None when it is anything else.
+
+    Args:
+        line: one line of a log, as bytes; one that does not parse gives None.
+    """
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):
@@ -288,7 +333,14 @@ def segment_of(line: bytes) -> LogSegment | None:
 
 
 def dumps(record: Mapping[str, Any]) -> bytes:
-    """One compact JSON line (UTF-8, ending in a newline)."""
+    """Return one compact JSON line (UTF-8, ending in a newline).
+
+    Args:
+        record: what to write; orjson's types (events and signatures included).
+
+    Raises:
+        TypeError: ``record`` holds something orjson cannot serialise.
+    """
     return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -311,6 +363,10 @@ class LineEncoder:
     frozen event (signature and enums included) in one call, and the per-type head and each
     signature's text form are made once. The writer's thread holds the GIL while it encodes,
     so its cost is taken from the serving thread.
+
+    Args:
+        pid: the writing process's id (keyword-only).
+        rank: the writing worker's rank (keyword-only).
     """
 
     __slots__ = ("_heads", "_keys")

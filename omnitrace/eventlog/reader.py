@@ -69,7 +69,17 @@ logger = logging.getLogger(__name__)
 
 
 def count_events(path: Path) -> int:
-    """Count the complete event lines of a log file written by this module."""
+    """Count the complete event lines of a log file written by this module.
+
+    Args:
+        path: one file of the log (rotated files are not counted).
+
+    Returns:
+        Its complete lines less its ``AdapterInfo`` and ``LogSegment`` lines.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
     with path.open("rb") as file:
         return _count_event_lines(file.read)
 
@@ -119,6 +129,13 @@ def log_gap(path: str | os.PathLike[str]) -> LogSegment | None:
     The oldest surviving file's header says how many events came before it (all missing);
     the newest file's header says how many events rotation deleted in all. Stats derived
     from such a log do not cover the missing events.
+
+    Args:
+        path: the log (its rotated files are looked at too).
+
+    Returns:
+        The events missing before the oldest file and those rotation deleted in all, as a
+        :class:`LogSegment`; None when nothing is missing (or no file has a header).
     """
     files = [f for f in rotated_files(Path(os.fspath(path))) if f.exists()]
     oldest = _first_header(files[0]) if files else None
@@ -239,7 +256,14 @@ def _declined(
 
 
 def rotated_files(path: Path) -> list[Path]:
-    """Return ``path``'s rotated files, oldest first, then ``path`` itself."""
+    """Return ``path``'s rotated files, oldest first, then ``path`` itself.
+
+    Args:
+        path: the log; its rotated files are ``path.N`` for any number N.
+
+    Returns:
+        The files; ``path`` is last even when it does not exist.
+    """
     backups: list[tuple[int, Path]] = []
     for candidate in path.parent.glob(f"{path.name}.*"):
         suffix = candidate.name[len(path.name) + 1 :]
@@ -341,7 +365,12 @@ class _Lines:
 
 
 def log_bytes(path: str | os.PathLike[str], *, include_rotated: bool = True) -> int:
-    """Return the bytes :func:`read_records` reads for ``path`` (for a progress display)."""
+    """Return the bytes :func:`read_records` reads for ``path`` (for a progress display).
+
+    Args:
+        path: the log; files that cannot be read count nothing.
+        include_rotated: count its rotated files too; default True.
+    """
     base = Path(os.fspath(path))
     total = 0
     for file in rotated_files(base) if include_rotated else [base]:
@@ -362,6 +391,11 @@ def read_records(
     ``path``. A torn last line and lines that are not JSON are skipped, with a warning
     naming each (the unreadable ones past :data:`UNREADABLE_SHOWN` of a file counted in
     one). ``progress(n)``, if given, is called with the bytes of each chunk read.
+
+    Args:
+        path: the log.
+        include_rotated: read its rotated files first; default True.
+        progress: called with the bytes of each chunk read; default None.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -391,7 +425,17 @@ def read_chunks(
     include_rotated: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[list[EventRecord]]:
-    """Yield the records of :func:`read_records` a chunk's worth at a time (same errors)."""
+    """Yield the records of :func:`read_records` a chunk's worth at a time.
+
+    Args:
+        path: the log.
+        include_rotated: read its rotated files first; default True.
+        progress: called with the bytes of each chunk read; default None.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        EventLogError: as for :func:`read_records`.
+    """
     base = Path(os.fspath(path))
     if not base.exists():
         raise FileNotFoundError(f"no event log at {base}")
@@ -455,6 +499,14 @@ def read_events(path: str | os.PathLike[str], *, include_rotated: bool = True) -
 
     ``derive_stats(read_events(path))`` gives the stats the writing process had, as long as
     no rotated file was deleted.
+
+    Args:
+        path: the log.
+        include_rotated: read its rotated files first; default True.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        EventLogError: as for :func:`read_records`.
     """
     for record in read_records(path, include_rotated=include_rotated):
         item = record.item
@@ -511,12 +563,14 @@ class EventLogFollower:
 
     Args:
         path: the log.
-        from_start: read what the first file already holds (True), or join it at its end.
+        from_start: read what the first file already holds (True, the default), or join
+            it at its end.
         start_offset: join the first file at this byte instead (a writer's size when the
-            follow was started for it); the top when the file is shorter by then.
+            follow was started for it); the top when the file is shorter by then. Default
+            None.
         skip_bad_lines: skip (and count in :attr:`bad_lines`) a line that is no record this
-            reader knows, instead of raising.
-        poll_bytes: the bytes one poll reads at most.
+            reader knows, instead of raising; default False.
+        poll_bytes: the bytes one poll reads at most; default :data:`POLL_BYTES` (4 MiB).
     """
 
     def __init__(
@@ -567,7 +621,12 @@ class EventLogFollower:
 
     def poll(self) -> list[EventRecord]:
         """Return the records written since the last call (possibly none), reading at most
-        ``poll_bytes``."""
+        ``poll_bytes``; an empty list while the log does not exist.
+
+        Raises:
+            EventLogError: the path is not a regular file, or (without ``skip_bad_lines``)
+                a line is no record this reader knows.
+        """
         if not self._files and not self._try_open():
             return []
         out: list[EventRecord] = []
@@ -833,6 +892,17 @@ def follow(
     """Yield the events of a log as another process writes them, until ``stop()`` is true.
 
     Without ``stop`` it follows forever (end it by closing the generator).
+
+    Args:
+        path: the log.
+        poll_interval: seconds between polls once caught up; default 0.1.
+        stop: checked after each poll; once true, a last poll's events are yielded and
+            the generator ends. Default None (never).
+        from_start: yield what the log already holds (True, the default), or only what is
+            written from now on.
+
+    Raises:
+        EventLogError: as :meth:`EventLogFollower.poll` raises it.
     """
     with EventLogFollower(path, from_start=from_start) as follower:
         while True:

@@ -138,12 +138,15 @@ class EncoderCudaGraph:
     Args:
         forward: the encoder forward; takes positional tensors (or None), returns tensors,
             None, or tuples/lists/dicts of them.
-        name: adapter name used in events and stats (``"vision"``, ``"audio"``).
-        config: admission and memory settings (defaults: ``EncoderGraphConfig()``).
-        bus: where events go; without one they only feed this adapter's own stats.
-        backend: graph backend; ``None`` picks vLLM's encoder graph manager when vLLM is
-            importable and ``vllm_config`` is given, else the pure-torch CUDA graph backend.
-        vllm_config: the engine's ``VllmConfig`` (only used when ``backend`` is None).
+        name: adapter name used in events and stats (``"vision"``, ``"audio"``);
+            keyword-only, like every argument after ``forward``.
+        config: admission and memory settings; default None (``EncoderGraphConfig()``).
+        bus: where events go; default None: they only feed this adapter's own stats.
+        backend: graph backend; default None picks vLLM's encoder graph manager when vLLM
+            is importable and ``vllm_config`` is given, else the pure-torch CUDA graph
+            backend.
+        vllm_config: the engine's ``VllmConfig`` (only used when ``backend`` is None);
+            default None.
 
     Raises:
         TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
@@ -222,6 +225,7 @@ class EncoderCudaGraph:
 
     @property
     def forward(self) -> Callable[..., Any]:
+        """The encoder forward the adapter wraps (what misses run)."""
         return self._forward
 
     @property
@@ -231,6 +235,7 @@ class EncoderCudaGraph:
 
     @property
     def num_graphs(self) -> int:
+        """Graphs the adapter holds."""
         return len(self._graphs)
 
     @property
@@ -268,6 +273,9 @@ class EncoderCudaGraph:
         resumes replaying. For side-by-side measurements in one engine: eager and graphed
         calls of the same traffic alternate under the same conditions.
 
+        Args:
+            paused: True to pause graphs, False to resume; default True.
+
         Raises:
             ConfigError: ``paused`` is not a bool.
         """
@@ -278,6 +286,9 @@ class EncoderCudaGraph:
     def set_phase(self, phase: Phase | str) -> None:
         """Tag later events with ``phase``; with ``skip_profiling``, ``profiling`` calls stay
         eager and out of admission.
+
+        Args:
+            phase: a :class:`Phase` or its value (``"serving"``, ``"profiling"``).
 
         Raises:
             ConfigError: ``phase`` is not a Phase or its value.
@@ -321,6 +332,10 @@ class EncoderCudaGraph:
         For model-level fallbacks (training mode, extra outputs requested, stateful
         streaming ...): emits the ``ineligible`` miss the call would have produced, so stats
         and event logs still cover every encoder call. Runs nothing.
+
+        Args:
+            detail: the miss's detail (``training``, ``streaming`` ...).
+            *inputs: the call's inputs, for the miss's signature.
         """
         self._emit(
             missed(
@@ -341,6 +356,12 @@ class EncoderCudaGraph:
         Prepared keys are then ``ready``: each is captured by its next call.
 
         For tests, benchmarks and shutdown; the call path never waits.
+
+        Args:
+            timeout: seconds to wait at most; default 60.0.
+
+        Returns:
+            True when no preparation is left running, False if ``timeout`` passed first.
         """
         return self._prep.wait(timeout)
 
@@ -350,6 +371,12 @@ class EncoderCudaGraph:
         Waits up to ``timeout`` for graphs being prepared in the background and for device
         timings, then stops the capture and timing threads. Graphs already captured keep
         replaying; a shape admitted after close is captured synchronously. Idempotent.
+
+        Args:
+            timeout: seconds to wait at most, in all; default 5.0.
+
+        Returns:
+            True when every preparation finished and every device timing was resolved.
         """
         deadline = time.monotonic() + timeout
         self._closed = True
@@ -359,8 +386,14 @@ class EncoderCudaGraph:
         return prepared and timed
 
     def flush_device_timing(self, timeout: float = 5.0) -> bool:
-        """Resolve the device timings recorded so far (waiting up to ``timeout`` for the
-        device); True when none is left. The call path never waits for them."""
+        """Resolve the device timings recorded so far; the call path never waits for them.
+
+        Args:
+            timeout: seconds to wait for the device at most; default 5.0.
+
+        Returns:
+            True when none is left unresolved (always, without ``device_timing``).
+        """
         return self._timers is None or self._timers.resolve(timeout)
 
     # -- the call path --------------------------------------------------------------------
@@ -615,7 +648,11 @@ class EncoderCudaGraph:
         _THREADED.add(self)
 
     def backend_stream(self, device: torch.device) -> Any:
-        """The current stream object of ``device`` (None on a simulated device)."""
+        """Return the current stream object of ``device`` (None on a simulated device).
+
+        Args:
+            device: the device; any but a ``cuda`` one gives None.
+        """
         if device.type != "cuda":
             return None
         return torch.cuda.current_stream(device)

@@ -29,7 +29,17 @@ _stream_ids = itertools.count(1_000_001)
 
 
 class SimulatedGraph(StaticBuffers):
-    """Static buffers around a forward that is re-run on every replay."""
+    """Static buffers around a forward that is re-run on every replay.
+
+    Made by :meth:`SimulatedGraphBackend.capture`.
+
+    Args:
+        backend: the backend that captured it (it counts the replays).
+        forward: the forward each replay runs again.
+        static_inputs, static_outputs: the graph's static buffers.
+        spec: how the output leaves nest (from the warm-up's layout).
+        bytes_reserved: the memory the capture is reported to have taken.
+    """
 
     __slots__ = ("_backend", "_forward")
 
@@ -47,6 +57,14 @@ class SimulatedGraph(StaticBuffers):
         self._forward = forward
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        """Copy ``inputs`` in, run the forward on the static inputs, and return its outputs.
+
+        Args:
+            inputs: the call's inputs, of the captured signature.
+
+        Returns:
+            Fresh clones of the static outputs, nested as the forward returns them.
+        """
         self.copy_in(inputs)
         leaves, _ = flatten_outputs(self._forward(*self._static_inputs))
         for dst, src in zip(self._static_outputs, leaves, strict=True):
@@ -58,16 +76,21 @@ class SimulatedGraph(StaticBuffers):
 class SimulatedGraphBackend:
     """Simulate a CUDA device on CPU tensors (tests and the CPU demo only).
 
+    The current stream and the capturing state are per thread, as CUDA's are.
+
     Args:
         free_bytes: device-free memory reported to the memory floor check; a settable
-            attribute, and every capture consumes ``graph_bytes`` of it.
-        graph_bytes: memory each capture takes from ``free_bytes``.
+            attribute, and every capture consumes ``graph_bytes`` of it. Default 80 GiB.
+        graph_bytes: memory each capture takes from ``free_bytes``; default 64 MiB.
         fail_on_capture: make captures raise: ``True`` raises a ``RuntimeError``, an
-            exception instance or class raises that.
+            exception instance or class raises that. Default False.
         capture_delay: seconds each capture takes (a slow compile and capture), for tests
-            of what calls do meanwhile.
+            of what calls do meanwhile; default 0.0.
+        warmup_delay: seconds each warm-up takes; default 0.0.
 
-    The current stream and the capturing state are per thread, as CUDA's are.
+    Raises:
+        ConfigError: ``free_bytes`` or ``graph_bytes`` is not a nonnegative integer, or a
+            delay is not a nonnegative number of seconds.
     """
 
     name = "simulated"
@@ -100,7 +123,11 @@ class SimulatedGraphBackend:
 
     @contextlib.contextmanager
     def stream(self, stream_id: int) -> Iterator[None]:
-        """Make ``stream_id`` the current (replay) stream inside the block."""
+        """Make ``stream_id`` the current (replay) stream inside the block, on this thread.
+
+        Args:
+            stream_id: the stream's id (the default stream is 0).
+        """
         previous = getattr(self._local, "stream", 0)
         self._local.stream = stream_id
         try:
@@ -121,25 +148,60 @@ class SimulatedGraphBackend:
     # -- GraphBackend ----------------------------------------------------------------------
 
     def is_graph_device(self, device: torch.device) -> bool:
+        """Return True: every device is a graph device here.
+
+        Args:
+            device: the call's device (any).
+        """
         return True
 
     def is_capturing(self, device: torch.device) -> bool:
+        """Return whether this thread is inside :meth:`capturing` (or a capture).
+
+        Args:
+            device: the call's device (any; the state is per thread only).
+        """
         return bool(getattr(self._local, "capturing", False))
 
     def stream_id(self, device: torch.device) -> int:
+        """Return this thread's current stream id (see :meth:`stream`; 0 by default).
+
+        Args:
+            device: the call's device (any; the stream is per thread only).
+        """
         return int(getattr(self._local, "stream", 0))
 
     def device_clock(self, device: torch.device) -> HostClock:
+        """Return a clock that times calls on the host (there is no device to time).
+
+        Args:
+            device: the call's device (any).
+        """
         return HostClock()
 
     def device_free_bytes(self, device: torch.device) -> int:
+        """Return :attr:`free_bytes`.
+
+        Args:
+            device: the call's device (any).
+        """
         return self.free_bytes
 
     def new_pool(self, device: torch.device) -> Any:
+        """Return a new pool token, ``("simulated-pool", n)``, counting it.
+
+        Args:
+            device: the pool's device (any).
+        """
         self.pools_created += 1
         return ("simulated-pool", self.pools_created)
 
     def new_capture_stream(self, device: torch.device) -> tuple[Any, int]:
+        """Return a new capture stream token and its id (unique in the process), counting it.
+
+        Args:
+            device: the stream's device (any).
+        """
         self.capture_streams_created += 1
         stream_id = next(_stream_ids)
         return ("simulated-stream", stream_id), stream_id
@@ -147,11 +209,32 @@ class SimulatedGraphBackend:
     def warm_up(
         self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
     ) -> OutputLayout:
+        """Sleep ``warmup_delay``, run ``forward`` once and return its output layout.
+
+        Args:
+            forward: the forward to warm up.
+            inputs: its inputs.
+        """
         if self.warmup_delay:
             time.sleep(self.warmup_delay)
         return warm_up(forward, inputs)
 
     def capture(self, request: CaptureRequest) -> SimulatedGraph:
+        """Record the capture, warm up unless ``request`` has a layout, and run the forward
+        into static buffers; ``graph_bytes`` of :attr:`free_bytes` are taken.
+
+        Args:
+            request: what to capture.
+
+        Returns:
+            The graph, whose replays run the forward again.
+
+        Raises:
+            RuntimeError: ``fail_on_capture`` is True, or the forward returned other
+                outputs than at warm-up.
+            BaseException: the exception (or an instance of the class) ``fail_on_capture``
+                names.
+        """
         forward, inputs, capture_error_mode = (
             request.forward,
             request.inputs,

@@ -714,7 +714,7 @@ def render(snapshot: LiveSnapshot, *, height: int | None = None) -> RenderableTy
         snapshot: what to show.
         height: rows available (the live view passes the terminal's); when the full frame
             is taller, older notices, then captured keys and log lines are left out, so
-            the frame is never cut. None: show everything.
+            the frame is never cut. Keyword-only; default None: show everything.
     """
     return _Frame(snapshot, height)
 

@@ -53,7 +53,14 @@ _NOTICED = (MemoryDeferred, CaptureFailed)
 
 @dataclass(frozen=True, slots=True)
 class Notice:
-    """A recent memory deferral or capture failure, as one line of text."""
+    """A recent memory deferral or capture failure, as one line of text.
+
+    Args:
+        epoch_ns: when it happened (epoch nanoseconds).
+        failed: True for a capture failure, False for a deferral.
+        text: the line shown.
+        key: the graph key quoted in ``text``; default "".
+    """
 
     epoch_ns: int
     failed: bool
@@ -64,7 +71,18 @@ class Notice:
 
 @dataclass(frozen=True, slots=True)
 class EncoderSnapshot:
-    """What the view shows of one encoder adapter (of one worker)."""
+    """What the view shows of one encoder adapter (of one worker).
+
+    Args:
+        stats: the adapter's stats.
+        source: the worker it belongs to; default "" (in-process).
+        max_graphs, min_free_bytes, backend: the adapter's registered cap, floor and
+            backend; each default None (unknown).
+        notices: its recent deferrals and failures; default ().
+        rank, pid: the writing worker's rank and pid; default None (in-process).
+        coverage: its per-signature coverage; default None (unknown).
+        causes: its misses by reason and detail, most first; default ().
+    """
 
     stats: AdapterStats
     source: str = ""
@@ -84,7 +102,19 @@ class EncoderSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class LiveSnapshot:
-    """Everything one frame of the view shows; ``render`` reads nothing else."""
+    """Everything one frame of the view shows; ``render`` reads nothing else.
+
+    Args:
+        title: the header line.
+        taken_epoch_ns: when the snapshot was taken (epoch nanoseconds).
+        encoders: one snapshot per encoder adapter (and worker).
+        emitted: events emitted; default None (unknown).
+        dropped: events the bus's sinks lost; default None (unknown).
+        footer: extra lines at the bottom; default ().
+        progress: lines under the title; default ().
+        log: the last log lines; default ().
+        requests: the "where TTFT goes" panel; default None (no request timed).
+    """
 
     title: str
     taken_epoch_ns: int
@@ -110,11 +140,17 @@ def _requests_panel(join: RequestJoin) -> Mapping[str, Any] | None:
 class Board(Protocol):
     """Something that can freeze the current state into a :class:`LiveSnapshot`."""
 
-    def snapshot(self) -> LiveSnapshot: ...
+    def snapshot(self) -> LiveSnapshot:
+        """Return the frame to show now."""
+        ...
 
 
 def clock(epoch_ns: int) -> str:
-    """Return the UTC time of day of ``epoch_ns``, as the view prints it."""
+    """Return the UTC time of day of ``epoch_ns``, as the view prints it (``14:03:07Z``).
+
+    Args:
+        epoch_ns: epoch time, in nanoseconds.
+    """
     return datetime.fromtimestamp(epoch_ns / 1e9, tz=timezone.utc).strftime("%H:%M:%SZ")
 
 
@@ -161,10 +197,15 @@ class BusBoard:
     """Board of an in-process bus: stats from its fold, notices from a tiny sink.
 
     Args:
-        bus: the bus the adapters emit on (a notice collector sink is attached to it).
-        title: the header line.
-        footer: called at each frame for extra lines (e.g. the demo's streaming calls).
-        progress: called at each frame for the lines under the title (e.g. requests done).
+        bus: the bus the adapters emit on (the board attaches itself to it as a sink).
+        title: the header line; default ``"omnitrace"``.
+        footer: called at each frame for extra lines (e.g. the demo's streaming calls);
+            default None (none).
+        progress: called at each frame for the lines under the title (e.g. requests done);
+            default None (none).
+
+    Raises:
+        RuntimeError: ``bus`` is closed (as :meth:`EventBus.add_sink`).
     """
 
     def __init__(
@@ -187,7 +228,12 @@ class BusBoard:
     name = "live"
 
     def handle(self, events: Sequence[Event]) -> None:
-        """Keep the last few deferrals and failures per encoder (the rest is in the fold)."""
+        """Keep the last few deferrals and failures per encoder (the rest is in the fold),
+        and the request events for the "where TTFT goes" panel.
+
+        Args:
+            events: one batch from the bus.
+        """
         for event in events:
             if isinstance(event, (RequestTimed, EncoderBatchRan)):
                 with self._lock:
@@ -200,7 +246,11 @@ class BusBoard:
                     recent.append(notice)
 
     def snapshot(self) -> LiveSnapshot:
-        """Freeze the bus's stats fold, adapter facts and counters."""
+        """Freeze the bus's stats fold, adapter facts and counters.
+
+        Raises:
+            RuntimeError: called from one of the bus's folds.
+        """
         stats = self._bus.adapter_stats()
         coverage = self._bus.coverage()
         infos = self._bus.adapters()
@@ -235,7 +285,11 @@ class BusBoard:
 
 
 class RecordBoard:
-    """Board of event-log records, folded per worker (rank, pid) and adapter."""
+    """Board of event-log records, folded per worker (rank, pid) and adapter.
+
+    Args:
+        title: the header line; default ``"omnitrace"``.
+    """
 
     def __init__(self, *, title: str = "omnitrace") -> None:
         self._title = title
@@ -250,7 +304,14 @@ class RecordBoard:
         self.progress: tuple[str, ...] = ()
 
     def add(self, records: Iterable[EventRecord]) -> None:
-        """Fold ``records`` (thread-safe against ``snapshot``)."""
+        """Fold ``records`` (thread-safe against ``snapshot``).
+
+        Args:
+            records: event-log records, each writer's in the order written.
+
+        Raises:
+            TypeError: a record's item is neither an event nor adapter info.
+        """
         with self._lock:
             # The folds of the last record's writer: a log's records come in long runs of
             # one writer, so most records need no lookup.

@@ -72,9 +72,11 @@ class LiveView:
 
     Args:
         board: what to show.
-        console: where to draw (a terminal).
-        refresh_per_second: frames per second, whatever the event rate.
-        log_hint: appended to that line (e.g. which option keeps the lines in a file).
+        console: where to draw (a terminal); default None (a new rich ``Console``).
+        refresh_per_second: frames per second, whatever the event rate; default
+            :data:`REFRESH_PER_SECOND` (4.0).
+        log_hint: appended to that line (e.g. which option keeps the lines in a file);
+            default "".
     """
 
     def __init__(

@@ -45,6 +45,16 @@ class OTelSetup:
         endpoints: each exported signal's endpoint (empty when OTLP export is off).
         prometheus_reader: the Prometheus metric reader, if one was asked for.
         prometheus_port: the port the scrape endpoint listens on, if one was started.
+
+    Args:
+        tracer_provider, meter_provider, protocol, endpoint: the attributes of those names.
+        monitor: what counts the OTLP exports' failures and successes; None without OTLP.
+        endpoints: each exported signal's endpoint; default None (none).
+        prometheus_reader: the Prometheus metric reader; default None.
+        prometheus_server, prometheus_thread: the scrape endpoint's server and its thread,
+            stopped by :meth:`shutdown`; default None.
+        exporters: the OTLP exporters, shut down when :meth:`shutdown` gives up waiting;
+            default ().
     """
 
     def __init__(
@@ -78,6 +88,7 @@ class OTelSetup:
 
     @property
     def prometheus_port(self) -> int | None:
+        """The port the scrape endpoint listens on; None when none was started."""
         return None if self._server is None else int(self._server.server_port)
 
     @property
@@ -93,8 +104,12 @@ class OTelSetup:
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         """Export pending spans and collect and export metrics now.
 
+        Args:
+            timeout_s: seconds each provider may take; default 5.0.
+
         Returns:
-            True when both providers flushed and no export failed meanwhile.
+            True when both providers flushed and no export failed meanwhile; False after
+            :meth:`shutdown`.
         """
         if self._shutdown:
             return False
@@ -116,6 +131,9 @@ class OTelSetup:
         known to be dead are skipped, and an export still waiting for an answer at the
         deadline is abandoned (its retries are cancelled; it is reported by
         :attr:`export_error`), so a dead collector never holds up the host's exit.
+
+        Args:
+            timeout_s: seconds to wait for the providers (and the scrape thread); default 0.8.
 
         Returns:
             True when everything handed to the exporters was exported.
@@ -198,38 +216,39 @@ def configure_sdk(
     ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_BSP_SCHEDULE_DELAY``), else omnitrace's default.
 
     Args:
-        service_name: the ``service.name`` resource attribute. None: ``OTEL_SERVICE_NAME``,
-            else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else
-            ``default_service_name``.
-        default_service_name: the service name when neither argument nor variable gives one
-            (the CLI passes ``omnitrace-demo`` and ``omnitrace-replay``).
+        service_name: the ``service.name`` resource attribute. None (default):
+            ``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``,
+            else ``default_service_name``.
+        default_service_name: the service name when neither argument nor variable gives one;
+            default ``"omnitrace"`` (the CLI passes ``omnitrace-demo``, ``omnitrace-replay``).
         endpoint: OTLP base endpoint of both signals (``http://host:4318`` for
-            http/protobuf, ``http://host:4317`` for gRPC). None: each signal's own variable
-            (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT``) as given, else
-            ``OTEL_EXPORTER_OTLP_ENDPOINT`` as the base, else the protocol's localhost
-            default (see :func:`omnitrace._env.otlp_endpoints`, the lookup ``omnitrace
-            config`` shows).
-        protocol: ``"http/protobuf"`` or ``"grpc"``; None reads
+            http/protobuf, ``http://host:4317`` for gRPC). None (default): each signal's own
+            variable (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._METRICS_ENDPOINT``) as
+            given, else ``OTEL_EXPORTER_OTLP_ENDPOINT`` as the base, else the protocol's
+            localhost default (see :func:`omnitrace._env.otlp_endpoints`, the lookup
+            ``omnitrace config`` shows).
+        protocol: ``"http/protobuf"`` or ``"grpc"``; None (default) reads
             ``OTEL_EXPORTER_OTLP_PROTOCOL``, then defaults to http/protobuf.
-        otlp: export over OTLP at all.
-        otlp_metrics: also export metrics over OTLP (false for a traces-only backend such
-            as a bare Jaeger; scrape the Prometheus endpoint for metrics then).
-        prometheus: add a Prometheus metric reader (pull; metrics only).
-        prometheus_port: also serve ``/metrics`` on this port (0 picks a free one).
-        prometheus_host: address the scrape endpoint binds.
-        prometheus_registry: the prometheus_client registry to register with (the global
-            one by default).
-        export_interval_s: seconds between OTLP metric exports, 0.01 to 86400. None:
+        otlp: export over OTLP at all; default True.
+        otlp_metrics: also export metrics over OTLP; default True (false for a traces-only
+            backend such as a bare Jaeger: scrape the Prometheus endpoint for metrics then).
+        prometheus: add a Prometheus metric reader (pull; metrics only); default False.
+        prometheus_port: also serve ``/metrics`` on this port (0 picks a free one); default None.
+        prometheus_host: address the scrape endpoint binds; default ``"127.0.0.1"``.
+        prometheus_registry: the prometheus_client registry to register with; None (default):
+            the global one.
+        export_interval_s: seconds between OTLP metric exports, 0.01 to 86400. None (default):
             ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds, 10 to 86400000), else 10 s.
             ``OTEL_BSP_SCHEDULE_DELAY`` (the span batch delay) has the same range.
         export_timeout_s: deadline of one OTLP export, retries included, 0.01 to 600 s;
-            short, so a dead collector cannot stall shutdown.
+            short, so a dead collector cannot stall shutdown. Default 3.0.
         resource_attributes: more resource attributes (override the defaults and
-            ``OTEL_RESOURCE_ATTRIBUTES``).
+            ``OTEL_RESOURCE_ATTRIBUTES``); default None.
         resource_defaults: resource attributes that replace omnitrace's defaults (this
             process's pid, ``RANK``) and that ``OTEL_RESOURCE_ATTRIBUTES`` overrides: the
-            identity of a worker whose log is replayed.
-        install_global: also install the providers as the global ones (once per process).
+            identity of a worker whose log is replayed. Default None.
+        install_global: also install the providers as the global ones (once per process);
+            default False.
 
     Returns:
         The providers and their ``force_flush()`` / ``shutdown()``.
@@ -470,7 +489,12 @@ def _prometheus_reader(
 
 
 class SdkSink(NamedTuple):
-    """An :class:`OTelSink` on providers :func:`configure_sdk` built, and their setup."""
+    """An :class:`OTelSink` on providers :func:`configure_sdk` built, and their setup.
+
+    Args:
+        sink: the sink, for the caller to add to its bus.
+        setup: the providers' setup, for the caller to shut down.
+    """
 
     sink: OTelSink
     setup: OTelSetup
@@ -486,7 +510,10 @@ def sdk_sink(bus: EventBus, **settings: Any) -> SdkSink:
 
     Args:
         bus: the bus whose stats the sink's metrics read.
-        settings: arguments of :func:`configure_sdk`.
+        **settings: keyword arguments of :func:`configure_sdk`.
+
+    Returns:
+        The sink and the setup it exports through.
 
     Raises:
         ConfigError: a setting or a standard variable is out of range (as configure_sdk).

@@ -118,9 +118,10 @@ class OTelSink:
 
     Args:
         bus: the bus whose stats the metrics read (the sink still has to be added to it).
-        tracer_provider: where spans go; the global tracer provider by default.
-        meter_provider: where metrics go; the global meter provider by default.
-        name: the sink's name in bus statistics (and in ``omnitrace.bus.dropped``).
+        tracer_provider: where spans go; default None (the global tracer provider).
+        meter_provider: where metrics go; default None (the global meter provider).
+        name: the sink's name in bus statistics (and in ``omnitrace.bus.dropped``);
+            default ``"otel"``.
     """
 
     def __init__(
@@ -209,7 +210,14 @@ class OTelSink:
 
     def handle(self, events: Sequence[ev.Event]) -> None:
         """Make the spans of ``events``, record their call times, and record new captures
-        in the duration histogram."""
+        in the duration histogram.
+
+        An event that fails is counted in :attr:`errors` (the first failure is logged);
+        the rest of the batch goes on, and nothing is raised.
+
+        Args:
+            events: one batch, in emission order.
+        """
         for event in events:
             try:
                 if isinstance(event, (ev.GraphReplayed, ev.GraphMissed, ev.DeviceTimed)):
