@@ -282,7 +282,19 @@ class EncoderGraphConfig:
         return config
 
     def replace(self, **changes: Any) -> EncoderGraphConfig:
-        """Return a copy with ``changes`` applied and validated."""
+        """Return a copy with ``changes`` applied and validated.
+
+        Args:
+            **changes: field names and their new values. A ``max_graphs`` given without a
+                ``pool_budget_bytes`` on a config with the default pair drops the default
+                budget, as setting the cap alone would have from the start.
+
+        Returns:
+            A new config; this one is unchanged.
+
+        Raises:
+            ConfigError: a name is not a field, or a value is invalid.
+        """
         known = {f.name for f in fields(self)}
         for name in changes:
             if name not in known:

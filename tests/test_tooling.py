@@ -462,11 +462,7 @@ PUBLIC_FACES = (
 )
 
 #: Public callables allowed to lack an ``Args:`` section, each with the reason.
-ARGS_EXCEPTIONS: dict[str, str] = {
-    "omnitrace.config.EncoderGraphConfig.replace": (
-        "config.py is being reworked on another branch; document ``**changes`` there"
-    ),
-}
+ARGS_EXCEPTIONS: dict[str, str] = {}
 
 
 def _arguments(function: Callable[..., object]) -> list[str]:
