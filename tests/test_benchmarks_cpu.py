@@ -899,25 +899,6 @@ def test_report_renders_a_partial_result(bench: Any) -> None:
     assert "t (partial run)" in sections["targets"]
 
 
-def test_profiling_benchmark_counts_profiling_graphs_and_skip_keeps_them_out(bench: Any) -> None:
-    """Two profiling runs capture one dummy graph per encoder, which serving never replays;
-    with skip_profiling none is captured and serving is the same as with one run."""
-    from benchmarks.probes import profiling
-
-    result = profiling.measure(seeds=[0], requests=300, rounds=[1, 2], slices=10)
-    rows = {(r["rounds"], r["skip_profiling"]): r["totals"] for r in result["rows"]}
-    for name in ("vision", "audio"):
-        one, two, skipped = rows[(1, False)][name], rows[(2, False)][name], rows[(2, True)][name]
-        assert (one["profiling_calls"], one["profiling_captures"]) == (1, 0)
-        assert (two["profiling_calls"], two["profiling_captures"]) == (2, 1)
-        assert two["profiling_graphs_replayed_in_serving"] == 0
-        assert (skipped["profiling_captures"], skipped["skipped_profiling_calls"]) == (0, 2)
-        assert skipped["serving_calls"] == two["serving_calls"] == one["serving_calls"]
-        assert skipped["serving_hits"] == one["serving_hits"]
-        assert two["serving_hits"] <= one["serving_hits"]
-    assert "prof. graphs" in profiling.table(result)
-
-
 def test_report_environment_names_every_run_of_combined_results(bench: Any) -> None:
     """Results gathered from several runs say which run measured which benchmark."""
     _, report = bench

@@ -182,6 +182,24 @@ def test_demo_profiling_runs_come_first_in_the_profiling_phase(tmp_path: Path) -
     assert shapes == {"vision": (10, 1024, 64), "audio": (1, 80, 3000)}
 
 
+def test_demo_one_profiling_run_captures_nothing_and_a_second_takes_a_slot(
+    tmp_path: Path,
+) -> None:
+    """One profiling run, as vLLM makes per worker start, is a single warm-up miss per
+    encoder and captures nothing; serving hits as without profiling. A second run captures
+    the dummy shape, which takes a slot serving never replays: no more hits than with one."""
+    _, plain, _ = _demo(tmp_path, name="plain")
+    code, one, log = _demo(tmp_path, "--profiling-runs", "1", name="one")
+    assert code == 0
+    _, two, _ = _demo(tmp_path, "--profiling-runs", "2", name="two")
+    for name, coverage in derive_coverage(read_events(log)).items():
+        calls = coverage.in_phase(Phase.PROFILING)
+        assert (calls.calls, calls.captures) == (1, 0), name
+    for name, stats in plain["encoders"].items():
+        assert one["encoders"][name]["graph_hits"] == stats["graph_hits"], name
+        assert two["encoders"][name]["graph_hits"] <= one["encoders"][name]["graph_hits"], name
+
+
 def test_demo_profiling_runs_with_skip_profiling_stay_out_of_admission(tmp_path: Path) -> None:
     """With encoder_cuda_graph_skip_profiling the profiling calls are ineligible misses
     (detail profiling) and serving runs exactly as without profiling."""
