@@ -1,5 +1,5 @@
 """A seeded, MiniCPM-o-shaped request mix for the demo: recurring and one-off image slices and
-audio clips, a few streaming calls, and a burst of new shapes that runs into the graph cap."""
+audio clips, a few streaming calls, and a burst of new shapes that runs into the graphs' limits."""
 
 from __future__ import annotations
 
