@@ -257,6 +257,15 @@ class _Encoders:
             lines.append(f"after capture failure  {self.after_failure} calls served eagerly")
         return lines
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop both adapters' threads, so no device timing arrives after the bus closes.
+
+        Args:
+            timeout: seconds each adapter may wait for its pending timings; default 5.0.
+        """
+        for adapter in (self.vision, self.audio):
+            adapter.close(timeout)
+
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator).to(self.device, self.dtype)
 
@@ -507,6 +516,9 @@ def _run(
                     # Closed while the view still holds stderr: the log lines the close writes
                     # (the final graph_summary per encoder) go where the view's lines go, not
                     # across the terminal after it, and the final frame shows the closed bus.
+                    # The adapters first: a device timing resolved on a timer's thread while
+                    # the bus closes would be counted as dropped.
+                    encoders.close()
                     bus.close()
             statistics = bus.statistics()
     finally:
