@@ -22,9 +22,9 @@ _epoch = time.time_ns
 class CaptureGate:
     """The graph captures under way in this process, and the device queries kept out of them.
 
-    In CUDA's global capture mode (vLLM's manager's, and the adapter's default) a query of an
-    event from another thread while a capture is under way is a prohibited call: it fails
-    and invalidates the capture, which then fails on the capturing thread. The device
+    In CUDA's global capture mode (vLLM's manager's; the torch backend captures thread-local)
+    a query of an event from another thread while a capture is under way is a prohibited
+    call: it fails and invalidates the capture, which then fails on the capturing thread. The device
     timers query only through :meth:`querying`, which says no while a capture runs; a
     capture waits at most for one round of non-blocking queries to end.
     """
