@@ -96,7 +96,7 @@ def _checked(
     if backend is None:
         from omnitrace.graphs.backends.select import select_backend
 
-        backend = select_backend(vllm_config)
+        backend = select_backend(vllm_config, background_capture=config.background_capture)
     modes = tuple(getattr(backend, "error_modes", ("global",)))
     if config.background_capture:
         check_backend(backend.name, modes)
@@ -143,16 +143,16 @@ class EncoderCudaGraph:
         config: admission and memory settings; default None (``EncoderGraphConfig()``).
         bus: where events go; default None: they only feed this adapter's own stats.
         backend: graph backend; default None picks vLLM's encoder graph manager when vLLM
-            is importable and ``vllm_config`` is given, else the pure-torch CUDA graph
-            backend.
+            is importable and ``vllm_config`` is given and ``background_capture`` is off,
+            else the pure-torch CUDA graph backend.
         vllm_config: the engine's ``VllmConfig`` (only used when ``backend`` is None);
             default None.
 
     Raises:
         TypeError: ``forward`` is not callable or ``config`` is not an EncoderGraphConfig.
         ConfigError: ``name`` is empty or has a control character or a lone surrogate, or
-            ``background_capture`` is asked of a backend that cannot capture while other
-            threads run CUDA work (vLLM's manager).
+            ``background_capture`` is asked of a ``backend`` given here that cannot capture
+            while other threads run CUDA work (vLLM's manager).
     """
 
     def __init__(

@@ -148,7 +148,8 @@ class Adapters:
         backend: one backend for every adapter (tests pass a SimulatedGraphBackend); None:
             :func:`~omnitrace.graphs.backends.select.select_backend` picks one per adapter.
         vllm_config: the engine's ``VllmConfig``, which makes that choice vLLM's graph
-            manager when vLLM is importable.
+            manager when vLLM is importable (the torch backend with ``background_capture``,
+            which needs thread-local captures).
     """
 
     config: EncoderGraphConfig
@@ -193,7 +194,9 @@ class Adapters:
         if backend is None:
             from omnitrace.graphs.backends.select import select_backend
 
-            backend = select_backend(self.vllm_config)
+            backend = select_backend(
+                self.vllm_config, background_capture=self.config.background_capture
+            )
         return EncoderCudaGraph(stack, name=name, config=self.config, bus=self.bus, backend=backend)
 
     def attach(

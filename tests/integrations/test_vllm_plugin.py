@@ -122,6 +122,58 @@ def test_select_backend_without_vllm_logs_why(
     ] == ["omnitrace: using the torch graph backend (vLLM is not importable)"]
 
 
+def test_background_capture_picks_the_thread_local_torch_backend_in_vllm_too(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's manager captures in the global mode only: an adapter with background capture
+    gets the torch backend even where vLLM is importable, through Adapters.make too, and the
+    log says why; without it the vLLM backend is chosen."""
+    import importlib.machinery
+    import importlib.util
+
+    from omnitrace.config import EncoderGraphConfig
+    from omnitrace.graphs.backends import select
+    from omnitrace.graphs.backends.torch import TorchGraphBackend
+    from omnitrace.integrations.base import Adapters
+
+    real = importlib.util.find_spec
+    vllm_spec = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setattr(
+        select.importlib.util,
+        "find_spec",
+        lambda n, *a: vllm_spec if n == "vllm" else real(n, *a),
+    )
+    chosen: list[object] = []
+
+    class FakeVllmBackend:
+        def __init__(self, vllm_config: object) -> None:
+            chosen.append(vllm_config)
+
+    fake = type(sys)("omnitrace.graphs.backends.vllm")
+    fake.VllmGraphBackend = FakeVllmBackend  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "omnitrace.graphs.backends.vllm", fake)
+    vllm_config = object()
+    with caplog.at_level(logging.INFO, logger="omnitrace"):
+        backend = select.select_backend(vllm_config, background_capture=True)
+        adapter = Adapters(
+            EncoderGraphConfig(background_capture=True), vllm_config=vllm_config
+        ).make(lambda x: x, name="v")
+    assert isinstance(backend, TorchGraphBackend)
+    assert isinstance(adapter.backend, TorchGraphBackend)
+    assert chosen == []
+    lines = [r.getMessage() for r in caplog.records if r.name == select.__name__]
+    assert (
+        lines
+        == [
+            "omnitrace: using the torch graph backend (background capture captures in CUDA's "
+            "thread-local mode; vLLM's encoder graph manager captures in the global mode only)"
+        ]
+        * 2
+    )
+    assert isinstance(select.select_backend(vllm_config), FakeVllmBackend)
+    assert chosen == [vllm_config]
+
+
 # -- vLLM's start-up profiling run ----------------------------------------------------------
 
 
@@ -258,7 +310,7 @@ def test_skip_profiling_keeps_profiling_calls_eager_and_out_of_admission(
     from omnitrace.testing import SimulatedGraphBackend
 
     # The CPU stands in for the device: the plugin's adapters get the simulated backend.
-    monkeypatch.setattr(select, "select_backend", lambda config: SimulatedGraphBackend())
+    monkeypatch.setattr(select, "select_backend", lambda config, **_: SimulatedGraphBackend())
     model = build(encoder_cuda_graph_skip_profiling=True, encoder_cuda_graph_min_free_bytes=0)
     runner, events = _attach(model)
     with torch.no_grad():  # as vLLM serves
