@@ -125,3 +125,31 @@ def test_shared_pool_reaches_every_manager_and_reserves_less(bus: EventBus) -> N
         reserved[share] = sum(e.bytes_reserved for e in captured)
         del graph
     assert reserved[True] <= reserved[False]
+
+
+def test_background_capture_in_vllm_prepares_on_a_thread_and_replays_exactly(
+    bus: EventBus,
+) -> None:
+    """With a vLLM config and background capture, the adapter gets the torch backend
+    (thread-local captures), prepares each shape on its thread while the calls run eagerly,
+    and then serves bitwise-equal replays, where vLLM's manager would have refused."""
+    from omnitrace.graphs.backends.torch import TorchGraphBackend
+    from omnitrace.integrations.base import Adapters
+
+    torch.manual_seed(0)
+    model = VisionEncoder(SMALL).cuda().eval()
+    adapters = Adapters(CFG.replace(background_capture=True), bus=bus, vllm_config=_vllm_config())
+    graph = adapters.make(model, name="vision")
+    assert isinstance(graph.backend, TorchGraphBackend)
+    x = torch.randn(1, 64, SMALL.hidden, device="cuda")
+    with torch.no_grad(), capture_events(bus) as events:
+        expected = model(x, None)
+        for _ in range(3):  # warm-up, admission (handed to the thread), maybe still preparing
+            assert torch.equal(graph(x, None), expected)
+        assert graph.wait_prepared(60)
+        outs = [graph(x, None) for _ in range(3)]
+    assert all(torch.equal(out, expected) for out in outs)
+    assert graph.num_graphs == 1
+    assert [type(e).__name__ for e in events].count("GraphCaptured") == 1
+    assert graph.get_cumulative_stats()["graph_hits"] == 3
+    assert graph.close(10)
