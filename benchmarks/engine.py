@@ -21,8 +21,7 @@ configuration                 what
                               through the masked attention, without which it cannot graph);
                               after its passes, each kind in pairs, graphs switched off and
                               on through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`)
-``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``, compiled off the
-                              request path (``encoder_cuda_graph_background_capture``)
+``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``
 ``omnitrace-4``               a plain count of four graphs an encoder and no pool budget
                               (``encoder_cuda_graph_max_graphs`` 4, the former default)
 ``vllm-encoder-graphs``       vLLM's own encoder graphs (``cudagraph_mm_encoder``), where the

@@ -60,15 +60,7 @@ def configurations(model_kind: str) -> list[Configuration]:
     return [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
-        # Compiled on the preparation thread, so no request waits for a compile.
-        Configuration(
-            "omnitrace+compile",
-            {
-                **graphs,
-                "encoder_cuda_graph_compile": True,
-                "encoder_cuda_graph_background_capture": True,
-            },
-        ),
+        Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         Configuration(
             "vllm-encoder-graphs",

@@ -96,7 +96,9 @@ def _checked(
     if backend is None:
         from omnitrace.graphs.backends.select import select_backend
 
-        backend = select_backend(vllm_config, background_capture=config.background_capture)
+        backend = select_backend(
+            vllm_config, background_capture=config.background_capture, compile=config.compile
+        )
     modes = tuple(getattr(backend, "error_modes", ("global",)))
     if config.background_capture:
         check_backend(backend.name, modes)

@@ -195,7 +195,9 @@ class Adapters:
             from omnitrace.graphs.backends.select import select_backend
 
             backend = select_backend(
-                self.vllm_config, background_capture=self.config.background_capture
+                self.vllm_config,
+                background_capture=self.config.background_capture,
+                compile=self.config.compile,
             )
         return EncoderCudaGraph(stack, name=name, config=self.config, bus=self.bus, backend=backend)
 

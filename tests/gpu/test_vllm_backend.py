@@ -150,6 +150,11 @@ def test_background_capture_in_vllm_prepares_on_a_thread_and_replays_exactly(
         outs = [graph(x, None) for _ in range(3)]
     assert all(torch.equal(out, expected) for out in outs)
     assert graph.num_graphs == 1
-    assert [type(e).__name__ for e in events].count("GraphCaptured") == 1
-    assert graph.get_cumulative_stats()["graph_hits"] == 3
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("GraphCaptured") == 1
+    # The capturing call is a hit too, and may come before the loop's end if the thread is
+    # quick: every call after the capture, and at least the last three, were replays.
+    stats = graph.get_cumulative_stats()
+    assert stats["graph_hits"] == kinds.count("GraphReplayed") >= 3
+    assert stats["graph_hits"] + kinds.count("GraphMissed") == 6
     assert graph.close(10)

@@ -149,7 +149,7 @@ def test_background_capture_picks_the_thread_local_torch_backend_in_vllm_too(
         def __init__(self, vllm_config: object) -> None:
             chosen.append(vllm_config)
 
-    fake = type(sys)("omnitrace.graphs.backends.vllm")
+    fake = types.ModuleType("omnitrace.graphs.backends.vllm")
     fake.VllmGraphBackend = FakeVllmBackend  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "omnitrace.graphs.backends.vllm", fake)
     vllm_config = object()
@@ -172,6 +172,41 @@ def test_background_capture_picks_the_thread_local_torch_backend_in_vllm_too(
     )
     assert isinstance(select.select_backend(vllm_config), FakeVllmBackend)
     assert chosen == [vllm_config]
+
+
+def test_background_compile_is_refused_inside_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling on the preparation thread stops a vLLM engine (FX tracing patches module
+    calls process-wide): with a vLLM config it is a ConfigError naming both keys, through
+    select_backend and Adapters.make; each of the two alone is accepted."""
+    import importlib.machinery
+    import importlib.util
+
+    from omnitrace.graphs.backends import select
+    from omnitrace.graphs.backends.torch import TorchGraphBackend
+    from omnitrace.integrations.base import Adapters
+
+    real = importlib.util.find_spec
+    vllm_spec = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setattr(
+        select.importlib.util,
+        "find_spec",
+        lambda n, *a: vllm_spec if n == "vllm" else real(n, *a),
+    )
+    both = EncoderGraphConfig(background_capture=True, compile=True)
+    pattern = (
+        r"^encoder_cuda_graph_compile with encoder_cuda_graph_background_capture cannot run "
+        r"inside vLLM: .*Detected that you are using FX"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        select.select_backend(object(), background_capture=True, compile=True)
+    with pytest.raises(ConfigError, match=pattern):
+        Adapters(both, vllm_config=object()).make(lambda x: x, name="v")
+    with pytest.raises(ConfigError, match=pattern):
+        EncoderCudaGraph(lambda x: x, name="v", config=both, vllm_config=object())
+    # Outside vLLM the combination stays allowed (with its documented warning).
+    assert isinstance(Adapters(both).make(lambda x: x, name="v").backend, TorchGraphBackend)
+    plain = select.select_backend(object(), background_capture=True)
+    assert isinstance(plain, TorchGraphBackend)
 
 
 # -- vLLM's start-up profiling run ----------------------------------------------------------
