@@ -316,7 +316,7 @@ def _traffic(ctx: Context, models: dict[str, torch.nn.Module], hidden: int) -> T
             key = (req.encoder, req.shape)
             if i % CHECK_EVERY == 0 and key not in refs:
                 refs[key] = models[req.encoder](inputs[key])
-    ctx.sync()
+    ctx.device_sync()
     return Traffic(stream, inputs, refs)
 
 

@@ -1,14 +1,12 @@
-"""A titled table of preformatted cells, and the cell formats: what results render into.
-
-:mod:`benchmarks.report` turns tables into markdown and text; each benchmark builds its own
-tables from here (its ``tables(result)``), so none imports the report (which imports them).
-"""
+"""A titled table of preformatted cells, and the cell formats: what each benchmark's
+``tables(result)`` builds and :mod:`benchmarks.report` renders."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["MiB", "Table", "mib", "ms", "ns", "pct", "times", "us", "verdict"]
+__all__ = ["MiB", "Table", "measured", "mib", "ms", "ns", "pct", "times", "us", "verdict"]
 
 MiB = 1 << 20
 
@@ -49,3 +47,9 @@ def ms(value: float | None) -> str:
 
 def verdict(met: bool | None) -> str:
     return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
+def measured(item: dict[str, Any], unit: str | None = None) -> str:
+    """A target's or figure's value with its unit (``unit`` instead, when given)."""
+    shown = f" {item['unit']}" if unit is None else unit
+    return "n/a" if item["value"] is None else f"{item['value']:,.3g}{shown}"
