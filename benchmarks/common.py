@@ -286,6 +286,15 @@ def geometry_fields(geometry: Any) -> dict[str, int]:
     return {f: getattr(geometry, f) for f in ("hidden", "layers", "heads", "mlp")}
 
 
+def encoders(ctx: Context, geometries: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    """The demo's vision and audio encoders of ``geometries``, on the run's device and dtype."""
+    from omnitrace.demo.encoders import AudioEncoder, VisionEncoder
+
+    with torch.device(ctx.device):
+        vision = VisionEncoder(geometries["vision"]).to(ctx.dtype).eval()
+        return {"vision": vision, "audio": AudioEncoder(geometries["audio"]).to(ctx.dtype).eval()}
+
+
 def save_plot(plt: Any, fig: Any, path: Path) -> Path:
     """Write ``fig`` to ``path`` as a PNG and close it; return ``path``."""
     fig.tight_layout()
