@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-__all__ = ["MiB", "Table", "measured", "mib", "ms", "ns", "pct", "times", "us", "verdict"]
 
 MiB = 1 << 20
 
@@ -19,6 +18,13 @@ class Table:
     headers: list[str]
     rows: list[list[str]] = field(default_factory=list)
     note: str = ""
+
+
+def columns(
+    title: str, spec: Sequence[tuple[str, Callable[[Any], str]]], items: Iterable[Any]
+) -> Table:
+    """A table with a column per ``(header, cell)`` of ``spec`` and a row per item."""
+    return Table(title, [h for h, _ in spec], [[cell(i) for _, cell in spec] for i in items])
 
 
 def us(value: float | None, digits: int = 1) -> str:
