@@ -6,12 +6,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,48 +114,32 @@ def tail(samples_s: list[float]) -> dict[str, float | int]:
     }
 
 
-class Client(threading.Thread):
+class Client:
     """A thread with a CUDA stream of its own running the jobs it is given, in order, for the
     whole benchmark (per-thread state is set up once)."""
 
     def __init__(self, index: int, on_cuda: bool) -> None:
-        super().__init__(name=f"bench-client-{index}", daemon=True)
         self.index = index
         self.stream: Any = torch.cuda.Stream() if on_cuda else None  # type: ignore[no-untyped-call]
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"bench-client-{index}")
+
+    def start(self) -> None:
+        self._thread.submit(int).result()
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._jobs.put((job, future))
-        return future
+        return self._thread.submit(self._run, job)
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self.join(timeout=30.0)
+        self._thread.shutdown()
 
     def sync(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, future = item
-            try:
-                # Grad mode is per thread: the adapter serves no_grad calls only.
-                with torch.no_grad(), self._on_stream():
-                    future.set_result(job())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
+    def _run(self, job: Callable[[], Any]) -> Any:
+        # Grad mode is per thread: the adapter serves no_grad calls only.
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            return job()
 
 
 class CoTenant:

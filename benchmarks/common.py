@@ -11,6 +11,7 @@ import functools
 import gc
 import json
 import math
+import operator
 import os
 import platform
 import shlex
@@ -230,6 +231,9 @@ def rotated(names: Sequence[T], round_index: int) -> list[T]:
     return items[k:] + items[:k]
 
 
+_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+
+
 def target(
     name: str,
     value: float | None,
@@ -242,19 +246,9 @@ def target(
 ) -> dict[str, Any]:
     """A target check (``met`` None when ``value`` was not measured); ``goal`` is a key of
     ``benchmarks.report.GOALS``, whose table lists the check."""
-    if op not in ("<=", ">=", "<", ">"):
+    if op not in _OPS:
         raise ValueError(f"op: expected one of <=, >=, <, >, got {op!r}")
-    met: bool | None
-    if value is None or not math.isfinite(value):
-        met = None
-    elif op == "<=":
-        met = value <= limit
-    elif op == ">=":
-        met = value >= limit
-    elif op == "<":
-        met = value < limit
-    else:
-        met = value > limit
+    met = None if value is None or not math.isfinite(value) else _OPS[op](value, limit)
     return {
         "name": name,
         "value": value,
