@@ -1,73 +1,13 @@
-"""Capture off the request path: the traffic mix served by two client threads, by capture mode.
-
-The seeded MiniCPM-o request stream of :mod:`benchmarks.traffic` (recurring and one-off image
-slice grids, 1-second audio chunks, recurring and one-off clips), on the medium encoders, is
-served by :data:`CLIENTS` client threads that take the next request as they finish one. Each
-mode gets fresh adapters (one per encoder, on one bus) and serves the stream twice:
-
-* the cold pass meets every shape for the first time: graphs are admitted and captured (or
-  compiled and captured) while requests run; this is where a request can wait for a capture;
-* between the passes, untimed, the benchmark waits until no graph is being prepared;
-* the warm pass serves the same stream again on the graphs now held (shapes seen once in the
-  cold pass reach their second call and may be admitted now), then the benchmark waits again.
-
-The modes (:data:`MODES`): ``sync``, the default, where the call that admits a shape captures it
-and waits for the capture; ``background``, ``EncoderGraphConfig(background_capture=True)``, where a
-preparation thread warms the shape up on a side stream while calls of that shape keep running
-eagerly, and the shape's next call captures it without the warm-up; ``background_compiled``, the
-same with ``compile=True``, so the preparation thread compiles the encoder for the shape, and the
-capturing call runs one compiled warm-up instead of compiling. ``sync_one_client``, synchronous
-capture served by client 0 alone, runs first as a reference: the setting the default is made for
-(one thread calling the encoders), measured even when synchronous capture fails under two clients.
-Two references of the compiled mode, without the co-tenant as it runs: ``eager``, graphs off, so
-every request runs eagerly (what requests meet while their shapes compile), and
-``sync_compiled``, where the request that admits a shape compiles and captures it and waits.
-Each compiled mode starts from a reset of dynamo, so it compiles every shape itself.
-Graphs are per shape and replay stream, and each client has a stream of its own, so every mode
-allows :data:`GRAPHS_PER_CLIENT` graphs per encoder and client (the default four per stream).
-
-Timing: each request is timed on its client thread from the adapter call until the client's
-own CUDA stream has finished it (``stream.synchronize()``), so a request that captured, waited
-for another thread's capture or queued behind other work counts all of it. Reported per mode
-and pass: p50, p99 and max over the requests, hit rate, graphs, eager calls made while a
-graph was being prepared, capture time.
-
-Correctness under concurrency: every :data:`CHECK_EVERY`-th request of the stream (the same
-requests in every mode and pass) is compared, untimed, with the eager output computed before
-the modes ran; a relative error beyond the mode's tolerance counts as a wrong output.
-
-Co-tenancy: a ``torch.compile(mode="reduce-overhead")`` audio encoder at an input length the
-stream never draws (another model with CUDA-graph trees of its own) is compiled and recorded
-on the main thread before the first mode, and called there, beside the clients, once per
-:data:`COTENANT_EVERY` requests they serve, in every mode and pass but the compiled
-background one; its outputs are checked against its eager output every call. Not in
-``background_compiled``: PyTorch's FX-tracing flag is process-wide, so a torch.compile'd call on
-another thread while the preparation thread compiles raises (measured on the H200; the option
-documents it). It stays on the main thread because PyTorch keeps its
-CUDA-graph trees in the state of the thread that first used them (any other thread fails an
-assertion in ``cudagraph_trees``), and the latency benchmark, run before this one in the same
-process, uses them on the main thread.
-
-Failures: an exception in a client thread stops that mode at once (every client), is
-recorded with its traceback, and fails the benchmark once every mode ran; so does a capture
-that failed, and a mode whose graphs are still being prepared :data:`PREPARE_TIMEOUT_S`
-after a pass. ``--quick`` skips the compiled mode (recorded as skipped).
-
-Simulated (``--simulate``): tiny encoders on CPU on the simulated backend, whose captures sleep
-:data:`SIMULATED_CAPTURE_S` to stand in for a capture and :data:`SIMULATED_WARMUP_S` for a warm-up
-(a background preparation's step); the compiles use the eager backend. The plumbing and the counts
-are real; the times mean nothing.
-
-The modes, the client threads and one pass are in :mod:`benchmarks.capture_serving`, the targets
-and figures in :mod:`benchmarks.capture_goals`, the table in :mod:`benchmarks.capture_report`.
-"""
+"""Capture off the request path: the traffic mix served by two client threads in each capture
+mode (:mod:`benchmarks.capture_serving`), a cold and a warm pass on fresh adapters, beside a
+reduce-overhead co-tenant; the method is in BENCHMARKS.md, "Method"."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +31,7 @@ from benchmarks.common import (
     BenchmarkFailedError,
     Context,
     GcClock,
+    encoders,
     free_cuda_memory,
     geometry_fields,
     save_plot,
@@ -98,35 +39,27 @@ from benchmarks.common import (
 )
 from benchmarks.traffic import AUDIO_MEDIUM, VISION_MEDIUM, make_stream
 from omnitrace import EncoderCudaGraph, EventBus
-from omnitrace.demo.encoders import AUDIO_TINY, VISION_TINY, AudioEncoder, VisionEncoder
+from omnitrace.demo.encoders import AUDIO_TINY, VISION_TINY, AudioEncoder
 from omnitrace.graphs.gil import COMPILE_YIELD
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "capture"
 NEEDS_CUDA = True
 
-
 #: Audio frames of the co-tenant's input: half a second, which the stream never draws.
 COTENANT_FRAMES = 50
-
-
-#: Seconds a mode may take to prepare its graphs after the cold pass, by scale.
+#: Seconds a mode may take to prepare its graphs after a pass, by scale.
 PREPARE_TIMEOUT_S = {"full": 180.0, "quick": 60.0, "tiny": 30.0}
-#: What a simulated capture takes (it stands in for capture and compile).
-SIMULATED_CAPTURE_S = 0.02
-SIMULATED_WARMUP_S = 0.02
-#: The passes over the stream, in order: the cold start, then the same stream again.
+#: What a simulated capture and a simulated warm-up take.
+SIMULATED_CAPTURE_S = SIMULATED_WARMUP_S = 0.02
 PASSES = ("cold", "warm")
 
 
 def _backend(ctx: Context, mode: Mode) -> SimulatedGraphBackend | None:
-    """The graph backend of one adapter: the default (torch) one, or the simulated one."""
+    """The default (torch) backend, or the simulated one."""
     if not ctx.simulate:
         return None
     return SimulatedGraphBackend(capture_delay=SIMULATED_CAPTURE_S, warmup_delay=SIMULATED_WARMUP_S)
-
-
-# -- one mode ----------------------------------------------------------------------------
 
 
 def _pass(
@@ -138,32 +71,26 @@ def _pass(
     simulated: list[Any],
     preparing: PreparingCounter,
 ) -> dict[str, Any]:
-    """Serve one pass; add the graphs it captured and the calls made while preparing."""
+    """Serve one pass; count its graphs, eager calls while preparing and garbage collections
+    (which stop every thread)."""
     graphs, counted = sum(a.num_graphs for a in adapters.values()), preparing.count
-    # Garbage collections stop every thread: count them and their time within the pass.
     clock = GcClock()
     gc.callbacks.append(clock)
     clock.armed = True
     try:
+        cotenant_here = cotenant if mode.cotenant else None
         out = serve(
-            clients[: mode.clients],
-            adapters,
-            traffic,
-            mode.tolerance,
-            cotenant if mode.cotenant else None,
-            simulated,
+            clients[: mode.clients], adapters, traffic, mode.tolerance, cotenant_here, simulated
         )
     finally:
         clock.armed = False
         gc.callbacks.remove(clock)
-    out["graphs_before"] = graphs
-    out["preparing_misses"] = preparing.count - counted
-    out["gc"] = clock.as_dict()
+    out.update(graphs_before=graphs, preparing_misses=preparing.count - counted, gc=clock.as_dict())
     return out
 
 
 def _settle(ctx: Context, adapters: dict[str, EncoderCudaGraph]) -> dict[str, Any]:
-    """Wait until no graph is being prepared; say how long, and what went wrong if it did."""
+    """Wait until no graph is being prepared; how long, and what went wrong if anything."""
     timeout = PREPARE_TIMEOUT_S[ctx.scale]
     start = time.perf_counter()
     pending = {n: a.preparing for n, a in adapters.items()}
@@ -183,8 +110,7 @@ def _settle(ctx: Context, adapters: dict[str, EncoderCudaGraph]) -> dict[str, An
         "wait_s": time.perf_counter() - start,
         "prepared": prepared,
         "graphs_after": sum(a.num_graphs for a in adapters.values()),
-        # Prepared in the background, captured by the key's next call.
-        "ready_after": sum(a.ready for a in adapters.values()),
+        "ready_after": sum(a.ready for a in adapters.values()),  # captured by the next call
         "terminal": sorted(terminal),
         "error": error,
     }
@@ -198,7 +124,7 @@ def run_mode(
     traffic: Traffic,
     cotenant: CoTenant,
 ) -> dict[str, Any]:
-    """Serve the cold and the warm pass on fresh adapters; return the mode's row."""
+    """The mode's row: the cold and the warm pass on fresh adapters."""
     free_cuda_memory()
     bus = EventBus()
     preparing = PreparingCounter()
@@ -228,8 +154,7 @@ def run_mode(
                 clients, adapters, traffic, mode, cotenant, simulated, preparing
             )
             errors += one["errors"]
-            # A pass may admit shapes whose graphs are still prepared after it; none may
-            # carry over into the next pass or mode, so wait, untimed, and count the wait.
+            # No preparation may carry over into the next pass or mode: wait, untimed.
             one["settle"] = settle = _settle(ctx, adapters)
             if settle["error"] and not errors:
                 errors.append({"client": "capture", "error": settle["error"], "traceback": ""})
@@ -253,8 +178,7 @@ def run_mode(
                 "duration_s": time.perf_counter() - start,
             }
         )
-        # What the compiling preparations gave up to eager calls (graphs/gil.py).
-        now = COMPILE_YIELD.statistics()
+        now = COMPILE_YIELD.statistics()  # what compiles gave up to eager calls
         row["compile_pauses"] = {
             "pauses": now.pauses - yielded.pauses,
             "paused_s": now.paused_s - yielded.paused_s,
@@ -289,16 +213,10 @@ def _describe(row: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-# -- the benchmark -----------------------------------------------------------------------
-
-
 def _traffic(ctx: Context, models: dict[str, torch.nn.Module], hidden: int) -> Traffic:
-    n = ctx.pick(1000, 400, 40)
     seed = 20260415
-    if ctx.simulate:
-        stream = make_stream(n, seed, token_div=16, frame_div=10)
-    else:
-        stream = make_stream(n, seed)
+    divs = {"token_div": 16, "frame_div": 10} if ctx.simulate else {}
+    stream = make_stream(ctx.pick(1000, 400, 40), seed, **divs)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     inputs: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     for req in stream:
@@ -308,21 +226,15 @@ def _traffic(ctx: Context, models: dict[str, torch.nn.Module], hidden: int) -> T
             inputs[key] = torch.randn(shape, generator=gen).to(ctx.device, ctx.dtype)
     refs: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     with torch.no_grad():
-        # Every shape runs eagerly once first, so one-time costs (kernel selection, cuBLAS
-        # heuristics) land on no mode; the checked requests keep their eager output.
+        # Every shape once eagerly first, so one-time costs (kernel selection) land on no mode.
         for key, x in inputs.items():
             models[key[0]](x)
         for i, req in enumerate(stream):
             key = (req.encoder, req.shape)
             if i % CHECK_EVERY == 0 and key not in refs:
                 refs[key] = models[req.encoder](inputs[key])
-    ctx.sync()
+    ctx.device_sync()
     return Traffic(stream, inputs, refs)
-
-
-def _repeat(fn: Callable[[], None], times: int) -> None:
-    for _ in range(times):
-        fn()
 
 
 @contextlib.contextmanager
@@ -335,25 +247,15 @@ def _recompile_limit(limit: int) -> Iterator[None]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    """Serve the traffic in every mode; return the rows and the targets.
-
-    Raises:
-        BenchmarkFailedError: a mode raised or could not prepare its graphs (every mode
-            still ran; the result is attached).
-    """
-    device = ctx.device
+    """Serve the traffic in every mode; a mode that raised or could not prepare its graphs
+    fails the benchmark once every mode ran."""
+    device, dtype = ctx.device, ctx.dtype
     on_cuda = device.type == "cuda"
-    dtype = ctx.dtype
-    geoms = (
-        {"vision": VISION_TINY, "audio": AUDIO_TINY}
-        if ctx.simulate
-        else {"vision": VISION_MEDIUM, "audio": AUDIO_MEDIUM}
-    )
+    geoms = {"vision": VISION_MEDIUM, "audio": AUDIO_MEDIUM}
+    if ctx.simulate:
+        geoms = {"vision": VISION_TINY, "audio": AUDIO_TINY}
+    models = encoders(ctx, geoms)
     with torch.device(device):
-        models: dict[str, torch.nn.Module] = {
-            "vision": VisionEncoder(geoms["vision"]).to(dtype).eval(),
-            "audio": AudioEncoder(geoms["audio"]).to(dtype).eval(),
-        }
         cotenant_model = AudioEncoder(geoms["audio"]).to(dtype).eval()
     traffic = _traffic(ctx, models, geoms["vision"].hidden)
     distinct = len(traffic.inputs)
@@ -371,8 +273,8 @@ def run(ctx: Context) -> dict[str, Any]:
             x = torch.randn(1, 80, COTENANT_FRAMES, device=device, dtype=dtype)
             cotenant = CoTenant(cotenant_model, x, on_cuda)
             start = time.perf_counter()
-            # Compiled and recorded on this thread, which calls it during the modes.
-            _repeat(cotenant.call, 3)
+            for _ in range(3):  # compiled and recorded on this thread, which calls it later
+                cotenant.call()
             cotenant_info = {
                 "model": "AudioEncoder, medium" if not ctx.simulate else "AudioEncoder, tiny",
                 "input": [1, 80, COTENANT_FRAMES],
@@ -382,15 +284,12 @@ def run(ctx: Context) -> dict[str, Any]:
             ctx.log(f"  co-tenant compiled and recorded in {cotenant_info['setup_s']:.1f} s")
             for mode in MODES:
                 if mode.compile and ctx.scale == "quick":
-                    rows.append(
-                        {"mode": mode.name, "title": mode.title, "skipped": "--quick", "errors": []}
-                    )
+                    rows.append({"mode": mode.name, "title": mode.title, "skipped": "--quick"})
+                    rows[-1]["errors"] = []
                     ctx.log(f"  {mode.name}: skipped (--quick: torch.compile runs in full runs)")
                     continue
                 if mode.compile:
-                    # Each compiled mode compiles for itself: no compiled code of an
-                    # earlier mode serves its shapes.
-                    torch._dynamo.reset()
+                    torch._dynamo.reset()  # each compiled mode compiles for itself
                 rows.append(run_mode(ctx, mode, clients, models, traffic, cotenant))
                 ctx.log(_describe(rows[-1]))
                 for error in rows[-1]["errors"]:
@@ -402,15 +301,11 @@ def run(ctx: Context) -> dict[str, Any]:
     finally:
         for client in clients:
             client.stop()
-        # Compiled code of this suite must not count against the next one's recompile limit.
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # nothing of this suite counts against the next one's limit
         free_cuda_memory()
+    stream = {"requests": len(traffic.stream), "distinct_shapes": distinct}
     result = {
-        "stream": {
-            "requests": len(traffic.stream),
-            "distinct_shapes": distinct,
-            "checked_every": CHECK_EVERY,
-        },
+        "stream": {**stream, "checked_every": CHECK_EVERY},
         "clients": CLIENTS,
         "encoders": "tiny (simulated)" if ctx.simulate else "medium",
         "graphs_per_client": GRAPHS_PER_CLIENT,

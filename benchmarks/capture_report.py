@@ -6,6 +6,10 @@ from typing import Any
 
 from benchmarks.table import Table, us
 
+_HEADERS = ["mode", "clients", "pass", "requests", "p50", "p99", "max"]
+_HEADERS += ["GC: collections (gen 2) / longest ms", "hit rate", "graphs", "eager while preparing"]
+_HEADERS += ["wait for graphs s", "wrong / checked", "max rel err", "errors"]
+
 
 def _gc(clock: dict[str, Any] | None) -> str:
     """``collections (oldest generation) / longest ms`` of a timed window, if recorded."""
@@ -16,67 +20,40 @@ def _gc(clock: dict[str, Any] | None) -> str:
     )
 
 
+def _pass(name: str, one: dict[str, Any]) -> list[str]:
+    lat, settle = one.get("latency_us") or {}, one.get("settle") or {}
+    ready = f" (+{settle['ready_after']} ready)" if settle.get("ready_after") else ""
+    return [
+        name,
+        str(one["requests"]),
+        *(us(lat.get(stat), 0) for stat in ("p50", "p99", "max")),
+        _gc(one.get("gc")),
+        f"{one['hit_rate'] * 100:.1f} %",
+        f"{one['graphs_before']} -> {settle.get('graphs_after', 'n/a')}{ready}",
+        str(one["preparing_misses"]),
+        us(settle.get("wait_s"), 2),
+        f"{one['wrong']} / {one['checked']}",
+        f"{one['max_rel_err']:.1e}",
+        str(len(one["errors"])),
+    ]
+
+
 def tables(result: dict[str, Any]) -> list[Table]:
     t = Table(
         f"Traffic mix by capture mode, {result['clients']} client threads, request latency us",
-        [
-            "mode",
-            "clients",
-            "pass",
-            "requests",
-            "p50",
-            "p99",
-            "max",
-            "GC: collections (gen 2) / longest ms",
-            "hit rate",
-            "graphs",
-            "eager while preparing",
-            "wait for graphs s",
-            "wrong / checked",
-            "max rel err",
-            "errors",
-        ],
+        _HEADERS,
     )
     for row in result["rows"]:
         if "skipped" in row:
             t.rows.append([row["title"], "", f"skipped ({row['skipped']})", *([""] * 12)])
             continue
+        clients = str(row.get("clients", result["clients"]))
         for name in ("cold", "warm"):
-            one = row.get(name)
-            if one is None:
-                continue
-            lat = one.get("latency_us") or {}
-            settle = one.get("settle") or {}
-            t.rows.append(
-                [
-                    row["title"],
-                    str(row.get("clients", result["clients"])),
-                    name,
-                    str(one["requests"]),
-                    us(lat.get("p50"), 0),
-                    us(lat.get("p99"), 0),
-                    us(lat.get("max"), 0),
-                    _gc(one.get("gc")),
-                    f"{one['hit_rate'] * 100:.1f} %",
-                    f"{one['graphs_before']} -> {settle.get('graphs_after', 'n/a')}"
-                    + (f" (+{settle['ready_after']} ready)" if settle.get("ready_after") else ""),
-                    str(one["preparing_misses"]),
-                    us(settle.get("wait_s"), 2),
-                    f"{one['wrong']} / {one['checked']}",
-                    f"{one['max_rel_err']:.1e}",
-                    str(len(one["errors"])),
-                ]
-            )
+            if row.get(name) is not None:
+                t.rows.append([row["title"], clients, *_pass(name, row[name])])
         if row["errors"]:
-            t.rows.append(
-                [
-                    row["title"],
-                    str(row.get("clients", result["clients"])),
-                    "FAILED",
-                    *([""] * 11),
-                    "; ".join(e["error"] for e in row["errors"]),
-                ]
-            )
+            errors = "; ".join(e["error"] for e in row["errors"])
+            t.rows.append([row["title"], clients, "FAILED", *([""] * 11), errors])
     co = result.get("cotenant") or {}
     stream = result["stream"]
     t.note = (

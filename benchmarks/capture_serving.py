@@ -1,18 +1,16 @@
-"""The capture benchmark's modes and what serves them: the client threads, the co-tenant called
-beside them, and one timed pass over the stream.
-"""
+"""The capture benchmark's modes, its client threads, the co-tenant called beside them, and
+one timed pass over the stream."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,30 +20,24 @@ from benchmarks.common import max_rel_err, quantile
 from benchmarks.traffic import Request
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, Event, GraphMissed
 
-#: Client threads serving the stream.
 CLIENTS = 2
 #: Graphs per encoder and client: the default four, for each client's replay stream.
 GRAPHS_PER_CLIENT = 4
-#: Requests whose index is a multiple of this are checked against eager.
-CHECK_EVERY = 5
-#: The main thread calls the co-tenant once per this many requests the clients serve.
-COTENANT_EVERY = 5
-#: How often the main thread looks whether the co-tenant is due while the clients serve.
+#: Every fifth request is checked against eager; the main thread calls the co-tenant once per
+#: five requests served, looking whether it is due every half millisecond.
+CHECK_EVERY = COTENANT_EVERY = 5
 COTENANT_POLL_S = 0.0005
-
-
 #: Graphs replay the eager kernels; compiled graphs run inductor's fused kernels.
 GRAPH_TOLERANCE = 1e-2
 COMPILE_TOLERANCE = 1e-1
-
-
-#: Characters of a client's exception message kept in the result.
+#: Characters of an exception message kept in the result.
 ERROR_CHARS = 500
 
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of capturing: the config switches and the output tolerance they allow."""
+    """One way of capturing: the config switches, the output tolerance they allow, whether the
+    co-tenant is called beside the clients, whether graphs capture at all."""
 
     name: str
     title: str
@@ -54,9 +46,7 @@ class Mode:
     tolerance: float
     clients: int = CLIENTS
     cotenant: bool = True
-    """Whether the reduce-overhead co-tenant is called beside the clients in this mode."""
     graphs: bool = True
-    """Whether the adapters capture graphs at all (off: every request runs eagerly)."""
 
     def config(self) -> EncoderGraphConfig:
         return EncoderGraphConfig(
@@ -78,10 +68,8 @@ MODES = (
     ),
     Mode("sync", "synchronous capture (default)", False, False, GRAPH_TOLERANCE),
     Mode("background", "background capture", True, False, GRAPH_TOLERANCE),
-    # No co-tenant: PyTorch's FX-tracing flag is process-wide, so while the preparation
-    # thread compiles, a torch.compile'd call on another thread raises ("Detected that you
-    # are using FX to symbolically trace a dynamo-optimized function"); the option says so.
-    # The references of the compiled mode run without the co-tenant, as it does.
+    # The compiled mode and its references run without the co-tenant: PyTorch's FX-tracing
+    # flag is process-wide, so a compiled call on another thread during a compile raises.
     Mode(
         "eager",
         "no graphs, every request eager (reference)",
@@ -99,8 +87,7 @@ MODES = (
         COMPILE_TOLERANCE,
         cotenant=False,
     ),
-    # After the background compiled mode: its compiles find the disk caches that mode left,
-    # which can only shorten the waits it is compared by.
+    # Last: the compile caches the mode before left can only shorten the waits it is read by.
     Mode(
         "sync_compiled",
         "synchronous compiled capture (reference)",
@@ -113,7 +100,7 @@ MODES = (
 
 
 def tail(samples_s: list[float]) -> dict[str, float | int]:
-    """Return count, p50, p90, p99, max and mean of ``samples_s``, in microseconds."""
+    """Count, p50, p90, p99, max and mean of ``samples_s``, in microseconds."""
     ordered = sorted(s * 1e6 for s in samples_s)
     if not ordered:
         raise ValueError("tail() needs at least one sample")
@@ -127,59 +114,36 @@ def tail(samples_s: list[float]) -> dict[str, float | int]:
     }
 
 
-# -- client threads ----------------------------------------------------------------------
-
-
-class Client(threading.Thread):
-    """A client thread with a CUDA stream of its own that runs the jobs it is given, in order.
-
-    Threads live for the whole benchmark: per-thread state (grad mode, streams) is set
-    up once.
-    """
+class Client:
+    """A thread with a CUDA stream of its own running the jobs it is given, in order, for the
+    whole benchmark (per-thread state is set up once)."""
 
     def __init__(self, index: int, on_cuda: bool) -> None:
-        super().__init__(name=f"bench-client-{index}", daemon=True)
         self.index = index
         self.stream: Any = torch.cuda.Stream() if on_cuda else None  # type: ignore[no-untyped-call]
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"bench-client-{index}")
+
+    def start(self) -> None:
+        self._thread.submit(int).result()
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._jobs.put((job, future))
-        return future
+        return self._thread.submit(self._run, job)
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self.join(timeout=30.0)
+        self._thread.shutdown()
 
     def sync(self) -> None:
-        """Wait until this client's stream has finished its work (a no-op on CPU)."""
         if self.stream is not None:
             self.stream.synchronize()
 
-    def run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, future = item
-            try:
-                # Grad mode is per thread: the adapter serves no_grad calls only.
-                with torch.no_grad(), self._on_stream():
-                    future.set_result(job())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
+    def _run(self, job: Callable[[], Any]) -> Any:
+        # Grad mode is per thread: the adapter serves no_grad calls only.
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            return job()
 
 
 class CoTenant:
-    """A reduce-overhead compiled encoder of a shape of its own, checked on every call."""
+    """A reduce-overhead compiled encoder at a shape of its own, checked on every call."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, on_cuda: bool) -> None:
         self.x = x
@@ -224,12 +188,9 @@ class PreparingCounter:
             self.count += 1
 
 
-# -- one pass ----------------------------------------------------------------------------
-
-
 @dataclass
 class Traffic:
-    """What every mode serves: the stream, its inputs, the checked requests' eager outputs."""
+    """The stream, its inputs, the checked requests' eager outputs."""
 
     stream: list[Request]
     inputs: dict[tuple[str, tuple[int, ...]], torch.Tensor]
@@ -256,6 +217,12 @@ def serve(
     errors: list[dict[str, str]] = []
     served_total = [0]  # pacing of the co-tenant only: an unlocked, approximate count
     perf = time.perf_counter
+
+    def failed(client: str, exc: Exception) -> None:
+        stop.set()
+        error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        with lock:
+            errors.append({"client": client, "error": error, "traceback": traceback.format_exc()})
 
     def client_loop(client: Client) -> None:
         served = 0
@@ -285,21 +252,12 @@ def serve(
                     served += 1
                     served_total[0] += 1
             except Exception as exc:
-                stop.set()
-                with lock:
-                    errors.append(
-                        {
-                            "client": str(client.index),
-                            "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS],
-                            "traceback": traceback.format_exc(),
-                        }
-                    )
+                failed(str(client.index), exc)
 
     before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     start = perf()
     futures = [c.submit(functools.partial(client_loop, c)) for c in clients]
-    # The co-tenant runs here, on the thread that owns its CUDA-graph trees, beside the
-    # clients.
+    # The co-tenant runs here, on the thread that owns its CUDA-graph trees.
     made = 0
     while not all(f.done() for f in futures):
         if cotenant is None or served_total[0] // COTENANT_EVERY <= made:
@@ -309,15 +267,7 @@ def serve(
         try:
             cotenant.call()
         except Exception as exc:
-            stop.set()
-            with lock:
-                errors.append(
-                    {
-                        "client": "co-tenant",
-                        "error": f"{type(exc).__name__}: {exc}"[:ERROR_CHARS],
-                        "traceback": traceback.format_exc(),
-                    }
-                )
+            failed("co-tenant", exc)
             break
     for future in futures:
         future.result()
@@ -328,12 +278,8 @@ def serve(
     misses = sum(int(after[k]["graph_misses"] - before[k]["graph_misses"]) for k in adapters)
     by_encoder = {}
     for enc in adapters:
-        mine = [
-            s
-            for r, s in zip(traffic.stream, latency, strict=True)
-            if r.encoder == enc and s is not None
-        ]
-        if mine:
+        pairs = zip(traffic.stream, latency, strict=True)
+        if mine := [s for r, s in pairs if r.encoder == enc and s is not None]:
             by_encoder[enc] = tail(mine)
     return {
         "requests": len(served),

@@ -1,10 +1,6 @@
-"""Shared plumbing for the benchmark scripts: run context, timing, statistics, targets, JSON,
-plots.
+"""Shared plumbing of the benchmarks: run context, statistics, targets, JSON, plots.
 
-Every benchmark module exposes ``NAME``, ``NEEDS_CUDA`` and ``run(ctx) -> dict``; it may also
-expose ``plot(result, out_dir, plt) -> list[Path]``. The runner (``benchmarks.run``) adds the
-environment, writes ``<out>/<NAME>.json`` and draws the plots; ``benchmarks.report`` turns
-the JSON files into the markdown tables of ``BENCHMARKS.md``.
+A benchmark module has ``NAME``, ``NEEDS_CUDA``, ``run(ctx) -> dict`` and maybe ``plot``.
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import functools
 import gc
 import json
 import math
+import operator
 import os
 import platform
 import shlex
@@ -29,30 +26,6 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = [
-    "SCALES",
-    "BareGraph",
-    "BenchmarkFailedError",
-    "Context",
-    "CudaUnavailableError",
-    "GcClock",
-    "cuda_status",
-    "environment",
-    "figure",
-    "free_cuda_memory",
-    "geometry_fields",
-    "max_rel_err",
-    "quantile",
-    "rotated",
-    "save_plot",
-    "simulated_compile",
-    "summarize",
-    "target",
-    "time_per_call",
-    "write_json",
-    "write_partial",
-]
-
 T = TypeVar("T")
 
 #: Run sizes: ``full`` for the real report, ``quick`` for a short look, ``tiny`` for CI.
@@ -63,16 +36,12 @@ GiB = 1 << 30
 
 
 class GcClock:
-    """Count the interpreter's garbage collections and their time while ``armed`` is set.
-
-    A ``gc.callbacks`` entry: append it around a timed window, remove it after.
-    """
+    """A ``gc.callbacks`` entry counting collections and their time while ``armed``."""
 
     def __init__(self) -> None:
         self.armed = False
         self.collections = 0
-        self.oldest = 0
-        """Collections of the oldest generation (2), which walk every tracked object."""
+        self.oldest = 0  # collections of generation 2, which walk every tracked object
         self.seconds = 0.0
         self.longest_s = 0.0
         self._start = 0.0
@@ -98,16 +67,8 @@ class GcClock:
         }
 
 
-class CudaUnavailableError(RuntimeError):
-    """A benchmark that measures CUDA was asked to run on a machine without a usable GPU."""
-
-
 class BenchmarkFailedError(RuntimeError):
-    """A benchmark ran to its end but part of it failed; ``result`` holds what it measured.
-
-    The runner records the benchmark as failed (and the run's exit status as non-zero)
-    while keeping every number that was measured.
-    """
+    """Part of a benchmark failed; ``result`` holds what it measured, which the runner keeps."""
 
     def __init__(self, message: str, result: dict[str, Any]) -> None:
         super().__init__(message)
@@ -134,24 +95,20 @@ class Context:
     simulate: bool = False
     batch4: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
+    #: ``time.monotonic()`` by which the run should be done, and its environment (both set by
+    #: the runner); the last result each benchmark wrote with :func:`write_partial`.
     deadline: float = math.inf
-    """``time.monotonic()`` by which the whole run should be done (the runner sets it)."""
     environment: dict[str, Any] | None = None
-    """The run's environment (the runner sets it), for results written before the end."""
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The last result each benchmark wrote with :func:`write_partial`, by name: what the
-    runner keeps when that benchmark raises."""
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
             raise ValueError(f"scale: expected one of {', '.join(SCALES)}, got {self.scale!r}")
 
     def pick(self, full: T, quick: T, tiny: T) -> T:
-        """Return the value for this run's scale."""
         return {"full": full, "quick": quick, "tiny": tiny}[self.scale]
 
     def remaining(self) -> float:
-        """Seconds left before the run's deadline."""
         return self.deadline - time.monotonic()
 
     @property
@@ -160,23 +117,16 @@ class Context:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The encoders' dtype: bfloat16 on a CUDA device, float32 on the CPU."""
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-
-    def sync(self) -> None:
-        """Wait for the device (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
 
     @property
     def device_sync(self) -> Callable[[], None]:
-        """``torch.cuda.synchronize`` on a CUDA device, else a no-op: a bare function for
-        timed loops, where :meth:`sync`'s check would count in every sample."""
+        """``torch.cuda.synchronize`` on a CUDA device, else a no-op (bare, for timed loops)."""
         return torch.cuda.synchronize if self.device.type == "cuda" else _no_sync
 
 
 def _no_sync() -> None:
-    """Nothing to wait for on the CPU."""
+    pass
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -197,19 +147,21 @@ def cuda_status() -> tuple[bool, str]:
     return True, torch.cuda.get_device_name()
 
 
-def _git_commit() -> str | None:
+def _first_line(*command: str) -> str | None:
+    """The first line ``command`` prints, or None when it fails."""
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+            command,
             capture_output=True,
             text=True,
-            timeout=5,
+            timeout=10,
             check=False,
             cwd=Path(__file__).resolve().parent,
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def environment(command: str | None = None) -> dict[str, Any]:
@@ -225,7 +177,7 @@ def environment(command: str | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "omnitrace": omnitrace.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": _first_line("git", "rev-parse", "HEAD"),
         "gpu": None,
         "gpu_memory_bytes": None,
         "driver": None,
@@ -235,31 +187,17 @@ def environment(command: str | None = None) -> dict[str, Any]:
         env["gpu"] = props.name
         env["gpu_memory_bytes"] = int(props.total_memory)
         env["gpu_count"] = torch.cuda.device_count()
-        env["driver"] = _driver_version()
-    return env
-
-
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
+        env["driver"] = _first_line(
+            "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
         )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
+    return env
 
 
 # -- statistics --------------------------------------------------------------------------
 
 
 def quantile(ordered: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``ordered`` (sorted), interpolating linearly between ranks."""
-    # Linear interpolation between closest ranks, like numpy's default.
+    """The ``q`` quantile of ``ordered`` (sorted), linear between ranks as numpy's default."""
     if len(ordered) == 1:
         return ordered[0]
     pos = q * (len(ordered) - 1)
@@ -269,10 +207,7 @@ def quantile(ordered: Sequence[float], q: float) -> float:
 
 
 def summarize(samples_s: Iterable[float], *, scale: float = 1e6) -> dict[str, float | int]:
-    """Return median, p10, p90, mean and min of ``samples_s`` (seconds), times ``scale``.
-
-    The default scale reports microseconds.
-    """
+    """Count, median, p10, p90, mean and min of ``samples_s`` times ``scale`` (default: us)."""
     ordered = sorted(float(s) * scale for s in samples_s)
     if not ordered:
         raise ValueError("summarize() needs at least one sample")
@@ -287,11 +222,8 @@ def summarize(samples_s: Iterable[float], *, scale: float = 1e6) -> dict[str, fl
 
 
 def rotated(names: Sequence[T], round_index: int) -> list[T]:
-    """Return ``names`` starting at ``round_index mod len(names)``, wrapping around.
-
-    Timing rounds use it so every method (or arm) takes every position in a round equally
-    often, and none always runs right after the same other one.
-    """
+    """``names`` from ``round_index mod len(names)`` on, wrapping: every method of a timing
+    round takes every position equally often, and none always runs after the same other."""
     items = list(names)
     if not items:
         return items
@@ -299,28 +231,7 @@ def rotated(names: Sequence[T], round_index: int) -> list[T]:
     return items[k:] + items[:k]
 
 
-def time_per_call(
-    fn: Callable[[], object],
-    iters: int,
-    *,
-    sync: Callable[[], None] | None = None,
-) -> list[float]:
-    """Time ``iters`` calls of ``fn`` one by one; return seconds per call.
-
-    With ``sync``, the device is idle before each call starts and the call counts until the
-    device finished it (the latency a caller waiting for the result sees).
-    """
-    perf = time.perf_counter
-    samples: list[float] = []
-    for _ in range(iters):
-        if sync is not None:
-            sync()
-        start = perf()
-        fn()
-        if sync is not None:
-            sync()
-        samples.append(perf() - start)
-    return samples
+_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
 def target(
@@ -333,24 +244,11 @@ def target(
     note: str = "",
     goal: str = "",
 ) -> dict[str, Any]:
-    """Record a target check; ``met`` is None when ``value`` could not be measured.
-
-    ``goal`` names the performance goal the check belongs to (a key of
-    ``benchmarks.report.GOALS``); the report's goals table lists every check that has one.
-    """
-    if op not in ("<=", ">=", "<", ">"):
+    """A target check (``met`` None when ``value`` was not measured); ``goal`` is a key of
+    ``benchmarks.report.GOALS``, whose table lists the check."""
+    if op not in _OPS:
         raise ValueError(f"op: expected one of <=, >=, <, >, got {op!r}")
-    met: bool | None
-    if value is None or not math.isfinite(value):
-        met = None
-    elif op == "<=":
-        met = value <= limit
-    elif op == ">=":
-        met = value >= limit
-    elif op == "<":
-        met = value < limit
-    else:
-        met = value > limit
+    met = None if value is None or not math.isfinite(value) else _OPS[op](value, limit)
     return {
         "name": name,
         "value": value,
@@ -366,7 +264,7 @@ def target(
 def figure(
     name: str, value: float | None, unit: str, *, goal: str, note: str = ""
 ) -> dict[str, Any]:
-    """Record a measured figure that has no bar of its own (a cost to report, not to pass)."""
+    """A measured figure with no bar of its own (a cost to report, not to pass)."""
     measured = value is not None and math.isfinite(value)
     return {
         "name": name,
@@ -382,15 +280,21 @@ def geometry_fields(geometry: Any) -> dict[str, int]:
     return {f: getattr(geometry, f) for f in ("hidden", "layers", "heads", "mlp")}
 
 
+def encoders(ctx: Context, geometries: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    """The demo's vision and audio encoders of ``geometries``, on the run's device and dtype."""
+    from omnitrace.demo.encoders import AudioEncoder, VisionEncoder
+
+    with torch.device(ctx.device):
+        vision = VisionEncoder(geometries["vision"]).to(ctx.dtype).eval()
+        return {"vision": vision, "audio": AudioEncoder(geometries["audio"]).to(ctx.dtype).eval()}
+
+
 def save_plot(plt: Any, fig: Any, path: Path) -> Path:
-    """Lay ``fig`` out, write it to ``path`` as a PNG and close it; return ``path``."""
+    """Write ``fig`` to ``path`` as a PNG and close it; return ``path``."""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-# -- memory ------------------------------------------------------------------------------
 
 
 def sink_rows(sinks: Iterable[Any]) -> list[dict[str, Any]]:
@@ -408,7 +312,7 @@ def sink_rows(sinks: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def free_cuda_memory() -> None:
-    """Drop garbage and return cached device blocks so memory deltas start from a floor."""
+    """Drop garbage and cached device blocks, so memory deltas start from a floor."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -416,7 +320,7 @@ def free_cuda_memory() -> None:
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Return ``max |out - ref| / max |ref|``, in float32."""
+    """``max |out - ref| / max |ref|``, in float32."""
     ref32 = ref.float()
     scale = float(ref32.abs().max())
     return float((out.float() - ref32).abs().max()) / max(scale, 1e-12)
@@ -424,12 +328,8 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def simulated_compile(ctx: Context) -> Iterator[None]:
-    """In a simulated run, make ``torch.compile`` default to ``backend="eager"``.
-
-    Adapters with the ``compile`` switch call ``torch.compile`` themselves, possibly on their
-    preparation thread; on CPU inductor would build C++ kernels for minutes, and the simulated
-    numbers mean nothing anyway. Outside simulated runs this does nothing.
-    """
+    """In a simulated run, make ``torch.compile`` default to ``backend="eager"`` (inductor
+    would build C++ kernels for minutes on a CPU, for numbers that mean nothing)."""
     if not ctx.simulate:
         yield
         return
@@ -446,9 +346,6 @@ def simulated_compile(ctx: Context) -> Iterator[None]:
         yield
     finally:
         torch.compile = original
-
-
-# -- JSON --------------------------------------------------------------------------------
 
 
 def _clean(obj: Any) -> Any:
@@ -468,11 +365,7 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` as strict JSON (non-finite floats become null), atomically.
-
-    The text goes to a temporary file beside ``path`` first, so a reader (or a run killed
-    mid-write) never sees half a file.
-    """
+    """Write ``payload`` as strict JSON (non-finite floats become null), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_clean(payload), indent=2, allow_nan=False)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -482,12 +375,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
 
 
 def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
-    """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial.
-
-    The runner overwrites the file with the final result; a run killed before that keeps
-    this one (``benchmarks.report`` renders it, marked partial). A benchmark that raises
-    keeps it too: the runner writes it back with status ``error``.
-    """
+    """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial
+    (a killed run keeps it; one that raises keeps it with status ``error``)."""
     ctx.partials[name] = result
     payload = {
         "benchmark": name,
@@ -500,11 +389,8 @@ def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
 
 
 class BareGraph:
-    """A ``torch.cuda.CUDAGraph`` around ``forward`` with a static input.
-
-    Captured the way PyTorch documents it: warm-up on a side stream, then capture; a call
-    copies the input in, replays and clones the output out.
-    """
+    """``forward`` captured as PyTorch documents (warm-up on a side stream); a call copies
+    the input in, replays and clones the output."""
 
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
         self.static_in = x.clone()

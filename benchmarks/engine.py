@@ -1,15 +1,8 @@
 """End to end: what omnitrace's encoder graphs are worth to a ``vllm serve`` user's requests.
 
-Two models, Qwen2.5-Omni-7B's thinker and MiniCPM-o 4.5 (Qwen3-8B, SigLIP-400M with 27
-layers, Whisper-medium), at their released sizes on CUDA (tiny on a CPU). For each, one
-``vllm serve`` per configuration, started back to back in this invocation on the same
-checkpoint (written here by :mod:`omnitrace.testing_checkpoints`; dummy weights, so the text is
-meaningless and the timing real), each sent the same seeded traffic by OpenAI clients over
-loopback, streaming, so the time to the first content chunk is the user's TTFT.
-``OMNITRACE_BENCH_ENGINE_MODELS=minicpmo`` (comma-separated kinds) serves only those models;
-``OMNITRACE_BENCH_ENGINE_TP=2`` serves each engine tensor-parallel over two devices (each rank
-writes its own event log; graphs and pools are counted per rank, the encoders' device time is
-the slowest rank's).
+Per model (``OMNITRACE_BENCH_ENGINE_MODELS``, comma-separated), one ``vllm serve`` per
+configuration, back to back on the same dummy-weight checkpoint, sent the same seeded traffic by
+streaming OpenAI clients; ``OMNITRACE_BENCH_ENGINE_TP=2`` serves each tensor-parallel.
 
 ============================  ===================================================================
 configuration                 what
@@ -31,36 +24,10 @@ configuration                 what
                               run, reported beside every change read against ``eager``
 ============================  ===================================================================
 
-Before the servers, in the same invocation, each model runs :mod:`benchmarks.paired` in a
-child (offline, one ``vllm.LLM`` engine, graphs paused and resumed per request, eager and
-graphed requests of each kind alternating), so drift inside the run hits both halves alike;
-``OMNITRACE_BENCH_ENGINE_OFFLINE=0`` leaves it out.
-``OMNITRACE_BENCH_ENGINE_CONFIGS=eager,omnitrace,eager-again`` (comma-separated names from the
-table, served in the table's order) serves only those configurations, for a machine that gives
-one command too little time for all of them.
-
-The traffic: single images at several resolutions (MiniCPM-o: 1 to 9 slices), two-image
-prompts, audio of 1, 5, 10 and 30 s, and image-plus-audio prompts, in a seeded order; greedy,
-short outputs. Each configuration serves a warm-up pass first (the graphs'
-``min_capture_calls``), then the measured passes at concurrency 1, 8 and 32, with new pixels
-and samples of the same sizes each pass (vLLM caches encoder outputs by content). Reported per
-configuration: TTFT p50 and p99 per request kind and concurrency, requests/s, the encoders'
-device time as a share of TTFT (``DeviceTimed`` events; concurrency 1), graphs and pool bytes
-from the event log, the share of the measured passes' encoder calls a graph served (hits after
-the warm-up, misses by reason), the KV cache vLLM chose (its log), whether every completion
-equals the eager configuration's, at concurrency 1 where each kind's TTFT went by the
-engine's own histograms around each request (:mod:`benchmarks.engine_phases`), and at every
-concurrency where it went by omnitrace's per-request events. The goals checked: TTFT p50 at
-concurrency 1 per modality, requests/s and TTFT p99 at the highest concurrency against
-eager's, and the hit rate after the warm-up.
-
-A server that fails to start, dies or answers an error fails the benchmark with its output;
-it is never skipped. On a CPU (``--quick`` or ``--tiny``) everything runs on a tiny model:
-the plumbing is checked, the numbers mean nothing, and graphs cannot capture.
-
-The configurations, the traffic and one server are in :mod:`benchmarks.engine_serving`, the
-event logs' figures and the checks in :mod:`benchmarks.engine_checks`, the tables in
-:mod:`benchmarks.engine_report`.
+Before the servers each model runs :mod:`benchmarks.paired` in a child
+(``OMNITRACE_BENCH_ENGINE_OFFLINE=0`` leaves it out);
+``OMNITRACE_BENCH_ENGINE_CONFIGS=eager,omnitrace,eager-again`` serves only those, in the
+table's order. What it measures: BENCHMARKS.md, "End to end through ``vllm serve``".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""Where a request's time to first token goes, read from the engine's own metrics.
-
-vLLM's server keeps three histograms per request that split the time to first token:
-
-- ``vllm:time_to_first_token_seconds``: from the request's arrival, which vLLM stamps when
-  its renderer starts on the prompt (the chat template, decoding the media, the model's
-  processor), to the first token;
-- ``vllm:request_queue_time_seconds``: waiting in the engine's scheduler;
-- ``vllm:request_prefill_time_seconds``: from the first schedule to the first token (the
-  encoders and the language model's prefill).
-
-With one request in flight the change of each histogram's sum between two scrapes of
-``/metrics`` is that request's figure, so the client's TTFT splits into *outside* (HTTP and
-request handling before the renderer; the client's TTFT minus the engine's), *rendering*
-(the engine's TTFT minus queue and prefill), *queue* and *prefill*.
-"""
+"""Where a request's time to first token goes: from vLLM's own histograms (time to first
+token from its renderer's start, queue time, prefill time), whose sums change by exactly one
+request's figures between two scrapes of ``/metrics`` when one request is in flight; and from
+omnitrace's per-request events."""
 
 from __future__ import annotations
 
@@ -143,9 +131,9 @@ def _every(
 # -- the same requests from omnitrace's own events -------------------------------------------
 
 
-def event_views(paths: Sequence[Path]) -> dict[str, Any]:
-    """Each request's view (phases from its ``RequestTimed`` joined with its encoder steps),
-    by the client's request id, from the server's event logs."""
+def request_views(paths: Sequence[Path]) -> list[Any]:
+    """Each request's view (phases from its ``RequestTimed`` joined with its encoder steps)
+    from the engine's event logs."""
     from omnitrace.eventlog.chunks import read_logs
     from omnitrace.requests import RequestJoin
 
@@ -153,7 +141,19 @@ def event_views(paths: Sequence[Path]) -> dict[str, Any]:
     for _, chunk in read_logs(paths):
         for record in chunk:
             join.add(record.item, record.pid)
-    return {v.event.request_id: v for v in join.requests()}
+    return list(join.requests())
+
+
+def event_views(paths: Sequence[Path]) -> dict[str, Any]:
+    """:func:`request_views` by the client's request id."""
+    return {v.event.request_id: v for v in request_views(paths)}
+
+
+def view_phases_ms(views: Sequence[Any], average: Any = statistics.mean) -> dict[str, float]:
+    """The ``average`` of each of the views' phases, in milliseconds."""
+    from omnitrace.requests import PHASES
+
+    return {p: average(v.phases[p] for v in views) * 1e3 for p in PHASES}
 
 
 def phase_table(
@@ -163,8 +163,6 @@ def phase_table(
     ``ttft_s`` and, at concurrency 1, vLLM's ``phases``): client and event TTFT, the mean
     and p50 of each phase from the events and, where vLLM's histograms split the requests,
     the engine's part by both; and what could not be found (``problems``)."""
-    from omnitrace.requests import PHASES
-
     rows: dict[str, Any] = {}
     problems = []
     kinds = sorted({c.kind for c in completions})
@@ -180,12 +178,8 @@ def phase_table(
             "client_ttft_p50_ms": statistics.median(c.ttft_s for c in mine) * 1e3,
             "client_ttft_p99_ms": quantile(sorted(c.ttft_s for c in mine), 0.99) * 1e3,
             "event_ttft_p50_ms": statistics.median(v.ttft_s for v in found) * 1e3,
-            "phases_mean_ms": {
-                p: statistics.mean(v.phases[p] for v in found) * 1e3 for p in PHASES
-            },
-            "phases_p50_ms": {
-                p: statistics.median(v.phases[p] for v in found) * 1e3 for p in PHASES
-            },
+            "phases_mean_ms": view_phases_ms(found),
+            "phases_p50_ms": view_phases_ms(found, statistics.median),
             "encoder_share_mean_ms": statistics.mean(v.encoder_share_s for v in found) * 1e3,
         }
         histogram = mean_phases_ms([c.phases for c in mine])

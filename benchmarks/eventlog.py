@@ -1,25 +1,6 @@
-"""The event-log tools at production scale: top, replay and advise on logs of millions of events.
-
-A busy encoder server writes about one event per encoder call (two with device timing),
-millions a day. This benchmark writes logs of MiniCPM-o-shaped traffic with the writer's own
-codec (:mod:`benchmarks.eventlog_traffic`) and runs, each in a child process of its own,
-
-* ``omnitrace top --json LOG``, ``omnitrace replay --json LOG`` (no export) and
-  ``omnitrace advise --json LOG`` (its default grid),
-* ``read_events`` (the generator) over the whole log,
-
-recording each one's wall time, CPU time (``os.wait4``) and peak resident memory (the
-child's own ``VmHWM``). The goals: peak memory flat in the log's size and at most
-300 MB at 10 million events; at a million events top within 10 s, replay within 20 s and
-advise within 60 s; every tool completes at 10 million.
-
-Logs are written once and kept (``OMNITRACE_BENCH_EVENTLOG_DIR``, default a folder in the
-temporary directory; ten million events take 3.4 GB). Sizes by scale: 100k, 1M and 10M
-events (full), 20k and 100k (quick), 1k and 4k (tiny); ``OMNITRACE_BENCH_EVENTLOG_SIZES`` (say
-``100000,1000000``) picks others. ``OMNITRACE_BENCH_EVENTLOG_BASELINE=DIR`` also runs the
-tools of the omnitrace checkout in DIR on logs up to ``OMNITRACE_BENCH_EVENTLOG_BASELINE_MAX``
-events (default 100000), side by side, and checks that both print the same.
-"""
+"""The event-log tools (top, replay, advise, ``read_events``) on logs of up to ten million
+events, each in a child process: wall time, CPU time, peak memory; the sizes and the
+``OMNITRACE_BENCH_EVENTLOG_*`` settings are in BENCHMARKS.md, "Event-log tools at scale"."""
 
 from __future__ import annotations
 
@@ -33,7 +14,7 @@ from typing import Any
 
 from benchmarks.common import Context, figure, target
 from benchmarks.eventlog_traffic import GENERATOR_VERSION, write_log
-from benchmarks.table import Table, verdict
+from benchmarks.table import Table, columns, measured, verdict
 
 NAME = "eventlog"
 NEEDS_CUDA = False
@@ -54,10 +35,9 @@ _READ_EVENTS = (
     "    count += 1\n"
     "print(count)\n"
 )
-#: Runs a tool (``-m omnitrace`` or ``-c CODE``) and, however it ends, writes the peak
-#: resident memory of its own process image (``VmHWM``) to the file named first. A child's
-#: ``ru_maxrss`` would count what it held between fork and exec: the benchmark runner's
-#: memory, torch included.
+#: Runs a tool (``-m omnitrace`` or ``-c CODE``) and, however it ends, writes its own process
+#: image's peak memory (``VmHWM``) to the file named first: a child's ``ru_maxrss`` would count
+#: the runner's memory, torch included, held between fork and exec.
 _PEAK = (
     "import runpy, sys\n"
     "peak_file, mode, what = sys.argv[1:4]\n"
@@ -82,7 +62,7 @@ def _sizes(ctx: Context) -> list[int]:
 
 
 def _log(size: int, ctx: Context) -> tuple[Path, float | None]:
-    """The log of ``size`` events (written now, or found from an earlier run)."""
+    """The log of ``size`` events, written now (and the seconds it took) or found."""
     folder = Path(
         os.environ.get("OMNITRACE_BENCH_EVENTLOG_DIR")
         or Path(tempfile.gettempdir()) / "omnitrace-eventlog-bench"
@@ -151,14 +131,8 @@ def run(ctx: Context) -> dict[str, Any]:
     logs: list[dict[str, Any]] = []
     for size in _sizes(ctx):
         path, written_s = _log(size, ctx)
-        logs.append(
-            {
-                "events": size,
-                "bytes": path.stat().st_size,
-                "written_s": written_s,
-                "path": str(path),
-            }
-        )
+        logs.append({"events": size, "bytes": path.stat().st_size, "written_s": written_s})
+        logs[-1]["path"] = str(path)
         arms = [("this tree", ROOT)]
         if baseline and size <= baseline_max:
             arms.append(("baseline", Path(baseline).resolve()))
@@ -179,14 +153,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 same = printed["this tree"] == printed["baseline"]
                 for row in rows[-2:]:
                     row["same_output"] = same
-    return {
-        "logs": logs,
-        "rows": rows,
-        "load_average": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "targets": _targets(rows),
-        "figures": _figures(rows),
-    }
+    result = {"logs": logs, "rows": rows, "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+    return {**result, "targets": _targets(rows), "figures": _figures(rows)}
 
 
 def _mine(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -264,29 +232,31 @@ def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    """The benchmark's table for ``BENCHMARKS.md`` (rendered by :mod:`benchmarks.report`)."""
-    t = Table(
-        "Event-log tools by log size",
-        ["tool", "events", "log MB", "omnitrace", "wall s", "CPU s", "peak RSS MB", "output"],
-    )
+    """The benchmark's tables: every run, and the goals."""
     sizes = {log["events"]: log["bytes"] for log in result.get("logs", [])}
-    for row in sorted(result["rows"], key=lambda r: (TOOLS.index(r["tool"]), r["events"])):
-        same = row.get("same_output")
-        output = "ok" if row["status"] == 0 else f"exit {row['status']}"
-        if same is not None:
-            output += ", same as baseline" if same else ", DIFFERS from baseline"
-        t.rows.append(
-            [
-                row["tool"],
-                f"{row['events']:,}",
-                f"{sizes.get(row['events'], 0) / MB:,.0f}",
-                row["arm"],
-                f"{row['wall_s']:,.1f}",
-                f"{row['cpu_s']:,.1f}",
-                "n/a" if row["peak_rss_mb"] is None else f"{row['peak_rss_mb']:,.0f}",
-                output,
-            ]
-        )
+
+    def output(row: dict[str, Any]) -> str:
+        same = {None: "", True: ", same as baseline", False: ", DIFFERS from baseline"}
+        done = "ok" if row["status"] == 0 else f"exit {row['status']}"
+        return done + same[row.get("same_output")]
+
+    t = columns(
+        "Event-log tools by log size",
+        [
+            ("tool", lambda r: r["tool"]),
+            ("events", lambda r: f"{r['events']:,}"),
+            ("log MB", lambda r: f"{sizes.get(r['events'], 0) / MB:,.0f}"),
+            ("omnitrace", lambda r: r["arm"]),
+            ("wall s", lambda r: f"{r['wall_s']:,.1f}"),
+            ("CPU s", lambda r: f"{r['cpu_s']:,.1f}"),
+            (
+                "peak RSS MB",
+                lambda r: "n/a" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}",
+            ),
+            ("output", output),
+        ],
+        sorted(result["rows"], key=lambda r: (TOOLS.index(r["tool"]), r["events"])),
+    )
     load = result.get("load_average")
     t.note = (
         "Each tool in a child process of its own (`omnitrace TOOL --json LOG`; `read_events` "
@@ -299,18 +269,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
     )
     goals = Table("Goals (event-log tools at scale)", ["check", "measured", "bar", "verdict"])
     for item in result.get("targets", []):
-        value = item["value"]
-        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
-        goals.rows.append(
-            [
-                item["name"],
-                shown,
-                f"{item['op']} {item['limit']:g} {item['unit']}",
-                verdict(item["met"]),
-            ]
-        )
+        bar = f"{item['op']} {item['limit']:g} {item['unit']}"
+        goals.rows.append([item["name"], measured(item), bar, verdict(item["met"])])
     for item in result.get("figures", []):
-        value = item["value"]
-        shown = "n/a" if value is None else f"{value:,.3g} {item['unit']}"
-        goals.rows.append([item["name"], shown, "-", item.get("note") or "reported"])
+        goals.rows.append([item["name"], measured(item), "-", item.get("note") or "reported"])
     return [t, goals]

@@ -1,19 +1,9 @@
-"""Write event logs of MiniCPM-o-shaped serving traffic, as a worker's JSONL sink would.
-
-The calls come from the demo's request mix (:class:`omnitrace.demo.traffic.TrafficMix`:
-recurring vision grids and audio clip lengths, one-off shapes, stateful streaming chunks,
-a late burst of new shapes); admission is the adapter's own policy
-(:class:`omnitrace.graphs.admission.Admission`) with a memory floor that starts to bite
-once the graphs hold about 400 MiB; each call is timed on the device as with
-``device_timing``, so a log holds about two events per call, as a busy worker's does. The
-lines are the writer's own (:class:`omnitrace.eventlog.LineEncoder` for events,
-:func:`omnitrace.eventlog.dumps` for the ``AdapterInfo`` lines the sink writes first).
-
-No torch and no bus: a log of ten million events takes minutes to write, not hours.
-"""
+"""Write event logs of MiniCPM-o-shaped serving traffic (the demo's mix, the adapter's own
+admission, a device timing per call) with the writer's own codec, without torch or a bus."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from collections.abc import Iterator
@@ -96,7 +86,7 @@ class _Worker:
     def call(
         self, kind: str, batch: int, length: int, masked: bool, phase: Phase
     ) -> list[ev.Event]:
-        """Return the events of one call."""
+        """The events of one call."""
         adapter = "audio" if kind == "streaming" else kind
         ident = (kind, batch, length, masked)
         signature = self.signatures.get(ident)
@@ -107,22 +97,10 @@ class _Worker:
         eager_s = 0.0035 + numel * 2.2e-10 + rng.random() * 4e-4
         replay_s = eager_s * (0.35 + rng.random() * 0.1)
         out: list[ev.Event] = []
-        if kind == "streaming":
-            # Stateful audio (KV-cached chunks): never graphed.
+        if kind == "streaming":  # stateful audio (KV-cached chunks): never graphed
             mono, epoch = self._stamp()
-            out.append(
-                ev.missed(
-                    adapter,
-                    signature,
-                    mono,
-                    epoch,
-                    MissReason.INELIGIBLE,
-                    "streaming",
-                    eager_s,
-                    phase,
-                )
-            )
-            return out
+            reason = (MissReason.INELIGIBLE, "streaming")
+            return [ev.missed(adapter, signature, mono, epoch, *reason, eager_s, phase)]
         if signature in self.graphs[adapter]:
             return self._timed(out, adapter, signature, replay_s, phase)
         admission = self.admission[adapter]
@@ -193,54 +171,37 @@ class _Worker:
 
 
 def _info_lines() -> bytes:
-    lines = []
-    for adapter in ("vision", "audio"):
-        info = {
-            "enabled": True,
-            "max_graphs": CONFIG.max_graphs,
-            "min_capture_calls": CONFIG.min_capture_calls,
-            "min_free_bytes": CONFIG.min_free_bytes,
-            "share_pools": CONFIG.share_pools,
-            "compile": CONFIG.compile,
-            "background_capture": CONFIG.background_capture,
-            "device_timing": True,
-            "skip_profiling": CONFIG.skip_profiling,
-            "backend": "torch",
-            "simulated": False,
-        }
-        record = {
-            "v": SCHEMA_VERSION,
-            "type": INFO_TYPE,
-            "pid": PID,
-            "rank": 0,
-            "adapter": adapter,
-            "info": info,
-        }
-        lines.append(dumps(record))
-    return b"".join(lines)
+    copied = ("max_graphs", "min_capture_calls", "min_free_bytes", "share_pools", "compile")
+    info = {
+        "enabled": True,
+        **{f: getattr(CONFIG, f) for f in (*copied, "background_capture")},
+        "device_timing": True,
+        "skip_profiling": CONFIG.skip_profiling,
+        "backend": "torch",
+        "simulated": False,
+    }
+    head = {"v": SCHEMA_VERSION, "type": INFO_TYPE, "pid": PID, "rank": 0}
+    return b"".join(dumps({**head, "adapter": a, "info": info}) for a in ("vision", "audio"))
 
 
 def traffic_events(events: int, seed: int = 0) -> Iterator[ev.Event]:
-    """Yield ``events`` events of one worker: a profiling run, then the serving mix."""
+    """``events`` events of one worker: vLLM's start-up profiling run (maximum-size dummy
+    inputs, once per encoder), then the serving mix."""
     worker = _Worker(seed)
     mix = TrafficMix(seed)
+
     produced = 0
-    # vLLM's start-up profiling run: maximum-size dummy inputs, once per encoder.
-    start = [("vision", 10, 1024, False), ("audio", 1, 3000, False)]
-    for kind, batch, length, masked in start:
-        for event in worker.call(kind, batch, length, masked, Phase.PROFILING):
-            if produced < events:
-                produced += 1
-                yield event
-    burst_at = BURST_AT * events
-    while produced < events:
-        request = mix.next(burst=produced >= burst_at)
-        for event in worker.call(
-            request.kind, request.batch, request.length, request.masked, Phase.SERVING
-        ):
-            if produced < events:
-                produced += 1
-                yield event
+
+    def calls() -> Iterator[ev.Event]:
+        yield from worker.call("vision", 10, 1024, False, Phase.PROFILING)
+        yield from worker.call("audio", 1, 3000, False, Phase.PROFILING)
+        while True:
+            r = mix.next(burst=produced >= BURST_AT * events)
+            yield from worker.call(r.kind, r.batch, r.length, r.masked, Phase.SERVING)
+
+    for event in itertools.islice(calls(), events):
+        produced += 1
+        yield event
 
 
 def write_log(path: Path, events: int, seed: int = 0) -> TrafficLog:

@@ -1,63 +1,9 @@
-"""Encoder latency: every method of every shape in one process, interleaved, medians per call.
-
-For MiniCPM-o 4.5's encoders at full size (SigLIP so400m vision at 1024 and 256 tokens,
-Whisper-medium audio at a 1-second chunk and a 30-second clip), batch 1 (the shapes the
-performance goals name; ``--batch4`` adds batch 4), bf16 under ``torch.no_grad()``, the
-methods ("arms", :data:`ARMS`, in this order):
-
-* ``eager``: the module itself;
-* ``bare``: a ``torch.cuda.CUDAGraph`` (:class:`benchmarks.common.BareGraph`) called as
-  copy_ + replay + clone, the floor any graph wrapper is measured against;
-* ``replay_only``: the same graph's ``replay()`` alone;
-* ``adapter``: :class:`omnitrace.EncoderCudaGraph` with its default (torch) backend and no
-  bus, hit path;
-* ``adapter_bus``: the adapter on an :class:`omnitrace.EventBus` without sinks, so every hit
-  feeds the folds the bus keeps (the stats fold, and any other the bus grows): their cost;
-* ``adapter_timed``: the adapter with ``device_timing`` (CUDA events around every call,
-  resolved off the call path; flushed, untimed, after each of its rounds): its cost;
-* ``adapter_vllm``: the adapter on ``VllmGraphBackend(VllmConfig())`` (vLLM's encoder graph
-  manager), when ``vllm.v1.worker.encoder_cudagraph`` can be imported;
-* ``adapter_sinks``: the adapter on an :class:`omnitrace.EventBus` with the production sinks
-  (OTel, structlog logs, JSONL event log), built by :mod:`benchmarks.observability_sinks`;
-* ``compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)``;
-* ``adapter_compiled``: the adapter with the ``compile`` switch
-  (``EncoderGraphConfig(compile=True)``), which captures ``torch.compile(forward)`` in
-  default mode per exact shape, so its graph replays inductor's fused kernels.
-
-One process, no isolation. Every shape and every arm runs in the runner's own process, so the
-graphs of both backends, reduce-overhead's CUDA-graph trees and the compiled modules live side
-by side, as they do in a server. An exception while an arm is built is printed with its
-traceback, recorded in its row, and fails the benchmark (and the run's exit status) once every
-shape ran; an exception while timing fails it at once; a fatal signal ends the whole run, with
-faulthandler's traceback. An arm that cannot run here (vLLM or a sink not importable, no CUDA,
-``--quick``, a compile past the time budget) is recorded as skipped with its reason.
-``latency.json`` is rewritten (status ``partial``) after every shape.
-
-Timing. Every call is timed from an idle device until the device finished it (synchronize,
-``perf_counter``); the host time from call to return is recorded as well. Arms are interleaved
-round by round, and round ``r`` starts at arm ``r mod n``, so no arm always runs right after
-the same other one. Timed adapter calls are checked to be hits with ``get_cumulative_stats()``
-and outputs are checked against eager.
-
-Compiles. Each compiling arm starts only when what is left of the run's time budget covers its
-estimated compile time plus the shapes still to run. Shapes run in priority order (batch 1:
-the 1-second audio chunk and vision at 256 tokens first, the shapes the performance goals
-compare); rows are stored in display order. Dynamo's caches are reset after every shape, so each
-shape compiles from scratch, as in a fresh process, and none reaches the recompile limit.
-
-The arms and what each gets are in :mod:`benchmarks.latency_arms` (adding one is one
-function there), the targets and figures in :mod:`benchmarks.latency_goals`, the tables in
-:mod:`benchmarks.latency_report`.
-
-Simulated (``--simulate``): tiny encoders on CPU; adapters use the simulated backend, the bare
-graph is its steps on CPU (copy in, forward, copy out, clone), and the compiling arms use
-``torch.compile(backend="eager")`` (:func:`benchmarks.common.simulated_compile`). The
-plumbing runs; the numbers mean nothing.
-"""
+"""Encoder latency: every method ("arm", :mod:`benchmarks.latency_arms`) at every shape of
+MiniCPM-o 4.5's encoders, in one process, interleaved round by round; the method and the
+compile budget are in BENCHMARKS.md, "Method"."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import traceback
@@ -93,11 +39,10 @@ from omnitrace.demo.encoders import (
 NAME = "latency"
 NEEDS_CUDA = True
 
-#: Guesses (seconds) used until this run measured one: a compile (the first in a process
-#: also pays for inductor's start-up), and one shape without its compiles.
+#: Seconds of a compile (the first pays for inductor's start-up) and of a shape without its
+#: compiles, until this run measured one; a measured compile, times the margin, estimates the next.
 FIRST_COMPILE_GUESS_S = {"cuda": 60.0, "simulated": 10.0}
 FIRST_SHAPE_GUESS_S = {"cuda": 20.0, "simulated": 2.0}
-#: A measured compile time, scaled by this, is the estimate of the next one of that arm.
 COMPILE_MARGIN = 1.25
 
 #: (encoder, what, size) in display order.
@@ -112,11 +57,8 @@ SIMULATED_POINTS = (("vision", "1024 tokens", 64), ("audio", "1 s chunk", 100))
 PRIORITY = ("audio 1 s chunk", "vision 256 tokens")
 
 
-# -- the run -----------------------------------------------------------------------------
-
-
 def shapes(ctx: Context) -> list[Shape]:
-    """Return the shapes to time in the order they run: batch 1 first, priority shapes first."""
+    """The shapes in the order they run: batch 1 first, priority shapes first."""
     batches = (1, 4) if ctx.batch4 and ctx.scale == "full" else (1,)
     points: tuple[tuple[str, str, int], ...] = SIMULATED_POINTS if ctx.simulate else FULL_POINTS
     if ctx.scale == "tiny":
@@ -151,7 +93,7 @@ def _input(
 
 
 class Budget:
-    """Decide whether a compiling arm may start, from what is left of the run's time."""
+    """Whether a compiling arm may start, from what is left of the run's time."""
 
     def __init__(self, ctx: Context, shapes_total: int) -> None:
         kind = "simulated" if ctx.simulate else "cuda"
@@ -163,7 +105,7 @@ class Budget:
         self.shapes_left = shapes_total
 
     def check(self, arm_name: str) -> None:
-        """Raise Skip when this arm's compile would not leave time for the shapes after it."""
+        """Raise Skip when this arm's compile would leave no time for the shapes after it."""
         if self.ctx.scale == "quick":
             raise Skip("--quick", "torch.compile runs in full runs only")
         estimate = self.compile_s.get(
@@ -188,27 +130,18 @@ class Budget:
 
 
 def time_rounds(
-    arms: dict[str, Timed],
-    *,
-    rounds: int,
-    per_round: int,
-    sync: Callable[[], None],
+    arms: dict[str, Timed], *, rounds: int, per_round: int, sync: Callable[[], None]
 ) -> dict[str, dict[str, list[float]]]:
-    """Time ``rounds`` rounds of ``per_round`` calls of every arm; return host and latency.
-
-    Round ``r`` runs the arms starting at ``r mod n`` (:func:`rotated`), so with ``rounds`` a
-    multiple of ``n`` every arm runs in every position equally often. Each call starts on
-    an idle device; ``host`` ends when the call returns, ``latency`` when the device is done.
-    """
+    """``rounds`` rounds of ``per_round`` calls of every arm, round ``r`` from arm ``r mod n``,
+    each call from an idle device: ``host`` until it returns, ``latency`` until the device
+    is done."""
     perf = time.perf_counter
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"host": [], "latency": []} for name in arms
-    }
+    samples = {name: {"host": [], "latency": []} for name in arms}
     for r in range(rounds):
         for name in rotated(list(arms), r):
             timed = arms[name]
             host, latency = samples[name]["host"], samples[name]["latency"]
-            with timed.window() if timed.window is not None else contextlib.nullcontext():
+            with timed.window():
                 for _ in range(per_round):
                     sync()
                     start = perf()
@@ -218,19 +151,17 @@ def time_rounds(
                     done = perf()
                     host.append(returned - start)
                     latency.append(done - start)
-            if timed.settle is not None:
-                timed.settle()
+            timed.settle()
     return samples
 
 
 def _warm(arms: dict[str, Timed], calls: int, sync: Callable[[], None]) -> None:
     for timed in arms.values():
-        with timed.window() if timed.window is not None else contextlib.nullcontext():
+        with timed.window():
             for _ in range(calls):
                 timed.call()
             sync()
-        if timed.settle is not None:
-            timed.settle()
+        timed.settle()
 
 
 def _build(
@@ -271,11 +202,7 @@ def _build(
 def measure_shape(
     run: Run, shape: Shape, budget: Budget, settings: dict[str, int]
 ) -> dict[str, Any]:
-    """Build every arm for ``shape``, time them interleaved; return the shape's row.
-
-    Raises:
-        Exception: whatever a timed call raised (the benchmark fails at once).
-    """
+    """Build every arm for ``shape`` and time them; a timed call's exception propagates."""
     geometry = _geometries(run.simulate)[shape.encoder]
     start = time.perf_counter()
     cls = VisionEncoder if shape.encoder == "vision" else AudioEncoder
@@ -350,11 +277,8 @@ def _measure_arms(
 
 
 def compare(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Return each arm's ratios to the arms it names in ``vs``, and its speed-up over eager.
-
-    ``ratios["a_over_b"]`` is median latency of a over b, minus one; ``host_over_us`` the
-    difference of median host times per call in microseconds.
-    """
+    """Each arm's median latency over each arm it names in ``vs``, minus one (``ratios``),
+    the difference of median host times in us (``host_over_us``), and the speed-up over eager."""
 
     def median(name: str, key: str) -> float | None:
         s = methods.get(name, {}).get(key)
@@ -379,11 +303,7 @@ def compare(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | N
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    """Time every arm at every shape in this process; return rows, targets, settings.
-
-    Raises:
-        BenchmarkFailedError: an arm failed to build at some shape (the result is attached).
-    """
+    """Time every arm at every shape; an arm that failed to build fails the benchmark."""
     settings = {
         "warmup": ctx.pick(10, 5, 2),
         "per_round": ctx.pick(12, 10, 3),
@@ -472,38 +392,10 @@ def _describe_vllm(vllm: dict[str, Any]) -> str:
 
 def _describe_row(row: dict[str, Any]) -> str:
     med = {n: m["latency_us"]["median"] for n, m in row["methods"].items() if "latency_us" in m}
-    parts = [f"{n} {v:,.0f}" for n, v in med.items()]
-    ratios = [
-        f"{k.replace('_over_', '/')} {v * 100:+.2f} %"
-        for k, v in row["ratios"].items()
-        if v is not None
-    ]
-    host = [
-        f"{k.replace('_over_', '-')} {v:+.1f}"
-        for k, v in row["host_over_us"].items()
-        if v is not None and k.endswith("_over_bare")
-    ]
-    lines = [f"    median us: {', '.join(parts)}"]
-    if ratios:
-        lines.append(f"    ratios: {', '.join(ratios)}")
-    if host:
-        lines.append(f"    host us over bare: {', '.join(host)}")
-    return "\n".join(lines)
-
-
-#: Plot colours, by arm; an arm without one gets matplotlib's next colour.
-COLORS = {
-    "eager": "tab:gray",
-    "bare": "tab:orange",
-    "replay_only": "tab:olive",
-    "adapter": "tab:blue",
-    "adapter_bus": "tab:brown",
-    "adapter_timed": "tab:pink",
-    "adapter_vllm": "tab:cyan",
-    "adapter_sinks": "tab:purple",
-    "compile": "tab:green",
-    "adapter_compiled": "tab:red",
-}
+    ratios = {k.replace("_over_", "/"): v for k, v in row["ratios"].items() if v is not None}
+    return f"    median us: {', '.join(f'{n} {v:,.0f}' for n, v in med.items())}\n" + (
+        f"    ratios: {', '.join(f'{k} {v * 100:+.2f} %' for k, v in ratios.items())}"
+    )
 
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
@@ -530,7 +422,6 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
                 width,
                 yerr=[lo, hi],
                 label=titles[name],
-                color=COLORS.get(name),
                 capsize=2,
             )
     ax.set_xticks(range(len(rows)))

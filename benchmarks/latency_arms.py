@@ -1,10 +1,6 @@
-"""The latency benchmark's arms, and what each gets at a shape: the run's shared state and
-the shape's model, input and eager output.
-
-Adding an arm is one function decorated with :func:`arm`: it gets the shape's :class:`Point`
-and returns a :class:`Timed` (or raises :class:`Skip`); its ratios to the arms named in ``vs``
-are computed, and ``benchmarks.report`` shows it as a column.
-"""
+"""The latency benchmark's arms: each one function decorated with :func:`arm`, given the
+shape's :class:`Point` (the run's state, model, input, eager output), returning a :class:`Timed`
+or raising :class:`Skip`."""
 
 from __future__ import annotations
 
@@ -29,16 +25,12 @@ from benchmarks.common import BareGraph, Context, sink_rows
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.testing import SimulatedGraphBackend
 
-#: A graph replays the eager kernels, so outputs should agree almost exactly; compiled
-#: kernels fuse differently (other reduction orders, bf16 intermediates kept in registers)
-#: and are held to a looser tolerance: max |out - eager| / max |eager|.
+#: Largest max |out - eager| / max |eager|: graphs replay the eager kernels; compiled kernels
+#: fuse and reorder (BENCHMARKS.md, "Method").
 GRAPH_TOLERANCE = 1e-2
 COMPILE_TOLERANCE = 1e-1
 #: Seconds the device timings of one round may take to resolve after it.
 TIMING_FLUSH_S = 10.0
-
-
-# -- arms --------------------------------------------------------------------------------
 
 
 class Skip(Exception):
@@ -50,25 +42,21 @@ class Skip(Exception):
         self.detail = detail
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class Timed:
-    """An arm built for one shape: the call to time and what goes with it.
-
-    Args:
-        call: one call of the method; returns its output (checked against eager once).
-        adapter: the adapter whose hits the timed calls must be.
-        window: a context entered around each of the arm's rounds (sink threads that must
-            run only while the arm is timed).
-        settle: run, untimed, after each of the arm's rounds (drain the sinks' queues, so
-            their backlog never lands in another arm's round).
-        info: extra fields for the arm's entry in the row (compile time).
-        report: returns fields added to the arm's entry once its rounds are timed.
-    """
+    """An arm built for one shape: ``call`` (its output checked against eager once), the
+    ``adapter`` whose hits the timed calls must be, a ``window`` entered around each of its
+    rounds, what to ``settle`` untimed after each, extra fields for its entry (``info``), and
+    a ``report`` of fields added once its rounds are timed."""
 
     call: Callable[[], Any]
     adapter: EncoderCudaGraph | None = None
-    window: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-    settle: Callable[[], None] | None = None
+    window: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    settle: Callable[[], None] = _nothing
     info: dict[str, Any] = field(default_factory=dict)
     report: Callable[[], dict[str, Any]] | None = None
 
@@ -98,15 +86,9 @@ def arm(
     tolerance: float | None = GRAPH_TOLERANCE,
     compiles: bool = False,
 ) -> Callable[[Callable[[Point], Timed]], Callable[[Point], Timed]]:
-    """Register a builder as an arm.
-
-    Args:
-        name: key of the arm in the results.
-        title: column title in the report.
-        vs: arms this one is compared with (median latency ratio and host time difference).
-        tolerance: largest relative error of its output against eager; None: not checked.
-        compiles: the arm compiles, so it runs only when the time budget allows.
-    """
+    """Register a builder as arm ``name`` (``title`` in the report), compared with the arms
+    ``vs``, its output held to ``tolerance`` (None: not checked); one that ``compiles`` runs
+    only when the time budget allows."""
 
     def register(build: Callable[[Point], Timed]) -> Callable[[Point], Timed]:
         ARMS.append(Arm(name, title, build, tuple(vs), tolerance, compiles))
@@ -156,8 +138,7 @@ def _adapter_timed(p: Point) -> Timed:
     flushes: list[bool] = []
 
     def settle() -> None:
-        # Untimed: resolving is the timer thread's job; waiting here only keeps one round's
-        # timings from resolving during another arm's round.
+        # Keeps one round's timings from resolving during another arm's round.
         flushes.append(adapter.flush_device_timing(TIMING_FLUSH_S))
 
     settle()
@@ -165,10 +146,7 @@ def _adapter_timed(p: Point) -> Timed:
         lambda: adapter(p.x),
         adapter=adapter,
         settle=settle,
-        report=lambda: {
-            "timing_flushes": len(flushes),
-            "timings_resolved": all(flushes),
-        },
+        report=lambda: {"timing_flushes": len(flushes), "timings_resolved": all(flushes)},
     )
 
 
@@ -226,9 +204,7 @@ def _adapter_compiled(p: Point) -> Timed:
     # a captured graph is the compile time.
     adapter = p.captured_adapter("compiled", forward=copy.deepcopy(p.model), config=config)
     return Timed(
-        lambda: adapter(p.x),
-        adapter=adapter,
-        info={"compile_s": time.perf_counter() - start},
+        lambda: adapter(p.x), adapter=adapter, info={"compile_s": time.perf_counter() - start}
     )
 
 
@@ -249,9 +225,6 @@ class _CpuBare:
         self.static_out.copy_(self.forward(self.static_in))
 
 
-# -- what an arm gets ----------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Shape:
     """One configuration: encoder, input size, batch; ``order`` is its display position."""
@@ -268,11 +241,8 @@ class Shape:
 
 
 class Run:
-    """What every shape of one run shares: device, settings, vLLM, the production sinks.
-
-    vLLM is imported once, before the first shape, so every shape is measured in the same
-    process state (importing vLLM patches ``torch.cuda.set_stream`` process-wide).
-    """
+    """What every shape of one run shares: device, settings, vLLM (imported once, before the
+    first shape: it patches ``torch.cuda.set_stream`` process-wide), the production sinks."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -288,14 +258,11 @@ class Run:
         self._vllm_config: Any = None
         self._vllm_skip: Skip | None = None
         self._sinks: Any = None
-        self._sinks_skip: Skip | None = None
-        self._sinks_error: str | None = None
+        self._sinks_failure: Exception | None = None
 
     def sync(self) -> None:
         if self.on_cuda:
             torch.cuda.synchronize()
-
-    # -- vLLM ------------------------------------------------------------------------
 
     def load_vllm(self) -> None:
         """Import vLLM's encoder graph module when it can be used; record what happened."""
@@ -328,8 +295,6 @@ class Run:
             self._vllm_config = VllmConfig()
         return self._vllm_config
 
-    # -- sinks -----------------------------------------------------------------------
-
     def _load_sinks(self) -> None:
         """Build the production sinks on one bus; record which could not be built and why."""
         from benchmarks.observability_sinks import PRODUCTION_SINKS, SinkSet
@@ -349,23 +314,17 @@ class Run:
         bus.close()
         reasons = "; ".join(f"{n}: {s['reason']}" for n, s in off.items())
         if all(s.get("not_importable") for s in off.values()):
-            self._sinks_skip = Skip("sink not importable", reasons)
+            self._sinks_failure = Skip("sink not importable", reasons)
         else:
-            self._sinks_error = f"a production sink could not be built: {reasons}"
+            self._sinks_failure = RuntimeError(f"a production sink could not be built: {reasons}")
 
     def sinks(self) -> Any:
-        """Return the production sink set (a ``SinkSet``), built on first use.
-
-        Raises:
-            Skip: a sink's library cannot be imported.
-            RuntimeError: a sink could not be built for another reason.
-        """
+        """The production ``SinkSet``, built on first use; Skip when a sink's library cannot be
+        imported, RuntimeError when a sink cannot be built for another reason."""
         if not self.sink_report:
             self._load_sinks()
-        if self._sinks_skip is not None:
-            raise self._sinks_skip
-        if self._sinks_error is not None:
-            raise RuntimeError(self._sinks_error)
+        if self._sinks_failure is not None:
+            raise self._sinks_failure
         return self._sinks
 
     def flush(self) -> None:
@@ -373,7 +332,7 @@ class Run:
             self.flushed &= self._sinks.bus.flush(timeout=30.0)
 
     def sink_statistics(self) -> dict[str, Any]:
-        """Return what the sinks' bus counted: events emitted and dropped, per sink."""
+        """What the sinks' bus counted: events emitted and dropped, per sink."""
         if self._sinks is None:
             return {**self.sink_report, "status": "skipped" if self.sink_report else "unused"}
         self.flush()
@@ -387,10 +346,8 @@ class Run:
             "per_sink": sink_rows(stats.sinks),
         }
 
-    # -- compiling -------------------------------------------------------------------
-
     def compile(self, model: torch.nn.Module, *, mode: str | None) -> Callable[..., Any]:
-        """Return ``torch.compile(model)`` for one exact shape (``backend="eager"`` on CPU)."""
+        """``torch.compile(model)`` for one exact shape (``backend="eager"`` on CPU)."""
         if not self.on_cuda:
             return torch.compile(model, backend="eager", dynamic=False)
         return torch.compile(model, mode=mode, dynamic=False)
@@ -412,10 +369,10 @@ class Point:
     x: torch.Tensor
     ref: torch.Tensor
     run: Run
+    #: Objects an arm leaves for later ones (the bare graph), and what to call once the shape
+    #: is measured (an arm's own bus).
     built: dict[str, Any] = field(default_factory=dict)
-    """Objects an arm leaves for later ones (the bare graph, for ``replay_only``)."""
     closers: list[Callable[[], Any]] = field(default_factory=list)
-    """Called once the shape is measured (an arm's own bus)."""
 
     def sync(self) -> None:
         self.run.sync()
@@ -429,11 +386,8 @@ class Point:
         forward: Callable[..., Any] | None = None,
         config: EncoderGraphConfig | None = None,
     ) -> EncoderCudaGraph:
-        """Return an adapter of the model (or ``forward``), warmed until it captured ``x``.
-
-        Raises:
-            RuntimeError: the adapter did not capture exactly one graph.
-        """
+        """An adapter of the model (or ``forward``) warmed until it captured ``x``, exactly one
+        graph (RuntimeError otherwise)."""
         config = self.run.config if config is None else config
         adapter = EncoderCudaGraph(
             self.model if forward is None else forward,

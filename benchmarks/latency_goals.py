@@ -7,11 +7,10 @@ from typing import Any
 from benchmarks.common import figure, target
 from benchmarks.latency_arms import COMPILE_TOLERANCE, TIMING_FLUSH_S
 
-#: The adapter's hit path must stay within this of bare copy-replay-clone (both backends).
+#: The adapter's hit path against bare copy-replay-clone (both backends): latency and host
+#: time per call; the production sinks against the adapter alone.
 ADAPTER_VS_BARE_TARGET = 0.01
-#: ... and within this much host time per call (microseconds).
 HOST_OVER_BARE_TARGET_US = 3.0
-#: The production sinks may add this much to the adapter's latency.
 SINKS_VS_ADAPTER_TARGET = 0.01
 
 
@@ -29,47 +28,67 @@ def _skip_note(rows: list[dict[str, Any]], name: str) -> str:
 
 
 def _worst(
-    rows: list[dict[str, Any]],
-    table: str,
-    key: str,
-    *,
-    scale: float = 1.0,
-    encoder: str | None = None,
+    rows: list[dict[str, Any]], table: str, key: str, scale: float = 1.0, encoder: str = ""
 ) -> tuple[float | None, str]:
-    picked = [r for r in rows if encoder is None or r["encoder"] == encoder]
+    picked = [r for r in rows if not encoder or r["encoder"] == encoder]
     values = [r[table][key] for r in picked if r[table].get(key) is not None]
-    note = f"measured at {len(values)} of {len(picked)} shapes"
+    note = f"measured at {len(values)} of {len(picked)} shapes" + _skip_note(
+        rows, key.split("_over_")[0]
+    )
     return (max(values) * scale if values else None), note
 
 
 def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str, Any]]:
-    def ratio(
-        name: str,
-        key: str,
-        op: str,
-        limit: float,
-        encoder: str | None = None,
-        goal: str = "",
-    ) -> dict[str, Any]:
-        value, note = _worst(rows, "ratios", key, scale=100.0, encoder=encoder)
-        arm_name = key.split("_over_")[0]
-        return target(
-            name, value, op, limit, "%", note=note + _skip_note(rows, arm_name), goal=goal
-        )
+    def ratio(name: str, key: str, op: str, limit: float, goal: str = "", encoder: str = "") -> Any:
+        value, note = _worst(rows, "ratios", key, 100.0, encoder)
+        return target(name, value, op, limit, "%", note=note, goal=goal)
 
-    def host(name: str, key: str) -> dict[str, Any]:
+    out = []
+    for arm, key in (
+        ("adapter (torch)", "adapter_over_bare"),
+        ("adapter (vLLM)", "adapter_vllm_over_bare"),
+        ("adapter with a bus (its folds)", "adapter_bus_over_bare"),
+    ):
+        limit = ADAPTER_VS_BARE_TARGET * 100
+        out.append(
+            ratio(f"{arm} vs bare copy-replay-clone, worst shape", key, "<=", limit, "hit_path")
+        )
         value, note = _worst(rows, "host_over_us", key)
-        arm_name = key.split("_over_")[0]
-        return target(
-            name,
-            value,
-            "<=",
-            HOST_OVER_BARE_TARGET_US,
-            "us",
-            note="median host time per call, difference; " + note + _skip_note(rows, arm_name),
-            goal="hit_path",
+        out.append(
+            target(
+                f"{arm} host time over bare, worst shape",
+                value,
+                "<=",
+                HOST_OVER_BARE_TARGET_US,
+                "us",
+                note="median host time per call, difference; " + note,
+                goal="hit_path",
+            )
         )
+    out += [
+        ratio(
+            "adapter with production sinks vs adapter, worst shape",
+            "adapter_sinks_over_adapter",
+            "<=",
+            SINKS_VS_ADAPTER_TARGET * 100,
+            "observability",
+        ),
+        ratio(
+            "adapter vs torch.compile reduce-overhead, worst shape",
+            "adapter_over_compile",
+            "<",
+            0.0,
+        ),
+    ]
+    for what, arm in (("bare", "bare"), ("reduce-overhead", "compile")):
+        key = f"adapter_compiled_over_{arm}"
+        name = f"compiled adapter vs {what}, worst audio shape"
+        out.append(ratio(name, key, "<", 0.0, "compiled", encoder="audio"))
+    return out + _checks(rows, sinks)
 
+
+def _checks(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str, Any]]:
+    """The compiled adapter's error, outputs, hits, the sinks' losses, device timings."""
     adapter_entries = [
         e for r in rows for e in r["methods"].values() if e.get("timed_calls") is not None
     ]
@@ -81,7 +100,7 @@ def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
             + (not sinks["flushed"])
         )
     mismatched = [
-        (r["label"], r["batch"], name)
+        f"{r['label']} batch {r['batch']}: {name}"
         for r in rows
         for name, e in r["methods"].items()
         if e.get("within_tolerance") is False
@@ -91,78 +110,22 @@ def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
         for r in rows
         if (r["methods"].get("adapter_compiled") or {}).get("max_rel_err") is not None
     ]
-    worst_compiled = max(compiled, key=lambda c: c[2], default=None)
+    worst = max(compiled, key=lambda c: c[2], default=None)
+    where = (
+        "not measured" + _skip_note(rows, "adapter_compiled")
+        if worst is None
+        else f"worst at {worst[0]} batch {worst[1]}, measured at {len(compiled)} of {len(rows)} "
+        "shapes"
+    )
     timed = [e for r in rows if "timings_resolved" in (e := r["methods"].get("adapter_timed", {}))]
     return [
-        ratio(
-            "adapter (torch) vs bare copy-replay-clone, worst shape",
-            "adapter_over_bare",
-            "<=",
-            ADAPTER_VS_BARE_TARGET * 100,
-            goal="hit_path",
-        ),
-        host("adapter (torch) host time over bare, worst shape", "adapter_over_bare"),
-        ratio(
-            "adapter (vLLM) vs bare copy-replay-clone, worst shape",
-            "adapter_vllm_over_bare",
-            "<=",
-            ADAPTER_VS_BARE_TARGET * 100,
-            goal="hit_path",
-        ),
-        host("adapter (vLLM) host time over bare, worst shape", "adapter_vllm_over_bare"),
-        ratio(
-            "adapter with a bus (its folds) vs bare copy-replay-clone, worst shape",
-            "adapter_bus_over_bare",
-            "<=",
-            ADAPTER_VS_BARE_TARGET * 100,
-            goal="hit_path",
-        ),
-        host(
-            "adapter with a bus (its folds) host time over bare, worst shape",
-            "adapter_bus_over_bare",
-        ),
-        ratio(
-            "adapter with production sinks vs adapter, worst shape",
-            "adapter_sinks_over_adapter",
-            "<=",
-            SINKS_VS_ADAPTER_TARGET * 100,
-            goal="observability",
-        ),
-        ratio(
-            "adapter vs torch.compile reduce-overhead, worst shape",
-            "adapter_over_compile",
-            "<",
-            0.0,
-        ),
-        ratio(
-            "compiled adapter vs bare, worst audio shape",
-            "adapter_compiled_over_bare",
-            "<",
-            0.0,
-            encoder="audio",
-            goal="compiled",
-        ),
-        ratio(
-            "compiled adapter vs reduce-overhead, worst audio shape",
-            "adapter_compiled_over_compile",
-            "<",
-            0.0,
-            encoder="audio",
-            goal="compiled",
-        ),
         target(
             "compiled adapter output vs eager, max relative error, worst shape",
-            None if worst_compiled is None else worst_compiled[2],
+            None if worst is None else worst[2],
             "<=",
             COMPILE_TOLERANCE,
             "",
-            note="max |out - eager| / max |eager| at the first call; "
-            + (
-                "not measured" + _skip_note(rows, "adapter_compiled")
-                if worst_compiled is None
-                else f"worst at {worst_compiled[0]} batch {worst_compiled[1]}, "
-                f"measured at {len(compiled)} of {len(rows)} shapes"
-            ),
+            note="max |out - eager| / max |eager| at the first call; " + where,
             goal="compiled",
         ),
         target(
@@ -171,7 +134,7 @@ def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
             "<=",
             0.0,
             "arms",
-            note="; ".join(f"{label} batch {batch}: {name}" for label, batch, name in mismatched),
+            note="; ".join(mismatched),
         ),
         target(
             "timed adapter calls that were not hits",
@@ -204,30 +167,18 @@ def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
 
 
 def figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return the hit-path costs of the bus's folds and of device timing, worst shape."""
+    """The hit-path costs of the bus's folds and of device timing, worst shape."""
     out = []
     for arm_name, what in (
         ("adapter_bus", "the bus's folds (adapter + bus - adapter)"),
         ("adapter_timed", "device timing (adapter + device timing - adapter)"),
     ):
         key = f"{arm_name}_over_adapter"
-        host_us, host_note = _worst(rows, "host_over_us", key)
-        pct, pct_note = _worst(rows, "ratios", key, scale=100.0)
-        skipped = _skip_note(rows, arm_name)
-        out += [
-            figure(
-                f"hit-path cost of {what}: host time, worst shape",
-                host_us,
-                "us",
-                goal="coverage_costs",
-                note="median host time per call, difference; " + host_note + skipped,
-            ),
-            figure(
-                f"hit-path cost of {what}: latency, worst shape",
-                pct,
-                "%",
-                goal="coverage_costs",
-                note="median latency per call, ratio; " + pct_note + skipped,
-            ),
-        ]
+        for kind, table, unit, scale, how in (
+            ("host time", "host_over_us", "us", 1.0, "median host time per call, difference"),
+            ("latency", "ratios", "%", 100.0, "median latency per call, ratio"),
+        ):
+            value, note = _worst(rows, table, key, scale)
+            name = f"hit-path cost of {what}: {kind}, worst shape"
+            out.append(figure(name, value, unit, goal="coverage_costs", note=f"{how}; {note}"))
     return out

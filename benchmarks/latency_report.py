@@ -25,49 +25,63 @@ def _median(entry: dict[str, Any] | None, key: str = "latency_us") -> float | No
 
 
 def _cell(entry: dict[str, Any] | None) -> str | None:
-    """Return why an arm has no number ("skipped (...)", "ERROR"), or None when it has one."""
-    if not entry:
-        return "n/a"
-    if "error" in entry:
+    """Why an arm has no number ("skipped (...)", "ERROR"), or None when it has one."""
+    if entry and "error" in entry:
         return "ERROR"
-    if "skipped" in entry:
+    if entry and "skipped" in entry:
         return f"skipped ({entry['skipped']})"
-    if "latency_us" not in entry:
-        return "n/a"
-    return None
+    return None if entry and "latency_us" in entry else "n/a"
+
+
+def _header(arm: dict[str, Any], names: set[str]) -> str:
+    refs = [v for v in arm["vs"] if v in names]
+    return f"{arm['title']} (vs {' / '.join(refs)})" if refs else arm["title"]
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
     arms = result.get("arms") or _LEGACY_ARMS
-    titles = {a["name"]: a["title"] for a in arms}
     main_arms = [a for a in arms if a["name"] not in _DETAIL_ONLY]
     main_names = {a["name"] for a in main_arms}
     rows = result["rows"]
-
-    def header(a: dict[str, Any], names: set[str]) -> str:
-        # Arms are referred to by their short result names, so headers stay narrow.
-        refs = [v for v in a["vs"] if v in names]
-        return f"{a['title']} (vs {' / '.join(refs)})" if refs else a["title"]
-
     t = Table(
         f"Encoder latency per call, median us ({result.get('dtype', 'bf16')})",
-        ["encoder", "input", *(header(a, main_names) for a in main_arms), "adapter speed-up"],
+        ["encoder", "input", *(_header(a, main_names) for a in main_arms), "adapter speed-up"],
+    )
+    host = Table(
+        "Host time per call, median us (call to return, device idle before)",
+        ["encoder", "input", *(_header(a, {a["name"] for a in arms}) for a in arms)],
+    )
+    spread = Table(
+        "Latency spread, p10 / p90 us", ["encoder", "input", *(a["title"] for a in arms)]
     )
     for row in rows:
         m = row["methods"]
         cells = [row["label"], row["input"]]
         for a in main_arms:
-            why = _cell(m.get(a["name"]))
             mine = _median(m.get(a["name"]))
+            why = _cell(m.get(a["name"]))
             if why is not None or mine is None:
                 cells.append(why or "n/a")
                 continue
-            refs = [_median(m.get(v)) for v in a["vs"] if v in main_names]
-            shown = [pct(mine / r - 1) if r else "n/a" for r in refs]
+            shown = [pct(mine / r - 1) if r else "n/a" for r in _refs(m, a, main_names)]
             cells.append(f"{mine:,.0f} ({' / '.join(shown)})" if shown else f"{mine:,.0f}")
         eager, adapter = _median(m.get("eager")), _median(m.get("adapter"))
-        cells.append(times(eager / adapter) if eager and adapter else "n/a")
-        t.rows.append(cells)
+        t.rows.append([*cells, times(eager / adapter) if eager and adapter else "n/a"])
+        cells = [row["label"], row["input"]]
+        for a in arms:
+            mine = _median(m.get(a["name"]), "host_us")
+            if mine is None:
+                cells.append(_cell(m.get(a["name"])) or "n/a")
+                continue
+            refs = _refs(m, a, None, "host_us")
+            shown = ["n/a" if r is None else f"{mine - r:+.1f}" for r in refs]
+            cells.append(f"{mine:,.1f} ({' / '.join(shown)})" if shown else f"{mine:,.1f}")
+        host.rows.append(cells)
+        cells = [row["label"], row["input"]]
+        for a in arms:
+            s = (m.get(a["name"]) or {}).get("latency_us")
+            cells.append(f"{s['p10']:,.0f} / {s['p90']:,.0f}" if s else "n/a")
+        spread.rows.append(cells)
     process = (
         "All shapes and methods ran in one process"
         if "process" in result
@@ -83,35 +97,19 @@ def tables(result: dict[str, Any]) -> list[Table]:
         "torch.compile(model) in default mode, so its graph captures inductor's fused kernels."
         + _latency_notes(rows, arms)
     )
-    host = Table(
-        "Host time per call, median us (call to return, device idle before)",
-        ["encoder", "input", *(header(a, set(titles)) for a in arms)],
-    )
-    for row in rows:
-        m = row["methods"]
-        cells = [row["label"], row["input"]]
-        for a in arms:
-            mine = _median(m.get(a["name"]), "host_us")
-            if mine is None:
-                cells.append(_cell(m.get(a["name"])) or "n/a")
-                continue
-            refs = [_median(m.get(v), "host_us") for v in a["vs"]]
-            shown = ["n/a" if r is None else f"{mine - r:+.1f}" for r in refs]
-            cells.append(f"{mine:,.1f} ({' / '.join(shown)})" if shown else f"{mine:,.1f}")
-        host.rows.append(cells)
     host.note = "In parentheses: difference to the methods in the header's parentheses, us."
     # Results of the earlier, one-process-per-shape version recorded no host times.
     has_host = any("host_us" in e for r in rows for e in r["methods"].values())
-    spread = Table(
-        "Latency spread, p10 / p90 us",
-        ["encoder", "input", *(a["title"] for a in arms)],
-    )
-    for row in rows:
-        cells = [row["label"], row["input"]]
-        for a in arms:
-            s = (row["methods"].get(a["name"]) or {}).get("latency_us")
-            cells.append(f"{s['p10']:,.0f} / {s['p90']:,.0f}" if s else "n/a")
-        spread.rows.append(cells)
+    return [t, host, spread, _checks(rows, arms)] if has_host else [t, spread, _checks(rows, arms)]
+
+
+def _refs(
+    methods: dict[str, Any], arm: dict[str, Any], names: set[str] | None, key: str = "latency_us"
+) -> list[float | None]:
+    return [_median(methods.get(v), key) for v in arm["vs"] if names is None or v in names]
+
+
+def _checks(rows: list[dict[str, Any]], arms: list[dict[str, Any]]) -> Table:
     checked = [a for a in arms if a.get("tolerance", 1.0) is not None]
     compiling = [a for a in arms if a.get("compiles")]
     checks = Table(
@@ -127,19 +125,16 @@ def tables(result: dict[str, Any]) -> list[Table]:
     for row in rows:
         m = row["methods"]
         hits = [e for e in m.values() if e.get("timed_calls") is not None]
-        checks.rows.append(
-            [
-                row["label"],
-                row["input"],
-                *(_err(m.get(a["name"])) for a in checked),
-                *(us((m.get(a["name"]) or {}).get("compile_s"), 1) for a in compiling),
-                f"{sum(e['hits'] for e in hits)}/{sum(e['timed_calls'] for e in hits)}"
-                if hits
-                else f"{row.get('adapter_hits', 'n/a')}/{row.get('adapter_timed_calls', 'n/a')}",
-            ]
+        counted = (
+            f"{sum(e['hits'] for e in hits)}/{sum(e['timed_calls'] for e in hits)}"
+            if hits
+            else f"{row.get('adapter_hits', 'n/a')}/{row.get('adapter_timed_calls', 'n/a')}"
         )
+        errors = [_err(m.get(a["name"])) for a in checked]
+        compile_s = [us((m.get(a["name"]) or {}).get("compile_s"), 1) for a in compiling]
+        checks.rows.append([row["label"], row["input"], *errors, *compile_s, counted])
     checks.note = "Relative error: max |out - eager| / max |eager| at the arm's first call."
-    return [t, host, spread, checks] if has_host else [t, spread, checks]
+    return checks
 
 
 def _latency_notes(rows: list[dict[str, Any]], arms: list[dict[str, Any]]) -> str:
@@ -156,14 +151,13 @@ def _latency_notes(rows: list[dict[str, Any]], arms: list[dict[str, Any]]) -> st
                 skipped.setdefault((a["title"], why), []).append(shape)
         if row.get("failure"):
             failed.append(f"{shape}: {row['failure']}")
-    parts = []
-    for (title, why), where in skipped.items():
-        at = "every shape" if len(where) == len(rows) else ", ".join(where)
-        parts.append(f"{title} skipped at {at} ({why})")
+    parts = [
+        f"{title} skipped at {'every shape' if len(where) == len(rows) else ', '.join(where)} "
+        f"({why})"
+        for (title, why), where in skipped.items()
+    ]
     notes = " Skipped: " + "; ".join(parts) + "." if parts else ""
-    if failed:
-        notes += " FAILED: " + "; ".join(failed) + "."
-    return notes
+    return notes + (" FAILED: " + "; ".join(failed) + "." if failed else "")
 
 
 def _err(entry: dict[str, Any] | None) -> str:

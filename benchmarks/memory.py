@@ -1,13 +1,6 @@
-"""Device memory held by captured graphs, shared against separate pools, and the free floor.
-
-* ``rows``: N graphs (1, 2, 4, 8) of a 4-layer d=256 encoder, ``share_pools`` on and off:
-  memory held after the captures (``memory_reserved()`` growth once ``empty_cache()`` has
-  returned what is free), the peak while capturing (``max_memory_reserved()``), and what
-  the GraphCaptured events report. The design note expects about 34 MiB shared against
-  142 MiB separate for four graphs on an H200.
-* ``floor``: with device memory made tight by a ballast allocation, a floor above the free
-  memory turns every due capture into a memory miss; a floor below it lets the key capture.
-"""
+"""Device memory held by N graphs of a small encoder, shared against separate pools (held after
+``empty_cache()``, and the capture peak); and ``min_free_bytes`` under memory made tight by a
+ballast: a floor above the free memory turns every due capture into a memory miss."""
 
 from __future__ import annotations
 
@@ -17,7 +10,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Context, GiB, MiB, free_cuda_memory, save_plot, target
-from benchmarks.table import Table, mib, times
+from benchmarks.table import Table, columns, mib, times
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import EncoderGeometry, VisionEncoder
 from omnitrace.testing import SimulatedGraphBackend, capture_events
@@ -30,24 +23,14 @@ SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
 TIGHT_FREE_BYTES = 3 * GiB
 
 
-def _clear_cublas_workspaces() -> None:
-    # cuBLAS keeps one workspace per (handle, stream) for the life of the process; clearing
-    # them before each measurement makes every configuration pay for its own streams.
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
-
 def _reserved(on_cuda: bool) -> int:
     return int(torch.cuda.memory_reserved()) if on_cuda else 0
 
 
 def run(ctx: Context) -> dict[str, Any]:
     """Measure graph memory by count and pool sharing, then the memory floor."""
-    device = ctx.device
+    device, dtype, geometry = ctx.device, ctx.dtype, SMALL
     on_cuda = device.type == "cuda"
-    dtype = ctx.dtype
-    geometry = SMALL
     with torch.device(device):
         model = VisionEncoder(geometry).to(dtype).eval()
     counts = ctx.pick((1, 2, 4, 8), (1, 4), (1, 2))
@@ -68,8 +51,7 @@ def run(ctx: Context) -> dict[str, Any]:
             r = rows[-1]
             ctx.log(
                 f"  {n} graph(s), share_pools={share}: held {r['held_bytes'] / MiB:.1f} MiB, "
-                f"capture peak {r['peak_bytes'] / MiB:.1f} MiB, "
-                f"{r['pools']} pool(s)"
+                f"capture peak {r['peak_bytes'] / MiB:.1f} MiB, {r['pools']} pool(s)"
             )
     floor = _floor(ctx, model, inputs[0], on_cuda)
     del model, inputs
@@ -115,7 +97,9 @@ def _held(
     on_cuda: bool,
 ) -> dict[str, Any]:
     if on_cuda:
-        _clear_cublas_workspaces()
+        # cuBLAS keeps a workspace per (handle, stream) for the life of the process: cleared,
+        # every configuration pays for its own streams.
+        torch._C._cuda_clearCublasWorkspaces()
         with torch.no_grad():
             model(inputs[0])  # the replay stream's own workspace is not the graphs' cost
         free_cuda_memory()
@@ -198,22 +182,12 @@ def _floor(ctx: Context, model: torch.nn.Module, x: torch.Tensor, on_cuda: bool)
                     adapter(x)
             stats = adapter.stats()
             bus.close()
-            rows.append(
-                {
-                    "label": label,
-                    "floor_bytes": floor_bytes,
-                    "free_bytes": stats.last_free_bytes
-                    if stats.last_free_bytes is not None
-                    else free_now,
-                    "calls": calls,
-                    "memory_misses": stats.memory_misses,
-                    "memory_deferrals": stats.memory_deferrals,
-                    "warmup_misses": stats.warmup_misses,
-                    "num_graphs": stats.num_graphs,
-                    "graph_hits": stats.graph_hits,
-                    "events": [type(e).__name__ for e in events],
-                }
-            )
+            free = free_now if stats.last_free_bytes is None else stats.last_free_bytes
+            row = {"label": label, "floor_bytes": floor_bytes, "free_bytes": free, "calls": calls}
+            for key in ("memory_misses", "memory_deferrals", "warmup_misses", "num_graphs"):
+                row[key] = getattr(stats, key)
+            row["graph_hits"] = stats.graph_hits
+            rows.append({**row, "events": [type(e).__name__ for e in events]})
             ctx.log(
                 f"  floor {label} ({floor_bytes / GiB:.2f} GiB, free {free_now / GiB:.2f} GiB): "
                 f"{stats.memory_misses} memory misses, {stats.num_graphs} graph(s), "
@@ -233,90 +207,63 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     for share, color in ((True, "tab:blue"), (False, "tab:orange")):
         pts = sorted((r["graphs"], r) for r in rows if r["share_pools"] is share)
         label = "shared pools" if share else "separate pools"
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1]["held_bytes"] / MiB for p in pts],
-            marker="o",
-            color=color,
-            label=f"{label}, held",
-        )
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1]["peak_bytes"] / MiB for p in pts],
-            marker="x",
-            linestyle="--",
-            color=color,
-            label=f"{label}, capture peak",
-        )
-    ax.set_xlabel("graphs captured")
-    ax.set_ylabel("MiB")
-    ax.set_title("Device memory of graphs (4-layer, d=256)")
+        for key, what, style in (
+            ("held_bytes", "held", "-o"),
+            ("peak_bytes", "capture peak", "--x"),
+        ):
+            values = [p[1][key] / MiB for p in pts]
+            ax.plot([p[0] for p in pts], values, style, color=color, label=f"{label}, {what}")
+    ax.set(xlabel="graphs captured", ylabel="MiB", title="Device memory of graphs (4-layer, d=256)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return [save_plot(plt, fig, out_dir / "memory.png")]
 
 
-# -- tables for BENCHMARKS.md -----------------------------------------------------------
+def _gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / GiB:.2f}"
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    t = Table(
+    by = {(r["graphs"], r["share_pools"]): r for r in result["rows"]}
+
+    def held(n: int, share: bool, key: str = "held_bytes") -> float | None:
+        return by[(n, share)][key] if (n, share) in by else None
+
+    def saved(n: int) -> str:
+        shared, separate = held(n, True), held(n, False)
+        return times(separate / shared) if shared and separate else "n/a"
+
+    t = columns(
         f"Device memory held by N graphs ({result['encoder']})",
         [
-            "graphs",
-            "shared pools MiB",
-            "separate pools MiB",
-            "saved",
-            "capture peak shared",
-            "capture peak separate",
+            ("graphs", str),
+            ("shared pools MiB", lambda n: mib(held(n, True))),
+            ("separate pools MiB", lambda n: mib(held(n, False))),
+            ("saved", saved),
+            ("capture peak shared", lambda n: mib(held(n, True, "peak_bytes"))),
+            ("capture peak separate", lambda n: mib(held(n, False, "peak_bytes"))),
         ],
+        sorted({r["graphs"] for r in result["rows"]}),
     )
-    by = {(r["graphs"], r["share_pools"]): r for r in result["rows"]}
-    for n in sorted({r["graphs"] for r in result["rows"]}):
-        shared, separate = by.get((n, True)), by.get((n, False))
-        held_s = shared["held_bytes"] if shared else None
-        held_p = separate["held_bytes"] if separate else None
-        t.rows.append(
-            [
-                str(n),
-                mib(held_s),
-                mib(held_p),
-                times(held_p / held_s) if held_s and held_p else "n/a",
-                mib(shared["peak_bytes"]) if shared else "n/a",
-                mib(separate["peak_bytes"]) if separate else "n/a",
-            ]
-        )
     t.note = (
         "Held: torch.cuda.memory_reserved() growth after capture and empty_cache(), static "
         "buffers included. Peak: max_memory_reserved() growth during the captures."
     )
-    tables = [t]
     floor = result.get("floor")
-    if floor:
-        f = Table(
-            "min_free_bytes under tight memory",
-            [
-                "floor",
-                "floor GiB",
-                "free GiB at admission",
-                "memory misses",
-                "deferrals",
-                "graphs",
-                "hits",
-            ],
-        )
-        for row in floor["rows"]:
-            f.rows.append(
-                [
-                    row["label"],
-                    f"{row['floor_bytes'] / (1 << 30):.2f}",
-                    "n/a" if row["free_bytes"] is None else f"{row['free_bytes'] / (1 << 30):.2f}",
-                    str(row["memory_misses"]),
-                    str(row["memory_deferrals"]),
-                    str(row["num_graphs"]),
-                    str(row["graph_hits"]),
-                ]
-            )
-        f.note = floor.get("note", "")
-        tables.append(f)
-    return tables
+    if not floor:
+        return [t]
+    f = columns(
+        "min_free_bytes under tight memory",
+        [
+            ("floor", lambda r: r["label"]),
+            ("floor GiB", lambda r: _gib(r["floor_bytes"])),
+            ("free GiB at admission", lambda r: _gib(r["free_bytes"])),
+            ("memory misses", lambda r: str(r["memory_misses"])),
+            ("deferrals", lambda r: str(r["memory_deferrals"])),
+            ("graphs", lambda r: str(r["num_graphs"])),
+            ("hits", lambda r: str(r["graph_hits"])),
+        ],
+        floor["rows"],
+    )
+    f.note = floor.get("note", "")
+    return [t, f]

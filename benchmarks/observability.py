@@ -1,54 +1,15 @@
-"""Cost of observability: end-to-end encoder throughput with each sink, and with all of them.
-
-Every arm replays the same fixed call sequence on adapters of its own (two hot keys per
-encoder replayed from graphs, and, one call in twelve, one of three fixed audio lengths
-that the full audio adapter serves eagerly as a capacity miss, so sinks see misses as well
-as hits). The arms:
-
-* ``no_bus``: adapters without a bus (only their own stats);
-* ``bus_no_sinks``: adapters on a bus with only its stats fold (the baseline of the losses);
-* ``otel``, ``logs``, ``jsonl``, ``live``: the bus with one sink each (OpenTelemetry with
-  in-memory exporters and a metric collection every second, structlog JSON logs, the
-  JSONL event log, the rich live view drawing in this process);
-* ``production``: OTel + logs + JSONL, all three in the serving process (the live view runs
-  out of process, as ``omnitrace top --follow`` on the JSONL log), reported;
-* ``production_relayed``: the same three sinks as a server deploys them to stay under 1 %:
-  logs and the JSONL event log in process, and OpenTelemetry in another process,
-  ``omnitrace replay --follow`` relaying the arm's event log into the OTel sink and serving
-  ``/metrics``, scraped every second by a third process. The arm the < 1 % target reads,
-  measured only when all three are on;
-* ``all_sinks``: every sink in process, the live view too (reported beside them).
-
-Arms are interleaved round by round (round ``r`` starts at arm ``r mod n``), rounds are
-short and many, and the loss of an arm is the median over rounds of ``1 - arm/baseline``,
-each arm paired with the baseline of the same round, so drift and slow phases of the
-machine cancel out.
-
-Comparable rounds. An earlier version drew fresh one-off audio lengths every round: the
-first arm of each round met every new shape first and paid its first-call costs (cuDNN
-and cuBLAS plan selection, new caching-allocator blocks), which made each arm's rounds
-bimodal by its position in the round. Now every arm and round runs the identical sequence
-of shapes, all warmed up before timing; each arm also runs one untimed round first.
-Garbage is collected and the heap frozen before timing, and collected (untimed) before
-every window; collections inside windows are counted per arm. The OTel metric collection
-runs on a thread that counts only the time its own arm is being timed, so it never lands
-in another arm's window. Each arm's bus, when it has sinks, keeps its loop thread in every
-window (as the buses of all arms exist at once): that cost is common to all arms.
-
-Sinks are imported lazily; one that cannot be imported or built is skipped and the reason
-recorded (the GPU machine may lack opentelemetry or structlog). The sink sets and the relay are
-in :mod:`benchmarks.observability_sinks`.
-"""
+"""Cost of observability: encoder calls/s with each sink (:mod:`benchmarks.observability_sinks`),
+the production set, and every sink, against a bus with only its stats fold, in paired rounds;
+the method is in BENCHMARKS.md, "Method"."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +18,7 @@ import torch
 from benchmarks.common import (
     Context,
     GcClock,
+    encoders,
     figure,
     free_cuda_memory,
     quantile,
@@ -66,30 +28,18 @@ from benchmarks.common import (
     target,
 )
 from benchmarks.observability_sinks import PRODUCTION_SINKS, SinkSet, quiet
-from benchmarks.table import Table, pct
+from benchmarks.table import Table, columns, pct
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
-from omnitrace.demo.encoders import (
-    AUDIO_FULL,
-    AUDIO_TINY,
-    VISION_FULL,
-    VISION_TINY,
-    AudioEncoder,
-    VisionEncoder,
-)
+from omnitrace.demo.encoders import AUDIO_FULL, AUDIO_TINY, VISION_FULL, VISION_TINY
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "observability"
 NEEDS_CUDA = True
 
-#: Throughput loss allowed with the production sinks on.
+#: Throughput loss allowed with the production sinks on, against this arm.
 LOSS_TARGET = 0.01
-
-
-#: The arm every loss is measured against.
 BASELINE = "bus_no_sinks"
-
-
-#: The same, with OpenTelemetry relayed from the event log by another process.
+#: The production sinks with OpenTelemetry relayed from the event log by another process.
 RELAYED_SINKS = ("logs", "jsonl", "relay")
 
 #: arm -> (label, sinks on its bus; None: no bus at all).
@@ -108,16 +58,14 @@ ARMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "all_sinks": ("bus + every sink, live view in process", ("otel", "logs", "jsonl", "live")),
 }
 
-#: One call in this many is a capacity miss (a fixed audio length served eagerly).
+#: One call in this many is a capacity miss (a fixed audio length served eagerly); two graphs
+#: an encoder hold the hot keys.
 MISS_EVERY = 12
 
 
 def paired_loss(baseline: Sequence[float], arm: Sequence[float]) -> dict[str, float | int]:
-    """Return the loss of ``arm`` against ``baseline`` from rates of the same rounds.
-
-    ``loss`` is ``1 - median(arm[r] / baseline[r])``; ``loss_p25``/``loss_p75`` are the
-    quartiles of ``1 - ratio``; ``loss_total`` compares the total time of all rounds.
-    """
+    """The loss of ``arm`` against ``baseline`` from rates of the same rounds: ``1 -
+    median(arm[r] / baseline[r])``, its quartiles, and over the total time of all rounds."""
     if len(baseline) != len(arm) or not arm:
         raise ValueError("paired_loss() needs the same, non-zero number of rounds in both")
     ratios = sorted(a / b for a, b in zip(arm, baseline, strict=True))
@@ -134,9 +82,7 @@ def paired_loss(baseline: Sequence[float], arm: Sequence[float]) -> dict[str, fl
 
 def run(ctx: Context) -> dict[str, Any]:
     """Measure calls/s of every arm over interleaved rounds; return paired losses."""
-    device = ctx.device
-    dtype = ctx.dtype
-    sync = ctx.device_sync
+    device, dtype, sync = ctx.device, ctx.dtype, ctx.device_sync
     arm_names = list(ARMS)
     rounds = len(arm_names) * ctx.pick(20, 2, 1)
     per_round = ctx.pick(48, 48, 12)
@@ -147,11 +93,7 @@ def run(ctx: Context) -> dict[str, Any]:
         geoms = {"vision": VISION_FULL, "audio": AUDIO_FULL}
         vision_tokens = (256, 64)
     chunk_frames, cold_frames = (100, 200), (150, 250, 300)
-    with torch.device(device):
-        models = {
-            "vision": VisionEncoder(geoms["vision"]).to(dtype).eval(),
-            "audio": AudioEncoder(geoms["audio"]).to(dtype).eval(),
-        }
+    models = encoders(ctx, geoms)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -166,12 +108,11 @@ def run(ctx: Context) -> dict[str, Any]:
     ]
     cold = [("audio", tensor(1, 80, frames)) for frames in cold_frames]
     hot_shapes = [[enc, list(x.shape)] for enc, x in hot]
-    # The call sequence of every window, identical in every arm and round.
+    # Every window's call sequence, the same in every arm and round.
     sequence = [
         cold[(i // MISS_EVERY) % len(cold)] if i % MISS_EVERY == MISS_EVERY - 1 else hot[i % 4]
         for i in range(per_round)
     ]
-    # Two graphs per encoder: the hot keys fill the cap, the cold lengths are capacity misses.
     config = EncoderGraphConfig(min_free_bytes=0, max_graphs=2)
 
     workdir = Path(tempfile.mkdtemp(prefix="omnitrace-bench-"))
@@ -186,15 +127,10 @@ def run(ctx: Context) -> dict[str, Any]:
             for name, s in sinks[arm].report.items():
                 if s["status"] != "on":
                     ctx.log(f"  {arm}: sink {name} skipped ({s['reason']})")
+        backend = SimulatedGraphBackend if ctx.simulate else lambda: None
         adapters[arm] = {
-            enc: EncoderCudaGraph(
-                models[enc],
-                name=enc,
-                config=config,
-                bus=bus,
-                backend=SimulatedGraphBackend() if ctx.simulate else None,
-            )
-            for enc in ("vision", "audio")
+            enc: EncoderCudaGraph(model, name=enc, config=config, bus=bus, backend=backend())
+            for enc, model in models.items()
         }
 
     def window(arm: str) -> contextlib.AbstractContextManager[None]:
@@ -249,9 +185,7 @@ def run(ctx: Context) -> dict[str, Any]:
                         gc.callbacks.remove(clock)
                     samples[arm].append(per_round / elapsed)
                     bus = buses[arm]
-                    if bus is not None:
-                        # Sinks keep up on their own threads; draining here, untimed, keeps
-                        # one window's backlog out of the next arm's.
+                    if bus is not None:  # untimed: no backlog reaches the next arm's window
                         flush_start = perf()
                         flushed &= bus.flush(timeout=30.0)
                         flush_s[arm] += perf() - flush_start
@@ -275,20 +209,16 @@ def run(ctx: Context) -> dict[str, Any]:
             "vs_no_bus": paired_loss(samples["no_bus"], samples[arm]),
             "gc_collections_in_windows": gc_clocks[arm].collections,
             "gc_s_in_windows": gc_clocks[arm].seconds,
-            "metric_collections": None
-            if sink_set is None or sink_set.collector is None
-            else sink_set.collector.runs,
+            "metric_collections": getattr(getattr(sink_set, "collector", None), "runs", None),
             "untimed_flush_s": flush_s[arm],
             "emitted": None if stats is None else stats.emitted,
             "dropped": None if stats is None else stats.dropped,
             "sinks": [] if stats is None else sink_rows(stats.sinks),
             "adapter_stats": {enc: a.get_cumulative_stats() for enc, a in adapters[arm].items()},
-            "spans_exported": None
-            if sink_set is None or sink_set.spans_exported is None
-            else sink_set.spans_exported(),
-            "jsonl_bytes": None
-            if sink_set is None or sink_set.jsonl_path is None
-            else _size(sink_set.jsonl_path),
+            "spans_exported": sink_set.spans_exported()
+            if sink_set and sink_set.spans_exported
+            else None,
+            "jsonl_bytes": _size(getattr(sink_set, "jsonl_path", None)),
             "relay": relays.get(arm),
         }
         relay = relays.get(arm)
@@ -307,7 +237,6 @@ def run(ctx: Context) -> dict[str, Any]:
     del models, hot, cold
     free_cuda_memory()
 
-    # Every sink, as the all_sinks arm reports it (the reasons for skips included).
     report = dict(sinks["all_sinks"].report) if "all_sinks" in sinks else {}
     loss = arms["all_sinks"]["vs_baseline"]["loss"]
     production = arms["production"]["vs_baseline"]["loss"]
@@ -378,11 +307,8 @@ def run(ctx: Context) -> dict[str, Any]:
     }
 
 
-def _size(path: Path) -> int | None:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return None
+def _size(path: Path | None) -> int | None:
+    return path.stat().st_size if path is not None and path.exists() else None
 
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
@@ -408,37 +334,27 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     return [save_plot(plt, fig, out_dir / "observability.png")]
 
 
-# -- tables for BENCHMARKS.md -----------------------------------------------------------
-
-
 def tables(result: dict[str, Any]) -> list[Table]:
-    t = Table(
+    def loss(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda arm: pct((arm.get("vs_baseline") or {}).get(key))
+
+    def count(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda arm: "-" if arm.get(key) is None else str(arm[key])
+
+    t = columns(
         "End-to-end throughput with sinks",
         [
-            "configuration",
-            "sinks on",
-            "calls/s (median)",
-            "loss vs bus, median of paired rounds",
-            "p25 / p75",
-            "loss, total time",
-            "events",
-            "dropped",
+            ("configuration", lambda arm: arm["label"]),
+            ("sinks on", lambda arm: ", ".join(arm.get("sinks_on") or []) or "-"),
+            ("calls/s (median)", lambda arm: f"{arm['calls_per_s']:,.1f}"),
+            ("loss vs bus, median of paired rounds", loss("loss")),
+            ("p25 / p75", lambda arm: f"{loss('loss_p25')(arm)} / {loss('loss_p75')(arm)}"),
+            ("loss, total time", loss("loss_total")),
+            ("events", count("emitted")),
+            ("dropped", count("dropped")),
         ],
+        result["arms"].values(),
     )
-    for arm in result["arms"].values():
-        paired = arm.get("vs_baseline") or {}
-        t.rows.append(
-            [
-                arm["label"],
-                ", ".join(arm.get("sinks_on") or []) or "-",
-                f"{arm['calls_per_s']:,.1f}",
-                pct(paired.get("loss")),
-                f"{pct(paired.get('loss_p25'))} / {pct(paired.get('loss_p75'))}",
-                pct(paired.get("loss_total")),
-                "-" if arm.get("emitted") is None else str(arm["emitted"]),
-                "-" if arm.get("dropped") is None else str(arm["dropped"]),
-            ]
-        )
     sinks = ", ".join(
         f"{name}: {'on' if s['status'] == 'on' else 'skipped (' + s['reason'] + ')'}"
         for name, s in result["sinks"].items()

@@ -1,6 +1,5 @@
-"""The observability benchmark's sinks: each arm's set built on its bus (skipped with the reason
-when a sink cannot be), and the relay that exports the event log's OTel from another process.
-"""
+"""The observability benchmark's sinks: each arm's set on its bus (a sink that cannot be built
+skipped, with the reason), and the relay exporting the event log's OTel from another process."""
 
 from __future__ import annotations
 
@@ -20,23 +19,15 @@ from typing import Any
 
 from omnitrace import EventBus
 
-#: structlog level for the log sink: the library's default. At "debug" every hit is a line.
+#: structlog level for the log sink: the library's default (at "debug" every hit is a line).
 LOG_LEVEL = "info"
-
 #: Seconds of an arm's timed windows between two OTel metric collections.
 METRIC_INTERVAL_S = 1.0
-
-
 #: The sinks a server runs (the live view runs out of process there, on the JSONL log).
 PRODUCTION_SINKS = ("otel", "logs", "jsonl")
 
-
-#: How the relayed arm runs the command line.
-_OMNITRACE = (sys.executable, "-m", "omnitrace")
-
-#: The scraper process of the relayed arm: GET the URL every INTERVAL seconds until SIGTERM,
-#: then print how many scrapes succeeded and how many failed once one had succeeded (before
-#: that, the relay is still starting and refuses).
+#: The relayed arm's scraper: GET the URL every INTERVAL seconds until SIGTERM, then print the
+#: scrapes that succeeded and those that failed after one had (before, the relay is starting).
 _SCRAPER = """
 import signal, sys, time, urllib.request
 url, interval = sys.argv[1], float(sys.argv[2])
@@ -58,7 +49,7 @@ print(ok, failed)
 
 
 class _Null(io.TextIOBase):
-    """A text stream that drops everything (sink output must not reach the terminal)."""
+    """A text stream that drops everything."""
 
     def write(self, s: str) -> int:
         return len(s)
@@ -75,11 +66,8 @@ def quiet() -> Iterator[None]:
 
 
 class _ActiveTimer:
-    """Call ``fn`` every ``interval`` seconds of time spent inside :meth:`running` blocks.
-
-    The countdown pauses between blocks, so a periodic job (a metric collection) runs at
-    its rate in its own arm's timed windows and never in another arm's.
-    """
+    """Call ``fn`` every ``interval`` seconds spent inside :meth:`running` blocks (the countdown
+    pauses between them), so a metric collection never lands in another arm's window."""
 
     def __init__(self, fn: Callable[[], object], interval: float) -> None:
         self.fn = fn
@@ -112,12 +100,8 @@ class _ActiveTimer:
 
 
 class SinkSet:
-    """The sinks ``names`` attached to one bus.
-
-    ``report`` says, per sink, whether it is on or why it was skipped. ``active()`` wraps a
-    timed window in what must run only while it is on (the live view's refresh thread,
-    the metric collection).
-    """
+    """The sinks ``names`` on one bus; ``report`` says per sink whether it is on or why it was
+    skipped; ``active()`` runs what may run only in the arm's timed windows."""
 
     def __init__(self, bus: EventBus, names: Sequence[str], workdir: Path, arm: str) -> None:
         self.bus = bus
@@ -171,8 +155,7 @@ class SinkSet:
         self._closers += [tracer_provider.shutdown, meter_provider.shutdown]
         self.spans_exported = lambda: len(spans.get_finished_spans())
 
-        def collect() -> None:
-            # Collect and serialise every metric, as a busy scraper or exporter would.
+        def collect() -> None:  # as a busy scraper or exporter would
             data = reader.get_metrics_data()
             if data is not None:
                 data.to_json()
@@ -224,12 +207,11 @@ class SinkSet:
         )
 
     def finish_relay(self) -> dict[str, Any] | None:
-        """Stop the relay processes; return what they did (None without a relay)."""
+        """Stop the relay's processes; what they did (None without a relay)."""
         return None if self._relay is None else self._relay.finish()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Run the block with the live view drawing and metrics collected (when on)."""
         with quiet(), contextlib.ExitStack() as stack:
             if self._live is not None:
                 stack.enter_context(self._live())
@@ -255,14 +237,14 @@ class Relay:
             self.port = probe.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
         self.out, self.err = stem.with_suffix(".relay.out"), stem.with_suffix(".relay.err")
+        relay = [sys.executable, "-m", "omnitrace", "replay", "--follow", str(log)]
         self.process = subprocess.Popen(
-            [*_OMNITRACE, "replay", "--follow", str(log), "--prometheus-port", str(self.port)],
+            [*relay, "--prometheus-port", str(self.port)],
             stdout=self.out.open("w"),
             stderr=self.err.open("w"),
             env=env,
         )
-        # Never outlive the benchmark, whatever ends it.
-        atexit.register(self.kill)
+        atexit.register(self.kill)  # never outlive the benchmark
         url = f"http://127.0.0.1:{self.port}/metrics"
         self.scraper = subprocess.Popen(
             [sys.executable, "-c", _SCRAPER, url, str(METRIC_INTERVAL_S)],

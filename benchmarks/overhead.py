@@ -1,27 +1,11 @@
-"""Host-side overhead of the adapter's hit path and of the event bus.
-
-CPU parts (any machine, ``--suite cpu``):
-
-* ``emit``: ``EventBus.emit()`` cost with 0, 1 and 4 subscribers, as no-op sinks
-  (``add_sink``) and as no-op folds (``add_fold``); the bus's own fold (per-signature
-  coverage, which applies every event to the stats) always runs.
-  Each by the wall clock and by the calling thread's CPU time; and the bus's own fold called
-  directly on the same events (its share of every emit).
-* ``fold``: events/s through :class:`omnitrace.StatsFold` alone.
-* ``throughput``: events/s through ``emit`` with the bus's fold only, and through 1 and 4
-  asynchronous sinks with queues large enough that nothing drops (timed until ``flush()``
-  returns), with ``bus.statistics()`` and the delivered counts.
-* ``hit_path``: the adapter's hit path on the simulated backend (no device): total, and its
-  split into admission/key building, copy/clone and emit.
-
-CUDA part: adapter hit against a bare ``torch.cuda.CUDAGraph`` copy-replay-clone on a tiny
-encoder, where launch cost dominates: host time per call and synchronized latency.
-"""
+"""Host-side overhead of the event bus (``emit``, fold and bus throughput) and of the adapter's
+hit path (simulated split; on CUDA, against a bare copy-replay-clone); ``--suite cpu`` runs
+all but the CUDA part."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +31,12 @@ from omnitrace.testing import SimulatedGraphBackend
 NAME = "overhead"
 NEEDS_CUDA = False
 
-#: Targets from the issue.
 EMIT_TARGET_US = 1.0
 HIT_PATH_TARGET_US = 15.0
 
 
 class NoOpSink:
-    """A sink that only counts what it receives (runs on the bus's worker thread)."""
+    """A sink that only counts what it receives (on the bus's worker thread)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -63,20 +46,14 @@ class NoOpSink:
         self.received += len(events)
 
 
-class AsyncNoOpSink:
-    """A coroutine sink that only counts what it receives (runs on the bus loop)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.received = 0
+class AsyncNoOpSink(NoOpSink):
+    """The same as a coroutine sink (on the bus loop)."""
 
     async def handle(self, events: Sequence[Event]) -> None:
         self.received += len(events)
 
 
 class CountingFold:
-    """A synchronous fold that only counts."""
-
     def __init__(self) -> None:
         self.count = 0
 
@@ -85,11 +62,8 @@ class CountingFold:
 
 
 def event_mix(n: int) -> list[Event]:
-    """Return ``n`` events like a serving stream: hits of two encoders, a few warm-up misses.
-
-    As from the adapter: a hit carries its graph's signature object, shared by every hit of
-    that graph; a miss a signature of its own, equal to the key's earlier ones.
-    """
+    """``n`` events as from two encoders' adapters: hits sharing their graph's signature
+    object, and one call in twenty a warm-up miss with a signature of its own."""
     events: list[Event] = []
     mono, epoch = time.monotonic_ns(), time.time_ns()
     graphs = {
@@ -99,17 +73,9 @@ def event_mix(n: int) -> list[Event]:
     for i in range(n):
         adapter = "vision" if i % 2 == 0 else "audio"
         if i % 20 == 19:
-            events.append(
-                GraphMissed(
-                    adapter,
-                    Signature.parse("bfloat16[1,80,312] @cuda:0 s=0"),
-                    mono + i,
-                    epoch + i,
-                    MissReason.WARMUP,
-                    "call 1 of 2",
-                    0.004,
-                )
-            )
+            key = Signature.parse("bfloat16[1,80,312] @cuda:0 s=0")
+            miss = (MissReason.WARMUP, "call 1 of 2", 0.004)
+            events.append(GraphMissed(adapter, key, mono + i, epoch + i, *miss))
         else:
             events.append(GraphReplayed(adapter, graphs[adapter], mono + i, epoch + i, 2e-5))
     return events
@@ -119,24 +85,23 @@ def _expected_counts(events: Sequence[Event]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for ev in events:
         slot = out.setdefault(ev.adapter, {"graph_hits": 0, "graph_misses": 0})
-        if isinstance(ev, GraphReplayed):
-            slot["graph_hits"] += 1
-        else:
-            slot["graph_misses"] += 1
+        slot["graph_hits" if isinstance(ev, GraphReplayed) else "graph_misses"] += 1
     return out
+
+
+def _counts(snapshots: dict[str, Any]) -> dict[str, dict[str, int]]:
+    return {
+        name: {"graph_hits": s.graph_hits, "graph_misses": s.graph_misses}
+        for name, s in snapshots.items()
+    }
 
 
 def _rounds_by_clock(
     variants: dict[str, Callable[[], object]], per_round: int, rounds: int
 ) -> tuple[dict[str, dict[str, float | int]], dict[str, dict[str, float | int]]]:
-    """Time ``per_round`` back-to-back calls of each variant, interleaved over ``rounds``, by
-    the wall clock and by the calling thread's CPU time; return the summaries of each.
-
-    Each sample is the mean cost of one call within one round (so a sample is a loop, which
-    keeps the timer's own cost out of sub-microsecond numbers); the summary is over rounds.
-    The two clocks differ by the time the thread waited for the GIL while other threads (a
-    bus's sink threads) held it: wall time counts it, the thread's CPU time does not.
-    """
+    """Summaries over ``rounds`` of the mean cost of ``per_round`` back-to-back calls of each
+    variant (a loop keeps the timer's cost out of sub-microsecond figures), by the wall clock
+    and by the thread's CPU time (which leaves out waits for the GIL)."""
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     perf, thread = time.perf_counter_ns, time.thread_time_ns
@@ -157,11 +122,13 @@ def _rounds_by_clock(
 def _rounds(
     variants: dict[str, Callable[[], object]], per_round: int, rounds: int
 ) -> dict[str, dict[str, float | int]]:
-    """The wall-clock summaries of :func:`_rounds_by_clock`."""
     return _rounds_by_clock(variants, per_round, rounds)[0]
 
 
-# -- emit cost ---------------------------------------------------------------------------
+def _cycle(fn: Callable[[Event], object], events: Sequence[Event]) -> Callable[[], object]:
+    """A call of ``fn`` on the next of the 64 ``events``, round and round."""
+    it = iter(range(1 << 62))
+    return lambda: fn(events[next(it) & 63])
 
 
 def bench_emit(ctx: Context) -> dict[str, Any]:
@@ -173,8 +140,7 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
         for count in (0, 1, 4):
             if kind == "folds" and count == 0:
                 continue  # the same configuration as sinks=0
-            # Every round emits per_round events; the queues hold them all, so nothing drops
-            # even if the drain thread is slow to start.
+            # The queues hold every event emitted, so nothing drops however slow the drain.
             bus = EventBus(queue_size=per_round * rounds + 1)
             sinks = [NoOpSink(f"noop{i}") for i in range(count)] if kind == "sinks" else []
             folds = [CountingFold() for _ in range(count)] if kind == "folds" else []
@@ -182,11 +148,7 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
                 bus.add_sink(sink)
             for fold in folds:
                 bus.add_fold(fold)
-            it = iter(range(1 << 62))
-
-            def emit_one(bus: EventBus = bus, it: Any = it) -> None:
-                bus.emit(events[next(it) & 63])
-
+            emit_one = _cycle(bus.emit, events)
             wall, cpu_time = _rounds_by_clock({"emit": emit_one}, per_round, rounds)
             stats, cpu = wall["emit"], cpu_time["emit"]
             flushed = bus.flush(timeout=30.0)
@@ -212,23 +174,17 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
                 f"{stats['median'] * 1000:.0f} ns/emit, {cpu['median'] * 1000:.0f} ns of the "
                 f"thread's CPU time (medians of {rounds} rounds)"
             )
-    # The loop and the event lookup cost something too; report them so they can be subtracted.
-    it2 = iter(range(1 << 62))
-    loop_only = _rounds({"loop": lambda: events[next(it2) & 63]}, per_round, rounds)["loop"]
-    # The bus's own fold, called directly on the same events: its share of every emit.
+    # The loop alone, to subtract; the bus's own fold alone, its share of every emit.
     fold = CoverageFold(DEFAULT_COVERAGE_KEYS, stats=StatsFold()).fold
-    it3 = iter(range(1 << 62))
-    fold_only = _rounds({"fold": lambda: fold(events[next(it3) & 63])}, per_round, rounds)["fold"]
+    variants = {"loop": _cycle(lambda e: e, events), "fold": _cycle(fold, events)}
+    alone = _rounds(variants, per_round, rounds)
     return {
         "rows": rows,
-        "loop_overhead_us": loop_only,
-        "bus_fold_us": fold_only,
+        "loop_overhead_us": alone["loop"],
+        "bus_fold_us": alone["fold"],
         "per_round": per_round,
         "rounds": rounds,
     }
-
-
-# -- fold and bus throughput ------------------------------------------------------------
 
 
 def bench_fold(ctx: Context) -> dict[str, Any]:
@@ -238,12 +194,7 @@ def bench_fold(ctx: Context) -> dict[str, Any]:
     start = time.perf_counter()
     fold.extend(events)
     elapsed = time.perf_counter() - start
-    snaps = fold.snapshots()
-    expected = _expected_counts(events)
-    folded = {
-        name: {"graph_hits": s.graph_hits, "graph_misses": s.graph_misses}
-        for name, s in snaps.items()
-    }
+    folded, expected = _counts(fold.snapshots()), _expected_counts(events)
     ctx.log(f"  stats fold: {n / elapsed / 1e6:.2f} M events/s")
     return {
         "events": n,
@@ -275,11 +226,7 @@ def bench_throughput(ctx: Context) -> dict[str, Any]:
         emitted_at = time.perf_counter()
         flushed = bus.flush(timeout=60.0)
         done = time.perf_counter()
-        stats = bus.statistics()
-        folded = {
-            name: {"graph_hits": s.graph_hits, "graph_misses": s.graph_misses}
-            for name, s in bus.adapter_stats().items()
-        }
+        stats, folded = bus.statistics(), _counts(bus.adapter_stats())
         bus.close()
         rows.append(
             {
@@ -307,9 +254,6 @@ def bench_throughput(ctx: Context) -> dict[str, Any]:
     return {"rows": rows}
 
 
-# -- the hit path on the simulated backend ----------------------------------------------
-
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -323,27 +267,17 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
     backend = SimulatedGraphBackend()
     graph = backend.capture(CaptureRequest(_identity, (x,), cpu, None, None))
 
-    buses: list[EventBus] = []
     bus_fold = EventBus(queue_size=10)
-    bus_sink = EventBus(queue_size=per_round * rounds + 16)
-    sink = NoOpSink("noop")
-    bus_sink.add_sink(sink)
-    buses += [bus_fold, bus_sink]
+    bus_sink, sink = _sink_bus(per_round * rounds + 16)
+    buses = {"no_bus": None, "bus": bus_fold, "bus_sink": bus_sink}
     adapters = {
-        "no_bus": EncoderCudaGraph(
-            _identity, name="a", config=config, backend=SimulatedGraphBackend()
-        ),
-        "bus": EncoderCudaGraph(
-            _identity, name="b", config=config, bus=bus_fold, backend=SimulatedGraphBackend()
-        ),
-        "bus_sink": EncoderCudaGraph(
-            _identity, name="c", config=config, bus=bus_sink, backend=SimulatedGraphBackend()
-        ),
+        name: EncoderCudaGraph(
+            _identity, name="abc"[i], config=config, bus=bus, backend=SimulatedGraphBackend()
+        )
+        for i, (name, bus) in enumerate(buses.items())
     }
     with torch.no_grad():
-        for adapter in adapters.values():
-            for _ in range(config.min_capture_calls):
-                adapter(x)
+        _capture(adapters.values(), x, config.min_capture_calls)
         before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
         mono, epoch = time.monotonic_ns, time.time_ns
         variants: dict[str, Callable[[], object]] = {
@@ -357,9 +291,9 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
         timings = _rounds(variants, per_round, rounds)
     after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     bus_sink.flush(timeout=30.0)
-    statistics = {"bus": bus_fold.statistics(), "bus_sink": bus_sink.statistics()}
-    for bus in buses:
-        bus.close()
+    dropped = bus_sink.statistics().dropped
+    bus_fold.close()
+    bus_sink.close()
 
     med = {name: s["median"] for name, s in timings.items()}
     split = {
@@ -371,9 +305,6 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
         "total": med["adapter_bus"],
         "total_with_sink": med["adapter_bus_sink"],
     }
-    timed_calls = per_round * rounds
-    hits = {name: after[name]["graph_hits"] - before[name]["graph_hits"] for name in adapters}
-    misses = {name: after[name]["graph_misses"] - before[name]["graph_misses"] for name in adapters}
     ctx.log(
         "  hit path (simulated, no device): "
         f"total {split['total']:.2f} us = admission/key {split['admission_key']:.2f} "
@@ -383,16 +314,34 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
         "input_shape": list(x.shape),
         "timings_us": timings,
         "split_us": split,
-        "timed_calls": timed_calls,
-        "hits": hits,
-        "misses": misses,
-        "dropped": statistics["bus_sink"].dropped,
+        "timed_calls": per_round * rounds,
+        **_hits_and_misses(before, after),
+        "dropped": dropped,
         "delivered": sink.received,
         "note": "simulated backend: replay re-runs an identity forward on CPU; no device work",
     }
 
 
-# -- CUDA: adapter hit against bare copy-replay-clone -----------------------------------
+def _sink_bus(queue_size: int) -> tuple[EventBus, NoOpSink]:
+    bus, sink = EventBus(queue_size=queue_size), NoOpSink("noop")
+    bus.add_sink(sink)
+    return bus, sink
+
+
+def _capture(adapters: Iterable[EncoderCudaGraph], x: torch.Tensor, calls: int) -> None:
+    for adapter in adapters:
+        for _ in range(calls):
+            adapter(x)
+
+
+def _hits_and_misses(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The hits and the misses of each adapter between two ``get_cumulative_stats()``."""
+    return {
+        kind: {name: after[name][f"graph_{kind}"] - before[name][f"graph_{kind}"] for name in after}
+        for kind in ("hits", "misses")
+    }
 
 
 def _host_and_latency(
@@ -428,24 +377,16 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
     x = torch.randn(1, 16, VISION_TINY.hidden, device="cuda", dtype=dtype)
     config = EncoderGraphConfig(min_free_bytes=0)
     bus = EventBus()
-    sink_bus = EventBus(queue_size=per_round * rounds + 16)
-    sink = NoOpSink("noop")
-    sink_bus.add_sink(sink)
+    sink_bus, sink = _sink_bus(per_round * rounds + 16)
+    buses = {"adapter_no_bus": None, "adapter_bus": bus, "adapter_bus_sink": sink_bus}
     with torch.no_grad():
         ref = model(x)
         bare = BareGraph(model, x)
         adapters = {
-            "adapter_no_bus": EncoderCudaGraph(model, name="tiny-a", config=config, backend=None),
-            "adapter_bus": EncoderCudaGraph(
-                model, name="tiny-b", config=config, bus=bus, backend=None
-            ),
-            "adapter_bus_sink": EncoderCudaGraph(
-                model, name="tiny-c", config=config, bus=sink_bus, backend=None
-            ),
+            name: EncoderCudaGraph(model, name=f"tiny-{'abc'[i]}", config=config, bus=b)
+            for i, (name, b) in enumerate(buses.items())
         }
-        for adapter in adapters.values():
-            for _ in range(config.min_capture_calls):
-                adapter(x)
+        _capture(adapters.values(), x, config.min_capture_calls)
         errors = {
             "bare": max_rel_err(bare(x), ref),
             **{name: max_rel_err(a(x), ref) for name, a in adapters.items()},
@@ -466,9 +407,6 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
     dropped = sink_bus.statistics().dropped
     bus.close()
     sink_bus.close()
-    timed = per_round * rounds
-    hits = {name: after[name]["graph_hits"] - before[name]["graph_hits"] for name in adapters}
-    misses = {name: after[name]["graph_misses"] - before[name]["graph_misses"] for name in adapters}
     bare_host = timings["bare"]["host_us"]["median"]
     over = {
         name: {
@@ -490,29 +428,25 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
         "dtype": "bfloat16",
         "timings": timings,
         "over_bare": over,
-        "timed_calls": timed,
-        "hits": hits,
-        "misses": misses,
+        "timed_calls": per_round * rounds,
+        **_hits_and_misses(before, after),
         "dropped": dropped,
         "delivered": sink.received,
         "max_rel_err": errors,
     }
 
 
-# -- entry point -------------------------------------------------------------------------
-
-
 def run(ctx: Context) -> dict[str, Any]:
     """Run the CPU parts, then the CUDA part when a GPU is present."""
     result: dict[str, Any] = {}
-    ctx.log("overhead: EventBus.emit() cost")
-    result["emit"] = bench_emit(ctx)
-    ctx.log("overhead: stats fold throughput")
-    result["fold"] = bench_fold(ctx)
-    ctx.log("overhead: bus throughput")
-    result["throughput"] = bench_throughput(ctx)
-    ctx.log("overhead: adapter hit path on the simulated backend")
-    result["hit_path"] = bench_hit_path(ctx)
+    for key, what, bench in (
+        ("emit", "EventBus.emit() cost", bench_emit),
+        ("fold", "stats fold throughput", bench_fold),
+        ("throughput", "bus throughput", bench_throughput),
+        ("hit_path", "adapter hit path on the simulated backend", bench_hit_path),
+    ):
+        ctx.log(f"overhead: {what}")
+        result[key] = bench(ctx)
     if ctx.cuda and not ctx.simulate:
         ctx.log("overhead: CUDA adapter hit vs bare copy-replay-clone (tiny encoder)")
         result["cuda"] = bench_cuda_hit_vs_bare(ctx)

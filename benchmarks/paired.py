@@ -1,28 +1,9 @@
-"""Graphs off and on inside one engine: paired requests of each kind, so drift hits both.
+"""Graphs off and on inside one offline engine: paired requests of each kind, so drift hits both.
 
-One offline ``vllm.LLM`` engine with omnitrace's defaults. Before each measured request the
-graphs of every worker are paused or resumed (``llm.collective_rpc`` of
-:func:`omnitrace.integrations.vllm_plugin.pause_graphs`: a paused adapter serves its calls
-eagerly and keeps its graphs), and each pair of requests of one kind runs eager and graphed
-back to back, the order alternating from pair to pair. A slow phase of the machine then hits
-both halves of a pair alike, which comparing two engines started one after the other cannot
-promise. Every request carries new pixels or samples of the same size (vLLM caches encoder
-outputs by content) and asks for one token, so its wall time is its time to the first token.
-
-Reported per request kind: the wall time of the eager and the graphed requests (p50, p99),
-the paired differences (median and interquartile range, in ms and per cent of the eager
-request), and where each request's time went from omnitrace's own per-request events
-(``RequestTimed`` joined with the encoder steps that served it, :mod:`omnitrace.requests`).
-It also checks what must hold for the figures to mean anything: every request has its event,
-paused requests replayed no graph and graphed ones did. After the pairs, request timing's
-own cost: rounds of a batch of 8 requests (concurrency 8) with timing switched off and one
-with it on, alternating (``time_requests``, in this process and through ``collective_rpc``
-in the workers), as requests/s and the paired change per round.
-
-    python -m benchmarks.paired --model minicpmo --size released --out bench-results/paired
-
-On a CPU it runs the tiny checkpoint: the plumbing is checked, the numbers mean nothing, and
-graphs cannot capture (so the graphed half stays eager).
+Eager and graphed back to back (``collective_rpc`` of ``pause_graphs``), then request timing's
+cost; BENCHMARKS.md says what it reports. Each request carries new content (vLLM caches encoder
+outputs by content) and asks for one token, so its wall time is its TTFT; on a CPU the graphed
+half stays eager. ``python -m benchmarks.paired --model minicpmo --size released --out DIR``.
 """
 
 from __future__ import annotations
@@ -42,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import quantile
+from benchmarks.engine_phases import request_views, view_phases_ms
 from benchmarks.table import Table, ms
 
 SAMPLING_RATE = 16_000
@@ -121,12 +103,6 @@ def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str
         "diff_median_pct": statistics.median(rel) if rel else float("nan"),
         "graphed_faster": sum(d < 0 for d in diffs),
     }
-
-
-def _phases_ms(views: Sequence[Any]) -> dict[str, float]:
-    from omnitrace.requests import PHASES
-
-    return {p: statistics.mean(v.phases[p] for v in views) * 1e3 for p in PHASES}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -278,16 +254,9 @@ def _report(
     total_s: float,
     cuda: bool,
 ) -> dict[str, Any]:
-    from omnitrace.eventlog.chunks import read_logs
-    from omnitrace.requests import RequestJoin
-
     # Read after the engine's processes exited: each flushed its event log as it did.
     logs = sorted(out.glob("events-*.jsonl"))
-    join = RequestJoin(calls=True)
-    for _, chunk in read_logs(logs):
-        for record in chunk:
-            join.add(record.item, record.pid)
-    joined = join.requests()
+    joined = request_views(logs)
     # Found by either id: the one LLM.generate reports, or the engine's.
     views = {v.event.request_id: v for v in joined}
     views |= {v.event.engine_request_id: v for v in joined}
@@ -301,7 +270,7 @@ def _report(
             if len(found) != len(ids):
                 problems.append(f"{kind} {half}: {len(ids) - len(found)} requests without events")
             if found:
-                row[f"{half}_phases_ms"] = _phases_ms(found)
+                row[f"{half}_phases_ms"] = view_phases_ms(found)
                 row[f"{half}_ttft_event_p50_ms"] = statistics.median(v.ttft_s for v in found) * 1e3
                 outcomes = [c.get("outcome") for v in found for s in v.steps for c in s.calls]
                 row[f"{half}_encoder_calls"] = {o: outcomes.count(o) for o in set(outcomes)}

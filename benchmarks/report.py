@@ -1,14 +1,7 @@
 """Render benchmark JSON results as markdown tables, and refresh ``BENCHMARKS.md`` with them.
 
-Usage::
-
-    python -m benchmarks.report bench-results                      # print the markdown
-    python -m benchmarks.report bench-results --write BENCHMARKS.md  # replace its tables
-
-``--write`` replaces what lies between ``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->``
-for every section X it has results for (``environment``, ``goals``, ``targets``, and one per
-benchmark), and leaves the rest of the file, prose included, as it is. Results written by
-earlier versions of the benchmarks (no goal tags, other arms) render too.
+``python -m benchmarks.report DIR [--write BENCHMARKS.md]`` replaces what lies between
+``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->`` for every section X it has results for.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suites import BENCHMARKS, SUITES
-from benchmarks.table import Table, verdict
+from benchmarks.table import Table, measured, verdict
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -42,8 +35,8 @@ GOALS: dict[str, str] = {
     "coverage_costs": "Hit-path cost of the bus's folds (stats and per-signature coverage) and "
     "of CUDA-event device timing, measured",
 }
-#: Goals of benchmarks outside the ``all`` suite, by goal: the benchmark and the text. The
-#: goals table lists one only when that benchmark's results are among those it renders.
+#: Goals of benchmarks outside the ``all`` suite: (benchmark, text), listed only when that
+#: benchmark's results are rendered.
 OWN_SUITE_GOALS: dict[str, tuple[str, str]] = {
     "eventlog_scale": (
         "eventlog",
@@ -58,49 +51,50 @@ OWN_SUITE_GOALS: dict[str, tuple[str, str]] = {
         "smaller than without graphs by more than the pools' bytes",
     ),
 }
-
-
-# -- formatting --------------------------------------------------------------------------
+#: Statuses of a benchmark that did not fail (a failed one's result renders under a banner).
+_RENDERED = ("ok", "partial")
+#: The module that renders each benchmark's tables (its ``tables(result)``).
+RENDERERS: dict[str, str] = {
+    "engine": "benchmarks.engine_report",
+    "eventlog": "benchmarks.eventlog",
+    "overhead": "benchmarks.overhead_report",
+    "latency": "benchmarks.latency_report",
+    "traffic": "benchmarks.traffic",
+    "capture": "benchmarks.capture_report",
+    "memory": "benchmarks.memory",
+    "observability": "benchmarks.observability",
+}
 
 
 def _markdown(table: Table) -> str:
-    lines = [f"**{table.title}**", ""]
-    lines.append("| " + " | ".join(table.headers) + " |")
+    lines = [f"**{table.title}**", "", "| " + " | ".join(table.headers) + " |"]
     lines.append("|" + "|".join("---" for _ in table.headers) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    if table.note:
-        lines += ["", table.note]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", table.note] if table.note else []))
 
 
 def _text(table: Table) -> str:
-    widths = [len(h) for h in table.headers]
-    for row in table.rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    widths = [
+        max(len(c) for c in column) for column in zip(table.headers, *table.rows, strict=True)
+    ]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [table.title, fmt.format(*table.headers), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*row) for row in table.rows]
-    return "\n".join(lines)
+    return "\n".join(lines + [fmt.format(*row) for row in table.rows])
+
+
+def _suffix(payload: dict[str, Any]) -> str:
+    return {"partial": " (partial run)", "ok": ""}.get(str(payload.get("status")), " (failed run)")
 
 
 def _targets_table(outputs: dict[str, dict[str, Any]]) -> Table:
     t = Table("Targets", ["benchmark", "target", "measured", "limit", "status"])
     for name, payload in outputs.items():
-        status = payload.get("status")
-        if status not in _RENDERED:
+        if payload.get("status") not in _RENDERED:
             t.rows.append([name, "(benchmark failed)", payload.get("error") or "", "", "ERROR"])
-        suffix = {"partial": " (partial run)", "ok": ""}.get(str(status), " (failed run)")
         for tg in (payload.get("result") or {}).get("targets", []):
-            value = tg["value"]
-            shown = "n/a" if value is None else f"{value:,.3g} {tg['unit']}"
+            limit = f"{tg['op']} {tg['limit']:g} {tg['unit']}"
             t.rows.append(
-                [
-                    name,
-                    tg["name"] + suffix,
-                    shown,
-                    f"{tg['op']} {tg['limit']:g} {tg['unit']}",
-                    verdict(tg["met"]),
-                ]
+                [name, tg["name"] + _suffix(payload), measured(tg), limit, verdict(tg["met"])]
             )
     return t
 
@@ -112,35 +106,22 @@ def _goals_table(outputs: dict[str, dict[str, Any]]) -> Table:
     goals.update({goal: text for goal, (name, text) in OWN_SUITE_GOALS.items() if name in outputs})
     entries: dict[str, list[tuple[str, dict[str, Any], bool]]] = {g: [] for g in goals}
     for payload in outputs.values():
-        suffix = {"partial": " (partial run)", "ok": ""}.get(
-            str(payload.get("status")), " (failed run)"
-        )
         result = payload.get("result") or {}
-        for item in result.get("targets", []):
-            if item.get("goal") in entries:
-                entries[item["goal"]].append((suffix, item, True))
-        for item in result.get("figures", []):
-            if item.get("goal") in entries:
-                entries[item["goal"]].append((suffix, item, False))
+        for key, is_target in (("targets", True), ("figures", False)):
+            for item in result.get(key, []):
+                if item.get("goal") in entries:
+                    entries[item["goal"]].append((_suffix(payload), item, is_target))
     for goal, text in goals.items():
         if not entries[goal]:
             t.rows.append([text, "(no check in these results)", "", "", "not measured"])
-            continue
         for i, (suffix, item, is_target) in enumerate(entries[goal]):
-            value = item["value"]
             unit = f" {item['unit']}" if item["unit"] else ""
-            shown = "n/a" if value is None else f"{value:,.3g}{unit}"
-            t.rows.append(
-                [
-                    text if i == 0 else "",
-                    item["name"] + suffix,
-                    shown,
-                    f"{item['op']} {item['limit']:g}{unit}" if is_target else "-",
-                    verdict(item["met"])
-                    if is_target
-                    else ("reported" if value is not None else "not measured"),
-                ]
-            )
+            if is_target:
+                bar, status = f"{item['op']} {item['limit']:g}{unit}", verdict(item["met"])
+            else:
+                bar, status = "-", "reported" if item["value"] is not None else "not measured"
+            cells = [text if i == 0 else "", item["name"] + suffix, measured(item, unit), bar]
+            t.rows.append([*cells, status])
     t.note = (
         "Each check's note in the benchmark's JSON says how it was measured and where it "
         "was not. 'reported': a cost the goal asks to measure, with no bar of its own."
@@ -150,12 +131,11 @@ def _goals_table(outputs: dict[str, dict[str, Any]]) -> Table:
 
 def _environment(outputs: dict[str, dict[str, Any]]) -> str:
     env = next(iter(outputs.values()))["environment"]
-    gpu = env.get("gpu") or "none"
     parts = [
         f"- Date (UTC): {env.get('date_utc')}",
         f"- Command: `{env.get('command')}`",
-        f"- GPU: {gpu} (driver {env.get('driver') or 'n/a'}), torch {env.get('torch')} "
-        f"(CUDA {env.get('torch_cuda') or 'n/a'}), Python {env.get('python')}",
+        f"- GPU: {env.get('gpu') or 'none'} (driver {env.get('driver') or 'n/a'}), torch "
+        f"{env.get('torch')} (CUDA {env.get('torch_cuda') or 'n/a'}), Python {env.get('python')}",
         f"- omnitrace {env.get('omnitrace')} at {env.get('git_commit') or 'unknown commit'}; "
         f"scale {env.get('scale')}",
     ]
@@ -176,35 +156,10 @@ def _environment(outputs: dict[str, dict[str, Any]]) -> str:
 
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
-    """Read every ``<benchmark>.json`` in ``out_dir``, in the runner's order."""
-    outputs: dict[str, dict[str, Any]] = {}
-    # The ``all`` suite's first, then those of suites of their own (eventlog, engine).
+    """Read every ``<benchmark>.json`` in ``out_dir``: the ``all`` suite's first, in order."""
     names = dict.fromkeys([*BENCHMARKS, *(n for suite in SUITES.values() for n in suite)])
-    for name in names:
-        path = out_dir / f"{name}.json"
-        if path.exists():
-            outputs[name] = json.loads(path.read_text(encoding="utf-8"))
-    return outputs
-
-
-#: Statuses of a benchmark that did not fail: finished, or cut short by a killed run. A
-#: failed benchmark's result (what it measured before or around the failure) is rendered
-#: too, under a banner that says it failed.
-_RENDERED = ("ok", "partial")
-
-
-#: The module that renders each benchmark's tables (its ``tables(result)``), imported only when
-#: its results are rendered.
-RENDERERS: dict[str, str] = {
-    "engine": "benchmarks.engine_report",
-    "eventlog": "benchmarks.eventlog",
-    "overhead": "benchmarks.overhead_report",
-    "latency": "benchmarks.latency_report",
-    "traffic": "benchmarks.traffic",
-    "capture": "benchmarks.capture_report",
-    "memory": "benchmarks.memory",
-    "observability": "benchmarks.observability",
-}
+    paths = [out_dir / f"{name}.json" for name in names]
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in paths if p.exists()}
 
 
 def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
@@ -215,10 +170,8 @@ def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
 
 
 def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -> dict[str, str]:
-    """Return ``{section: markdown}`` for ``environment``, ``targets`` and each benchmark.
-
-    ``image_dir`` is the folder of the plots as the document's links must name it.
-    """
+    """``{section: markdown}`` for ``environment``, ``goals``, ``targets`` and each benchmark;
+    ``image_dir`` is the plots' folder as the document's links name it."""
     if not outputs:
         return {}
     sections = {
@@ -227,16 +180,13 @@ def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -
         "targets": _markdown(_targets_table(outputs)),
     }
     for name, payload in outputs.items():
-        failed = payload.get("status") not in _RENDERED
-        if failed and payload.get("result") is None:
-            sections[name] = f"Failed: `{payload.get('error')}` (see `{name}.json`)."
+        failed = f"`{payload.get('error')}` (see `{name}.json`)"
+        if payload.get("status") not in _RENDERED and payload.get("result") is None:
+            sections[name] = f"Failed: {failed}."
             continue
         body = "\n\n".join(_markdown(t) for t in _tables_for(name, payload))
-        if failed:
-            body = (
-                f"_Failed: `{payload.get('error')}` (see `{name}.json`); what it measured "
-                f"follows._\n\n{body}"
-            )
+        if payload.get("status") not in _RENDERED:
+            body = f"_Failed: {failed}; what it measured follows._\n\n{body}"
         if payload.get("status") == "partial":
             body = f"_Partial: the run stopped before {name} finished._\n\n{body}"
         plots = payload.get("plots") or []
@@ -248,21 +198,19 @@ def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -
 
 
 def text_summary(outputs: dict[str, dict[str, Any]]) -> str:
-    """Return the compact plain-text summary the runner prints at the end."""
-    blocks = []
+    """The plain-text summary the runner prints at the end."""
+    lines = ["", "== summary"]
     for name, payload in outputs.items():
-        status = payload.get("status")
-        line = f"{name}: {status} in {payload.get('duration_s', 0):.1f} s"
-        if payload.get("error"):
-            line += f": {payload['error']}"
-        blocks.append(line)
-    lines = ["", "== summary", *blocks, ""]
+        error = f": {payload['error']}" if payload.get("error") else ""
+        lines.append(
+            f"{name}: {payload.get('status')} in {payload.get('duration_s', 0):.1f} s{error}"
+        )
+    lines.append("")
     for name in ("latency", "capture"):
         tables = _tables_for(name, outputs[name]) if name in outputs else []
         if tables:
             lines += [_text(tables[0]), ""]
-    lines += [_text(_goals_table(outputs)), "", _text(_targets_table(outputs))]
-    return "\n".join(lines)
+    return "\n".join([*lines, _text(_goals_table(outputs)), "", _text(_targets_table(outputs))])
 
 
 _SECTION = re.compile(
@@ -313,8 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"## {name}\n\n{body}\n")
         return 0
     text = args.write.read_text(encoding="utf-8")
-    updated = update_document(text, sections)
-    args.write.write_text(updated, encoding="utf-8")
+    args.write.write_text(update_document(text, sections), encoding="utf-8")
     print(f"updated {', '.join(sections)} in {args.write}")
     return 0
 

@@ -1,28 +1,5 @@
-"""Run the omnitrace benchmarks, write JSON results and PNG plots, print a summary.
-
-Usage::
-
-    python -m benchmarks.run --suite all --out bench-results     # CUDA machine, ~8 min
-    python -m benchmarks.run --suite cpu                          # any machine, ~20 min
-    python -m benchmarks.run --suite eventlog --quick             # the event-log tools, small logs
-    python -m benchmarks.run --suite latency,memory --quick       # a subset, shorter
-
-Suites: ``cpu`` (emit cost, bus and fold throughput, simulated hit-path split, and the
-event-log tools on logs of up to ten million events; no GPU), ``eventlog`` (that last part),
-``overhead`` (the same plus adapter-vs-bare on CUDA), ``latency``, ``traffic``, ``capture``,
-``memory``, ``observability``, and ``all``; and ``engine`` (end to end through ``vllm
-serve``; needs vLLM; not part of ``all``; ``--quick`` runs its plumbing on a CPU). Every other
-suite but ``cpu`` needs CUDA and stops at once, before measuring anything, when there is none.
-
-Everything runs in this one process: nothing is isolated, so nothing can hide a crash. A
-benchmark that raises is printed with its traceback, recorded with status ``error`` (keeping
-what it measured before), the next benchmark runs, and the exit status is 1. A fatal signal
-ends the run, with faulthandler's traceback of every thread.
-
-Each benchmark writes ``<out>/<name>.json`` (environment, command line, results, targets)
-as soon as it finishes, and the latency benchmark after every shape, so an interrupted run
-keeps what it measured; ``summary.json`` lists every benchmark's status and target checks.
-``python -m benchmarks.report <out>`` renders the tables of ``BENCHMARKS.md`` from these files.
+"""Run the omnitrace benchmarks of the suites named (``python -m benchmarks.run --help``), in
+this one process; write ``<out>/<name>.json``, ``summary.json`` and PNG plots; print a summary.
 """
 
 from __future__ import annotations
@@ -49,9 +26,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.report import text_summary
-from benchmarks.suites import BENCHMARKS, SUITES
-
-__all__ = ["BENCHMARKS", "SUITES", "TIME_BUDGET_S", "main", "run_benchmarks"]
+from benchmarks.suites import SUITES
 
 #: Wall-clock budget of a whole run, by scale; the latency benchmark bounds torch.compile
 #: by what is left of it (a compile that starts in time may end up to one compile past it).
@@ -144,13 +119,8 @@ def run_benchmarks(
         module = _module(name)
         ctx.log(f"== {name}")
         start = time.perf_counter()
-        payload: dict[str, Any] = {
-            "benchmark": name,
-            "environment": env,
-            "status": "ok",
-            "error": None,
-            "result": None,
-        }
+        payload: dict[str, Any] = {"benchmark": name, "environment": env, "status": "ok"}
+        payload.update(error=None, result=None)
         try:
             payload["result"] = module.run(ctx)
         except Exception as exc:
@@ -188,12 +158,10 @@ def run_benchmarks(
 
 
 def _enable_faulthandler() -> None:
-    """Dump Python tracebacks on a fatal signal, so a crash of the runner is never silent."""
-    if faulthandler.is_enabled():
-        return
-    # A stderr without a file descriptor (a captured test run) cannot take the dumps.
-    with contextlib.suppress(AttributeError, ValueError, OSError):
-        faulthandler.enable()
+    """Dump every thread's traceback on a fatal signal (unless stderr has no descriptor)."""
+    if not faulthandler.is_enabled():
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            faulthandler.enable()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,20 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulate=args.simulate,
         batch4=args.batch4,
     )
-    command = shlex.join(["python", "-m", "benchmarks.run", *argv])
-    device = (
-        "simulated on CPU (numbers meaningless)"
-        if args.simulate
-        else (cuda_info if cuda_ok else "CPU")
-    )
+    device = cuda_info if cuda_ok else "CPU"
+    if args.simulate:
+        device = "simulated on CPU (numbers meaningless)"
     ctx.log(f"omnitrace benchmarks: {', '.join(args.benchmarks)} [{scale}] on {device}")
-    outputs = run_benchmarks(
-        args.benchmarks,
-        ctx,
-        command=command,
-        plots=not args.no_plots,
-        time_budget=args.time_budget,
-    )
+    command = shlex.join(["python", "-m", "benchmarks.run", *argv])
+    plots, budget = not args.no_plots, args.time_budget
+    outputs = run_benchmarks(args.benchmarks, ctx, command=command, plots=plots, time_budget=budget)
     print(text_summary(outputs), flush=True)
     return 1 if any(p["status"] != "ok" for p in outputs.values()) else 0
 

@@ -1,14 +1,11 @@
-"""A titled table of preformatted cells, and the cell formats: what results render into.
-
-:mod:`benchmarks.report` turns tables into markdown and text; each benchmark builds its own
-tables from here (its ``tables(result)``), so none imports the report (which imports them).
-"""
+"""A titled table of preformatted cells, and the cell formats: what each benchmark's
+``tables(result)`` builds and :mod:`benchmarks.report` renders."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-__all__ = ["MiB", "Table", "mib", "ms", "ns", "pct", "times", "us", "verdict"]
+from typing import Any
 
 MiB = 1 << 20
 
@@ -21,6 +18,13 @@ class Table:
     headers: list[str]
     rows: list[list[str]] = field(default_factory=list)
     note: str = ""
+
+
+def columns(
+    title: str, spec: Sequence[tuple[str, Callable[[Any], str]]], items: Iterable[Any]
+) -> Table:
+    """A table with a column per ``(header, cell)`` of ``spec`` and a row per item."""
+    return Table(title, [h for h, _ in spec], [[cell(i) for _, cell in spec] for i in items])
 
 
 def us(value: float | None, digits: int = 1) -> str:
@@ -49,3 +53,9 @@ def ms(value: float | None) -> str:
 
 def verdict(met: bool | None) -> str:
     return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
+def measured(item: dict[str, Any], unit: str | None = None) -> str:
+    """A target's or figure's value with its unit (``unit`` instead, when given)."""
+    shown = f" {item['unit']}" if unit is None else unit
+    return "n/a" if item["value"] is None else f"{item['value']:,.3g}{shown}"

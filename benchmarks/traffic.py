@@ -1,12 +1,5 @@
-"""Replay a seeded serving stream under different admission settings.
-
-The stream mixes image requests (recurring slice grids from common aspect ratios, and
-one-off grids from odd sizes) with audio requests (1-second chunks, recurring clip lengths,
-one-off clip lengths). Each setting of ``max_graphs`` (0/2/4/8) and ``min_capture_calls``
-(2/3/5) replays the same stream through fresh vision and audio adapters, on medium-sized
-encoders, and reports hit rate, mean latency (captures included), graphs captured and the
-device memory they hold.
-"""
+"""Replay a seeded stream of image and audio requests through fresh adapters on medium encoders
+under each setting of ``max_graphs`` and ``min_capture_calls``: hit rate, latency, graph memory."""
 
 from __future__ import annotations
 
@@ -21,21 +14,16 @@ import torch
 
 from benchmarks.common import (
     Context,
+    encoders,
     free_cuda_memory,
     geometry_fields,
     save_plot,
     summarize,
     target,
 )
-from benchmarks.table import Table, mib, pct, us
+from benchmarks.table import Table, columns, mib, pct, us
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
-from omnitrace.demo.encoders import (
-    AUDIO_TINY,
-    VISION_TINY,
-    AudioEncoder,
-    EncoderGeometry,
-    VisionEncoder,
-)
+from omnitrace.demo.encoders import AUDIO_TINY, VISION_TINY, EncoderGeometry
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "traffic"
@@ -52,16 +40,15 @@ RECURRING_CLIPS = [10, 30, 5]
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One encoder call of the stream."""
+    """One encoder call of the stream; ``kind`` is ``recurring`` or ``one-off``."""
 
     encoder: str
     shape: tuple[int, ...]
     kind: str
-    """``recurring`` or ``one-off``."""
 
 
 def make_stream(n: int, seed: int, *, token_div: int = 1, frame_div: int = 1) -> list[Request]:
-    """Return ``n`` requests drawn from a fixed seed (sizes divided for small runs)."""
+    """``n`` requests drawn from a fixed seed (sizes divided for small runs)."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) for rank in range(len(RECURRING_IMAGES))]
     out: list[Request] = []
@@ -90,16 +77,13 @@ def make_stream(n: int, seed: int, *, token_div: int = 1, frame_div: int = 1) ->
 
 def _settings(ctx: Context) -> list[tuple[int, int]]:
     full = [(0, 2)] + [(g, c) for g in (2, 4, 8) for c in (2, 3, 5)]
-    quick = [(0, 2), (4, 2), (4, 5), (8, 2)]
-    tiny = [(0, 2), (2, 2)]
-    return ctx.pick(full, quick, tiny)
+    return ctx.pick(full, [(0, 2), (4, 2), (4, 5), (8, 2)], [(0, 2), (2, 2)])
 
 
 def run(ctx: Context) -> dict[str, Any]:
     """Replay the stream once per setting; return one row per setting."""
-    device = ctx.device
+    device, dtype = ctx.device, ctx.dtype
     on_cuda = device.type == "cuda"
-    dtype = ctx.dtype
     seed = 20260415
     n = ctx.pick(1000, 300, 40)
     if ctx.simulate:
@@ -108,11 +92,7 @@ def run(ctx: Context) -> dict[str, Any]:
     else:
         stream = make_stream(n, seed)
         geoms = {"vision": VISION_MEDIUM, "audio": AUDIO_MEDIUM}
-    with torch.device(device):
-        models: dict[str, torch.nn.Module] = {
-            "vision": VisionEncoder(geoms["vision"]).to(dtype).eval(),
-            "audio": AudioEncoder(geoms["audio"]).to(dtype).eval(),
-        }
+    models = encoders(ctx, geoms)
     inputs: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     for req in stream:
         key = (req.encoder, req.shape)
@@ -121,20 +101,19 @@ def run(ctx: Context) -> dict[str, Any]:
             inputs[key] = torch.randn(shape, device=device, dtype=dtype)
     sync = ctx.device_sync
 
-    # One eager pass over every distinct shape first, so one-time costs (kernel selection,
-    # cuBLAS heuristics) do not land on whichever setting runs first.
+    # Every shape once eagerly first, so one-time costs land on no setting.
     with torch.no_grad():
         for (encoder, _), x in inputs.items():
             models[encoder](x)
     sync()
 
-    counts = Counter((r.encoder, r.kind) for r in stream)
+    counts = Counter(r.encoder for r in stream)
     stream_info = {
         "seed": seed,
         "requests": len(stream),
-        "vision_requests": counts[("vision", "recurring")] + counts[("vision", "one-off")],
-        "audio_requests": counts[("audio", "recurring")] + counts[("audio", "one-off")],
-        "one_off_requests": counts[("vision", "one-off")] + counts[("audio", "one-off")],
+        "vision_requests": counts["vision"],
+        "audio_requests": counts["audio"],
+        "one_off_requests": sum(r.kind == "one-off" for r in stream),
         "distinct_keys": len(inputs),
         "top_keys": [
             {"encoder": e, "shape": list(s), "calls": c}
@@ -197,13 +176,7 @@ def _replay(
     config = EncoderGraphConfig(max_graphs=max_graphs, min_capture_calls=min_calls)
     bus = EventBus()
     adapters = {
-        name: EncoderCudaGraph(
-            model,
-            name=name,
-            config=config,
-            bus=bus,
-            backend=SimulatedGraphBackend() if ctx.simulate else None,
-        )
+        name: EncoderCudaGraph(model, name=name, config=config, bus=bus, backend=_backend(ctx))
         for name, model in models.items()
     }
     latencies: list[float] = []
@@ -258,6 +231,10 @@ def _replay(
     return row
 
 
+def _backend(ctx: Context) -> SimulatedGraphBackend | None:
+    return SimulatedGraphBackend() if ctx.simulate else None
+
+
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     """Draw hit rate and mean latency against max_graphs, one line per min_capture_calls."""
     rows = result["rows"]
@@ -271,63 +248,43 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
         )
         if eager is not None:
             pts = [(0, eager), *pts]
-        xs = [p[0] for p in pts]
-        ax1.plot(
-            xs,
-            [p[1]["hit_rate"] * 100 for p in pts],
-            marker="o",
-            label=f"min_capture_calls={calls}",
-        )
-        ax2.plot(
-            xs,
-            [p[1]["mean_latency_us"] for p in pts],
-            marker="o",
-            label=f"min_capture_calls={calls}",
-        )
-    ax1.set_xlabel("max_graphs")
-    ax1.set_ylabel("hit rate, %")
-    ax1.set_title("Graph coverage of the stream")
-    ax2.set_xlabel("max_graphs")
-    ax2.set_ylabel("mean latency per request, us")
-    ax2.set_title("Mean latency (captures included)")
-    for ax in (ax1, ax2):
+        for ax, values in (
+            (ax1, [p[1]["hit_rate"] * 100 for p in pts]),
+            (ax2, [p[1]["mean_latency_us"] for p in pts]),
+        ):
+            ax.plot([p[0] for p in pts], values, marker="o", label=f"min_capture_calls={calls}")
+    for ax, ylabel, title in (
+        (ax1, "hit rate, %", "Graph coverage of the stream"),
+        (ax2, "mean latency per request, us", "Mean latency (captures included)"),
+    ):
+        ax.set(xlabel="max_graphs", ylabel=ylabel, title=title)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     return [save_plot(plt, fig, out_dir / "traffic.png")]
 
 
-# -- tables for BENCHMARKS.md -----------------------------------------------------------
-
-
 def tables(result: dict[str, Any]) -> list[Table]:
-    t = Table(
+    t = columns(
         "Traffic replay: admission settings",
         [
-            "max_graphs",
-            "min_capture_calls",
-            "hit rate",
-            "mean latency us",
-            "vs eager",
-            "captures",
-            "graph MiB (events)",
-            "reserved delta MiB",
-            "misses w/c/m",
+            ("max_graphs", lambda r: str(r["max_graphs"])),
+            (
+                "min_capture_calls",
+                lambda r: str(r["min_capture_calls"]) if r["max_graphs"] else "-",
+            ),
+            ("hit rate", lambda r: f"{r['hit_rate'] * 100:.1f} %"),
+            ("mean latency us", lambda r: us(r["mean_latency_us"], 0)),
+            ("vs eager", lambda r: pct(r.get("vs_eager"))),
+            ("captures", lambda r: str(r["captures"])),
+            ("graph MiB (events)", lambda r: mib(r["graph_bytes"])),
+            ("reserved delta MiB", lambda r: mib(r.get("reserved_delta_bytes"))),
+            (
+                "misses w/c/m",
+                lambda r: "/".join(str(r[f"{k}_misses"]) for k in ("warmup", "capacity", "memory")),
+            ),
         ],
+        result["rows"],
     )
-    for row in result["rows"]:
-        t.rows.append(
-            [
-                str(row["max_graphs"]),
-                str(row["min_capture_calls"]) if row["max_graphs"] else "-",
-                f"{row['hit_rate'] * 100:.1f} %",
-                us(row["mean_latency_us"], 0),
-                pct(row.get("vs_eager")),
-                str(row["captures"]),
-                mib(row["graph_bytes"]),
-                mib(row.get("reserved_delta_bytes")),
-                f"{row['warmup_misses']}/{row['capacity_misses']}/{row['memory_misses']}",
-            ]
-        )
     stream = result["stream"]
     t.note = (
         f"{stream['requests']} requests ({stream['vision_requests']} image, "

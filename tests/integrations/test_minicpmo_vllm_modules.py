@@ -20,6 +20,7 @@ CUDA device with the torch and the vLLM graph backends.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +34,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
-from benchmarks.vision_path import slice_sizes, vision_batch
 from integrations.vllm_modules import SETUPS, equal, setup_for
 from omnitrace import EventBus, derive_stats
 from omnitrace.integrations.minicpmo import instrument
@@ -46,7 +46,61 @@ pytestmark = [
 ]
 
 PATCH = 14
+#: The processor's slice size in pixels and its most slices an image.
+SCALE = 448
+MAX_SLICES = 9
 OVERRIDES = {"encoder_cuda_graph_max_graphs": 16, "encoder_cuda_graph_min_free_bytes": 0}
+
+
+# -- inputs as MiniCPM-o's processor shapes them ------------------------------------------
+
+
+def _fit(width: float, height: float) -> tuple[int, int]:
+    """Resize to about SCALE x SCALE keeping the aspect ratio, in whole patches (rows, cols)."""
+    ratio = width / height
+    h = SCALE / math.sqrt(ratio)
+    w = h * ratio
+    return max(1, round(h / PATCH)), max(1, round(w / PATCH))
+
+
+def _grid(width: int, height: int) -> tuple[int, int]:
+    """The slice grid (cols, rows) whose aspect ratio is closest to the image's."""
+    multiple = min(math.ceil(width * height / SCALE**2), MAX_SLICES)
+    log_ratio = math.log(width / height)
+    candidates = [
+        (cols, n // cols)
+        for n in (multiple - 1, multiple, multiple + 1)
+        if 1 < n <= MAX_SLICES
+        for cols in range(1, n + 1)
+        if n % cols == 0
+    ]
+    return min(candidates, key=lambda g: abs(log_ratio - math.log(g[0] / g[1])))
+
+
+def slice_sizes(width: int, height: int) -> list[tuple[int, int]]:
+    """Target sizes (patch rows, patch cols) of an image's overview and its slices."""
+    sizes = [_fit(width, height)]
+    if width * height > SCALE * SCALE:
+        cols, rows = _grid(width, height)
+        sizes += [_fit(width / cols, height / rows)] * (cols * rows)
+    return sizes
+
+
+def vision_batch(
+    images: list[tuple[int, int]], device: torch.device, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    """vLLM's pixel inputs for ``images`` (width, height): flattened slices and tgt_sizes."""
+    g = torch.Generator().manual_seed(seed)
+    pixels, sizes = [], []
+    for width, height in images:
+        for rows, cols in slice_sizes(width, height):
+            pixels.append(torch.randn(3, PATCH, rows * cols * PATCH, generator=g))
+            sizes.append((rows, cols))
+    return {
+        "type": "pixel_values",
+        "pixel_values": [p.to(device, dtype) for p in pixels],
+        "tgt_sizes": torch.tensor(sizes, dtype=torch.int32, device=device),
+    }
 
 
 # -- vLLM's modules on a host object ------------------------------------------------------
