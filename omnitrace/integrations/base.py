@@ -190,16 +190,15 @@ class Adapters:
 
     def make(self, stack: Callable[..., Any], *, name: str) -> EncoderCudaGraph:
         """Return a new adapter named ``name`` serving ``stack``."""
-        backend = self.backend
-        if backend is None:
-            from omnitrace.graphs.backends.select import select_backend
-
-            backend = select_backend(
-                self.vllm_config,
-                background_capture=self.config.background_capture,
-                compile=self.config.compile,
-            )
-        return EncoderCudaGraph(stack, name=name, config=self.config, bus=self.bus, backend=backend)
+        # With no backend given, the adapter selects one from vllm_config and its config.
+        return EncoderCudaGraph(
+            stack,
+            name=name,
+            config=self.config,
+            bus=self.bus,
+            backend=self.backend,
+            vllm_config=self.vllm_config,
+        )
 
     def attach(
         self, owner: Any, attribute: str, name: str, stack: Callable[[], Callable[..., Any]]

@@ -122,27 +122,32 @@ def test_select_backend_without_vllm_logs_why(
     ] == ["omnitrace: using the torch graph backend (vLLM is not importable)"]
 
 
+def _vllm_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make backend selection find a vLLM (a spec only: nothing of vLLM is imported)."""
+    import importlib.machinery
+    import importlib.util
+
+    from omnitrace.graphs.backends import select
+
+    real = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setattr(
+        select.importlib.util, "find_spec", lambda n, *a: spec if n == "vllm" else real(n, *a)
+    )
+
+
 def test_background_capture_picks_the_thread_local_torch_backend_in_vllm_too(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's manager captures in the global mode only: an adapter with background capture
     gets the torch backend even where vLLM is importable, through Adapters.make too, and the
     log says why; without it the vLLM backend is chosen."""
-    import importlib.machinery
-    import importlib.util
-
     from omnitrace.config import EncoderGraphConfig
     from omnitrace.graphs.backends import select
     from omnitrace.graphs.backends.torch import TorchGraphBackend
     from omnitrace.integrations.base import Adapters
 
-    real = importlib.util.find_spec
-    vllm_spec = importlib.machinery.ModuleSpec("vllm", None)
-    monkeypatch.setattr(
-        select.importlib.util,
-        "find_spec",
-        lambda n, *a: vllm_spec if n == "vllm" else real(n, *a),
-    )
+    _vllm_importable(monkeypatch)
     chosen: list[object] = []
 
     class FakeVllmBackend:
@@ -178,20 +183,11 @@ def test_background_compile_is_refused_inside_vllm(monkeypatch: pytest.MonkeyPat
     """Compiling on the preparation thread stops a vLLM engine (FX tracing patches module
     calls process-wide): with a vLLM config it is a ConfigError naming both keys, through
     select_backend and Adapters.make; each of the two alone is accepted."""
-    import importlib.machinery
-    import importlib.util
-
     from omnitrace.graphs.backends import select
     from omnitrace.graphs.backends.torch import TorchGraphBackend
     from omnitrace.integrations.base import Adapters
 
-    real = importlib.util.find_spec
-    vllm_spec = importlib.machinery.ModuleSpec("vllm", None)
-    monkeypatch.setattr(
-        select.importlib.util,
-        "find_spec",
-        lambda n, *a: vllm_spec if n == "vllm" else real(n, *a),
-    )
+    _vllm_importable(monkeypatch)
     both = EncoderGraphConfig(background_capture=True, compile=True)
     pattern = (
         r"^encoder_cuda_graph_compile with encoder_cuda_graph_background_capture cannot run "

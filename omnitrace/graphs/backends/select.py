@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 def select_backend(
     vllm_config: Any = None, *, background_capture: bool = False, compile: bool = False
 ) -> GraphBackend:
-    """Return the vLLM backend when vLLM is importable and ``vllm_config`` is given.
+    """Return the vLLM backend when vLLM is importable, ``vllm_config`` is given and
+    ``background_capture`` is off.
 
     Otherwise return the pure-torch backend and log one line saying why. vLLM is imported
     only on the first branch, so choosing the torch backend never imports it.
