@@ -235,6 +235,9 @@ def cost_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, Any]:
     if len(off) != len(on) or not off:
         raise ValueError(f"expected rounds, got {len(off)} off and {len(on)} on")
     change = [100.0 * (b / a - 1.0) for a, b in zip(off, on, strict=True)]
+    # The mean change's 95 % interval (normal approximation): what says whether a cost below
+    # a bar (1 %) is resolved, where the IQR only shows the rounds' spread.
+    half = 1.96 * statistics.stdev(change) / len(change) ** 0.5 if len(change) > 1 else None
     return {
         "rounds": len(change),
         "batch": COST_BATCH,
@@ -243,6 +246,8 @@ def cost_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, Any]:
         "change_median_pct": statistics.median(change),
         "change_q25_pct": _quantile(change, 0.25),
         "change_q75_pct": _quantile(change, 0.75),
+        "change_mean_pct": statistics.fmean(change),
+        "change_ci95_pct": half,
     }
 
 
@@ -338,6 +343,11 @@ def cost_text(cost: dict[str, Any]) -> str:
         f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s off, "
         f"{cost['on_rps_p50']:.2f} on; paired change {cost['change_median_pct']:+.1f} % "
         f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)"
+        + (
+            f", mean {cost['change_mean_pct']:+.1f} ± {cost['change_ci95_pct']:.1f} % (95 %)"
+            if cost.get("change_ci95_pct") is not None
+            else ""
+        )
     )
 
 

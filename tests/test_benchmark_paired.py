@@ -39,6 +39,10 @@ def test_timing_cost_is_the_median_of_each_rounds_change() -> None:
     assert cost["change_median_pct"] == pytest.approx(-1.0)
     assert cost["off_rps_p50"] == 20.0
     assert cost["on_rps_p50"] == pytest.approx(20.4)
+    # Mean of (-1, +2, -2) and its interval: 1.96 * stdev / sqrt(3).
+    assert cost["change_mean_pct"] == pytest.approx(-1.0 / 3)
+    assert cost["change_ci95_pct"] == pytest.approx(1.96 * (13 / 3) ** 0.5 / 3**0.5)
+    assert cost_summary([10.0], [10.1])["change_ci95_pct"] is None
     with pytest.raises(ValueError, match="expected rounds"):
         cost_summary([1.0], [])
 

@@ -1036,6 +1036,26 @@ def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyP
     ]
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "1001", "many", "2.5"])
+def test_engine_cost_rounds_refuse_what_is_not_a_count(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", value)
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_COST_ROUNDS: expected"):
+        engine.cost_rounds()
+
+
+def test_engine_cost_rounds_default_and_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import engine
+
+    monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", raising=False)
+    assert engine.cost_rounds() == 16
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", " 64 ")
+    assert engine.cost_rounds() == 64
+
+
 def _fake_workers(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[tuple[Any, ...]]:
     """served_pairs.rpc answered by one fake worker with a vision and an audio adapter."""
     from benchmarks import served_pairs

@@ -287,8 +287,9 @@ def _batch_attention_mask(model: Any, wavforms: torch.Tensor, lens: torch.Tensor
             device=masked.device,
         )
         masked = torch.logical_or(masked, torch.logical_not(chunk_mask))
-    mask[masked] = float("-inf")
-    return mask
+    # vLLM writes mask[masked] = -inf: a boolean index, whose nonzero() waits for the device.
+    # masked_fill_ gives the same tensor without that wait.
+    return mask.masked_fill_(masked.to(mask.device), float("-inf"))
 
 
 class _AudioBatchMethod:
@@ -337,12 +338,14 @@ class _AudioBatchMethod:
         mask = _batch_attention_mask(model, wavforms, lens)
         audio_embeds = encode_audio(model, wavforms, mask)
         _, num_audio_tokens = model._get_feat_extract_output_lengths(lens)
+        # One read of the lengths, where vLLM's slicing by a device tensor waits once a slice.
+        counts = [int(n) for n in num_audio_tokens.tolist()]
         final: list[torch.Tensor] = []
         idx = 0
         for item in lens_raw:
             parts: list[torch.Tensor] = []
             for _ in range(len(item)):
-                parts.append(audio_embeds[idx, : num_audio_tokens[idx], :])
+                parts.append(audio_embeds[idx, : counts[idx], :])
                 idx += 1
             final.append(torch.cat(parts))
         return final
