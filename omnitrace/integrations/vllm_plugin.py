@@ -71,7 +71,8 @@ _profiling_missing_reported = False
 #: The pid that logged a profiling run without encoder calls: once per worker process, and a
 #: forked child that profiles again says so again.
 _no_encoder_reported_pid: int | None = None
-#: The pid whose bus is announced to the process manager's kill (once per model process).
+#: The pid whose bus is announced to the process manager's kill (once a process: a model
+#: process, or an API server).
 _announced_pid: int | None = None
 
 
@@ -134,7 +135,11 @@ def request_bus() -> EventBus:
     template = env.get(ENV_EVENTS_LOG)
     if template:
         env[ENV_EVENTS_LOG] = api_log_path(template)
-    return worker_bus(env)
+    bus = worker_bus(env)
+    # With --api-server-count N each API server is a child of vLLM's process manager, which
+    # kills it at once at shutdown (--shutdown-timeout 0): that kill waits for this bus too.
+    _announce()
+    return bus
 
 
 def _after_load(model: Any, vllm_config: Any) -> None:
@@ -182,8 +187,13 @@ def _after_load(model: Any, vllm_config: Any) -> None:
 def _hook_shutdown() -> None:
     """Close this model process's adapters and bus when vLLM shuts the process down, and
     have the process manager's kill wait for it (:mod:`omnitrace.integrations.vllm_shutdown`)."""
-    global _announced_pid
     vllm_shutdown.hook_model_process(close_at_shutdown)
+    _announce()
+
+
+def _announce() -> None:
+    """Have the process manager's kill of this process wait for its bus (once a process)."""
+    global _announced_pid
     pid = os.getpid()
     with _lock:
         if _announced_pid == pid:

@@ -105,8 +105,42 @@ def _running(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def pending(directory: Path | None = None) -> list[int]:
-    """The pids whose bus is still open, less those that exited, less this process."""
+#: Where the kernel says each process's parent; without it (not Linux) every announced process
+#: counts as one a kill reaches.
+_PROC = Path("/proc")
+#: Deeper than any tree vLLM starts (API server, engine core, workers).
+_MAX_DEPTH = 64
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of ``pid``, None once it is gone."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": the command may hold spaces and parentheses.
+    fields = stat.rpartition(")")[2].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def _in_tree(pid: int, root: int) -> bool:
+    """Whether ``pid`` is ``root`` or one of its descendants: a process vLLM's
+    ``kill_process_tree(root)`` kills. True where the kernel cannot say (no ``/proc``)."""
+    if not (_PROC / "self" / "stat").exists():
+        return True
+    for _ in range(_MAX_DEPTH):
+        if pid == root:
+            return True
+        parent = _parent(pid)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
+def pending(directory: Path | None = None, root: int | None = None) -> list[int]:
+    """The pids whose bus is still open, less those that exited, less this process; with
+    ``root``, only ``root`` and its descendants (what killing ``root``'s tree reaches)."""
     directory = _directory() if directory is None else directory
     if directory is None:
         return []
@@ -115,28 +149,45 @@ def pending(directory: Path | None = None) -> list[int]:
     except OSError:
         return []
     me = os.getpid()
-    return [int(n) for n in names if n.isdigit() and int(n) != me and _running(int(n))]
+    return [
+        int(n)
+        for n in names
+        if n.isdigit()
+        and int(n) != me
+        and _running(int(n))
+        and (root is None or _in_tree(int(n), root))
+    ]
 
 
-def wait_for_flushes(timeout: float) -> list[int]:
-    """Wait up to ``timeout`` seconds until no model process of this server has its bus open.
+def wait_for_flushes(timeout: float, root: int | None = None) -> list[int]:
+    """Wait up to ``timeout`` seconds until no process of this server that announced a bus
+    (in ``root``'s tree, with ``root``) has it open.
 
     Returns:
         The pids still flushing when the time ran out (empty when none was left).
     """
     deadline = time.monotonic() + timeout
-    left = pending()
+    left = pending(root=root)
     while left and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        left = pending()
+        left = pending(root=root)
     return left
+
+
+def _killed_root(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The pid ``kill_process_tree`` is called with; None if it is not one (every announced
+    process is then waited for)."""
+    pid = kwargs.get("pid", args[0] if args else None)
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
 
 
 def _wrap_kill(kill: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(kill)
     def kill_after_flush(*args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()
-        left = wait_for_flushes(KILL_DELAY_S)
+        # Only what this kill reaches: with several API servers vLLM kills each of them
+        # before the engine core, and the workers close only once the engine core stops.
+        left = wait_for_flushes(KILL_DELAY_S, _killed_root(args, kwargs))
         waited = time.monotonic() - start
         if left:
             logger.warning(
@@ -157,11 +208,14 @@ def _wrap_kill(kill: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def hook_process_manager(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Hold vLLM's process-manager kill back until the model processes closed their buses.
+    """Hold vLLM's process-manager kill of a process tree back until the processes in that
+    tree that announced a bus (model processes, and API servers that are not the manager)
+    closed it or exited.
 
-    Only where vLLM's process manager is already imported (the API server, or ``vllm.LLM``'s
-    process): the first such process makes the directory the model processes announce
-    themselves in, and removes it at its exit; the children inherit its name.
+    Only where vLLM's process manager is already imported (the API server, ``vllm.LLM``'s
+    process, or ``vllm serve --api-server-count N``'s parent): the first such process makes
+    the directory the others announce themselves in, and removes it at its exit; the
+    children inherit its name.
 
     Returns:
         Whether the kill is held back in this process.

@@ -126,6 +126,75 @@ def test_a_process_that_never_closes_is_killed_after_the_bound_with_one_warning(
     ]
 
 
+def test_the_kill_of_a_process_outside_the_model_processes_tree_is_not_held(
+    rendezvous: Path,
+    child: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``--api-server-count 2`` vLLM's process manager kills each API server before the
+    engine core: those kills reach no model process, so they wait for none and warn of none."""
+    monkeypatch.setattr(vllm_shutdown, "KILL_DELAY_S", 1.0)
+    killed: list[float] = []
+    module = _kill_module(monkeypatch, killed)
+    vllm_shutdown.hook_process_manager()
+    vllm_shutdown.announce(child.pid)
+    api_server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="omnitrace"):
+            module.kill_process_tree(api_server.pid)
+    finally:
+        api_server.kill()
+        api_server.wait(timeout=10)
+    assert len(killed) == 1
+    assert killed[0] - start < 0.5
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_the_kill_waits_for_a_model_process_below_the_one_it_kills(
+    rendezvous: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker is the engine core's child: killing the engine core's tree waits for it."""
+    engine_core = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(w.pid, flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert engine_core.stdout is not None
+    worker = int(engine_core.stdout.readline())
+    killed: list[float] = []
+    module = _kill_module(monkeypatch, killed)
+    vllm_shutdown.hook_process_manager()
+    vllm_shutdown.announce(worker)
+    retired: list[float] = []
+
+    def close_later() -> None:
+        time.sleep(0.3)
+        retired.append(time.monotonic())
+        vllm_shutdown.retire(worker)
+
+    closer = threading.Thread(target=close_later)
+    try:
+        closer.start()
+        module.kill_process_tree(pid=engine_core.pid)
+        closer.join()
+    finally:
+        os.kill(worker, 9)
+        engine_core.kill()
+        engine_core.wait(timeout=10)
+        engine_core.stdout.close()
+    assert len(killed) == 1
+    assert killed[0] >= retired[0]
+
+
 def test_the_first_process_makes_the_directory_its_children_inherit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -231,3 +300,23 @@ def test_close_at_shutdown_writes_the_log_and_the_final_summary_then_retires(
         if '"graph_summary"' in line
     ]
     assert [(s["encoder"], s["calls"], s["final"]) for s in summaries] == [("vision", 3, True)]
+
+
+def test_an_api_server_s_request_bus_holds_the_kill_of_its_own_process(
+    rendezvous: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--api-server-count 2`` the process manager kills each API server, at once under
+    ``--shutdown-timeout 0``: the request bus announces its process, so that kill waits until
+    the API server wrote its last requests' events and exited."""
+    monkeypatch.setattr(vllm_plugin, "_bus", None)
+    monkeypatch.setattr(vllm_plugin, "_bus_pid", None)
+    monkeypatch.setattr(vllm_plugin, "_announced_pid", None)
+    monkeypatch.setenv("OMNITRACE_EVENTS_LOG", str(tmp_path / "events-{rank}.jsonl"))
+    bus = vllm_plugin.request_bus()
+    try:
+        assert vllm_plugin.request_bus() is bus
+        assert (rendezvous / str(os.getpid())).exists()
+        assert bus.statistics().sinks[0].name == "jsonl"
+    finally:
+        bus.close()
+    assert (tmp_path / "events-api.jsonl").exists()
