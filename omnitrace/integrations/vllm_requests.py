@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -317,8 +318,13 @@ TIMING_ROUTE = "/omnitrace/request_timing"
 
 async def _timing_route(request: Any) -> Any:
     """``POST {"enabled": true|false}``: switch this API server's request timing; answer the
-    new and the previous state. A body that is not such a flag gets a 400 and changes
-    nothing."""
+    new and the previous state, and this process's pid. A body that is not such a flag gets
+    a 400 and changes nothing.
+
+    With ``vllm serve --api-server-count N`` the kernel hands each connection to one of the
+    N API servers: the switch is that one's alone (the ``pid`` says which), and nothing
+    passes it on to the others.
+    """
     from starlette.responses import JSONResponse
 
     from omnitrace._validate import check_flag
@@ -330,7 +336,8 @@ async def _timing_route(request: Any) -> Any:
         enabled = check_flag("enabled", body.get("enabled"))
     except ValueError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
-    return JSONResponse({"enabled": enabled, "was": set_request_timing(enabled)})
+    was = set_request_timing(enabled)
+    return JSONResponse({"enabled": enabled, "was": was, "pid": os.getpid()})
 
 
 def _add_timing_route(app: Any) -> None:

@@ -27,7 +27,8 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
     calls are ``ineligible`` misses, detail ``cpu``, either way; the H200 benchmark checks the
     ``paused`` misses); a value that is not a flag is refused with omnitrace's message and
     changes nothing; resumed, none is paused. omnitrace's route beside vLLM's switches the
-    API server's request timing: the request served while it is off has no event."""
+    API server's request timing, and names it: the request served while it is off has no
+    event."""
     import httpx
     import openai
 
@@ -95,13 +96,14 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
 
         off = timing(False)
         assert off.status_code == 200, off.text
-        assert off.json() == {"enabled": False, "was": True}
+        # The API server that switched: the one `vllm serve` process here.
+        assert off.json() == {"enabled": False, "was": True, "pid": server.process.pid}
         untimed = ask(4)
         bad = timing("maybe")
         assert bad.status_code == 400
         assert bad.json() == {"error": "enabled: expected true or false, got 'maybe' (str)"}
         on = timing("on")
-        assert on.json() == {"enabled": True, "was": False}
+        assert on.json() == {"enabled": True, "was": False, "pid": server.process.pid}
         asked.append(ask(5))
     (api_log,) = tmp_path.glob("events-api*.jsonl")
     timed = [
