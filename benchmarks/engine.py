@@ -28,6 +28,13 @@ Before the servers each model runs :mod:`benchmarks.paired` in a child
 (``OMNITRACE_BENCH_ENGINE_OFFLINE=0`` leaves it out);
 ``OMNITRACE_BENCH_ENGINE_CONFIGS=eager,omnitrace,eager-again`` serves only those, in the
 table's order; ``OMNITRACE_BENCH_ENGINE_COST_ROUNDS`` sets the rounds of request timing's cost.
+``OMNITRACE_BENCH_ENGINE_API_SERVERS=N`` (1 to 16, default 1) serves each with
+``--api-server-count N``: N API server processes render, process and stream the requests in
+front of the one engine (at concurrency 32 one API server's CPU bounds the rate). The result
+records N (``api_server_count``); the served pairs stay (``/collective_rpc`` reaches every
+worker from any API server), but request timing's cost is not measured (``timing_cost`` is
+null, ``timing_cost_skipped`` says why): its switch, ``POST /omnitrace/request_timing``,
+reaches one API server only.
 What it measures: BENCHMARKS.md, "End to end through ``vllm serve``".
 """
 
@@ -58,6 +65,7 @@ from benchmarks.engine_serving import (
     Pass,
     RequestKind,
     Server,
+    api_server_count,
     configurations,
     one_request,
     request_kinds,
@@ -189,6 +197,7 @@ def run(ctx: Context) -> dict[str, Any]:
     if ctx.scale == "full" and not ctx.cuda:
         raise RuntimeError("the engine benchmark at full scale needs a CUDA device")
     tp = tensor_parallel_size()
+    api_servers = api_server_count()
     for model_kind in models():
         chosen_configurations(model_kind)  # a misspelt name fails before any server starts
     offline_enabled()
@@ -204,6 +213,7 @@ def run(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {
         "sizes": "released" if ctx.scale == "full" else "tiny",
         "tensor_parallel_size": tp,
+        "api_server_count": api_servers,
         "anchors": list(ANCHORS),
         "models": {},
         "targets": [],
@@ -211,7 +221,7 @@ def run(ctx: Context) -> dict[str, Any]:
     }
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")
-        result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp)
+        result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp, api_servers)
         check_model(result, model_kind, entry)
         write_partial(ctx, NAME, result)
     for model_kind, entry in result["models"].items():
@@ -223,7 +233,9 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
-def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -> dict[str, Any]:
+def _run_model(
+    ctx: Context, model_kind: str, result: dict[str, Any], tp: int, api_servers: int = 1
+) -> dict[str, Any]:
     # Absolute: each server runs in its own directory.
     work = ctx.out_dir / "engine-work" / (model_kind if tp == 1 else f"{model_kind}-tp{tp}")
     work = work.resolve()
@@ -265,6 +277,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
             max_num_seqs=max(concurrencies),
             trust_remote_code=model_kind == "minicpmo",
             tp=tp,
+            api_servers=api_servers,
         ) as server:
             ready_s = time.perf_counter() - started
             # Warm-up: every shape min_capture_calls times, so the graphs are in place.
@@ -287,7 +300,7 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
             after_warmup = hits_since(server.events, warmed) if config.plugin else None
             pairs = None
             if config.paired:
-                pairs = _served_pairs(ctx, server, kinds)
+                pairs = _served_pairs(ctx, server, kinds, api_servers)
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
             row = {
                 "ready_s": ready_s,
@@ -337,9 +350,23 @@ def _run_model(ctx: Context, model_kind: str, result: dict[str, Any], tp: int) -
     return entry
 
 
-def _served_pairs(ctx: Context, server: Server, kinds: Sequence[RequestKind]) -> dict[str, Any]:
+def timing_cost_skipped(api_servers: int) -> str | None:
+    """Why request timing's cost is not measured with ``api_servers`` API servers (None: it
+    is, with one)."""
+    if api_servers <= 1:
+        return None
+    return (
+        f"{api_servers} API servers: POST /omnitrace/request_timing switches the one API server "
+        "that takes the connection, so the others would keep timing their requests"
+    )
+
+
+def _served_pairs(
+    ctx: Context, server: Server, kinds: Sequence[RequestKind], api_servers: int = 1
+) -> dict[str, Any]:
     """Eager and graphed requests of each kind in pairs, one at a time, in this server; then
-    request timing's cost in rounds of batches, timing off and on."""
+    request timing's cost in rounds of batches, timing off and on (not with several API
+    servers: :func:`timing_cost_skipped`)."""
     import openai
 
     client = openai.OpenAI(
@@ -355,6 +382,12 @@ def _served_pairs(ctx: Context, server: Server, kinds: Sequence[RequestKind]) ->
         pairs=ctx.pick(8, 2, 1),
         seed=300_000,
     )
+    skipped = timing_cost_skipped(api_servers)
+    if skipped is not None:
+        ctx.log(f"  {server.config.name}: request timing's cost not measured ({skipped})")
+        pairs["timing_cost"] = None
+        pairs["timing_cost_skipped"] = skipped
+        return pairs
     ctx.log(f"  {server.config.name}: request timing off and on in rounds (served_pairs)")
     pairs["timing_cost"] = served_pairs.timing_cost(
         base_url,
@@ -387,6 +420,7 @@ def _pair_outcomes(pairs: dict[str, Any], views: dict[str, Any]) -> dict[str, An
         "encoder_calls": outcomes,
         "without_event": missing,
         "timing_cost": pairs.get("timing_cost"),
+        "timing_cost_skipped": pairs.get("timing_cost_skipped"),
     }
 
 

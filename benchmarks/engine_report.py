@@ -24,6 +24,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 if result.get("tensor_parallel_size", 1) > 1
                 else ""
             )
+            + (
+                f", {result['api_server_count']} API servers"
+                if result.get("api_server_count", 1) > 1
+                else ""
+            )
             + "): TTFT p50 / p99 (ms) by request kind",
             ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
         )

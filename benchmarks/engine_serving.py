@@ -163,11 +163,11 @@ class Server:
     port: int
     output: Path
     out: Path
-    """The server's directory: its log and each worker's event log."""
+    """The server's directory: its log and each process's event log."""
 
     @property
     def events(self) -> list[Path]:
-        """Each worker's event log (one a tensor-parallel rank), in rank order."""
+        """Each process's event log (one a tensor-parallel rank, one an API server), by name."""
         return sorted(self.out.glob("events-*.jsonl"))
 
     def text(self) -> str:
@@ -196,6 +196,21 @@ def tensor_parallel_size() -> int:
     raw = os.environ.get("OMNITRACE_BENCH_ENGINE_TP", "").strip() or "1"
     if not raw.isdigit() or not 1 <= int(raw) <= 8:
         raise ValueError(f"OMNITRACE_BENCH_ENGINE_TP: expected a whole number 1 to 8, got {raw!r}")
+    return int(raw)
+
+
+def api_server_count() -> int:
+    """``OMNITRACE_BENCH_ENGINE_API_SERVERS``: the API server processes of each ``vllm serve``
+    (its ``--api-server-count``; default 1).
+
+    Raises:
+        ValueError: the value is not a whole number from 1 to 16.
+    """
+    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_API_SERVERS", "").strip() or "1"
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 16:
+        raise ValueError(
+            f"OMNITRACE_BENCH_ENGINE_API_SERVERS: expected a whole number 1 to 16, got {raw!r}"
+        )
     return int(raw)
 
 
@@ -239,8 +254,10 @@ def serving(
     max_num_seqs: int,
     trust_remote_code: bool = False,
     tp: int = 1,
+    api_servers: int = 1,
 ) -> Iterator[Server]:
-    """Start ``vllm serve`` for ``config`` and stop it after the block, whatever happens."""
+    """Start ``vllm serve`` for ``config`` (with ``api_servers`` API server processes) and
+    stop it after the block, whatever happens."""
     out = work / config.name
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("events-*.jsonl"):
@@ -260,6 +277,7 @@ def serving(
             ),
             *(("--trust-remote-code",) if trust_remote_code else ()),
             *(("--tensor-parallel-size", str(tp)) if tp > 1 else ()),
+            *(("--api-server-count", str(api_servers)) if api_servers > 1 else ()),
             *(served_pairs.EXTENSION_ARGS if config.paired else ()),
         ),
     )

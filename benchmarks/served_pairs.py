@@ -191,5 +191,7 @@ def tables(model: dict[str, Any]) -> list[Table]:
         cost = pairs.get("timing_cost")
         if cost:
             table.note += f" {cost_text(cost)}, in the same server."
+        elif pairs.get("timing_cost_skipped"):
+            table.note += f" Request timing's cost not measured: {pairs['timing_cost_skipped']}."
         found.append(table)
     return found

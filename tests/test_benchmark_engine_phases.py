@@ -189,6 +189,10 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     }
     payload = {"sizes": "released", "models": {"m": model}}
     tables = engine_report.tables(payload)
+    ttft = "Model (released sizes{}): TTFT p50 / p99 (ms) by request kind"
+    assert tables[0].title == ttft.format("")
+    several = engine_report.tables({**payload, "api_server_count": 2})
+    assert several[0].title == ttft.format(", 2 API servers")
     where = [t for t in tables if "where the TTFT goes" in t.title]
     assert len(where) == 1
     rows = {(r[0], r[1]): r[2:] for r in where[0].rows}

@@ -1056,6 +1056,127 @@ def test_engine_cost_rounds_default_and_set(monkeypatch: pytest.MonkeyPatch) -> 
     assert engine.cost_rounds() == 64
 
 
+@pytest.mark.parametrize(("value", "expected"), [("", 1), ("2", 2), (" 16 ", 16)])
+def test_engine_api_server_count_reads_its_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: int
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", value)
+    assert engine.api_server_count() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "17", "two", "-1", "1.5", "\u0663"])
+def test_engine_api_server_count_refuses_what_is_not_a_count(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from benchmarks import engine
+
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", value)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"OMNITRACE_BENCH_ENGINE_API_SERVERS: expected a whole number 1 to 16, got {value!r}"
+        ),
+    ):
+        engine.api_server_count()
+
+
+def test_engine_refuses_a_bad_api_server_count_before_any_server_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from benchmarks import engine
+    from benchmarks.common import Context
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was served")
+
+    monkeypatch.setattr(engine, "_run_model", start)
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", "many")
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_API_SERVERS"):
+        engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
+
+
+@pytest.mark.parametrize("servers", [1, 4])
+def test_engine_servers_get_the_api_server_count_on_their_command_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, servers: int
+) -> None:
+    """``--api-server-count N`` on every ``vllm serve`` when N > 1; vLLM's default else."""
+    from benchmarks import engine_serving
+    from benchmarks.common import Context
+
+    started: list[list[str]] = []
+
+    class Process:
+        def __init__(self, command: list[str], **kwargs: Any) -> None:
+            started.append(command)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(engine_serving.subprocess, "Popen", Process)
+    monkeypatch.setattr(engine_serving, "_wait_ready", lambda server, timeout: None)
+    ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
+    for config in engine_serving.configurations("minicpmo")[:2]:
+        with engine_serving.serving(
+            config, tmp_path / "model", tmp_path, ctx, max_num_seqs=2, api_servers=servers
+        ):
+            pass
+    assert len(started) == 2
+    for command in started:
+        assert command[command.index("serve") + 1] == str(tmp_path / "model")
+        if servers == 1:
+            assert "--api-server-count" not in command
+        else:
+            at = command.index("--api-server-count")
+            assert command[at + 1] == str(servers)
+
+
+def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_servers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The pairs run (``/collective_rpc`` reaches every worker); the timing switch reaches
+    one API server, so its cost is recorded as not measured, with the reason, not measured
+    wrong."""
+    from benchmarks import engine, served_pairs
+    from benchmarks.common import Context
+
+    model = SimpleNamespace(data=[SimpleNamespace(id="m")])
+    client = SimpleNamespace(models=SimpleNamespace(list=lambda: model))
+    monkeypatch.setitem(sys.modules, "openai", SimpleNamespace(OpenAI=lambda **kw: client))
+    monkeypatch.setattr(served_pairs, "run", lambda *a, **kw: {"kinds": {}, "requests": []})
+
+    def cost(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"rounds": kwargs["rounds"]}
+
+    monkeypatch.setattr(served_pairs, "timing_cost", cost)
+    ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
+    server = SimpleNamespace(port=1, config=SimpleNamespace(name="omnitrace"))
+
+    assert engine._served_pairs(ctx, server, [], 1)["timing_cost"] == {"rounds": 1}
+    assert engine.timing_cost_skipped(1) is None
+    pairs = engine._served_pairs(ctx, server, [], 2)
+    assert pairs["timing_cost"] is None
+    assert pairs["timing_cost_skipped"] == engine.timing_cost_skipped(2)
+    assert pairs["timing_cost_skipped"].startswith("2 API servers: POST /omnitrace/request_timing")
+    outcome = engine._pair_outcomes(pairs, {})
+    assert outcome["timing_cost"] is None
+    assert outcome["timing_cost_skipped"] == pairs["timing_cost_skipped"]
+    (table,) = served_pairs.tables(
+        {
+            "name": "M",
+            "configurations": {
+                "omnitrace": {
+                    "served_pairs": {**outcome, "encoder_calls": {"eager": {}, "graphed": {}}}
+                }
+            },
+        }
+    )
+    assert table.note.endswith(
+        f"Request timing's cost not measured: {pairs['timing_cost_skipped']}."
+    )
+
+
 def _fake_workers(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[tuple[Any, ...]]:
     """served_pairs.rpc answered by one fake worker with a vision and an audio adapter."""
     from benchmarks import served_pairs
