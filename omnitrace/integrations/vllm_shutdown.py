@@ -97,30 +97,32 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    # The state follows the command's closing parenthesis: "pid (comm) S ...".
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+    fields = _stat_fields(pid)
+    return fields is None or fields[:1] != ["Z"]
 
 
-#: Where the kernel says each process's parent; without it (not Linux) every announced process
-#: counts as one a kill reaches.
+#: Where the kernel says each process's state and parent; without it (not Linux) every
+#: announced process counts as running and as one a kill reaches.
 _PROC = Path("/proc")
 #: Deeper than any tree vLLM starts (API server, engine core, workers).
 _MAX_DEPTH = 64
 
 
-def _parent(pid: int) -> int | None:
-    """The parent of ``pid``, None once it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command (state, parent, ...); None where
+    it cannot be read."""
     try:
         stat = (_PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     # "pid (comm) state ppid ...": the command may hold spaces and parentheses.
-    fields = stat.rpartition(")")[2].split()
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return stat.rpartition(")")[2].split()
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of ``pid``, None once it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields and len(fields) > 1 and fields[1].isdigit() else None
 
 
 def _in_tree(pid: int, root: int) -> bool:
