@@ -73,6 +73,7 @@ from benchmarks.engine_serving import (
     schedule,
     serving,
     tensor_parallel_size,
+    whole_number,
 )
 
 NAME = "engine"
@@ -432,13 +433,7 @@ def cost_rounds() -> int:
     Raises:
         ValueError: the value is not a whole number from 1 to 1000.
     """
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", "").strip() or "16"
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
-        raise ValueError(
-            "OMNITRACE_BENCH_ENGINE_COST_ROUNDS: expected a whole number from 1 to 1000, "
-            f"got {raw!r}"
-        )
-    return int(raw)
+    return whole_number("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", default=16, most=1000)
 
 
 def offline_enabled() -> bool:

@@ -193,9 +193,19 @@ class Server:
 
 def tensor_parallel_size() -> int:
     """``OMNITRACE_BENCH_ENGINE_TP``: the engines' tensor-parallel size (default 1)."""
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_TP", "").strip() or "1"
-    if not raw.isdigit() or not 1 <= int(raw) <= 8:
-        raise ValueError(f"OMNITRACE_BENCH_ENGINE_TP: expected a whole number 1 to 8, got {raw!r}")
+    return whole_number("OMNITRACE_BENCH_ENGINE_TP", default=1, most=8)
+
+
+def whole_number(name: str, *, default: int, most: int) -> int:
+    """The environment variable ``name``: a whole number 1 to ``most``, ``default``
+    when unset or empty.
+
+    Raises:
+        ValueError: the value is anything else.
+    """
+    raw = os.environ.get(name, "").strip() or str(default)
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+        raise ValueError(f"{name}: expected a whole number 1 to {most}, got {raw!r}")
     return int(raw)
 
 
@@ -206,12 +216,7 @@ def api_server_count() -> int:
     Raises:
         ValueError: the value is not a whole number from 1 to 16.
     """
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_API_SERVERS", "").strip() or "1"
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 16:
-        raise ValueError(
-            f"OMNITRACE_BENCH_ENGINE_API_SERVERS: expected a whole number 1 to 16, got {raw!r}"
-        )
-    return int(raw)
+    return whole_number("OMNITRACE_BENCH_ENGINE_API_SERVERS", default=1, most=16)
 
 
 def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[str, str]:
