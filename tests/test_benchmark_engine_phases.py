@@ -287,3 +287,53 @@ def test_the_inside_vllm_change_needs_every_kinds_figure(phases: Any) -> None:
         )
         is None
     )
+
+
+def test_changes_are_against_the_mean_of_both_eager_servers_in_an_aba_run(phases: Any) -> None:
+    from benchmarks import engine_checks, engine_serving
+
+    kinds = [k for k in engine_serving.request_kinds("quick") if k.modality == "image"]
+
+    def config(ttft: float, rate: float, p99: float) -> dict[str, Any]:
+        rows = {
+            f"c{c}/{k.name}": {
+                "concurrency": c,
+                "kind": k.name,
+                "ttft_p50_ms": ttft,
+                "ttft_p99_ms": p99,
+            }
+            for c in (1, 32)
+            for k in kinds
+        }
+        return {"rows": rows, "requests_per_s": {"c1": 1.0, "c32": rate}}
+
+    configs = {
+        "eager": config(100.0, 10.0, 400.0),
+        "omnitrace": config(90.0, 13.0, 300.0),
+        engine_serving.AGAIN: config(140.0, 16.0, 200.0),
+    }
+    entry = {"configurations": configs}
+    # Eager first and last average 120 ms: -25 %, where the first alone would say -10 %.
+    change = engine_checks._median_change(entry, "qwen2_5_omni", "quick", "omnitrace", "image")
+    assert change == pytest.approx(-0.25)
+    # The drift still compares the two eager servers.
+    drift = engine_checks._median_change(
+        entry, "qwen2_5_omni", "quick", engine_serving.AGAIN, "image"
+    )
+    assert drift == pytest.approx(0.4)
+    result: dict[str, Any] = {"targets": [], "figures": []}
+    engine_checks._load_checks(result, "M", configs)
+    by_name = {t["name"]: t["value"] for t in result["targets"]}
+    assert by_name["M: requests/s at concurrency 32, omnitrace over eager encoders"] == (
+        pytest.approx(1.0)
+    )
+    p99 = by_name["M: TTFT p99 at concurrency 32 (median over kinds), omnitrace vs eager"]
+    assert p99 == pytest.approx(0.0)
+    # Without the eager server served again, the first one is the baseline.
+    del configs[engine_serving.AGAIN]
+    result = {"targets": [], "figures": []}
+    engine_checks._load_checks(result, "M", configs)
+    by_name = {t["name"]: t["value"] for t in result["targets"]}
+    assert by_name["M: requests/s at concurrency 32, omnitrace over eager encoders"] == (
+        pytest.approx(1.3)
+    )
