@@ -11,7 +11,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from omnitrace._display import safe
-from omnitrace._validate import INT64_MAX, OversizedInt, check_bool, check_int, describe
+from omnitrace._validate import (
+    INT64_MAX,
+    OversizedInt,
+    check_bool,
+    check_int,
+    check_name,
+    describe,
+)
 from omnitrace.errors import ConfigError, EncoderGraphFailedError, OmnitraceError
 
 __all__ = [
@@ -57,6 +64,7 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
     "encoder_cuda_graph_device_timing": "device_timing",
     "encoder_cuda_graph_skip_profiling": "skip_profiling",
     "encoder_cuda_graph_audio_attention": "audio_attention",
+    "encoder_cuda_graph_prepare_from": "prepare_from",
 }
 _FIELD_TO_KEY = {v: k for k, v in HF_OVERRIDE_KEYS.items()}
 
@@ -112,7 +120,9 @@ class EncoderGraphConfig:
             replay stream (false gives every graph its own, for an A/B comparison).
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
             per exact shape instead of the eager forward; misses still run the eager
-            forward. Off by default.
+            forward. Off by default. Inside vLLM a compile never runs on a request's path:
+            the shapes ``prepare_from`` names are compiled at start-up, and shapes first
+            seen while serving are captured from the eager forward.
         background_capture: warm up (and, with ``compile``, compile) a graph's forward on a
             background thread and a side stream while calls of its shape keep running
             eagerly (``warmup`` misses, detail ``preparing``); the next call of the shape
@@ -142,6 +152,13 @@ class EncoderGraphConfig:
             chunks with a block-diagonal mask built on the device, which graphs; it is not
             bitwise transformers' result (measured: float32 within 1e-6, bfloat16 within
             2**-7), and every call the adapter serves uses it, hits and misses alike.
+        prepare_from: event logs of an earlier run (a path or a glob pattern, such as
+            ``/var/log/omnitrace/events-*.jsonl``; rotated files are read too): inside
+            vLLM, once the engine has warmed up and before it serves, each encoder captures
+            the shapes its namesake captured there, the most replayed first, under the same
+            cap, budget and memory floor, so their first requests replay a graph (and,
+            with ``compile``, a compiled one). A pattern that matches nothing prepares
+            nothing and logs one line. Empty (default): nothing is prepared.
     """
 
     enabled: bool = True
@@ -155,6 +172,7 @@ class EncoderGraphConfig:
     device_timing: bool = False
     skip_profiling: bool = False
     audio_attention: str = "native"
+    prepare_from: str = ""
 
     def __post_init__(self) -> None:
         counted = self.max_graphs is not _UNSET
@@ -202,6 +220,15 @@ class EncoderGraphConfig:
                 f"{_FIELD_TO_KEY['audio_attention']}: expected {accepted}, "
                 f"got {describe(self.audio_attention)}"
             )
+        if not isinstance(self.prepare_from, str) or (
+            self.prepare_from and not self.prepare_from.strip()
+        ):
+            raise ConfigError(
+                f"{_FIELD_TO_KEY['prepare_from']}: expected a path or a glob pattern of "
+                f"event logs, or an empty string for none, got {describe(self.prepare_from)}"
+            )
+        if self.prepare_from:
+            check_name(_FIELD_TO_KEY["prepare_from"], self.prepare_from)
 
     @property
     def history_size(self) -> int:

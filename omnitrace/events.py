@@ -93,6 +93,9 @@ class Phase(str, enum.Enum):
     """Requests (the default)."""
     PROFILING = "profiling"
     """vLLM's start-up profiling run: dummy maximum-size inputs, before serving."""
+    STARTUP = "startup"
+    """After vLLM's warm-up, before serving: graphs prepared for the shapes of an earlier
+    run's event logs (``encoder_cuda_graph_prepare_from``)."""
 
     def __str__(self) -> str:
         return self.value

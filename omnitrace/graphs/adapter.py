@@ -209,6 +209,15 @@ class EncoderCudaGraph:
         self._skip_profiling = config.skip_profiling
         self._paused = False
         self._compiled: Callable[..., Any] | None = None
+        # Set once serving starts inside an engine whose compiled ops forbid a compile beside
+        # them (vLLM): later shapes are captured from the eager forward.
+        self._compile_stopped = False
+        # Keys captured by prepare() not yet called: an integration checks each first call.
+        self._prepared: set[Hashable] = set()
+        #: Called with the device before :meth:`prepare` captures: an integration readies
+        #: what its forward reads and a first call would have set up (MiniCPM-o's
+        #: positional table). None: nothing to ready.
+        self.prepare_hook: Callable[[torch.device], None] | None = None
         self._timers = (
             DeviceTimers(lambda device: owner._new_timer(device), self._lock)
             if config.device_timing
@@ -327,6 +336,102 @@ class EncoderCudaGraph:
             f"<EncoderCudaGraph {self.name!r} {state} graphs={len(self._graphs)}/"
             f"{self.config.max_graphs} backend={self.backend.name}>"
         )
+
+    def prepare(self, signature: Signature, device: torch.device) -> str:
+        """Capture the graph of ``signature``'s dtypes and shapes on ``device`` now.
+
+        For start-up, before serving (``encoder_cuda_graph_prepare_from``): the key is
+        admitted as if an earlier run's calls had warmed it up, under the same cap, budget
+        and memory floor, and captured (compiled first with ``compile``) from zero-filled
+        inputs on the current stream. A graph replays whatever values its inputs hold, so
+        it serves every later call of these shapes as one captured from a call would. The
+        capture is reported (in the adapter's phase) but no call is counted.
+
+        Args:
+            signature: the recorded key; its device and stream are not used.
+            device: the device to capture on.
+
+        Returns:
+            ``"captured"``; ``"held"`` when a graph of the key exists; else why not, as
+            the miss a call would have been: ``"ineligible: DETAIL"``, ``"capacity: cap"``,
+            ``"capacity: budget"`` or ``"memory: floor"``.
+
+        Raises:
+            ValueError: a dtype of ``signature`` that torch does not have.
+            EncoderGraphFailedError: the adapter is terminal already.
+            Exception: the capture's own error; the adapter is then terminal, as after a
+                failed capture while serving.
+        """
+        from omnitrace.graphs.startup import zero_inputs
+
+        inputs = zero_inputs(signature, device)
+        call = examine(self.name, inputs)
+        detail = ineligible_detail(call, enabled=self._enabled, backend=self.backend)
+        if detail is None and self._paused:
+            detail = "paused"
+        if detail is not None:
+            return f"ineligible: {detail}"
+        found = call_key(inputs)
+        assert found is not None
+        assert call.device is not None
+        where = call.device
+        stream = self.backend.stream_id(where)
+        key = (where, stream, found[1])
+        with self._lock:
+            if self._failure is not None:
+                raise self._terminal_error()
+            if key in self._graphs:
+                return "held"
+            decision = self._admission.decide(
+                key, lambda: self.backend.device_free_bytes(where), recorded=True
+            )
+            if decision.verdict is Verdict.CAPACITY:
+                return "capacity: budget" if decision.budget else "capacity: cap"
+            if decision.verdict is Verdict.MEMORY:
+                return "memory: floor"
+            if self.prepare_hook is not None:
+                self.prepare_hook(where)
+            due = Due(key, inputs, where, stream, signature_of(inputs, stream))
+            # A failed capture makes the adapter terminal; its error propagates untouched.
+            graph = self._capturer.capture(
+                due, None, prepared=False, free_bytes=decision.free_bytes
+            )
+            self._admission.took(graph.bytes_reserved + graph.static_bytes)
+            self._admission.captured(key)
+            self._prepared.add(key)
+        return "captured"
+
+    @property
+    def unchecked_prepared(self) -> bool:
+        """Whether a graph :meth:`prepare` captured has not been called yet."""
+        return bool(self._prepared)
+
+    def first_prepared_call(self, *inputs: torch.Tensor | None) -> bool:
+        """True once for the first call of a key :meth:`prepare` captured, False otherwise.
+
+        For an integration that checks each new graph's first result against the model's
+        own method: a prepared graph's first call is the first with real inputs.
+        """
+        if not self._prepared:
+            return False
+        found = call_key(inputs)
+        if found is None or found[0] is None:
+            return False
+        key = (found[0], self.backend.stream_id(found[0]), found[1])
+        with self._lock:
+            if key not in self._prepared:
+                return False
+            self._prepared.discard(key)
+            return True
+
+    def stop_compiling(self) -> None:
+        """Capture later shapes from the eager forward; compiled graphs keep replaying.
+
+        For an engine whose own compiled code forbids a compile beside it, so that a
+        shape first seen while serving never waits for a compile: the vLLM plugin calls it
+        once the shapes of ``prepare_from`` are prepared. No effect without ``compile``.
+        """
+        self._compile_stopped = True
 
     def record_ineligible(self, detail: str, *inputs: torch.Tensor | None) -> None:
         """Count a call the model ran eagerly before reaching the adapter.
@@ -589,7 +694,7 @@ class EncoderCudaGraph:
 
     def _capture_forward(self) -> Callable[..., Any]:
         """The forward graphs are captured from: the encoder, or torch.compile of it."""
-        if not self.config.compile:
+        if not self.config.compile or self._compile_stopped:
             return self._forward
         if self._compiled is None:
             self._compiled = compile_forward(

@@ -74,11 +74,15 @@ class Admission:
         """Return the call counts of the remembered keys, oldest first."""
         return dict(self._history)
 
-    def decide(self, key: Hashable, free_bytes: Callable[[], int]) -> Decision:
+    def decide(
+        self, key: Hashable, free_bytes: Callable[[], int], *, recorded: bool = False
+    ) -> Decision:
         """Count a call of the uncaptured ``key`` and decide its fate.
 
         ``free_bytes`` is only called when the memory floor is enabled and the key is due
-        for capture, because reading device memory costs a driver call.
+        for capture, because reading device memory costs a driver call. A ``recorded`` key
+        (one an earlier run captured, prepared at start-up) needs no warm-up calls; the
+        cap, the budget and the floor apply as to any key.
         """
         if self.num_graphs >= self._max_graphs:
             return Decision(Verdict.CAPACITY)
@@ -89,7 +93,7 @@ class Admission:
         history[key] = calls
         if len(history) > self._limit:
             history.popitem(last=False)
-        if calls < self._min_calls:
+        if calls < self._min_calls and not recorded:
             return Decision(Verdict.WARMUP, calls)
         if self._floor > 0:
             free = free_bytes()

@@ -4,6 +4,7 @@ SigLIP stack alone) and the batch audio path, each fallback recorded as an ineli
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -388,6 +389,10 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
 # -- attaching ---------------------------------------------------------------------------------
 
 
+def _take_table(table: minicpmo_vision.PositionTable, model: Any, device: Any) -> None:
+    table.take(model, device)
+
+
 def detect(model: Any) -> bool:
     """Whether ``model`` has a MiniCPM-o vision tower (``vpm``) or audio encoder (``apm``)."""
     return hasattr(model, "vpm") or hasattr(model, "apm")
@@ -424,6 +429,8 @@ def instrument(
                 vpm, VISION_ATTR, "vision", lambda: minicpmo_vision.path_forward(model, table)
             )
             graph = vision
+            # A graph prepared before serving reads the table a first call would take.
+            graph.prepare_hook = functools.partial(_take_table, table, model)
             vision_path = minicpmo_vision.VISION_METHOD
             route_method(
                 model,

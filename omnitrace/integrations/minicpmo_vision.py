@@ -78,10 +78,25 @@ class PositionTable:
     eligible call and held for the model's lifetime. Slices beyond it run vLLM's method.
     """
 
-    __slots__ = ("tensor",)
+    __slots__ = ("_lock", "tensor")
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def take(self, model: Any, device: torch.device) -> torch.Tensor:
+        """The copy the graphs read: taken now on ``device`` if none was taken yet.
+
+        Called on the first eligible call, and before a graph is prepared at start-up
+        (the adapter's ``prepare_hook``), never inside a capture.
+        """
+        table = self.tensor
+        if table is None:
+            with self._lock:
+                if self.tensor is None:
+                    self.tensor = _device_table(model, device)
+                table = self.tensor
+        return table
 
 
 def path_forward(model: Any, table: PositionTable) -> Callable[..., torch.Tensor]:
@@ -237,7 +252,11 @@ class VisionPathMethod:
         prepared = self._prepare(call, padded)
         before = graph.num_graphs
         out = graph(padded, *prepared)
-        if graph.num_graphs != before:
+        # A new graph, or one prepared before serving (captured from zeros), meets its first
+        # real inputs here: checked against vLLM's method once.
+        if graph.num_graphs != before or (
+            graph.unchecked_prepared and graph.first_prepared_call(padded, *prepared)
+        ):
             out = self._check(data, out)
         return out
 
@@ -250,12 +269,7 @@ class VisionPathMethod:
             return "data_parallel"
         if self._diverged:
             return "diverged"
-        table = self._table.tensor
-        if table is None:
-            with self._lock:
-                if self._table.tensor is None:
-                    self._table.tensor = _device_table(model, call.pixels[0].device)
-                table = self._table.tensor
+        table = self._table.take(model, call.pixels[0].device)
         rows, cols = table.shape[0], table.shape[1]
         if any(h > rows or w > cols for h, w in call.sizes):
             # vLLM's method grows its table for such a slice; the graphs keep theirs.
@@ -274,7 +288,7 @@ class VisionPathMethod:
             difference = _difference(out, want)
             logger.warning(
                 "omnitrace: %s's whole vision path gave another result than vLLM's %s on "
-                "the call that captured a graph (%s); vision calls now run vLLM's method",
+                "the first call of a new graph (%s); vision calls now run vLLM's method",
                 type(self._model).__name__,
                 VISION_METHOD,
                 difference,

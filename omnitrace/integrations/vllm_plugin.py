@@ -167,8 +167,10 @@ def _after_load(model: Any, vllm_config: Any) -> None:
             ENV_PLUGIN,
         )
         raise
-    _attached.update(_adapters_of(result))
+    adapters = _adapters_of(result)
+    _attached.update(adapters)
     _hook_profiling()
+    _hook_warm_up(adapters)
     _hook_shutdown()
     if _requests_on():
         from omnitrace.integrations.vllm_requests import hook_worker
@@ -182,6 +184,22 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         pid,
         rank,
     )
+
+
+def _hook_warm_up(adapters: list[EncoderCudaGraph]) -> None:
+    """Prepare recorded shapes (and stop compiling) after vLLM's warm-up, before serving."""
+    from omnitrace.integrations import vllm_startup
+
+    if vllm_startup.hook_warm_up(lambda: list(_attached)):
+        return
+    needs = [a.name for a in adapters if a.config.prepare_from or a.config.compile]
+    if needs:
+        logger.warning(
+            "omnitrace: vLLM's worker warm-up (%s) is not there; %s prepare no recorded "
+            "shape, and compile while serving",
+            vllm_startup.WARM_UP_METHOD,
+            ", ".join(map(repr, needs)),
+        )
 
 
 def _hook_shutdown() -> None:

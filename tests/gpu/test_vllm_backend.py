@@ -158,3 +158,26 @@ def test_background_capture_in_vllm_prepares_on_a_thread_and_replays_exactly(
     assert stats["graph_hits"] == kinds.count("GraphReplayed") >= 3
     assert stats["graph_hits"] + kinds.count("GraphMissed") == 6
     assert graph.close(10)
+
+
+def test_prepared_shapes_compile_before_serving_and_later_shapes_capture_plain() -> None:
+    """Through vLLM's manager with compile on: a shape prepared before serving is compiled
+    and served by its graph from its first call; after ``stop_compiling`` a shape first seen
+    while serving is captured from the eager forward (bitwise eager's result).
+
+    In a process of its own: on the H200, the MiniCPM-o module tests run after it in the same
+    process saw their captures invalidated (``cudaErrorStreamCaptureInvalidated``), and run
+    before it they passed; that interaction is not understood yet, and a child keeps the
+    other tests independent of it. Its failure fails this test.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = Path(__file__).with_name("vllm_compile_prepare.py")
+    done = subprocess.run(
+        [sys.executable, str(child)], capture_output=True, text=True, timeout=600, check=False
+    )
+    print(done.stdout[-2000:])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "prepared compiled graph: max rel err" in done.stdout

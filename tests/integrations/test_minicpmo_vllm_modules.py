@@ -403,3 +403,48 @@ def test_a_vpm_without_vllms_resampler_keeps_the_tower_graph(vllm_env: Any) -> N
     assert result.vision is not None
     assert result.vision_path is None
     assert "forward" in vars(model.vpm.encoder)
+
+
+def test_a_graph_prepared_before_serving_is_checked_on_its_first_call(
+    vllm_env: Any, caplog: Any
+) -> None:
+    """A graph prepared from a recorded shape reads the table it takes before the capture,
+    and its first real result is checked against vLLM's method like a captured one's."""
+    from omnitrace.integrations import minicpmo_vision
+
+    device, dtype = torch.device("cpu"), torch.float32
+    reference = _build(device, dtype, resampler=True)
+    data = vision_batch([(1344, 896)], device, dtype, 0)
+    want = reference.get_vision_hidden_states(data)
+    # The shape a first server captured.
+    recorder = _build(device, dtype, resampler=True)
+    recorded = instrument(recorder, backend=SimulatedGraphBackend())
+    assert recorded.vision is not None
+    with torch.no_grad():
+        for _ in range(2):
+            recorder.get_vision_hidden_states(data)
+    (signature,) = recorded.vision.captured_signatures()
+    # A second server prepares it; one whose path is right, one whose path is off.
+    correct = minicpmo_vision.path_forward
+
+    def off_by_one(m: Any, table: Any) -> Any:
+        forward = correct(m, table)
+        return lambda *inputs: forward(*inputs) + 1.0
+
+    for path, diverges in ((correct, False), (off_by_one, True)):
+        model = _build(device, dtype, resampler=True)
+        bus = EventBus()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(minicpmo_vision, "path_forward", path)
+            result = instrument(model, bus=bus, backend=SimulatedGraphBackend())
+        assert result.vision is not None
+        with torch.no_grad(), capture_events(bus) as events, caplog.at_level("WARNING"):
+            assert result.vision.prepare(signature, device) == "captured"
+            assert equal(model.get_vision_hidden_states(data), want)
+            assert equal(model.get_vision_hidden_states(data), want)
+        assert [type(e).__name__ for e in events][:2] == ["GraphCaptured", "GraphReplayed"]
+        assert vars(model)["get_vision_hidden_states"].diverged is diverges
+        assert not result.vision.unchecked_prepared
+        bus.close()
+    warnings = [r.getMessage() for r in caplog.records if "whole vision path" in r.getMessage()]
+    assert len(warnings) == 1, warnings

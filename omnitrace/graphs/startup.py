@@ -1,0 +1,168 @@
+"""Graphs prepared before serving for the shapes an earlier run's event logs show captured
+(``encoder_cuda_graph_prepare_from``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from omnitrace.eventlog import read_events
+from omnitrace.eventlog.patterns import expand, is_pattern
+from omnitrace.events import GraphCaptured, GraphReplayed
+from omnitrace.signature import Signature
+
+if TYPE_CHECKING:
+    from omnitrace.graphs.adapter import EncoderCudaGraph
+
+__all__ = ["prepare_adapters", "recorded_signatures", "zero_inputs"]
+
+logger = logging.getLogger(__name__)
+
+_Shapes = tuple[tuple[str, tuple[int, ...]] | None, ...]
+
+
+def _shapes(signature: Signature) -> _Shapes:
+    """What a recorded key is across processes: dtypes and shapes (devices and streams are
+    this process's own)."""
+    return tuple(None if spec is None else (spec.dtype, spec.shape) for spec in signature.inputs)
+
+
+def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[Path]]:
+    """Read the event logs ``pattern`` names (a path or a glob pattern; rotated files too).
+
+    Returns:
+        Per adapter name, the signatures its graphs were captured for there, the most
+        replayed first (then in the order first captured), each once whatever the device
+        or stream; and the logs read. A log that cannot be read is skipped with a warning
+        naming it; a pattern that matches nothing gives nothing, with one line.
+    """
+    paths = [path for path in expand([Path(pattern)]) if not is_pattern(path)]
+    captured: dict[str, dict[_Shapes, Signature]] = {}
+    hits: dict[tuple[str, _Shapes], int] = {}
+    read: list[Path] = []
+    for path in paths:
+        try:
+            for event in read_events(path):
+                if isinstance(event, GraphCaptured):
+                    captured.setdefault(event.adapter, {}).setdefault(
+                        _shapes(event.signature), event.signature
+                    )
+                elif isinstance(event, GraphReplayed):
+                    key = (event.adapter, _shapes(event.signature))
+                    hits[key] = hits.get(key, 0) + 1
+        except (OSError, ValueError) as exc:  # EventLogError is a ValueError
+            logger.warning(
+                "omnitrace: encoder_cuda_graph_prepare_from: cannot read %s (%s: %s); its "
+                "shapes are not prepared",
+                path,
+                type(exc).__name__,
+                exc,
+            )
+            continue
+        read.append(path)
+    if not read:
+        logger.warning(
+            "omnitrace: encoder_cuda_graph_prepare_from: no event log at %r; no graph is "
+            "prepared before serving",
+            pattern,
+        )
+    ranked = {}
+    for adapter, found in captured.items():
+        order = list(found)
+        order.sort(key=lambda shapes: -hits.get((adapter, shapes), 0))  # stable: capture order
+        ranked[adapter] = [found[shapes] for shapes in order]
+    return ranked, read
+
+
+def zero_inputs(signature: Signature, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """Zero-filled inputs of ``signature``'s dtypes and shapes on ``device``.
+
+    A graph replays whatever values its inputs hold, so one captured from zeros serves every
+    call of its shapes as one captured from a call would; zeros are valid indices too.
+
+    Raises:
+        ValueError: a dtype torch does not have.
+    """
+    inputs: list[torch.Tensor | None] = []
+    for spec in signature.inputs:
+        if spec is None:
+            inputs.append(None)
+            continue
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"not a torch dtype: {spec.dtype!r}")
+        inputs.append(torch.zeros(spec.shape, dtype=dtype, device=device))
+    return tuple(inputs)
+
+
+def prepare_adapters(
+    adapters: Sequence[EncoderCudaGraph], device: torch.device
+) -> dict[str, dict[str, int]]:
+    """Capture, for each adapter with ``prepare_from``, the shapes recorded for its name.
+
+    Stops an adapter at its first capacity or memory refusal (later shapes cannot fit
+    either). Logs a line per adapter. Run it before serving, in the engine's phase and grad
+    mode (the vLLM plugin does so inside ``torch.inference_mode``).
+
+    Returns:
+        Per adapter name, the outcomes counted (``captured``, ``held``, ``capacity: cap`` ...).
+
+    Raises:
+        EncoderGraphFailedError: a capture failed (the adapter is terminal, as it would be
+            for a failed capture while serving).
+    """
+    read: dict[str, dict[str, list[Signature]]] = {}
+    outcomes: dict[str, dict[str, int]] = {}
+    for adapter in adapters:
+        pattern = adapter.config.prepare_from
+        if not pattern:
+            continue
+        if pattern not in read:
+            read[pattern] = recorded_signatures(pattern)[0]
+        outcomes[adapter.name] = _prepare_one(adapter, read[pattern].get(adapter.name, ()), device)
+    return outcomes
+
+
+def _prepare_one(
+    adapter: EncoderCudaGraph, signatures: Iterable[Signature], device: torch.device
+) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    start = time.perf_counter()
+    signatures = list(signatures)
+    for number, signature in enumerate(signatures, 1):
+        began = time.perf_counter()
+        try:
+            outcome = adapter.prepare(signature, device)
+        except ValueError as exc:
+            outcome = f"unusable: {exc}"
+        counts[outcome] = counts.get(outcome, 0) + 1
+        # A compiled capture takes seconds: a line per shape shows the start-up's progress.
+        logger.info(
+            "omnitrace: %r shape %d of %d (%s): %s in %.1f s",
+            adapter.name,
+            number,
+            len(signatures),
+            _shapes_text(signature),
+            outcome,
+            time.perf_counter() - began,
+        )
+        if outcome.startswith(("capacity", "memory")):
+            break
+    logger.info(
+        "omnitrace: %r prepared %d of %d recorded shapes before serving in %.1f s (%s)",
+        adapter.name,
+        counts.get("captured", 0),
+        len(signatures),
+        time.perf_counter() - start,
+        ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "none",
+    )
+    return counts
+
+
+def _shapes_text(signature: Signature) -> str:
+    return ", ".join("None" if spec is None else spec.text for spec in signature.inputs)

@@ -1,0 +1,257 @@
+"""Graphs prepared before serving from an earlier run's event logs
+(``encoder_cuda_graph_prepare_from``), on the simulated backend."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnitrace import (
+    ConfigError,
+    EncoderCudaGraph,
+    EncoderGraphConfig,
+    EventBus,
+    GraphCaptured,
+    GraphMissed,
+    GraphReplayed,
+)
+from omnitrace.events import Phase
+from omnitrace.graphs.startup import prepare_adapters, recorded_signatures, zero_inputs
+from omnitrace.integrations import vllm_startup
+from omnitrace.signature import Signature
+from omnitrace.sinks.jsonl import JsonlSink
+from omnitrace.testing import SimulatedGraphBackend, capture_events
+
+CPU = torch.device("cpu")
+CFG = EncoderGraphConfig(min_free_bytes=0)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Iterator[None]:
+    with torch.no_grad():
+        yield
+
+
+def record(path: Path, traffic: dict[str, list[tuple[int, int]]]) -> None:
+    """Serve ``traffic`` (per adapter name, (rows, calls) per shape) and log it to ``path``."""
+    bus = EventBus(sinks=[JsonlSink(path)])
+    try:
+        for name, shapes in traffic.items():
+            graph = EncoderCudaGraph(
+                Encoder(), name=name, config=CFG, bus=bus, backend=SimulatedGraphBackend()
+            )
+            for rows, calls in shapes:
+                for _ in range(calls):
+                    graph(torch.randn(rows, 8))
+    finally:
+        bus.close()
+
+
+def adapter(
+    config: EncoderGraphConfig, name: str = "vision", backend: SimulatedGraphBackend | None = None
+) -> tuple[EncoderCudaGraph, Encoder, EventBus]:
+    model = Encoder()
+    bus = EventBus()
+    graph = EncoderCudaGraph(
+        model, name=name, config=config, bus=bus, backend=backend or SimulatedGraphBackend()
+    )
+    return graph, model, bus
+
+
+def test_recorded_shapes_are_served_by_a_graph_from_their_first_call(tmp_path: Path) -> None:
+    log = tmp_path / "events-0-1.jsonl"
+    record(log, {"vision": [(3, 3), (5, 6)], "audio": [(7, 2)]})
+    graph, model, bus = adapter(CFG.replace(prepare_from=str(tmp_path / "events-*.jsonl")))
+    try:
+        with capture_events(bus) as events:
+            outcomes = prepare_adapters([graph], CPU)
+        assert outcomes == {"vision": {"captured": 2}}
+        # Captured, not called: no hit and no miss is counted.
+        assert [type(e) for e in events] == [GraphCaptured, GraphCaptured]
+        # The most replayed shape first.
+        assert [e.signature.inputs[0].shape for e in events] == [(5, 8), (3, 8)]
+        assert graph.stats().calls == 0
+        x = torch.randn(3, 8)
+        with capture_events(bus) as events:
+            out = graph(x)
+        assert [type(e) for e in events] == [GraphReplayed]
+        torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+    finally:
+        bus.close()
+
+
+def test_a_key_unlike_the_recorded_ones_warms_up_as_before(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(3, 3)]})
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)))
+    try:
+        prepare_adapters([graph], CPU)
+        with capture_events(bus) as events:
+            graph(torch.randn(4, 8))
+        assert [type(e) for e in events] == [GraphMissed]
+        assert events[0].detail == "call 1 of 2"
+    finally:
+        bus.close()
+
+
+def test_the_cap_and_the_floor_bound_what_is_prepared(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(1, 2), (2, 5), (3, 4)]})
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log), max_graphs=1))
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {"captured": 1, "capacity: cap": 1}}
+        assert [s.inputs[0].shape for s in graph.captured_signatures()] == [(2, 8)]
+    finally:
+        bus.close()
+    low = SimulatedGraphBackend(free_bytes=1 << 20)
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log), min_free_bytes=2 << 20), backend=low)
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {"memory: floor": 1}}
+        assert graph.num_graphs == 0
+    finally:
+        bus.close()
+
+
+def test_held_and_ineligible_shapes_are_counted_not_captured(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3)]})
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)))
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {"captured": 1}}
+        assert prepare_adapters([graph], CPU) == {"vision": {"held": 1}}
+    finally:
+        bus.close()
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log), enabled=False))
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {"ineligible: disabled": 1}}
+    finally:
+        bus.close()
+
+
+def test_no_log_and_a_hostile_log_prepare_nothing_with_a_line_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hostile = tmp_path / "hostile.jsonl"
+    hostile.write_bytes(b"\x1b[31mnot json\n" * 3)
+    caplog.set_level(logging.WARNING, logger="omnitrace")
+    assert recorded_signatures(str(tmp_path / "none-*.jsonl")) == ({}, [])
+    assert "no event log at" in caplog.text
+    caplog.clear()
+    found, read = recorded_signatures(str(hostile))
+    assert (found, read) == ({}, [])
+    assert f"cannot read {hostile}" in caplog.text
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(tmp_path / "missing.jsonl")))
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {}}
+        assert graph.num_graphs == 0
+    finally:
+        bus.close()
+
+
+def test_zero_inputs_follow_the_signature_and_refuse_an_unknown_dtype() -> None:
+    inputs = zero_inputs(Signature.parse("bfloat16[2,3], None, int64[4]"), CPU)
+    assert inputs[1] is None
+    first, last = inputs[0], inputs[2]
+    assert first is not None
+    assert last is not None
+    assert (first.dtype, first.shape) == (torch.bfloat16, (2, 3))
+    assert (last.dtype, tuple(last.shape), int(last.abs().sum())) == (torch.int64, (4,), 0)
+    with pytest.raises(ValueError, match="not a torch dtype: 'Tensor'"):
+        zero_inputs(Signature.parse("Tensor[2]"), CPU)
+
+
+def test_first_prepared_call_is_true_once_per_prepared_key(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3)]})
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)))
+    try:
+        assert not graph.unchecked_prepared
+        prepare_adapters([graph], CPU)
+        assert graph.unchecked_prepared
+        other, same = torch.randn(5, 8), torch.randn(2, 8)
+        assert not graph.first_prepared_call(other)
+        assert graph.first_prepared_call(same)
+        assert not graph.first_prepared_call(same)
+        assert not graph.unchecked_prepared
+    finally:
+        bus.close()
+
+
+def test_prepare_from_is_a_non_blank_path_without_control_characters() -> None:
+    config = EncoderGraphConfig.from_hf_overrides(
+        {"encoder_cuda_graph_prepare_from": "/var/log/omnitrace/events-*.jsonl"}
+    )
+    assert config.prepare_from == "/var/log/omnitrace/events-*.jsonl"
+    assert EncoderGraphConfig.from_hf_overrides(config.to_hf_overrides()) == config
+    for bad in (3, "  ", "/tmp/a\x1b[2Jb"):
+        with pytest.raises(ConfigError, match="encoder_cuda_graph_prepare_from"):
+            EncoderGraphConfig(prepare_from=bad)  # type: ignore[arg-type]
+
+
+def test_vllm_warm_up_prepares_in_the_startup_phase_then_stops_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3)]})
+    compiled: list[str] = []
+
+    def fake_compile(forward: object, *, name: str, max_graphs: int) -> object:
+        def run(*inputs: torch.Tensor) -> torch.Tensor:
+            compiled.append(name)
+            return forward(*inputs)  # type: ignore[operator]
+
+        return run
+
+    monkeypatch.setattr("omnitrace.graphs.adapter.compile_forward", fake_compile)
+    graph, model, bus = adapter(CFG.replace(prepare_from=str(log), compile=True))
+
+    class Worker:
+        device = CPU
+
+        def compile_or_warm_up_model(self) -> str:
+            return "warmed"
+
+    module = types.ModuleType("vllm.v1.worker.gpu_worker")
+    module.Worker = Worker  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", module)
+
+    def adapters() -> list[EncoderCudaGraph]:
+        return [graph]
+
+    try:
+        assert vllm_startup.hook_warm_up(adapters)
+        assert vllm_startup.hook_warm_up(adapters)  # wrapped once
+        with torch.enable_grad(), capture_events(bus) as events:
+            assert Worker().compile_or_warm_up_model() == "warmed"
+        assert [(type(e), e.phase) for e in events] == [(GraphCaptured, Phase.STARTUP)]
+        assert graph.phase is Phase.SERVING
+        # The prepared shape was compiled; one first seen while serving is not.
+        assert compiled
+        calls = len(compiled)
+        x = torch.randn(6, 8)
+        graph(x)
+        out = graph(x)
+        assert len(compiled) == calls
+        assert graph.num_graphs == 2
+        torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+    finally:
+        bus.close()
