@@ -28,8 +28,6 @@ GOALS: dict[str, str] = {
     "every shape, torch and vLLM backends (and with the bus's folds on)",
     "compiled": "Compiled graphs (opt-in switch): faster than the bare graph and than "
     "reduce-overhead on audio; outputs within the documented tolerance of eager",
-    "background": "No request waits for compilation or capture (opt-in background capture): "
-    "lower p99 on the traffic mix, no wrong output, no crash beside another graph user",
     "observability": "Observability under 1 % of throughput with the production sinks "
     "(OTel, logs, JSONL)",
     "coverage_costs": "Hit-path cost of the bus's folds (stats and per-signature coverage) and "
@@ -60,7 +58,6 @@ RENDERERS: dict[str, str] = {
     "overhead": "benchmarks.overhead_report",
     "latency": "benchmarks.latency_report",
     "traffic": "benchmarks.traffic",
-    "capture": "benchmarks.capture_report",
     "memory": "benchmarks.memory",
     "observability": "benchmarks.observability",
 }
@@ -206,10 +203,9 @@ def text_summary(outputs: dict[str, dict[str, Any]]) -> str:
             f"{name}: {payload.get('status')} in {payload.get('duration_s', 0):.1f} s{error}"
         )
     lines.append("")
-    for name in ("latency", "capture"):
-        tables = _tables_for(name, outputs[name]) if name in outputs else []
-        if tables:
-            lines += [_text(tables[0]), ""]
+    tables = _tables_for("latency", outputs["latency"]) if "latency" in outputs else []
+    if tables:
+        lines += [_text(tables[0]), ""]
     return "\n".join([*lines, _text(_goals_table(outputs)), "", _text(_targets_table(outputs))])
 
 
