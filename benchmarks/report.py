@@ -57,7 +57,6 @@ RENDERERS: dict[str, str] = {
     "eventlog": "benchmarks.eventlog",
     "overhead": "benchmarks.overhead_report",
     "latency": "benchmarks.latency_report",
-    "traffic": "benchmarks.traffic",
     "memory": "benchmarks.memory",
     "observability": "benchmarks.observability",
 }

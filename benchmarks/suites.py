@@ -10,7 +10,7 @@ __all__ = ["BENCHMARKS", "SUITES"]
 
 #: Benchmarks in the order ``all`` runs them: memory first, while the device is clean; latency
 #: late, because its compiles are bounded by what is left of the time budget.
-BENCHMARKS = ("overhead", "memory", "traffic", "latency", "observability")
+BENCHMARKS = ("overhead", "memory", "latency", "observability")
 SUITES: dict[str, tuple[str, ...]] = {
     "all": BENCHMARKS,
     # The event-log tools at 100k, 1M and 10M events (the 10M log alone is 3.4 GB).
