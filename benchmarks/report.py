@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suites import BENCHMARKS, SUITES
-from benchmarks.table import Table, measured, verdict
+from benchmarks.table import Table, markdown, measured, verdict
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -60,13 +60,6 @@ RENDERERS: dict[str, str] = {
     "memory": "benchmarks.memory",
     "observability": "benchmarks.observability",
 }
-
-
-def _markdown(table: Table) -> str:
-    lines = [f"**{table.title}**", "", "| " + " | ".join(table.headers) + " |"]
-    lines.append("|" + "|".join("---" for _ in table.headers) + "|")
-    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines + (["", table.note] if table.note else []))
 
 
 def _text(table: Table) -> str:
@@ -172,15 +165,15 @@ def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -
         return {}
     sections = {
         "environment": _environment(outputs),
-        "goals": _markdown(_goals_table(outputs)),
-        "targets": _markdown(_targets_table(outputs)),
+        "goals": markdown(_goals_table(outputs)),
+        "targets": markdown(_targets_table(outputs)),
     }
     for name, payload in outputs.items():
         failed = f"`{payload.get('error')}` (see `{name}.json`)"
         if payload.get("status") not in _RENDERED and payload.get("result") is None:
             sections[name] = f"Failed: {failed}."
             continue
-        body = "\n\n".join(_markdown(t) for t in _tables_for(name, payload))
+        body = "\n\n".join(markdown(t) for t in _tables_for(name, payload))
         if payload.get("status") not in _RENDERED:
             body = f"_Failed: {failed}; what it measured follows._\n\n{body}"
         if payload.get("status") == "partial":
