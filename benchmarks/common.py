@@ -41,9 +41,7 @@ class GcClock:
     def __init__(self) -> None:
         self.armed = False
         self.collections = 0
-        self.oldest = 0  # collections of generation 2, which walk every tracked object
         self.seconds = 0.0
-        self.longest_s = 0.0
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -51,20 +49,9 @@ class GcClock:
             return
         if phase == "start":
             self._start = time.perf_counter()
-            return
-        took = time.perf_counter() - self._start
-        self.collections += 1
-        self.oldest += info.get("generation") == 2
-        self.seconds += took
-        self.longest_s = max(self.longest_s, took)
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {
-            "collections": self.collections,
-            "oldest_generation": self.oldest,
-            "seconds": self.seconds,
-            "longest_s": self.longest_s,
-        }
+        else:
+            self.collections += 1
+            self.seconds += time.perf_counter() - self._start
 
 
 class BenchmarkFailedError(RuntimeError):
@@ -77,17 +64,10 @@ class BenchmarkFailedError(RuntimeError):
 
 @dataclass
 class Context:
-    """What a benchmark needs to know about this run.
-
-    Args:
-        scale: ``full``, ``quick`` or ``tiny`` (see :data:`SCALES`).
-        out_dir: where JSON results and plots go.
-        cuda: whether a usable CUDA device is present.
-        simulate: run the CUDA benchmarks on CPU with the simulated backend and tiny
-            encoders; it checks the plumbing only, and every number it produces is
-            meaningless (results say ``"simulated": true``).
-        batch4: time the latency shapes at batch 4 as well (full scale only).
-    """
+    """What a benchmark needs to know about this run: its scale (:data:`SCALES`), where results
+    go, whether CUDA is usable, whether the CUDA benchmarks run ``simulate``d on CPU (the
+    simulated backend, tiny encoders: plumbing only, every number meaningless) and whether the
+    latency shapes run at batch 4 too (full scale only)."""
 
     scale: str = "full"
     out_dir: Path = field(default_factory=lambda: Path("bench-results"))
@@ -122,10 +102,10 @@ class Context:
     @property
     def device_sync(self) -> Callable[[], None]:
         """``torch.cuda.synchronize`` on a CUDA device, else a no-op (bare, for timed loops)."""
-        return torch.cuda.synchronize if self.device.type == "cuda" else _no_sync
+        return torch.cuda.synchronize if self.device.type == "cuda" else no_op
 
 
-def _no_sync() -> None:
+def no_op() -> None:
     pass
 
 

@@ -1,45 +1,10 @@
-"""End to end: what omnitrace's encoder graphs are worth to a ``vllm serve`` user's requests.
-
-Per model (``OMNITRACE_BENCH_ENGINE_MODELS``, comma-separated), one ``vllm serve`` per
-configuration, back to back on the same dummy-weight checkpoint, sent the same seeded traffic by
-streaming OpenAI clients; ``OMNITRACE_BENCH_ENGINE_TP=2`` serves each tensor-parallel.
-
-============================  ===================================================================
-configuration                 what
-============================  ===================================================================
-``eager``                     omnitrace's adapters attached with ``encoder_cuda_graph: false``:
-                              every encoder call eager (the adapter only times it), vLLM's own
-                              language-model graphs on
-``omnitrace``                 exact-shape graphs, default settings (Qwen2.5-Omni's audio tower
-                              through the masked attention, without which it cannot graph);
-                              after its passes, each kind in pairs, graphs switched off and
-                              on through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`)
-``omnitrace+compile``         the same with ``encoder_cuda_graph_compile``
-``omnitrace-4``               a plain count of four graphs an encoder and no pool budget
-                              (``encoder_cuda_graph_max_graphs`` 4, the former default)
-``vllm-encoder-graphs``       vLLM's own encoder graphs (``cudagraph_mm_encoder``), where the
-                              model implements vLLM's protocol; recorded as not applicable
-                              otherwise
-``eager-again``               ``eager`` once more, last (A/B/A): the machine's drift across the
-                              run, reported beside every change read against ``eager``
-============================  ===================================================================
-
-Before the servers each model runs :mod:`benchmarks.paired` in a child
-(``OMNITRACE_BENCH_ENGINE_OFFLINE=0`` leaves it out);
-``OMNITRACE_BENCH_ENGINE_CONFIGS=eager,omnitrace,eager-again`` serves only those, in the
-table's order; ``OMNITRACE_BENCH_ENGINE_COST_ROUNDS`` sets the rounds of request timing's cost.
-``OMNITRACE_BENCH_ENGINE_API_SERVERS=N`` (1 to 16, default 1) serves each with
-``--api-server-count N``: N API server processes render, process and stream the requests in
-front of the one engine (at concurrency 32 one API server's CPU bounds the rate). The result
-records N (``api_server_count``); the served pairs stay (``/collective_rpc`` reaches every
-worker from any API server), but request timing's cost is not measured (``timing_cost`` is
-null, ``timing_cost_skipped`` says why): its switch, ``POST /omnitrace/request_timing``,
-reaches one API server only.
-What it measures: BENCHMARKS.md, "End to end through ``vllm serve``".
-"""
+"""End to end through ``vllm serve``: per model, after the offline pairs (:mod:`benchmarks.paired`),
+one server per configuration (:func:`benchmarks.engine_serving.configurations`), each sent the
+same seeded traffic; BENCHMARKS.md, "End to end", has what it measures and its variables."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -50,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import engine_phases, served_pairs
-from benchmarks.common import BenchmarkFailedError, Context, summarize, write_partial
+from benchmarks.common import BenchmarkFailedError, Context, save_plot, summarize, write_partial
 from benchmarks.engine_checks import (
     check_model,
     device_s_since,
@@ -90,9 +55,6 @@ ANCHORS = (
 )
 
 
-# -- the benchmark -----------------------------------------------------------------------------
-
-
 #: vLLM 0.26's model class of each checkpoint kind, checked for its encoder graph protocol.
 VLLM_MODEL_CLASSES = {
     "qwen2_5_omni": (
@@ -107,8 +69,6 @@ def _model_supports_vllm_encoder_graphs(model_kind: str) -> tuple[bool, str]:
     """Whether vLLM's model class for ``model_kind`` implements its encoder graph protocol."""
     module, cls = VLLM_MODEL_CLASSES[model_kind]
     try:
-        import importlib
-
         found = getattr(importlib.import_module(module), cls)
     except Exception as exc:
         return False, f"{module}.{cls} cannot be imported here ({type(exc).__name__}: {exc})"
@@ -159,37 +119,29 @@ def _checkpoint(model_kind: str, directory: Path, scale: str) -> Path:
     return directory
 
 
-def models() -> list[str]:
-    """The model kinds this run serves: ``OMNITRACE_BENCH_ENGINE_MODELS`` (comma-separated)
-    or every one of :data:`MODELS`."""
-    chosen = os.environ.get("OMNITRACE_BENCH_ENGINE_MODELS", "").strip()
-    if not chosen:
-        return list(MODELS)
-    names = [name.strip() for name in chosen.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODELS]
-    if unknown or not names:
+def _chosen(variable: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated names ``variable`` holds, each one of ``known``; all when unset."""
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return list(known)
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    if not names or any(name not in known for name in names):
         raise ValueError(
-            f"OMNITRACE_BENCH_ENGINE_MODELS: expected a comma-separated list of "
-            f"{', '.join(MODELS)}, got {chosen!r}"
+            f"{variable}: expected a comma-separated list of {', '.join(known)}, got {raw!r}"
         )
     return names
 
 
+def models() -> list[str]:
+    """The model kinds this run serves (``OMNITRACE_BENCH_ENGINE_MODELS``; all by default)."""
+    return _chosen("OMNITRACE_BENCH_ENGINE_MODELS", list(MODELS))
+
+
 def chosen_configurations(model_kind: str) -> list[Configuration]:
-    """The configurations this run serves: ``OMNITRACE_BENCH_ENGINE_CONFIGS`` (comma-separated
-    names, served in :func:`configurations`' order) or all of them."""
+    """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by
+    default), in :func:`configurations`' order."""
     every = configurations(model_kind)
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_CONFIGS", "").strip()
-    if not raw:
-        return every
-    names = [name.strip() for name in raw.split(",") if name.strip()]
-    known = [c.name for c in every]
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise ValueError(
-            f"OMNITRACE_BENCH_ENGINE_CONFIGS: expected a comma-separated list of "
-            f"{', '.join(known)}, got {raw!r}"
-        )
+    names = _chosen("OMNITRACE_BENCH_ENGINE_CONFIGS", [c.name for c in every])
     return [c for c in every if c.name in names]
 
 
@@ -489,8 +441,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
         ax.set_ylabel("TTFT p50 (ms), concurrency 1")
         ax.set_title(f"vllm serve, {MODELS[model_kind]} ({result['sizes']} sizes), dummy weights")
         ax.legend()
-    fig.tight_layout()
-    path = out_dir / "engine_ttft.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, out_dir / "engine_ttft.png")]

@@ -118,9 +118,7 @@ def engine_ttft_p50_ms(samples: Iterable[Mapping[str, float] | None]) -> float |
     return 1e3 * statistics.median(s["rendering"] + s["queue"] + s["prefill"] for s in present)
 
 
-def _every(
-    samples: Iterable[Mapping[str, float] | None],
-) -> Sequence[Mapping[str, float]] | None:
+def _every(samples: Iterable[Mapping[str, float] | None]) -> Sequence[Mapping[str, float]] | None:
     """``samples`` when there are some and each has its figures, else None."""
     taken = list(samples)
     if not taken or any(s is None for s in taken):

@@ -63,10 +63,7 @@ def configurations(model_kind: str) -> list[Configuration]:
         Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         Configuration(
-            "vllm-encoder-graphs",
-            {},
-            compilation={"cudagraph_mm_encoder": True},
-            plugin=False,
+            "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
         ),
         # The baseline once more at the end (A/B/A): how far the machine drifted meanwhile.
         Configuration(AGAIN, {**graphs, "encoder_cuda_graph": False}),

@@ -239,11 +239,7 @@ def measure_shape(
 
 
 def _measure_arms(
-    point: Point,
-    budget: Budget,
-    settings: dict[str, int],
-    row: dict[str, Any],
-    start: float,
+    point: Point, budget: Budget, settings: dict[str, int], row: dict[str, Any], start: float
 ) -> tuple[dict[str, float], int]:
     """Build the arms into ``row``, time them; return phase timings and the rounds run."""
     run = point.run
@@ -416,14 +412,7 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
             lo.append(s["median"] - s["p10"])
             hi.append(s["p90"] - s["median"])
         if xs:
-            ax.bar(
-                xs,
-                ys,
-                width,
-                yerr=[lo, hi],
-                label=titles[name],
-                capsize=2,
-            )
+            ax.bar(xs, ys, width, yerr=[lo, hi], label=titles[name], capsize=2)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['label']}\nB={r['batch']}" for r in rows], fontsize=8)
     ax.set_ylabel("latency per call, us (median, p10-p90)")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import BareGraph, Context, sink_rows
+from benchmarks.common import BareGraph, Context, no_op, sink_rows
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.testing import SimulatedGraphBackend
 
@@ -42,10 +42,6 @@ class Skip(Exception):
         self.detail = detail
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass
 class Timed:
     """An arm built for one shape: ``call`` (its output checked against eager once), the
@@ -56,7 +52,7 @@ class Timed:
     call: Callable[[], Any]
     adapter: EncoderCudaGraph | None = None
     window: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-    settle: Callable[[], None] = _nothing
+    settle: Callable[[], None] = no_op
     info: dict[str, Any] = field(default_factory=dict)
     report: Callable[[], dict[str, Any]] | None = None
 

@@ -90,11 +90,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 def _held(
-    ctx: Context,
-    model: torch.nn.Module,
-    inputs: list[torch.Tensor],
-    share: bool,
-    on_cuda: bool,
+    ctx: Context, model: torch.nn.Module, inputs: list[torch.Tensor], share: bool, on_cuda: bool
 ) -> dict[str, Any]:
     if on_cuda:
         # cuBLAS keeps a workspace per (handle, stream) for the life of the process: cleared,

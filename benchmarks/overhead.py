@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import BareGraph, Context, max_rel_err, save_plot, summarize, target
+from benchmarks.latency import time_rounds
+from benchmarks.latency_arms import Timed
 from omnitrace import (
     EncoderCudaGraph,
     EncoderGraphConfig,
@@ -96,7 +98,7 @@ def _counts(snapshots: dict[str, Any]) -> dict[str, dict[str, int]]:
     }
 
 
-def _rounds_by_clock(
+def _rounds(
     variants: dict[str, Callable[[], object]], per_round: int, rounds: int
 ) -> tuple[dict[str, dict[str, float | int]], dict[str, dict[str, float | int]]]:
     """Summaries over ``rounds`` of the mean cost of ``per_round`` back-to-back calls of each
@@ -117,12 +119,6 @@ def _rounds_by_clock(
         {name: summarize(s) for name, s in wall.items()},
         {name: summarize(s) for name, s in cpu.items()},
     )
-
-
-def _rounds(
-    variants: dict[str, Callable[[], object]], per_round: int, rounds: int
-) -> dict[str, dict[str, float | int]]:
-    return _rounds_by_clock(variants, per_round, rounds)[0]
 
 
 def _cycle(fn: Callable[[Event], object], events: Sequence[Event]) -> Callable[[], object]:
@@ -149,7 +145,7 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
             for fold in folds:
                 bus.add_fold(fold)
             emit_one = _cycle(bus.emit, events)
-            wall, cpu_time = _rounds_by_clock({"emit": emit_one}, per_round, rounds)
+            wall, cpu_time = _rounds({"emit": emit_one}, per_round, rounds)
             stats, cpu = wall["emit"], cpu_time["emit"]
             flushed = bus.flush(timeout=30.0)
             bus_stats = bus.statistics()
@@ -177,7 +173,7 @@ def bench_emit(ctx: Context) -> dict[str, Any]:
     # The loop alone, to subtract; the bus's own fold alone, its share of every emit.
     fold = CoverageFold(DEFAULT_COVERAGE_KEYS, stats=StatsFold()).fold
     variants = {"loop": _cycle(lambda e: e, events), "fold": _cycle(fold, events)}
-    alone = _rounds(variants, per_round, rounds)
+    alone = _rounds(variants, per_round, rounds)[0]
     return {
         "rows": rows,
         "loop_overhead_us": alone["loop"],
@@ -288,7 +284,7 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
             "adapter_bus": lambda: adapters["bus"](x),
             "adapter_bus_sink": lambda: adapters["bus_sink"](x),
         }
-        timings = _rounds(variants, per_round, rounds)
+        timings = _rounds(variants, per_round, rounds)[0]
     after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     bus_sink.flush(timeout=30.0)
     dropped = bus_sink.statistics().dropped
@@ -344,30 +340,6 @@ def _hits_and_misses(
     }
 
 
-def _host_and_latency(
-    variants: dict[str, Callable[[], object]], per_round: int, rounds: int
-) -> dict[str, dict[str, Any]]:
-    host: dict[str, list[float]] = {name: [] for name in variants}
-    latency: dict[str, list[float]] = {name: [] for name in variants}
-    perf = time.perf_counter
-    sync = torch.cuda.synchronize
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            for _ in range(per_round):
-                sync()
-                start = perf()
-                fn()
-                launched = perf()
-                sync()
-                done = perf()
-                host[name].append(launched - start)
-                latency[name].append(done - start)
-    return {
-        name: {"host_us": summarize(host[name]), "latency_us": summarize(latency[name])}
-        for name in variants
-    }
-
-
 def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
     per_round = ctx.pick(400, 100, 20)
     rounds = ctx.pick(10, 5, 2)
@@ -401,7 +373,12 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
                 fn()
         torch.cuda.synchronize()
         before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
-        timings = _host_and_latency(variants, per_round, rounds)
+        arms = {name: Timed(fn) for name, fn in variants.items()}
+        samples = time_rounds(arms, rounds=rounds, per_round=per_round, sync=torch.cuda.synchronize)
+        timings = {
+            name: {"host_us": summarize(s["host"]), "latency_us": summarize(s["latency"])}
+            for name, s in samples.items()
+        }
     after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     sink_bus.flush(timeout=30.0)
     dropped = sink_bus.statistics().dropped

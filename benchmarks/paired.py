@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.common import quantile
 from benchmarks.engine_phases import request_views, view_phases_ms
-from benchmarks.table import Table, ms
+from benchmarks.table import Table, markdown, ms
 
 SAMPLING_RATE = 16_000
 _USER = "<|im_start|>user\n"
@@ -304,36 +304,27 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def diff_text(row: dict[str, Any]) -> str:
-    """A kind's paired difference as the tables show it: median (interquartile range), ms."""
-    return f"{row['diff_median_ms']:+.1f} ({row['diff_q25_ms']:+.1f} … {row['diff_q75_ms']:+.1f})"
+#: The columns of a kind's paired difference (:func:`_paired_cells`).
+_PAIRED_HEADERS = ("paired diff median (IQR)", "median %", "graphed faster")
+
+
+def _paired_cells(r: dict[str, Any]) -> list[str]:
+    """A kind's paired difference, median (interquartile range) in ms, its median in %, and
+    how many pairs the graphed request won."""
+    diff = f"{r['diff_median_ms']:+.1f} ({r['diff_q25_ms']:+.1f} … {r['diff_q75_ms']:+.1f})"
+    return [diff, f"{r['diff_median_pct']:+.1f} %", f"{r['graphed_faster']}/{r['pairs']}"]
 
 
 def pairs_table(title: str, kinds: dict[str, dict[str, Any]]) -> Table:
     """The engine report's table of paired kinds (:func:`paired_summary` rows), in ms."""
-    table = Table(
+    return Table(
         title,
+        ["request kind", "eager p50", "graphed p50", *_PAIRED_HEADERS],
         [
-            "request kind",
-            "eager p50",
-            "graphed p50",
-            "paired diff median (IQR)",
-            "median %",
-            "graphed faster",
+            [kind, ms(r["eager_p50_ms"]), ms(r["graphed_p50_ms"]), *_paired_cells(r)]
+            for kind, r in kinds.items()
         ],
     )
-    for kind, r in kinds.items():
-        table.rows.append(
-            [
-                kind,
-                ms(r["eager_p50_ms"]),
-                ms(r["graphed_p50_ms"]),
-                diff_text(r),
-                f"{r['diff_median_pct']:+.1f} %",
-                f"{r['graphed_faster']}/{r['pairs']}",
-            ]
-        )
-    return table
 
 
 def cost_text(cost: dict[str, Any]) -> str:
@@ -353,39 +344,28 @@ def cost_text(cost: dict[str, Any]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The result as Markdown: the paired table, then the phases of each half."""
-    lines = [
+    from omnitrace.requests import PHASES
+
+    pairs = Table(
         f"{result['model']} ({result['size']}, {result['device']}, runner {result['runner']}): "
         f"{result['pairs']} pairs a kind after {result['warmup']} warm-up rounds, "
         f"engine start {result['init_s']} s, run {result['total_s']} s",
-        "",
-        "| kind | eager p50 | eager p99 | graphed p50 | graphed p99 | paired diff median "
-        "(IQR) | median % | graphed faster |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        ["kind", "eager p50", "eager p99", "graphed p50", "graphed p99", *_PAIRED_HEADERS],
+    )
+    phases = Table("Phases (ms)", ["kind", "half", *PHASES, "encoder calls"])
     for kind, r in result["kinds"].items():
-        lines.append(
-            f"| {kind} | {r['eager_p50_ms']:.1f} | {r['eager_p99_ms']:.1f} | "
-            f"{r['graphed_p50_ms']:.1f} | {r['graphed_p99_ms']:.1f} | "
-            f"{diff_text(r)} | {r['diff_median_pct']:+.1f} % | {r['graphed_faster']}/{r['pairs']} |"
-        )
-    from omnitrace.requests import PHASES
-
-    lines += ["", "| kind | half | " + " | ".join(PHASES) + " | encoder calls |"]
-    lines.append("|---|---|" + "---|" * (len(PHASES) + 1))
-    for kind, r in result["kinds"].items():
+        times = [
+            f"{r[f'{half}_{q}_ms']:.1f}" for half in ("eager", "graphed") for q in ("p50", "p99")
+        ]
+        pairs.rows.append([kind, *times, *_paired_cells(r)])
         for half in ("eager", "graphed"):
-            phases = r.get(f"{half}_phases_ms")
-            if phases is None:
-                continue
-            calls = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{half}_encoder_calls"].items()))
-            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
-            lines.append(f"| {kind} | {half} | {cells} | {calls} |")
+            if (spent := r.get(f"{half}_phases_ms")) is not None:
+                calls = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{half}_encoder_calls"].items()))
+                phases.rows.append([kind, half, *(f"{spent[p]:.1f}" for p in PHASES), calls])
     cost = result.get("timing_cost")
-    if cost:
-        lines += ["", cost_text(cost)]
-    for problem in result["problems"]:
-        lines.append(f"\nPROBLEM: {problem}")
-    return "\n".join(lines)
+    notes = [cost_text(cost)] if cost else []
+    problems = [f"PROBLEM: {problem}" for problem in result["problems"]]
+    return "\n\n".join([markdown(pairs), markdown(phases), *notes, *problems])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suites import BENCHMARKS, SUITES
-from benchmarks.table import Table, measured, verdict
+from benchmarks.table import Table, markdown, measured, verdict
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -28,8 +28,6 @@ GOALS: dict[str, str] = {
     "every shape, torch and vLLM backends (and with the bus's folds on)",
     "compiled": "Compiled graphs (opt-in switch): faster than the bare graph and than "
     "reduce-overhead on audio; outputs within the documented tolerance of eager",
-    "background": "No request waits for compilation or capture (opt-in background capture): "
-    "lower p99 on the traffic mix, no wrong output, no crash beside another graph user",
     "observability": "Observability under 1 % of throughput with the production sinks "
     "(OTel, logs, JSONL)",
     "coverage_costs": "Hit-path cost of the bus's folds (stats and per-signature coverage) and "
@@ -59,18 +57,9 @@ RENDERERS: dict[str, str] = {
     "eventlog": "benchmarks.eventlog",
     "overhead": "benchmarks.overhead_report",
     "latency": "benchmarks.latency_report",
-    "traffic": "benchmarks.traffic",
-    "capture": "benchmarks.capture_report",
     "memory": "benchmarks.memory",
     "observability": "benchmarks.observability",
 }
-
-
-def _markdown(table: Table) -> str:
-    lines = [f"**{table.title}**", "", "| " + " | ".join(table.headers) + " |"]
-    lines.append("|" + "|".join("---" for _ in table.headers) + "|")
-    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines + (["", table.note] if table.note else []))
 
 
 def _text(table: Table) -> str:
@@ -176,15 +165,15 @@ def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -
         return {}
     sections = {
         "environment": _environment(outputs),
-        "goals": _markdown(_goals_table(outputs)),
-        "targets": _markdown(_targets_table(outputs)),
+        "goals": markdown(_goals_table(outputs)),
+        "targets": markdown(_targets_table(outputs)),
     }
     for name, payload in outputs.items():
         failed = f"`{payload.get('error')}` (see `{name}.json`)"
         if payload.get("status") not in _RENDERED and payload.get("result") is None:
             sections[name] = f"Failed: {failed}."
             continue
-        body = "\n\n".join(_markdown(t) for t in _tables_for(name, payload))
+        body = "\n\n".join(markdown(t) for t in _tables_for(name, payload))
         if payload.get("status") not in _RENDERED:
             body = f"_Failed: {failed}; what it measured follows._\n\n{body}"
         if payload.get("status") == "partial":
@@ -206,10 +195,9 @@ def text_summary(outputs: dict[str, dict[str, Any]]) -> str:
             f"{name}: {payload.get('status')} in {payload.get('duration_s', 0):.1f} s{error}"
         )
     lines.append("")
-    for name in ("latency", "capture"):
-        tables = _tables_for(name, outputs[name]) if name in outputs else []
-        if tables:
-            lines += [_text(tables[0]), ""]
+    tables = _tables_for("latency", outputs["latency"]) if "latency" in outputs else []
+    if tables:
+        lines += [_text(tables[0]), ""]
     return "\n".join([*lines, _text(_goals_table(outputs)), "", _text(_targets_table(outputs))])
 
 

@@ -39,9 +39,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Run omnitrace benchmarks; write JSON results and PNG plots.",
     )
     parser.add_argument(
-        "--suite",
-        default="all",
-        help=f"comma-separated suites: {', '.join(SUITES)} (default: all)",
+        "--suite", default="all", help=f"comma-separated suites: {', '.join(SUITES)} (default: all)"
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
     parser.add_argument(
@@ -192,11 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(1)
     ctx = Context(
-        scale=scale,
-        out_dir=args.out,
-        cuda=cuda_ok,
-        simulate=args.simulate,
-        batch4=args.batch4,
+        scale=scale, out_dir=args.out, cuda=cuda_ok, simulate=args.simulate, batch4=args.batch4
     )
     device = cuda_info if cuda_ok else "CPU"
     if args.simulate:

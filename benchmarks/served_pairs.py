@@ -58,12 +58,7 @@ def switch(base_url: str, paused: bool) -> None:
 
 
 def run(
-    base_url: str,
-    kinds: Sequence[Any],
-    ask: Callable[[Any, int], Any],
-    *,
-    pairs: int,
-    seed: int,
+    base_url: str, kinds: Sequence[Any], ask: Callable[[Any, int], Any], *, pairs: int, seed: int
 ) -> dict[str, Any]:
     """``pairs`` pairs of each kind, one request at a time: eager (paused) and graphed back to
     back, the order alternating from pair to pair and kind to kind. ``ask(kind, seed)`` sends

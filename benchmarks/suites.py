@@ -8,13 +8,9 @@ from __future__ import annotations
 
 __all__ = ["BENCHMARKS", "SUITES"]
 
-#: Benchmarks in the order ``all`` runs them: memory first, while the device is clean;
-#: latency last, because its compiles are bounded by what is left of the time budget (the
-#: capture benchmark's compiles run before it, under a timeout of their own).
-#: Order matters: torch.compile's reduce-overhead mode keeps its CUDA graph trees in
-#: thread-local state of the thread that first used it, and the capture benchmark compiles in
-#: a background thread, so the latency benchmark (main thread) runs before it.
-BENCHMARKS = ("overhead", "memory", "traffic", "latency", "capture", "observability")
+#: Benchmarks in the order ``all`` runs them: memory first, while the device is clean; latency
+#: late, because its compiles are bounded by what is left of the time budget.
+BENCHMARKS = ("overhead", "memory", "latency", "observability")
 SUITES: dict[str, tuple[str, ...]] = {
     "all": BENCHMARKS,
     # The event-log tools at 100k, 1M and 10M events (the 10M log alone is 3.4 GB).

@@ -27,6 +27,14 @@ def columns(
     return Table(title, [h for h, _ in spec], [[cell(i) for _, cell in spec] for i in items])
 
 
+def markdown(table: Table) -> str:
+    """``table`` as Markdown: its title in bold, the table, its note."""
+    lines = [f"**{table.title}**", "", "| " + " | ".join(table.headers) + " |"]
+    lines.append("|" + "|".join("---" for _ in table.headers) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    return "\n".join(lines + (["", table.note] if table.note else []))
+
+
 def us(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
