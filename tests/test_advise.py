@@ -524,6 +524,11 @@ def test_a_simulated_log_is_ranked_by_calls_graphed() -> None:
     assert advice.best.setting.max_graphs == 6
     assert any("simulated backend" in note for note in advice.notes)
     assert advice.why().startswith("it graphs the most calls of the recorded traffic, 294 of 300")
+    # The six shapes' first calls stay eager under every setting; starting from these logs'
+    # shapes takes them.
+    (prepare,) = [note for note in advice.notes if note.startswith("warm-up:")]
+    assert prepare.startswith("warm-up: 6 of 300 calls run eagerly before their shape is")
+    assert "encoder_cuda_graph_prepare_from" in prepare
 
 
 def test_advise_recommends_what_a_brute_force_of_the_demo_log_confirms(tmp_path: Path) -> None:

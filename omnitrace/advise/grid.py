@@ -14,6 +14,7 @@ from omnitrace._validate import INT64_MAX
 from omnitrace.advise.recording import KeyCost, Recording, Setting, Worker
 from omnitrace.advise.replaying import EncoderOutcome, Result, replay, replay_grid
 from omnitrace.config import MAX_GRAPHS_CAP, ConfigError, EncoderGraphConfig
+from omnitrace.events import MissReason
 
 __all__ = [
     "Advice",
@@ -320,7 +321,21 @@ def advise(
         recording=recording,
         memory_budget=memory_budget,
         ties=ties,
-        notes=_notes(recording),
+        notes=(*_notes(recording), *_prepare_note(best)),
+    )
+
+
+def _prepare_note(best: Result | None) -> tuple[str, ...]:
+    """What starting from these logs' shapes would add: the best setting's warm-up misses."""
+    if best is None:
+        return ()
+    warmup = sum(e.misses.get(MissReason.WARMUP, 0) for e in best.encoders)
+    if not warmup:
+        return ()
+    return (
+        f"warm-up: {warmup} of {best.calls} calls run eagerly before their shape is "
+        "captured; a server restarted with encoder_cuda_graph_prepare_from naming these "
+        "logs captures the shapes before it serves",
     )
 
 
