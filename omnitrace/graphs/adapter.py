@@ -411,6 +411,12 @@ class EncoderCudaGraph:
 
         For an integration that checks each new graph's first result against the model's
         own method: a prepared graph's first call is the first with real inputs.
+
+        Args:
+            *inputs: the call's inputs, as passed to the adapter.
+
+        Returns:
+            True when these inputs' key was prepared and had no call yet (it has one now).
         """
         if not self._prepared:
             return False

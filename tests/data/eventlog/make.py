@@ -16,7 +16,9 @@ else (every other output is still the one of 5439577). Then `advise --json` gain
 recorded outputs are the old ones with that key added, checked to differ in nothing else. Then
 the misses' details moved into the shared encoder summary: `replay --json` gained each
 encoder's `miss_details` (`top --json` printed them already, and prints the same), recorded
-as the old outputs with that key added, checked to differ in nothing else. Run it
+as the old outputs with that key added, checked to differ in nothing else. Then `advise`
+gained a note counting the recommended setting's warm-up calls: its outputs are the old ones
+with that note added, checked to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
