@@ -44,6 +44,16 @@ class Configuration:
     #: After its passes, serve eager and graphed requests in pairs, switching the graphs
     #: through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`).
     paired: bool = False
+    #: An earlier configuration of the run whose workers' event logs this server prepares
+    #: its graphs from before serving (``encoder_cuda_graph_prepare_from``): a restart.
+    prepare_from: str | None = None
+
+    def hf_overrides(self, work: Path) -> dict[str, Any]:
+        """The ``--hf-overrides`` of this server, its run's files being in ``work``."""
+        if self.prepare_from is None:
+            return self.overrides
+        logs = work / self.prepare_from / "events-[0-9]*.jsonl"  # the workers', not the API's
+        return {**self.overrides, "encoder_cuda_graph_prepare_from": str(logs)}
 
 
 #: The repeated baseline's configuration name.
@@ -60,7 +70,14 @@ def configurations(model_kind: str) -> list[Configuration]:
     return [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
-        Configuration("omnitrace+compile", {**graphs, "encoder_cuda_graph_compile": True}),
+        # Compiled at start-up only, for the shapes the defaults' server captured.
+        Configuration(
+            "omnitrace+compile",
+            {**graphs, "encoder_cuda_graph_compile": True},
+            prepare_from="omnitrace",
+        ),
+        # The defaults' server restarted: its graphs captured before the first request.
+        Configuration("omnitrace-restarted", dict(graphs), prepare_from="omnitrace"),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         Configuration(
             "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
@@ -270,7 +287,7 @@ def serving(
         port,
         max_model_len=ctx.pick(8192, 4096, 4096),
         max_num_seqs=max_num_seqs,
-        hf_overrides=config.overrides,
+        hf_overrides=config.hf_overrides(work),
         extra=(
             *(
                 ()

@@ -1112,3 +1112,24 @@ def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
     with pytest.raises(RuntimeError, match="refused"):
         served_pairs.timing_cost("http://x", kinds, broken, rounds=1, seed=0, batch=2, warmup=0)
     assert switched == [False, True]
+
+
+def test_restarted_and_compiled_servers_prepare_from_the_defaults_servers_worker_logs(
+    tmp_path: Path,
+) -> None:
+    from benchmarks import engine_serving
+    from omnitrace.eventlog.patterns import expand
+
+    configs = {c.name: c for c in engine_serving.configurations("minicpmo")}
+    names = list(configs)
+    for name in ("omnitrace+compile", "omnitrace-restarted"):
+        # Served after the defaults' server, whose logs it reads.
+        assert names.index(name) > names.index("omnitrace")
+        pattern = configs[name].hf_overrides(tmp_path)["encoder_cuda_graph_prepare_from"]
+        logs = tmp_path / "omnitrace"
+        logs.mkdir(exist_ok=True)
+        for log in ("events-0-41.jsonl", "events-api.jsonl", "events-api-7.jsonl"):
+            (logs / log).write_text("")
+        assert expand([Path(pattern)]) == [logs / "events-0-41.jsonl"]
+    assert "encoder_cuda_graph_prepare_from" not in configs["omnitrace"].hf_overrides(tmp_path)
+    assert configs["omnitrace"].hf_overrides(tmp_path) == configs["omnitrace"].overrides
