@@ -113,7 +113,7 @@ def test_each_encoder_prepares_the_recorded_shapes_before_serving(
         assert startup == []
 
 
-@pytest.mark.skipif(not CUDA, reason="graphs are captured on CUDA only")
+@pytest.mark.gpu  # graphs are captured on CUDA only: skipped on a CPU
 def test_prepared_shapes_replay_from_their_first_call_with_the_first_engines_outputs(
     first: Served, second: Served
 ) -> None:
