@@ -74,9 +74,14 @@ class Signature:
         return tuple(seen)
 
     @property
+    def inputs_text(self) -> str:
+        """The inputs alone in the human form: ``bfloat16[1,1024,1152], None``."""
+        return ", ".join("None" if spec is None else spec.text for spec in self.inputs)
+
+    @property
     def text(self) -> str:
         """The human form: ``bfloat16[1,1024,1152], None @cuda:0 s=94``."""
-        text = ", ".join("None" if spec is None else spec.text for spec in self.inputs)
+        text = self.inputs_text
         device = self.device
         if device:  # an empty device: parsed from a text that named none
             text += f" @{device}"

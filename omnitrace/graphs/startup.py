@@ -147,7 +147,7 @@ def _prepare_one(
             adapter.name,
             number,
             len(signatures),
-            _shapes_text(signature),
+            signature.inputs_text,
             outcome,
             time.perf_counter() - began,
         )
@@ -162,7 +162,3 @@ def _prepare_one(
         ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "none",
     )
     return counts
-
-
-def _shapes_text(signature: Signature) -> str:
-    return ", ".join("None" if spec is None else spec.text for spec in signature.inputs)

@@ -22,7 +22,7 @@ from omnitrace._env import env_flag
 from omnitrace.bus import EventBus
 from omnitrace.config import OmnitraceError
 from omnitrace.events import Phase, profiling_observed
-from omnitrace.integrations import vllm_shutdown
+from omnitrace.integrations import vllm_shutdown, vllm_startup
 from omnitrace.integrations.vllm_logging import show_plugin_logs
 from omnitrace.integrations.worker import worker_identity
 from omnitrace.sinks.registry import SINKS, SinkUnavailableError, build_sinks
@@ -188,8 +188,6 @@ def _after_load(model: Any, vllm_config: Any) -> None:
 
 def _hook_warm_up(adapters: list[EncoderCudaGraph]) -> None:
     """Prepare recorded shapes (and stop compiling) after vLLM's warm-up, before serving."""
-    from omnitrace.integrations import vllm_startup
-
     if vllm_startup.hook_warm_up(lambda: list(_attached)):
         return
     needs = [a.name for a in adapters if a.config.prepare_from or a.config.compile]
@@ -295,14 +293,8 @@ def profiling_phase(adapters: Iterable[EncoderCudaGraph]) -> Iterator[None]:
     ``skip_profiling`` keep those calls eager and out of admission. Phases are restored even
     when the block raises.
     """
-    saved = [(adapter, adapter.phase) for adapter in adapters]
-    for adapter, _ in saved:
-        adapter.set_phase(Phase.PROFILING)
-    try:
+    with vllm_startup.in_phase(adapters, Phase.PROFILING):
         yield
-    finally:
-        for adapter, phase in saved:
-            adapter.set_phase(phase)
 
 
 def _calls(adapter: EncoderCudaGraph) -> int:

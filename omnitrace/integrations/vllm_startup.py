@@ -3,11 +3,12 @@ where a compile would stall a request (``encoder_cuda_graph_prepare_from``, ``co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from omnitrace.events import Phase
@@ -15,7 +16,7 @@ from omnitrace.events import Phase
 if TYPE_CHECKING:
     from omnitrace.graphs.adapter import EncoderCudaGraph
 
-__all__ = ["WARM_UP_METHOD", "hook_warm_up", "prepare_before_serving"]
+__all__ = ["WARM_UP_METHOD", "hook_warm_up", "in_phase", "prepare_before_serving"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,20 @@ _WORKERS = (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker
 WARM_UP_METHOD = "compile_or_warm_up_model"
 _PATCHED = "_omnitrace_patched"
 _lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def in_phase(adapters: Iterable[EncoderCudaGraph], phase: Phase) -> Iterator[None]:
+    """Put ``adapters`` in ``phase`` inside the block, then restore their phases, even when
+    the block raises (vLLM's profiling run, and the preparation before serving)."""
+    saved = [(adapter, adapter.phase) for adapter in adapters]
+    for adapter, _ in saved:
+        adapter.set_phase(phase)
+    try:
+        yield
+    finally:
+        for adapter, before in saved:
+            adapter.set_phase(before)
 
 
 def prepare_before_serving(adapters: list[EncoderCudaGraph], device: Any) -> None:
@@ -39,15 +54,8 @@ def prepare_before_serving(adapters: list[EncoderCudaGraph], device: Any) -> Non
 
     wanted = [adapter for adapter in adapters if adapter.config.prepare_from]
     if wanted and device is not None:
-        saved = [(adapter, adapter.phase) for adapter in wanted]
-        for adapter, _ in saved:
-            adapter.set_phase(Phase.STARTUP)
-        try:
-            with torch.inference_mode():
-                prepare_adapters(wanted, torch.device(device))
-        finally:
-            for adapter, phase in saved:
-                adapter.set_phase(phase)
+        with in_phase(wanted, Phase.STARTUP), torch.inference_mode():
+            prepare_adapters(wanted, torch.device(device))
     elif wanted:
         logger.warning("omnitrace: the worker names no device; no graph is prepared")
     for adapter in adapters:
