@@ -88,16 +88,23 @@ def zero_inputs(signature: Signature, device: torch.device) -> tuple[torch.Tenso
     Raises:
         ValueError: a dtype torch does not have.
     """
-    inputs: list[torch.Tensor | None] = []
+    unknown = _unknown_dtype(signature)
+    if unknown is not None:
+        raise ValueError(f"not a torch dtype: {unknown!r}")
+    return tuple(
+        None
+        if spec is None
+        else torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+        for spec in signature.inputs
+    )
+
+
+def _unknown_dtype(signature: Signature) -> str | None:
+    """The first dtype of ``signature`` that torch does not have, or None."""
     for spec in signature.inputs:
-        if spec is None:
-            inputs.append(None)
-            continue
-        dtype = getattr(torch, spec.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"not a torch dtype: {spec.dtype!r}")
-        inputs.append(torch.zeros(spec.shape, dtype=dtype, device=device))
-    return tuple(inputs)
+        if spec is not None and not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
+            return spec.dtype
+    return None
 
 
 def prepare_adapters(
@@ -136,10 +143,13 @@ def _prepare_one(
     signatures = list(signatures)
     for number, signature in enumerate(signatures, 1):
         began = time.perf_counter()
-        try:
+        # Checked here rather than caught around prepare(): an error of the capture itself
+        # (a ValueError too, possibly) must stop the start, not be counted as a shape.
+        unknown = _unknown_dtype(signature)
+        if unknown is None:
             outcome = adapter.prepare(signature, device)
-        except ValueError as exc:
-            outcome = f"unusable: {exc}"
+        else:
+            outcome = f"unusable: not a torch dtype: {unknown!r}"
         counts[outcome] = counts.get(outcome, 0) + 1
         # A compiled capture takes seconds: a line per shape shows the start-up's progress.
         logger.info(

@@ -255,3 +255,32 @@ def test_vllm_warm_up_prepares_in_the_startup_phase_then_stops_compiling(
         torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
     finally:
         bus.close()
+
+
+def test_a_capture_that_fails_stops_the_preparation_with_its_own_error(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3), (3, 3)]})
+    failing = SimulatedGraphBackend(fail_on_capture=ValueError("bad capture"))
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)), backend=failing)
+    try:
+        with pytest.raises(ValueError, match="bad capture"):
+            prepare_adapters([graph], CPU)
+        assert graph.terminal
+    finally:
+        bus.close()
+
+
+def test_a_recorded_dtype_torch_lacks_is_counted_unusable(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    sink = JsonlSink(log)
+    for text in ("Tensor[2,8]", "float32[2,8]"):
+        event = GraphCaptured("vision", Signature.parse(text), 1, 1, 0.0, 1, "cpu", 0, 0, 0, 0, 0)
+        sink.handle([event])
+    sink.close()
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)))
+    try:
+        assert prepare_adapters([graph], CPU) == {
+            "vision": {"unusable: not a torch dtype: 'Tensor'": 1, "captured": 1}
+        }
+    finally:
+        bus.close()
