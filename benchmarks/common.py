@@ -337,14 +337,9 @@ def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
     """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial
     (a killed run keeps it; one that raises keeps it with status ``error``)."""
     ctx.partials[name] = result
-    payload = {
-        "benchmark": name,
-        "environment": ctx.environment or {},
-        "status": "partial",
-        "error": None,
-        "result": result,
-    }
-    return write_json(ctx.out_dir / f"{name}.json", payload)
+    environment = ctx.environment or {}
+    payload = dict(benchmark=name, environment=environment, status="partial", error=None)
+    return write_json(ctx.out_dir / f"{name}.json", {**payload, "result": result})
 
 
 class BareGraph:
