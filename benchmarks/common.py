@@ -229,16 +229,9 @@ def target(
     if op not in _OPS:
         raise ValueError(f"op: expected one of <=, >=, <, >, got {op!r}")
     met = None if value is None or not math.isfinite(value) else _OPS[op](value, limit)
-    return {
-        "name": name,
-        "value": value,
-        "op": op,
-        "limit": limit,
-        "unit": unit,
-        "met": met,
-        "note": note,
-        "goal": goal,
-    }
+    return dict(
+        name=name, value=value, op=op, limit=limit, unit=unit, met=met, note=note, goal=goal
+    )
 
 
 def figure(
@@ -246,13 +239,7 @@ def figure(
 ) -> dict[str, Any]:
     """A measured figure with no bar of its own (a cost to report, not to pass)."""
     measured = value is not None and math.isfinite(value)
-    return {
-        "name": name,
-        "value": value if measured else None,
-        "unit": unit,
-        "goal": goal,
-        "note": note,
-    }
+    return dict(name=name, value=value if measured else None, unit=unit, goal=goal, note=note)
 
 
 def geometry_fields(geometry: Any) -> dict[str, int]:
@@ -279,16 +266,8 @@ def save_plot(plt: Any, fig: Any, path: Path) -> Path:
 
 def sink_rows(sinks: Iterable[Any]) -> list[dict[str, Any]]:
     """Each sink's delivery counters from ``EventBus.statistics().sinks``, as JSON rows."""
-    return [
-        {
-            "name": s.name,
-            "delivered": s.delivered,
-            "dropped": s.dropped,
-            "disabled": s.disabled,
-            "error": s.error,
-        }
-        for s in sinks
-    ]
+    fields = ("name", "delivered", "dropped", "disabled", "error")
+    return [{f: getattr(s, f) for f in fields} for s in sinks]
 
 
 def free_cuda_memory() -> None:
@@ -358,14 +337,9 @@ def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
     """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial
     (a killed run keeps it; one that raises keeps it with status ``error``)."""
     ctx.partials[name] = result
-    payload = {
-        "benchmark": name,
-        "environment": ctx.environment or {},
-        "status": "partial",
-        "error": None,
-        "result": result,
-    }
-    return write_json(ctx.out_dir / f"{name}.json", payload)
+    environment = ctx.environment or {}
+    payload = dict(benchmark=name, environment=environment, status="partial", error=None)
+    return write_json(ctx.out_dir / f"{name}.json", {**payload, "result": result})
 
 
 class BareGraph:

@@ -33,6 +33,7 @@ from benchmarks.engine_serving import (
     api_server_count,
     configurations,
     one_request,
+    openai_client,
     request_kinds,
     run_pass,
     schedule,
@@ -320,12 +321,7 @@ def _served_pairs(
     """Eager and graphed requests of each kind in pairs, one at a time, in this server; then
     request timing's cost in rounds of batches, timing off and on (not with several API
     servers: :func:`timing_cost_skipped`)."""
-    import openai
-
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=600
-    )
-    model = client.models.list().data[0].id
+    client, model = openai_client(server.port)
     ctx.log(f"  {server.config.name}: graphs off and on in pairs (served_pairs)")
     base_url = f"http://127.0.0.1:{server.port}"
     pairs = served_pairs.run(

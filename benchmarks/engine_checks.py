@@ -277,21 +277,20 @@ def _load_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) ->
             goal=GOAL,
         )
     )
-    graphed = configs.get("omnitrace")
-    if graphed is not None:
-        warm = graphed.get("after_warmup") or {}
-        result["targets"].append(
-            target(
-                f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults",
-                None if warm.get("hit_rate") is None else 100 * warm["hit_rate"],
-                ">=",
-                95.0,
-                "%",
-                goal=GOAL,
-                note=f"pool bytes {graphed.get('pool_bytes')}; misses by reason: "
-                + "; ".join(
-                    f"{encoder} {e['misses']}"
-                    for encoder, e in sorted(warm.get("encoders", {}).items())
-                ),
-            )
+    graphed = configs["omnitrace"]
+    warm = graphed.get("after_warmup") or {}
+    result["targets"].append(
+        target(
+            f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults",
+            None if warm.get("hit_rate") is None else 100 * warm["hit_rate"],
+            ">=",
+            95.0,
+            "%",
+            goal=GOAL,
+            note=f"pool bytes {graphed.get('pool_bytes')}; misses by reason: "
+            + "; ".join(
+                f"{encoder} {e['misses']}"
+                for encoder, e in sorted(warm.get("encoders", {}).items())
+            ),
         )
+    )

@@ -10,6 +10,11 @@ from benchmarks.table import Table, mib, ms
 
 def tables(result: dict[str, Any]) -> list[Table]:
     tables: list[Table] = []
+    setup = [f"{result['sizes']} sizes"]
+    if (tp := result.get("tensor_parallel_size", 1)) > 1:
+        setup.append(f"tensor-parallel over {tp}")
+    if (api_servers := result.get("api_server_count", 1)) > 1:
+        setup.append(f"{api_servers} API servers")
     for model in result.get("models", {}).values():
         configs: dict[str, Any] = model["configurations"]
         if not configs:
@@ -18,18 +23,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             {row["concurrency"] for c in configs.values() for row in c["rows"].values()}
         )
         ttft = Table(
-            f"{model['name']} ({result['sizes']} sizes"
-            + (
-                f", tensor-parallel over {result['tensor_parallel_size']}"
-                if result.get("tensor_parallel_size", 1) > 1
-                else ""
-            )
-            + (
-                f", {result['api_server_count']} API servers"
-                if result.get("api_server_count", 1) > 1
-                else ""
-            )
-            + "): TTFT p50 / p99 (ms) by request kind",
+            f"{model['name']} ({', '.join(setup)}): TTFT p50 / p99 (ms) by request kind",
             ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
         )
         for kind in model["kinds"]:

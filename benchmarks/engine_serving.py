@@ -39,8 +39,6 @@ class Configuration:
     overrides: dict[str, Any]
     compilation: dict[str, Any] | None = None
     plugin: bool = True
-    #: Environment variables of the server (``OMNITRACE_REQUESTS``, say).
-    env: dict[str, str] = field(default_factory=dict)
     #: After its passes, serve eager and graphed requests in pairs, switching the graphs
     #: through ``/collective_rpc`` (:mod:`benchmarks.served_pairs`).
     paired: bool = False
@@ -205,6 +203,14 @@ class Server:
                 self.process.wait(timeout=30)
 
 
+def openai_client(port: int) -> tuple[Any, str]:
+    """An OpenAI client of the server on loopback ``port``, and the model it serves."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
+    return client, client.models.list().data[0].id
+
+
 def tensor_parallel_size() -> int:
     """``OMNITRACE_BENCH_ENGINE_TP``: the engines' tensor-parallel size (default 1)."""
     return whole_number("OMNITRACE_BENCH_ENGINE_TP", default=1, most=8)
@@ -240,7 +246,6 @@ def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[
     if config.plugin:
         # One log per worker: each rank of a tensor-parallel engine writes its own.
         env["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}-{pid}.jsonl")
-    env.update(config.env)
     if config.paired:
         env.update(served_pairs.EXTENSION_ENV)
     if cuda:
@@ -341,13 +346,12 @@ def _wait_ready(server: Server, timeout: float) -> None:
 
 @dataclass
 class Completion:
-    """One streamed request: its kind, TTFT, total time, token ids and text."""
+    """One streamed request: its kind, TTFT, total time and token ids."""
 
     kind: str
     ttft_s: float
     total_s: float
     tokens: list[int]
-    text: str
     #: Where the TTFT went (seconds, :data:`benchmarks.engine_phases.PHASES`): measured one
     #: request at a time, None otherwise.
     phases: dict[str, float] | None = None
@@ -372,7 +376,6 @@ def one_request(
     start = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
-    parts: list[str] = []
     stream = client.chat.completions.create(
         model=model,
         messages=prompt,
@@ -392,13 +395,10 @@ def one_request(
         if ids and first is None:
             first = time.perf_counter()
         tokens += ids
-        parts.append(chunk.choices[0].delta.content or "")
     end = time.perf_counter()
     if first is None:
         raise RuntimeError(f"a {kind.name} request streamed no token")
-    return Completion(
-        kind.name, first - start, end - start, tokens, "".join(parts), request_id=request_id
-    )
+    return Completion(kind.name, first - start, end - start, tokens, request_id=request_id)
 
 
 @dataclass
@@ -414,12 +414,7 @@ def run_pass(
     server: Server, traffic: Sequence[RequestKind], *, seed: int, concurrency: int, tokens: int
 ) -> Pass:
     """Send ``traffic`` with ``concurrency`` requests in flight; every request must succeed."""
-    import openai
-
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=600
-    )
-    model = client.models.list().data[0].id
+    client, model = openai_client(server.port)
     if concurrency == 1:
         return _run_alone(server, client, model, traffic, seed=seed, tokens=tokens)
     start = time.perf_counter()

@@ -57,8 +57,7 @@ def _sizes(ctx: Context) -> list[int]:
     given = os.environ.get("OMNITRACE_BENCH_EVENTLOG_SIZES")
     if given:
         return [int(size) for size in given.split(",") if size.strip()]
-    sizes: list[int] = ctx.pick([100_000, 1_000_000, 10_000_000], [20_000, 100_000], [1_000, 4_000])
-    return sizes
+    return ctx.pick([100_000, 1_000_000, 10_000_000], [20_000, 100_000], [1_000, 4_000])
 
 
 def _log(size: int, ctx: Context) -> tuple[Path, float | None]:

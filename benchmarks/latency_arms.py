@@ -244,6 +244,7 @@ class Run:
         self.ctx = ctx
         self.simulate = ctx.simulate
         self.on_cuda = ctx.device.type == "cuda"
+        self.sync = ctx.device_sync
         self.device = ctx.device
         self.dtype = ctx.dtype
         self.config = EncoderGraphConfig(min_free_bytes=0)
@@ -255,10 +256,6 @@ class Run:
         self._vllm_skip: Skip | None = None
         self._sinks: Any = None
         self._sinks_failure: Exception | None = None
-
-    def sync(self) -> None:
-        if self.on_cuda:
-            torch.cuda.synchronize()
 
     def load_vllm(self) -> None:
         """Import vLLM's encoder graph module when it can be used; record what happened."""

@@ -182,8 +182,8 @@ def _floor(ctx: Context, model: torch.nn.Module, x: torch.Tensor, on_cuda: bool)
             row = {"label": label, "floor_bytes": floor_bytes, "free_bytes": free, "calls": calls}
             for key in ("memory_misses", "memory_deferrals", "warmup_misses", "num_graphs"):
                 row[key] = getattr(stats, key)
-            row["graph_hits"] = stats.graph_hits
-            rows.append({**row, "events": [type(e).__name__ for e in events]})
+            row.update(graph_hits=stats.graph_hits, events=[type(e).__name__ for e in events])
+            rows.append(row)
             ctx.log(
                 f"  floor {label} ({floor_bytes / GiB:.2f} GiB, free {free_now / GiB:.2f} GiB): "
                 f"{stats.memory_misses} memory misses, {stats.num_graphs} graph(s), "

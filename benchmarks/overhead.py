@@ -285,11 +285,7 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
             "adapter_bus_sink": lambda: adapters["bus_sink"](x),
         }
         timings = _rounds(variants, per_round, rounds)[0]
-    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
-    bus_sink.flush(timeout=30.0)
-    dropped = bus_sink.statistics().dropped
-    bus_fold.close()
-    bus_sink.close()
+    counted = _counted(adapters, before, bus_sink, sink, bus_fold)
 
     med = {name: s["median"] for name, s in timings.items()}
     split = {
@@ -311,9 +307,7 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
         "timings_us": timings,
         "split_us": split,
         "timed_calls": per_round * rounds,
-        **_hits_and_misses(before, after),
-        "dropped": dropped,
-        "delivered": sink.received,
+        **counted,
         "note": "simulated backend: replay re-runs an identity forward on CPU; no device work",
     }
 
@@ -330,13 +324,29 @@ def _capture(adapters: Iterable[EncoderCudaGraph], x: torch.Tensor, calls: int) 
             adapter(x)
 
 
-def _hits_and_misses(
-    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, Any]]:
-    """The hits and the misses of each adapter between two ``get_cumulative_stats()``."""
+def _counted(
+    adapters: dict[str, EncoderCudaGraph],
+    before: dict[str, dict[str, Any]],
+    sink_bus: EventBus,
+    sink: NoOpSink,
+    *buses: EventBus,
+) -> dict[str, Any]:
+    """Each adapter's hits and misses since ``before``, what ``sink_bus`` dropped and what its
+    ``sink`` received; closes the buses."""
+    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
+    sink_bus.flush(timeout=30.0)
+    dropped = sink_bus.statistics().dropped
+    for bus in (*buses, sink_bus):
+        bus.close()
     return {
-        kind: {name: after[name][f"graph_{kind}"] - before[name][f"graph_{kind}"] for name in after}
-        for kind in ("hits", "misses")
+        **{
+            kind: {
+                name: after[name][f"graph_{kind}"] - before[name][f"graph_{kind}"] for name in after
+            }
+            for kind in ("hits", "misses")
+        },
+        "dropped": dropped,
+        "delivered": sink.received,
     }
 
 
@@ -379,11 +389,7 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
             name: {"host_us": summarize(s["host"]), "latency_us": summarize(s["latency"])}
             for name, s in samples.items()
         }
-    after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
-    sink_bus.flush(timeout=30.0)
-    dropped = sink_bus.statistics().dropped
-    bus.close()
-    sink_bus.close()
+    counted = _counted(adapters, before, sink_bus, sink, bus)
     bare_host = timings["bare"]["host_us"]["median"]
     over = {
         name: {
@@ -406,9 +412,7 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
         "timings": timings,
         "over_bare": over,
         "timed_calls": per_round * rounds,
-        **_hits_and_misses(before, after),
-        "dropped": dropped,
-        "delivered": sink.received,
+        **counted,
         "max_rel_err": errors,
     }
 

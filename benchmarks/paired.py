@@ -251,14 +251,8 @@ def cost_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def _report(
-    args: argparse.Namespace,
-    out: Path,
-    measured: dict[str, dict[str, list[Any]]],
-    init_s: float,
-    total_s: float,
-    cuda: bool,
-) -> dict[str, Any]:
+def _report(args: argparse.Namespace, out: Path, engine: dict[str, Any]) -> dict[str, Any]:
+    """The result of the engine's run (:func:`run`'s), its requests joined with their events."""
     # Read after the engine's processes exited: each flushed its event log as it did.
     logs = sorted(out.glob("events-*.jsonl"))
     joined = request_views(logs)
@@ -267,7 +261,7 @@ def _report(
     views |= {v.event.engine_request_id: v for v in joined}
     kinds: dict[str, Any] = {}
     problems: list[str] = []
-    for kind, halves in measured.items():
+    for kind, halves in engine["measured"].items():
         row = paired_summary(halves["eager"], halves["graphed"])
         for half in ("eager", "graphed"):
             ids = halves[f"{half}_ids"]
@@ -283,14 +277,14 @@ def _report(
     return {
         "model": args.model,
         "size": args.size,
-        "cuda": cuda,
+        "cuda": engine["cuda"],
         "device": _device_name(),
         "pairs": args.pairs,
         "warmup": args.warmup,
         "overrides": json.loads(args.overrides),
         "runner": "V1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "default",
-        "init_s": round(init_s, 1),
-        "total_s": round(total_s, 1),
+        "init_s": round(engine["init_s"], 1),
+        "total_s": round(engine["total_s"], 1),
         "logs": [p.name for p in logs],
         "request_events": len(joined),
         "kinds": kinds,
@@ -421,9 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"benchmarks.paired: the engine run failed (exit {done.returncode})", file=sys.stderr)
         return 1
     engine = json.loads(raw.read_text())
-    result = _report(
-        args, out, engine["measured"], engine["init_s"], engine["total_s"], engine["cuda"]
-    )
+    result = _report(args, out, engine)
     cost = engine.get("cost") or {}
     if cost.get("off"):
         result["timing_cost"] = cost_summary(cost["off"], cost["on"])

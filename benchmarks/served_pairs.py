@@ -169,18 +169,16 @@ def tables(model: dict[str, Any]) -> list[Table]:
             f"{model['name']}: {name}, graphs off and on inside one vllm serve (TTFT, ms)",
             pairs["kinds"],
         )
-        calls = pairs["encoder_calls"]
+        eager, graphed = (
+            ", ".join(f"{k} {v}" for k, v in sorted(pairs["encoder_calls"][half].items())) or "none"
+            for half in ("eager", "graphed")
+        )
+        missing = pairs["without_event"]
         table.note = (
             "After the measured passes, one request at a time, the graphs switched through "
-            "/collective_rpc before each. Encoder calls of the eager halves: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(calls["eager"].items())) or "none")
-            + "; of the graphed halves: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(calls["graphed"].items())) or "none")
-            + (
-                f"; {pairs['without_event']} requests without an event"
-                if pairs["without_event"]
-                else ""
-            )
+            f"/collective_rpc before each. Encoder calls of the eager halves: {eager}; of the "
+            f"graphed halves: {graphed}"
+            + (f"; {missing} requests without an event" if missing else "")
             + "."
         )
         cost = pairs.get("timing_cost")
