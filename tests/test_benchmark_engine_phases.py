@@ -337,3 +337,51 @@ def test_changes_are_against_the_mean_of_both_eager_servers_in_an_aba_run(phases
     assert by_name["M: requests/s at concurrency 32, omnitrace over eager encoders"] == (
         pytest.approx(1.3)
     )
+
+
+def test_prepared_servers_are_checked_from_their_first_call_and_compile_by_its_p99(
+    phases: Any,
+) -> None:
+    from benchmarks import engine_checks
+
+    def config(p99: dict[int, float], hits: int, misses: int) -> dict[str, Any]:
+        rows = {
+            f"c{c}/{kind}": {"concurrency": c, "kind": kind, "ttft_p99_ms": value}
+            for c, value in p99.items()
+            for kind in ("a", "b")
+        }
+        rate = {f"c{c}": 1.0 for c in p99}
+        return {
+            "rows": rows,
+            "requests_per_s": rate,
+            "hits": hits,
+            "misses": misses,
+            "graphs": 3,
+            "pool_bytes": 1,
+        }
+
+    configs = {
+        "omnitrace": config({1: 50.0, 8: 200.0, 32: 400.0}, 80, 20),
+        "omnitrace+compile": config({1: 40.0, 8: 250.0, 32: 380.0}, 90, 10),
+        "omnitrace-restarted": config({1: 50.0, 8: 200.0, 32: 400.0}, 99, 1),
+    }
+    result: dict[str, Any] = {"targets": [], "figures": []}
+    engine_checks._prepared_checks(result, "M", configs)
+    by_name = {t["name"]: t for t in result["targets"]}
+    first = "M: encoder calls served by a graph from the first request, "
+    assert by_name[first + "omnitrace-restarted"]["value"] == pytest.approx(99.0)
+    assert by_name[first + "omnitrace+compile"]["value"] == pytest.approx(90.0)
+    # Concurrency 1 is left out: nothing queues behind a compile there.
+    c8, c32 = (
+        by_name[
+            f"M: TTFT p99 at concurrency {c} (median over kinds), omnitrace+compile vs omnitrace"
+        ]
+        for c in (8, 32)
+    )
+    assert c8["value"] == pytest.approx(25.0)
+    assert c32["value"] == pytest.approx(-5.0)
+    assert len(result["targets"]) == 4
+    del configs["omnitrace"]
+    result = {"targets": [], "figures": []}
+    engine_checks._prepared_checks(result, "M", configs)
+    assert len(result["targets"]) == 2
