@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from omnitrace.demo import encoders as demo
+
 T = TypeVar("T")
 
 #: Run sizes: ``full`` for the real report, ``quick`` for a short look, ``tiny`` for CI.
@@ -129,14 +131,10 @@ def cuda_status() -> tuple[bool, str]:
 
 def _first_line(*command: str) -> str | None:
     """The first line ``command`` prints, or None when it fails."""
+    here = Path(__file__).resolve().parent
     try:
         done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-            cwd=Path(__file__).resolve().parent,
+            command, capture_output=True, text=True, timeout=10, check=False, cwd=here
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -247,13 +245,20 @@ def geometry_fields(geometry: Any) -> dict[str, int]:
     return {f: getattr(geometry, f) for f in ("hidden", "layers", "heads", "mlp")}
 
 
-def encoders(ctx: Context, geometries: dict[str, Any]) -> dict[str, torch.nn.Module]:
-    """The demo's vision and audio encoders of ``geometries``, on the run's device and dtype."""
-    from omnitrace.demo.encoders import AudioEncoder, VisionEncoder
+def geometries(simulate: bool) -> dict[str, demo.EncoderGeometry]:
+    """MiniCPM-o 4.5's vision and audio encoder sizes; the demo's tiny ones when ``simulate``."""
+    if simulate:
+        return {"vision": demo.VISION_TINY, "audio": demo.AUDIO_TINY}
+    return {"vision": demo.VISION_FULL, "audio": demo.AUDIO_FULL}
 
+
+def encoders(ctx: Context) -> dict[str, torch.nn.Module]:
+    """The demo's vision and audio encoders of :func:`geometries`, on the run's device and
+    dtype."""
+    sizes = geometries(ctx.simulate)
     with torch.device(ctx.device):
-        vision = VisionEncoder(geometries["vision"]).to(ctx.dtype).eval()
-        return {"vision": vision, "audio": AudioEncoder(geometries["audio"]).to(ctx.dtype).eval()}
+        vision = demo.VisionEncoder(sizes["vision"]).to(ctx.dtype).eval()
+        return {"vision": vision, "audio": demo.AudioEncoder(sizes["audio"]).to(ctx.dtype).eval()}
 
 
 def save_plot(plt: Any, fig: Any, path: Path) -> Path:

@@ -18,6 +18,7 @@ from benchmarks.common import (
     BenchmarkFailedError,
     Context,
     free_cuda_memory,
+    geometries,
     geometry_fields,
     max_rel_err,
     rotated,
@@ -27,14 +28,7 @@ from benchmarks.common import (
     write_partial,
 )
 from benchmarks.latency_arms import ARMS, Arm, Point, Run, Shape, Skip, Timed
-from omnitrace.demo.encoders import (
-    AUDIO_FULL,
-    AUDIO_TINY,
-    VISION_FULL,
-    VISION_TINY,
-    AudioEncoder,
-    VisionEncoder,
-)
+from omnitrace.demo.encoders import AudioEncoder, VisionEncoder
 
 NAME = "latency"
 NEEDS_CUDA = True
@@ -72,12 +66,6 @@ def shapes(ctx: Context) -> list[Shape]:
         group.sort(key=lambda s: PRIORITY.index(s.label) if s.label in PRIORITY else len(PRIORITY))
         out += group
     return out
-
-
-def _geometries(simulate: bool) -> dict[str, Any]:
-    if simulate:
-        return {"vision": VISION_TINY, "audio": AUDIO_TINY}
-    return {"vision": VISION_FULL, "audio": AUDIO_FULL}
 
 
 def _input_shape(encoder: str, size: int, batch: int, hidden: int) -> tuple[int, ...]:
@@ -203,7 +191,7 @@ def measure_shape(
     run: Run, shape: Shape, budget: Budget, settings: dict[str, int]
 ) -> dict[str, Any]:
     """Build every arm for ``shape`` and time them; a timed call's exception propagates."""
-    geometry = _geometries(run.simulate)[shape.encoder]
+    geometry = geometries(run.simulate)[shape.encoder]
     start = time.perf_counter()
     cls = VisionEncoder if shape.encoder == "vision" else AudioEncoder
     with torch.device(run.device):
@@ -332,7 +320,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 for a in ARMS
             ],
             "shape_order": [f"{s.label} batch {s.batch}" for s in order],
-            "geometries": {k: geometry_fields(g) for k, g in _geometries(ctx.simulate).items()},
+            "geometries": {k: geometry_fields(g) for k, g in geometries(ctx.simulate).items()},
             "vllm": state.vllm,
             "sinks": sinks,
             "rows": sorted(rows, key=lambda r: r["order"]),
@@ -346,7 +334,7 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.log(_describe_vllm(state.vllm))
         with torch.no_grad(), simulated_compile(ctx):
             for i, shape in enumerate(order):
-                hidden = _geometries(ctx.simulate)[shape.encoder].hidden
+                hidden = geometries(ctx.simulate)[shape.encoder].hidden
                 dims = _input_shape(shape.encoder, shape.size, shape.batch, hidden)
                 ctx.log(
                     f"  [{i + 1}/{len(order)}] {shape.label}, batch {shape.batch}, "

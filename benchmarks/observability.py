@@ -21,6 +21,7 @@ from benchmarks.common import (
     encoders,
     figure,
     free_cuda_memory,
+    geometries,
     quantile,
     rotated,
     save_plot,
@@ -30,7 +31,6 @@ from benchmarks.common import (
 from benchmarks.observability_sinks import PRODUCTION_SINKS, SinkSet, quiet
 from benchmarks.table import Table, columns, pct
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
-from omnitrace.demo.encoders import AUDIO_FULL, AUDIO_TINY, VISION_FULL, VISION_TINY
 from omnitrace.testing import SimulatedGraphBackend
 
 NAME = "observability"
@@ -86,14 +86,9 @@ def run(ctx: Context) -> dict[str, Any]:
     arm_names = list(ARMS)
     rounds = len(arm_names) * ctx.pick(20, 2, 1)
     per_round = ctx.pick(48, 48, 12)
-    if ctx.simulate:
-        geoms = {"vision": VISION_TINY, "audio": AUDIO_TINY}
-        vision_tokens = (64, 32)
-    else:
-        geoms = {"vision": VISION_FULL, "audio": AUDIO_FULL}
-        vision_tokens = (256, 64)
+    geoms, vision_tokens = geometries(ctx.simulate), (64, 32) if ctx.simulate else (256, 64)
     chunk_frames, cold_frames = (100, 200), (150, 250, 300)
-    models = encoders(ctx, geoms)
+    models = encoders(ctx)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
