@@ -175,68 +175,55 @@ def _baseline(
     return None if first is None or last is None else (first + last) / 2
 
 
+def _percent(change: float | None) -> float | None:
+    return None if change is None else 100 * change
+
+
+def _p99(configs: dict[str, Any], name: str, concurrency: int) -> float:
+    """The median over request kinds of ``name``'s TTFT p99 at ``concurrency``."""
+    rows = configs[name]["rows"].values()
+    return float(np.median([r["ttft_p99_ms"] for r in rows if r["concurrency"] == concurrency]))
+
+
 def check_model(result: dict[str, Any], model_kind: str, entry: dict[str, Any]) -> None:
+    """Add the targets and figures of one model's ``entry`` to ``result``."""
     configs = entry["configurations"]
     label = MODELS[model_kind]
     scale = "full" if result["sizes"] == "released" else "quick"
+    targets, figures = result["targets"], result["figures"]
     for modality in ("image", "audio"):
         change = _median_change(entry, model_kind, scale, "omnitrace", modality)
-        result["targets"].append(
-            target(
-                f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders",
-                None if change is None else 100 * change,
-                "<=",
-                -30.0,
-                "%",
-                goal=GOAL,
-            )
-        )
+        name = f"{label}: {modality} TTFT p50 at concurrency 1, omnitrace vs eager encoders"
+        targets.append(target(name, _percent(change), "<=", -30.0, "%", goal=GOAL))
         # vLLM's own TTFT leaves out the transfer before its renderer: reported beside.
         inside = _median_change(
             entry, model_kind, scale, "omnitrace", modality, field="engine_ttft_p50_ms"
         )
-        result["figures"].append(
-            figure(
-                f"{label}: {modality} TTFT p50 inside vLLM (renderer to first token) at "
-                "concurrency 1, omnitrace vs eager encoders",
-                None if inside is None else 100 * inside,
-                "%",
-                goal=GOAL,
-                note="from vLLM's histograms around each request (benchmarks/engine_phases.py)",
-            )
+        name = (
+            f"{label}: {modality} TTFT p50 inside vLLM (renderer to first token) at "
+            "concurrency 1, omnitrace vs eager encoders"
         )
+        note = "from vLLM's histograms around each request (benchmarks/engine_phases.py)"
+        figures.append(figure(name, _percent(inside), "%", goal=GOAL, note=note))
     if "omnitrace" in configs and "eager" in configs:
         eager_kv = configs["eager"]["kv_cache_tokens"]
         graph_kv = configs["omnitrace"]["kv_cache_tokens"]
-        result["figures"].append(
-            figure(
-                f"{label}: KV cache with omnitrace's graphs, change against eager",
-                None
-                if not eager_kv or graph_kv is None
-                else 100 * (graph_kv - eager_kv) / eager_kv,
-                "%",
-                goal=GOAL,
-                note=f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}",
-            )
-        )
+        change = None if not eager_kv or graph_kv is None else (graph_kv - eager_kv) / eager_kv
+        name = f"{label}: KV cache with omnitrace's graphs, change against eager"
+        note = f"pool bytes recorded: {configs['omnitrace']['pool_bytes']}"
+        figures.append(figure(name, _percent(change), "%", goal=GOAL, note=note))
     for modality in ("image", "audio"):
         # A/B/A: the baseline served again last; a large drift makes every change suspect.
         drift = _median_change(entry, model_kind, scale, AGAIN, modality)
-        result["figures"].append(
-            figure(
-                f"{label}: {modality} TTFT p50 at concurrency 1, eager served again last vs "
-                "eager first (the machine's drift across the run)",
-                None if drift is None else 100 * drift,
-                "%",
-                goal=GOAL,
-            )
+        name = (
+            f"{label}: {modality} TTFT p50 at concurrency 1, eager served again last vs "
+            "eager first (the machine's drift across the run)"
         )
+        figures.append(figure(name, _percent(drift), "%", goal=GOAL))
     _load_checks(result, label, configs)
     _prepared_checks(result, label, configs)
     for name, why in entry["not_applicable"].items():
-        result["figures"].append(
-            figure(f"{label}: {name} not applicable", None, "", goal=GOAL, note=why)
-        )
+        figures.append(figure(f"{label}: {name} not applicable", None, "", goal=GOAL, note=why))
 
 
 def _load_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) -> None:
@@ -251,50 +238,22 @@ def _load_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) ->
         return float(configs[name]["requests_per_s"][f"c{top}"])
 
     def p99(name: str) -> float:
-        rows = configs[name]["rows"].values()
-        return float(np.median([r["ttft_p99_ms"] for r in rows if r["concurrency"] == top]))
+        return _p99(configs, name, top)
 
     rate = rate_of("omnitrace") / (_baseline(configs, "omnitrace", rate_of) or rate_of("eager"))
-    result["targets"].append(
-        target(
-            f"{label}: requests/s at concurrency {top}, omnitrace over eager encoders",
-            rate,
-            ">=",
-            1.3,
-            "x",
-            goal=GOAL,
-        )
-    )
-
+    name = f"{label}: requests/s at concurrency {top}, omnitrace over eager encoders"
+    result["targets"].append(target(name, rate, ">=", 1.3, "x", goal=GOAL))
     base = _baseline(configs, "omnitrace", p99) or p99("eager")
+    name = f"{label}: TTFT p99 at concurrency {top} (median over kinds), omnitrace vs eager"
     change = (p99("omnitrace") - base) / base
-    result["targets"].append(
-        target(
-            f"{label}: TTFT p99 at concurrency {top} (median over kinds), omnitrace vs eager",
-            100 * change,
-            "<",
-            0.0,
-            "%",
-            goal=GOAL,
-        )
-    )
+    result["targets"].append(target(name, 100 * change, "<", 0.0, "%", goal=GOAL))
     graphed = configs["omnitrace"]
     warm = graphed.get("after_warmup") or {}
-    result["targets"].append(
-        target(
-            f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults",
-            None if warm.get("hit_rate") is None else 100 * warm["hit_rate"],
-            ">=",
-            95.0,
-            "%",
-            goal=GOAL,
-            note=f"pool bytes {graphed.get('pool_bytes')}; misses by reason: "
-            + "; ".join(
-                f"{encoder} {e['misses']}"
-                for encoder, e in sorted(warm.get("encoders", {}).items())
-            ),
-        )
-    )
+    misses = "; ".join(f"{e} {w['misses']}" for e, w in sorted(warm.get("encoders", {}).items()))
+    name = f"{label}: encoder calls served by a graph after the warm-up, omnitrace defaults"
+    note = f"pool bytes {graphed.get('pool_bytes')}; misses by reason: {misses}"
+    rate = _percent(warm.get("hit_rate"))
+    result["targets"].append(target(name, rate, ">=", 95.0, "%", goal=GOAL, note=note))
 
 
 def _prepared_checks(result: dict[str, Any], label: str, configs: dict[str, Any]) -> None:
@@ -305,34 +264,17 @@ def _prepared_checks(result: dict[str, Any], label: str, configs: dict[str, Any]
         if name in configs:
             row = configs[name]
             calls = row["hits"] + row["misses"]
-            result["targets"].append(
-                target(
-                    f"{label}: encoder calls served by a graph from the first request, {name}",
-                    100 * row["hits"] / calls if calls else None,
-                    ">=",
-                    95.0,
-                    "%",
-                    goal=GOAL,
-                    note=f"graphs {row['graphs']}, pool bytes {row['pool_bytes']}",
-                )
-            )
+            title = f"{label}: encoder calls served by a graph from the first request, {name}"
+            note = f"graphs {row['graphs']}, pool bytes {row['pool_bytes']}"
+            rate = 100 * row["hits"] / calls if calls else None
+            result["targets"].append(target(title, rate, ">=", 95.0, "%", goal=GOAL, note=note))
     if "omnitrace" not in configs or "omnitrace+compile" not in configs:
         return
     for key in sorted(configs["omnitrace"]["requests_per_s"], key=lambda k: int(k[1:]))[1:]:
-
-        def p99(name: str, level: int = int(key[1:])) -> float:
-            rows = configs[name]["rows"].values()
-            return float(np.median([r["ttft_p99_ms"] for r in rows if r["concurrency"] == level]))
-
-        base = p99("omnitrace")
-        result["targets"].append(
-            target(
-                f"{label}: TTFT p99 at concurrency {key[1:]} (median over kinds), "
-                "omnitrace+compile vs omnitrace",
-                100 * (p99("omnitrace+compile") - base) / base,
-                "<=",
-                0.0,
-                "%",
-                goal=GOAL,
-            )
+        base = _p99(configs, "omnitrace", int(key[1:]))
+        change = 100 * (_p99(configs, "omnitrace+compile", int(key[1:])) - base) / base
+        name = (
+            f"{label}: TTFT p99 at concurrency {key[1:]} (median over kinds), "
+            "omnitrace+compile vs omnitrace"
         )
+        result["targets"].append(target(name, change, "<=", 0.0, "%", goal=GOAL))
