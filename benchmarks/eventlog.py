@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.common import Context, figure, target
 from benchmarks.eventlog_traffic import GENERATOR_VERSION, write_log
-from benchmarks.table import Table, columns, measured, verdict
+from benchmarks.table import Table, columns, measured, ms, verdict
 
 NAME = "eventlog"
 NEEDS_CUDA = False
@@ -26,6 +26,7 @@ TOOLS = ("top", "replay", "advise", "read_events")
 LIMITS_1M = {"top": 10.0, "replay": 20.0, "advise": 60.0}
 #: Peak resident memory any tool may reach, at ten million events.
 MEMORY_LIMIT_MB = 300.0
+GOAL = "eventlog_scale"
 
 _READ_EVENTS = (
     "import sys\n"
@@ -165,25 +166,14 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     at_1m = {r["tool"]: r for r in mine if r["events"] == 1_000_000}
     for tool, limit in LIMITS_1M.items():
-        row = at_1m.get(tool)
-        if row is not None:
+        if (row := at_1m.get(tool)) is not None:
             value = row["wall_s"] if row["status"] == 0 else None
-            out.append(
-                target(f"{tool} at 1M events", value, "<=", limit, "s", goal="eventlog_scale")
-            )
+            out.append(target(f"{tool} at 1M events", value, "<=", limit, "s", goal=GOAL))
     largest = max((r["events"] for r in mine), default=0)
     for row in (r for r in mine if r["events"] == largest and largest >= 10_000_000):
+        name = f"{row['tool']} peak memory at {largest / 1e6:g}M events"
         value = row["peak_rss_mb"] if row["status"] == 0 else None
-        out.append(
-            target(
-                f"{row['tool']} peak memory at {largest / 1e6:g}M events",
-                value,
-                "<=",
-                MEMORY_LIMIT_MB,
-                "MB",
-                goal="eventlog_scale",
-            )
-        )
+        out.append(target(name, value, "<=", MEMORY_LIMIT_MB, "MB", goal=GOAL))
     return out
 
 
@@ -207,26 +197,14 @@ def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if small["peak_rss_mb"] and large["peak_rss_mb"]
             else None
         )
-        out.append(
-            figure(
-                f"{tool} peak memory, {large['events']:,} over {small['events']:,} events",
-                growth,
-                "x",
-                goal="eventlog_scale",
-                note=_GROWTH_NOTES.get(tool, "flat: about 1x while the log grows"),
-            )
-        )
-    for row in mine:
-        if row["events"] >= 10_000_000:
-            out.append(
-                figure(
-                    f"{row['tool']} at {row['events'] / 1e6:g}M events",
-                    row["wall_s"] if row["status"] == 0 else None,
-                    "s",
-                    goal="eventlog_scale",
-                    note="completes" if row["status"] == 0 else f"exit {row['status']}",
-                )
-            )
+        name = f"{tool} peak memory, {large['events']:,} over {small['events']:,} events"
+        note = _GROWTH_NOTES.get(tool, "flat: about 1x while the log grows")
+        out.append(figure(name, growth, "x", goal=GOAL, note=note))
+    for row in (r for r in mine if r["events"] >= 10_000_000):
+        name = f"{row['tool']} at {row['events'] / 1e6:g}M events"
+        done = row["status"] == 0
+        value, note = (row["wall_s"], "completes") if done else (None, f"exit {row['status']}")
+        out.append(figure(name, value, "s", goal=GOAL, note=note))
     return out
 
 
@@ -248,10 +226,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             ("omnitrace", lambda r: r["arm"]),
             ("wall s", lambda r: f"{r['wall_s']:,.1f}"),
             ("CPU s", lambda r: f"{r['cpu_s']:,.1f}"),
-            (
-                "peak RSS MB",
-                lambda r: "n/a" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}",
-            ),
+            ("peak RSS MB", lambda r: ms(r["peak_rss_mb"])),
             ("output", output),
         ],
         sorted(result["rows"], key=lambda r: (TOOLS.index(r["tool"]), r["events"])),

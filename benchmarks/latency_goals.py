@@ -12,6 +12,8 @@ from benchmarks.latency_arms import COMPILE_TOLERANCE, TIMING_FLUSH_S
 ADAPTER_VS_BARE_TARGET = 0.01
 HOST_OVER_BARE_TARGET_US = 3.0
 SINKS_VS_ADAPTER_TARGET = 0.01
+_HOST_DIFF = "median host time per call, difference"
+_ERR_FORMULA = "max |out - eager| / max |eager|"
 
 
 def _skip_note(rows: list[dict[str, Any]], name: str) -> str:
@@ -39,6 +41,8 @@ def _worst(
 
 
 def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of the latency rows and of the production sinks' bus (``sinks``)."""
+
     def ratio(name: str, key: str, op: str, limit: float, goal: str = "", encoder: str = "") -> Any:
         value, note = _worst(rows, "ratios", key, 100.0, encoder)
         return target(name, value, op, limit, "%", note=note, goal=goal)
@@ -49,37 +53,17 @@ def targets(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
         ("adapter (vLLM)", "adapter_vllm_over_bare"),
         ("adapter with a bus (its folds)", "adapter_bus_over_bare"),
     ):
-        limit = ADAPTER_VS_BARE_TARGET * 100
-        out.append(
-            ratio(f"{arm} vs bare copy-replay-clone, worst shape", key, "<=", limit, "hit_path")
-        )
+        name = f"{arm} vs bare copy-replay-clone, worst shape"
+        out.append(ratio(name, key, "<=", ADAPTER_VS_BARE_TARGET * 100, "hit_path"))
         value, note = _worst(rows, "host_over_us", key)
-        out.append(
-            target(
-                f"{arm} host time over bare, worst shape",
-                value,
-                "<=",
-                HOST_OVER_BARE_TARGET_US,
-                "us",
-                note="median host time per call, difference; " + note,
-                goal="hit_path",
-            )
-        )
-    out += [
-        ratio(
-            "adapter with production sinks vs adapter, worst shape",
-            "adapter_sinks_over_adapter",
-            "<=",
-            SINKS_VS_ADAPTER_TARGET * 100,
-            "observability",
-        ),
-        ratio(
-            "adapter vs torch.compile reduce-overhead, worst shape",
-            "adapter_over_compile",
-            "<",
-            0.0,
-        ),
-    ]
+        name, note = f"{arm} host time over bare, worst shape", f"{_HOST_DIFF}; {note}"
+        limit = HOST_OVER_BARE_TARGET_US
+        out.append(target(name, value, "<=", limit, "us", note=note, goal="hit_path"))
+    name = "adapter with production sinks vs adapter, worst shape"
+    limit = SINKS_VS_ADAPTER_TARGET * 100
+    out.append(ratio(name, "adapter_sinks_over_adapter", "<=", limit, "observability"))
+    name = "adapter vs torch.compile reduce-overhead, worst shape"
+    out.append(ratio(name, "adapter_over_compile", "<", 0.0))
     for what, arm in (("bare", "bare"), ("reduce-overhead", "compile")):
         key = f"adapter_compiled_over_{arm}"
         name = f"compiled adapter vs {what}, worst audio shape"
@@ -118,52 +102,29 @@ def _checks(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
         "shapes"
     )
     timed = [e for r in rows if "timings_resolved" in (e := r["methods"].get("adapter_timed", {}))]
-    return [
-        target(
-            "compiled adapter output vs eager, max relative error, worst shape",
-            None if worst is None else worst[2],
-            "<=",
-            COMPILE_TOLERANCE,
-            "",
-            note="max |out - eager| / max |eager| at the first call; " + where,
-            goal="compiled",
-        ),
-        target(
-            "outputs match eager (bf16 tolerance), arms failing",
-            float(len(mismatched)),
-            "<=",
-            0.0,
-            "arms",
-            note="; ".join(mismatched),
-        ),
-        target(
-            "timed adapter calls that were not hits",
-            float(sum(e["timed_calls"] - e["hits"] for e in adapter_entries)),
-            "<=",
-            0.0,
-            "calls",
-            note=f"every adapter arm at every shape ({len(adapter_entries)} timed)",
-        ),
-        target(
-            "events the production sinks dropped or failed on",
-            lost_events,
-            "<=",
-            0.0,
-            "events",
-            note="bus and per-sink drops, sinks disabled by an error, a flush that timed out"
-            + ("" if lost_events is not None else f"; sinks {sinks.get('status')}"),
-        ),
-        target(
-            "device timings left unresolved after a round",
-            float(sum(not e["timings_resolved"] for e in timed)) if timed else None,
-            "<=",
-            0.0,
-            "shapes",
-            note=f"flush_device_timing({TIMING_FLUSH_S:g} s) after every round of the timed "
-            f"adapter; measured at {len(timed)} of {len(rows)} shapes",
-            goal="coverage_costs",
-        ),
-    ]
+    unresolved = float(sum(not e["timings_resolved"] for e in timed)) if timed else None
+    missed = float(sum(e["timed_calls"] - e["hits"] for e in adapter_entries))
+    name = "compiled adapter output vs eager, max relative error, worst shape"
+    err, note = None if worst is None else worst[2], f"{_ERR_FORMULA} at the first call; {where}"
+    out = [target(name, err, "<=", COMPILE_TOLERANCE, "", note=note, goal="compiled")]
+    name, note = "outputs match eager (bf16 tolerance), arms failing", "; ".join(mismatched)
+    out.append(target(name, float(len(mismatched)), "<=", 0.0, "arms", note=note))
+    note = f"every adapter arm at every shape ({len(adapter_entries)} timed)"
+    out.append(
+        target("timed adapter calls that were not hits", missed, "<=", 0.0, "calls", note=note)
+    )
+    name = "events the production sinks dropped or failed on"
+    note = "bus and per-sink drops, sinks disabled by an error, a flush that timed out" + (
+        "" if lost_events is not None else f"; sinks {sinks.get('status')}"
+    )
+    out.append(target(name, lost_events, "<=", 0.0, "events", note=note))
+    name = "device timings left unresolved after a round"
+    note = (
+        f"flush_device_timing({TIMING_FLUSH_S:g} s) after every round of the timed "
+        f"adapter; measured at {len(timed)} of {len(rows)} shapes"
+    )
+    out.append(target(name, unresolved, "<=", 0.0, "shapes", note=note, goal="coverage_costs"))
+    return out
 
 
 def figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,7 +136,7 @@ def figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ):
         key = f"{arm_name}_over_adapter"
         for kind, table, unit, scale, how in (
-            ("host time", "host_over_us", "us", 1.0, "median host time per call, difference"),
+            ("host time", "host_over_us", "us", 1.0, _HOST_DIFF),
             ("latency", "ratios", "%", 100.0, "median latency per call, ratio"),
         ):
             value, note = _worst(rows, table, key, scale)

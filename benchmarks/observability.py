@@ -41,6 +41,7 @@ LOSS_TARGET = 0.01
 BASELINE = "bus_no_sinks"
 #: The production sinks with OpenTelemetry relayed from the event log by another process.
 RELAYED_SINKS = ("logs", "jsonl", "relay")
+_LOSS_NOTE = "median of per-round ratios vs a bus with no sinks"
 
 #: arm -> (label, sinks on its bus; None: no bus at all).
 ARMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -281,9 +282,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 "<",
                 LOSS_TARGET * 100,
                 "%",
-                note="median of per-round ratios vs a bus with no sinks; sinks on: "
-                f"{', '.join(relayed_on) or 'none'}; the relay relayed every event "
-                f"({arms['production_relayed']['relay']})",
+                note=f"{_LOSS_NOTE}; sinks on: {', '.join(relayed_on) or 'none'}; the relay "
+                f"relayed every event ({arms['production_relayed']['relay']})",
                 goal="observability",
             )
         ],
@@ -293,9 +293,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 production * 100 if set(production_on) == set(PRODUCTION_SINKS) else None,
                 "%",
                 goal="observability",
-                note="median of per-round ratios vs a bus with no sinks; sinks on: "
-                f"{', '.join(production_on) or 'none'}; every sink, the live view in "
-                f"process too: {loss * 100:+.2f} %",
+                note=f"{_LOSS_NOTE}; sinks on: {', '.join(production_on) or 'none'}; every "
+                f"sink, the live view in process too: {loss * 100:+.2f} %",
             )
         ],
         "simulated": ctx.simulate,
