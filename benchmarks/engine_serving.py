@@ -23,9 +23,8 @@ import numpy as np
 
 from benchmarks import engine_phases, served_pairs
 from benchmarks.common import Context
+from benchmarks.paired import SAMPLING_RATE, random_clip, random_image
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command, wav
-
-SAMPLING_RATE = 16_000
 
 #: The models compared, in the order they are served, and their names in the report.
 MODELS = {"qwen2_5_omni": "Qwen2.5-Omni-7B thinker", "minicpmo": "MiniCPM-o 4.5"}
@@ -129,29 +128,15 @@ def _image_name(width: int, height: int) -> str:
     return f"image-{width}" if width == height == 448 else f"image-{width}x{height}"
 
 
-def _png(seed: int, width: int, height: int) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return data_url("image/png", png(Image.fromarray(pixels)))
-
-
-def _wav(seed: int, seconds: float) -> str:
-    samples = 0.1 * np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
-    return data_url("audio/wav", wav(samples, SAMPLING_RATE))
-
-
 def messages(kind: RequestKind, seed: int) -> list[dict[str, Any]]:
     """One user message of ``kind`` with content from ``seed`` (same sizes, new content)."""
     content: list[dict[str, Any]] = []
     for i, (width, height) in enumerate(kind.images):
-        content.append(
-            {"type": "image_url", "image_url": {"url": _png(seed * 16 + i, width, height)}}
-        )
+        url = data_url("image/png", png(random_image(seed * 16 + i, width, height)))
+        content.append({"type": "image_url", "image_url": {"url": url}})
     for i, seconds in enumerate(kind.clips):
-        content.append(
-            {"type": "audio_url", "audio_url": {"url": _wav(seed * 16 + 8 + i, seconds)}}
-        )
+        url = data_url("audio/wav", wav(random_clip(seed * 16 + 8 + i, seconds), SAMPLING_RATE))
+        content.append({"type": "audio_url", "audio_url": {"url": url}})
     content.append({"type": "text", "text": "Describe it in one sentence."})
     return [{"role": "user", "content": content}]
 

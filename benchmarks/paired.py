@@ -46,17 +46,17 @@ KINDS: dict[str, tuple[str, tuple[int, int] | float]] = {
 }
 
 
-def _image(seed: int, size: tuple[int, int]) -> Any:
+def random_image(seed: int, width: int, height: int) -> Any:
+    """A PIL image of seeded random pixels: new content for each ``seed``."""
     from PIL import Image
 
-    width, height = size
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
 
 
-def _clip(seed: int, seconds: float) -> tuple[np.ndarray, int]:
-    samples = np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
-    return (0.1 * samples).astype(np.float32), SAMPLING_RATE
+def random_clip(seed: int, seconds: float) -> np.ndarray:
+    """``seconds`` of seeded noise at :data:`SAMPLING_RATE`, amplitude about 0.1 (float64)."""
+    return 0.1 * np.random.default_rng(seed).standard_normal(int(seconds * SAMPLING_RATE))
 
 
 def request(model: str, kind: str, seed: int) -> dict[str, Any]:
@@ -65,11 +65,11 @@ def request(model: str, kind: str, seed: int) -> dict[str, Any]:
     placeholder = _PLACEHOLDERS[model][modality]
     if modality == "image":
         assert isinstance(size, tuple)
-        data: Any = _image(seed, size)
+        data: Any = random_image(seed, *size)
         text = "Describe the image."
     else:
         assert isinstance(size, float)
-        data = _clip(seed, size)
+        data = random_clip(seed, size).astype(np.float32), SAMPLING_RATE
         text = "What do you hear?"
     return {
         "prompt": f"{_USER}{placeholder}\n{text}{_ASSISTANT}",
