@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.common import Context, figure, target
 from benchmarks.eventlog_traffic import GENERATOR_VERSION, write_log
-from benchmarks.table import Table, columns, measured, ms, verdict
+from benchmarks.table import Table, bar, columns, measured, ms, verdict
 
 NAME = "eventlog"
 NEEDS_CUDA = False
@@ -243,8 +243,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
     )
     goals = Table("Goals (event-log tools at scale)", ["check", "measured", "bar", "verdict"])
     for item in result.get("targets", []):
-        bar = f"{item['op']} {item['limit']:g} {item['unit']}"
-        goals.rows.append([item["name"], measured(item), bar, verdict(item["met"])])
+        goals.rows.append([item["name"], measured(item), bar(item), verdict(item["met"])])
     for item in result.get("figures", []):
         goals.rows.append([item["name"], measured(item), "-", item.get("note") or "reported"])
     return [t, goals]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suites import BENCHMARKS, SUITES
-from benchmarks.table import Table, markdown, measured, verdict
+from benchmarks.table import Table, bar, markdown, measured, verdict
 
 __all__ = ["GOALS", "Table", "markdown_sections", "text_summary", "update_document"]
 
@@ -53,12 +53,8 @@ OWN_SUITE_GOALS: dict[str, tuple[str, str]] = {
 _RENDERED = ("ok", "partial")
 #: The module that renders each benchmark's tables (its ``tables(result)``).
 RENDERERS: dict[str, str] = {
-    "engine": "benchmarks.engine_report",
-    "eventlog": "benchmarks.eventlog",
-    "overhead": "benchmarks.overhead_report",
-    "latency": "benchmarks.latency_report",
-    "memory": "benchmarks.memory",
-    "observability": "benchmarks.observability",
+    **{name: f"benchmarks.{name}_report" for name in ("engine", "overhead", "latency")},
+    **{name: f"benchmarks.{name}" for name in ("eventlog", "memory", "observability")},
 }
 
 
@@ -81,9 +77,8 @@ def _targets_table(outputs: dict[str, dict[str, Any]]) -> Table:
         if payload.get("status") not in _RENDERED:
             t.rows.append([name, "(benchmark failed)", payload.get("error") or "", "", "ERROR"])
         for tg in (payload.get("result") or {}).get("targets", []):
-            limit = f"{tg['op']} {tg['limit']:g} {tg['unit']}"
             t.rows.append(
-                [name, tg["name"] + _suffix(payload), measured(tg), limit, verdict(tg["met"])]
+                [name, tg["name"] + _suffix(payload), measured(tg), bar(tg), verdict(tg["met"])]
             )
     return t
 
@@ -106,10 +101,10 @@ def _goals_table(outputs: dict[str, dict[str, Any]]) -> Table:
         for i, (suffix, item, is_target) in enumerate(entries[goal]):
             unit = f" {item['unit']}" if item["unit"] else ""
             if is_target:
-                bar, status = f"{item['op']} {item['limit']:g}{unit}", verdict(item["met"])
+                limit, status = bar(item), verdict(item["met"])
             else:
-                bar, status = "-", "reported" if item["value"] is not None else "not measured"
-            cells = [text if i == 0 else "", item["name"] + suffix, measured(item, unit), bar]
+                limit, status = "-", "reported" if item["value"] is not None else "not measured"
+            cells = [text if i == 0 else "", item["name"] + suffix, measured(item, unit), limit]
             t.rows.append([*cells, status])
     t.note = (
         "Each check's note in the benchmark's JSON says how it was measured and where it "

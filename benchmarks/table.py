@@ -63,6 +63,11 @@ def verdict(met: bool | None) -> str:
     return {True: "met", False: "MISSED", None: "not measured"}[met]
 
 
+def bar(item: dict[str, Any]) -> str:
+    """A target's bar: its operator, limit and unit."""
+    return f"{item['op']} {item['limit']:g} {item['unit']}".rstrip()
+
+
 def measured(item: dict[str, Any], unit: str | None = None) -> str:
     """A target's or figure's value with its unit (``unit`` instead, when given)."""
     shown = f" {item['unit']}" if unit is None else unit
