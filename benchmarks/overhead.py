@@ -5,7 +5,7 @@ all but the CUDA part."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,29 +263,21 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
     backend = SimulatedGraphBackend()
     graph = backend.capture(CaptureRequest(_identity, (x,), cpu, None, None))
 
-    bus_fold = EventBus(queue_size=10)
-    bus_sink, sink = _sink_bus(per_round * rounds + 16)
-    buses = {"no_bus": None, "bus": bus_fold, "bus_sink": bus_sink}
-    adapters = {
-        name: EncoderCudaGraph(
-            _identity, name="abc"[i], config=config, bus=bus, backend=SimulatedGraphBackend()
-        )
-        for i, (name, bus) in enumerate(buses.items())
-    }
+    names = ("no_bus", "bus", "bus_sink")
     with torch.no_grad():
-        _capture(adapters.values(), x, config.min_capture_calls)
+        buses, adapters = _adapters(
+            _identity, x, names, config, per_round * rounds, backend=SimulatedGraphBackend
+        )
         before = {name: a.get_cumulative_stats() for name, a in adapters.items()}
         mono, epoch = time.monotonic_ns, time.time_ns
         variants: dict[str, Callable[[], object]] = {
             "forward": lambda: _identity(x),
             "copy_clone": lambda: graph.replay((x,)),
             "event": lambda: GraphReplayed("a", "k", mono(), epoch(), 1e-6),
-            "adapter_no_bus": lambda: adapters["no_bus"](x),
-            "adapter_bus": lambda: adapters["bus"](x),
-            "adapter_bus_sink": lambda: adapters["bus_sink"](x),
+            **{f"adapter_{name}": (lambda a=a: a(x)) for name, a in adapters.items()},
         }
         timings = _rounds(variants, per_round, rounds)[0]
-    counted = _counted(adapters, before, bus_sink, sink, bus_fold)
+    counted = _counted(adapters, before, *buses)
 
     med = {name: s["median"] for name, s in timings.items()}
     split = {
@@ -312,42 +304,51 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
     }
 
 
-def _sink_bus(queue_size: int) -> tuple[EventBus, NoOpSink]:
-    bus, sink = EventBus(queue_size=queue_size), NoOpSink("noop")
-    bus.add_sink(sink)
-    return bus, sink
-
-
-def _capture(adapters: Iterable[EncoderCudaGraph], x: torch.Tensor, calls: int) -> None:
-    for adapter in adapters:
-        for _ in range(calls):
+def _adapters(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    names: Sequence[str],
+    config: EncoderGraphConfig,
+    calls: int,
+    *,
+    backend: Callable[[], Any] = lambda: None,
+    prefix: str = "",
+) -> tuple[tuple[EventBus, EventBus, NoOpSink], dict[str, EncoderCudaGraph]]:
+    """Three adapters of ``forward`` (keyed ``names``, named ``prefix`` a, b, c), each captured
+    for ``x``: without a bus, with a bus (its folds only), with a bus and a no-op sink whose
+    queue holds ``calls`` events; also the two buses and the sink (for :func:`_counted`)."""
+    bus, sink_bus, sink = EventBus(), EventBus(queue_size=calls + 16), NoOpSink("noop")
+    sink_bus.add_sink(sink)
+    adapters = {}
+    for letter, name, b in zip("abc", names, (None, bus, sink_bus), strict=True):
+        adapter = EncoderCudaGraph(
+            forward, name=prefix + letter, config=config, bus=b, backend=backend()
+        )
+        for _ in range(config.min_capture_calls):
             adapter(x)
+        adapters[name] = adapter
+    return (bus, sink_bus, sink), adapters
 
 
 def _counted(
     adapters: dict[str, EncoderCudaGraph],
     before: dict[str, dict[str, Any]],
+    bus: EventBus,
     sink_bus: EventBus,
     sink: NoOpSink,
-    *buses: EventBus,
 ) -> dict[str, Any]:
     """Each adapter's hits and misses since ``before``, what ``sink_bus`` dropped and what its
     ``sink`` received; closes the buses."""
     after = {name: a.get_cumulative_stats() for name, a in adapters.items()}
     sink_bus.flush(timeout=30.0)
     dropped = sink_bus.statistics().dropped
-    for bus in (*buses, sink_bus):
-        bus.close()
-    return {
-        **{
-            kind: {
-                name: after[name][f"graph_{kind}"] - before[name][f"graph_{kind}"] for name in after
-            }
-            for kind in ("hits", "misses")
-        },
-        "dropped": dropped,
-        "delivered": sink.received,
+    bus.close()
+    sink_bus.close()
+    counts = {
+        kind: {n: after[n][f"graph_{kind}"] - before[n][f"graph_{kind}"] for n in after}
+        for kind in ("hits", "misses")
     }
+    return {**counts, "dropped": dropped, "delivered": sink.received}
 
 
 def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
@@ -358,17 +359,11 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
         model = VisionEncoder(VISION_TINY).to(dtype).eval()
     x = torch.randn(1, 16, VISION_TINY.hidden, device="cuda", dtype=dtype)
     config = EncoderGraphConfig(min_free_bytes=0)
-    bus = EventBus()
-    sink_bus, sink = _sink_bus(per_round * rounds + 16)
-    buses = {"adapter_no_bus": None, "adapter_bus": bus, "adapter_bus_sink": sink_bus}
+    names = ("adapter_no_bus", "adapter_bus", "adapter_bus_sink")
     with torch.no_grad():
         ref = model(x)
         bare = BareGraph(model, x)
-        adapters = {
-            name: EncoderCudaGraph(model, name=f"tiny-{'abc'[i]}", config=config, bus=b)
-            for i, (name, b) in enumerate(buses.items())
-        }
-        _capture(adapters.values(), x, config.min_capture_calls)
+        buses, adapters = _adapters(model, x, names, config, per_round * rounds, prefix="tiny-")
         errors = {
             "bare": max_rel_err(bare(x), ref),
             **{name: max_rel_err(a(x), ref) for name, a in adapters.items()},
@@ -389,16 +384,10 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
             name: {"host_us": summarize(s["host"]), "latency_us": summarize(s["latency"])}
             for name, s in samples.items()
         }
-    counted = _counted(adapters, before, sink_bus, sink, bus)
+    counted = _counted(adapters, before, *buses)
     bare_host = timings["bare"]["host_us"]["median"]
-    over = {
-        name: {
-            "host_us": timings[name]["host_us"]["median"] - bare_host,
-            "latency_us": timings[name]["latency_us"]["median"]
-            - timings["bare"]["latency_us"]["median"],
-        }
-        for name in adapters
-    }
+    bare_med = {key: timings["bare"][key]["median"] for key in ("host_us", "latency_us")}
+    over = {n: {k: timings[n][k]["median"] - bare_med[k] for k in bare_med} for n in adapters}
     ctx.log(
         f"  CUDA tiny encoder: bare {bare_host:.1f} us host, adapter+bus "
         f"{timings['adapter_bus']['host_us']['median']:.1f} us host "
