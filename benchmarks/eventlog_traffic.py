@@ -107,38 +107,18 @@ class _Worker:
         decision = admission.decide(signature, lambda: self.free)
         verdict = decision.verdict
         if verdict is Verdict.CAPTURE:
-            mono, epoch = self._stamp()
-            reserved = numel * 16 + 8 * MiB
-            static = numel * 4
-            out.append(
-                ev.GraphCaptured(
-                    adapter,
-                    signature,
-                    mono,
-                    epoch,
-                    0.4 + rng.random() * 0.3,
-                    self.pool[adapter],
-                    DEVICE,
-                    STREAM,
-                    STREAM + 1,
-                    reserved,
-                    static,
-                    admission.num_graphs,
-                    self.free,
-                    phase=phase,
-                )
-            )
+            stamps = self._stamp()
+            reserved, static = numel * 16 + 8 * MiB, numel * 4
+            placed = (0.4 + rng.random() * 0.3, self.pool[adapter], DEVICE, STREAM, STREAM + 1)
+            sizes = (reserved, static, admission.num_graphs, self.free)
+            out.append(ev.GraphCaptured(adapter, signature, *stamps, *placed, *sizes, phase=phase))
             admission.captured(signature)
             self.graphs[adapter].add(signature)
             self.free -= reserved + static
             return self._timed(out, adapter, signature, replay_s, phase)
         if verdict is Verdict.MEMORY:
-            mono, epoch = self._stamp()
-            out.append(
-                ev.MemoryDeferred(
-                    adapter, signature, mono, epoch, self.free, FLOOR, DEVICE, phase=phase
-                )
-            )
+            where = (self.free, FLOOR, DEVICE)
+            out.append(ev.MemoryDeferred(adapter, signature, *self._stamp(), *where, phase=phase))
         reason = _REASON[verdict]
         detail = _DETAIL.get(reason) or f"call {decision.calls} of {CONFIG.min_capture_calls}"
         return self._timed(out, adapter, signature, eager_s, phase, miss=(reason, detail))
@@ -162,11 +142,8 @@ class _Worker:
             out.append(ev.missed(adapter, signature, mono, epoch, reason, detail, host_s, phase))
         device_s = host_s * (0.9 + self.rng.random() * 0.08)
         kind = "replay" if miss is None else "eager"
-        out.append(
-            ev.DeviceTimed(
-                adapter, signature, mono + 1000, epoch + 1000, kind, device_s, phase=phase
-            )
-        )
+        stamps = (mono + 1000, epoch + 1000)
+        out.append(ev.DeviceTimed(adapter, signature, *stamps, kind, device_s, phase=phase))
         return out
 
 
