@@ -38,6 +38,8 @@ NEEDS_CUDA = True
 FIRST_COMPILE_GUESS_S = {"cuda": 60.0, "simulated": 10.0}
 FIRST_SHAPE_GUESS_S = {"cuda": 20.0, "simulated": 2.0}
 COMPILE_MARGIN = 1.25
+#: An arm's fields as the results list them.
+_ARM_FIELDS = ("name", "title", "vs", "tolerance", "compiles")
 
 #: (encoder, what, size) in display order.
 FULL_POINTS = (
@@ -217,9 +219,7 @@ def measure_shape(
         for close in point.closers:
             close()
     timings["total_s"] = time.perf_counter() - start
-    row["timings"] = timings
-    row["rounds"] = rounds
-    row.update(compare(row["methods"]))
+    row.update(timings=timings, rounds=rounds, **compare(row["methods"]))
     row["outputs_match"] = all(
         e.get("within_tolerance", True) for e in row["methods"].values() if "error" not in e
     )
@@ -309,16 +309,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "method_order": "round r starts at arm r mod n",
             **settings,
             "rounds": "cycles x number of arms built",
-            "arms": [
-                {
-                    "name": a.name,
-                    "title": a.title,
-                    "vs": list(a.vs),
-                    "tolerance": a.tolerance,
-                    "compiles": a.compiles,
-                }
-                for a in ARMS
-            ],
+            "arms": [{f: getattr(a, f) for f in _ARM_FIELDS} | {"vs": list(a.vs)} for a in ARMS],
             "shape_order": [f"{s.label} batch {s.batch}" for s in order],
             "geometries": {k: geometry_fields(g) for k, g in geometries(ctx.simulate).items()},
             "vllm": state.vllm,
