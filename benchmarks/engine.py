@@ -87,18 +87,13 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
         for kind, samples in by_kind.items():
             ordered = sorted(samples)
             stats = summarize(ordered, scale=1e3)
-            rows[f"c{p.concurrency}/{kind}"] = {
-                "concurrency": p.concurrency,
-                "kind": kind,
-                "n": stats["n"],
-                "ttft_p50_ms": stats["median"],
-                "ttft_p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-                * 1e3,
-            }
+            p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+            row = rows[f"c{p.concurrency}/{kind}"] = {"concurrency": p.concurrency, "kind": kind}
+            row.update(n=stats["n"], ttft_p50_ms=stats["median"], ttft_p99_ms=p99 * 1e3)
             if p.concurrency == 1:
                 mine = [c.phases for c in p.completions if c.kind == kind]
-                rows[f"c1/{kind}"]["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
-                rows[f"c1/{kind}"]["engine_ttft_p50_ms"] = engine_phases.engine_ttft_p50_ms(mine)
+                row["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
+                row["engine_ttft_p50_ms"] = engine_phases.engine_ttft_p50_ms(mine)
     return rows
 
 
@@ -164,15 +159,11 @@ def run(ctx: Context) -> dict[str, Any]:
                 f"OMNITRACE_BENCH_ENGINE_TP={tp} needs {tp} CUDA devices, "
                 f"this machine has {torch.cuda.device_count()}"
             )
-    result: dict[str, Any] = {
-        "sizes": "released" if ctx.scale == "full" else "tiny",
-        "tensor_parallel_size": tp,
-        "api_server_count": api_servers,
-        "anchors": list(ANCHORS),
-        "models": {},
-        "targets": [],
-        "figures": [],
-    }
+    sizes = "released" if ctx.scale == "full" else "tiny"
+    result: dict[str, Any] = dict(
+        sizes=sizes, tensor_parallel_size=tp, api_server_count=api_servers
+    )
+    result.update(anchors=list(ANCHORS), models={}, targets=[], figures=[])
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")
         result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp, api_servers)
@@ -191,8 +182,8 @@ def _run_model(
     ctx: Context, model_kind: str, result: dict[str, Any], tp: int, api_servers: int = 1
 ) -> dict[str, Any]:
     # Absolute: each server runs in its own directory.
-    work = ctx.out_dir / "engine-work" / (model_kind if tp == 1 else f"{model_kind}-tp{tp}")
-    work = work.resolve()
+    name = model_kind if tp == 1 else f"{model_kind}-tp{tp}"
+    work = (ctx.out_dir / "engine-work" / name).resolve()
     model = _checkpoint(model_kind, work / "checkpoint", ctx.scale)
     kinds = request_kinds(ctx.scale, model_kind)
     per_kind = ctx.pick(8, 2, 1)
@@ -252,10 +243,9 @@ def _run_model(
             # Hits after the warm-up count the measured passes only, not the pairs.
             figures = event_figures(server.events)
             after_warmup = hits_since(server.events, warmed) if config.plugin else None
-            pairs = None
-            if config.paired:
-                pairs = _served_pairs(ctx, server, kinds, api_servers)
+            pairs = _served_pairs(ctx, server, kinds, api_servers) if config.paired else None
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
+            share = None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
             row = {
                 "ready_s": ready_s,
                 "kv_cache_tokens": server.kv_cache_tokens(),
@@ -263,9 +253,7 @@ def _run_model(
                 "requests_per_s": {
                     f"c{p.concurrency}": len(p.completions) / p.wall_s for p in passes
                 },
-                "encoder_share_of_ttft_c1": (
-                    None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
-                ),
+                "encoder_share_of_ttft_c1": share,
                 # The measured passes' encoder calls: what the graphs served once warm.
                 "after_warmup": after_warmup,
                 **{k: v for k, v in figures.items() if k != "encoder_device_s"},
@@ -290,8 +278,7 @@ def _run_model(
             # After the server stopped, every process has flushed its log: each request's
             # phases from its own events, per kind and concurrency.
             views = engine_phases.event_views(server.events)
-            row["event_phases"] = {}
-            row["event_problems"] = []
+            row.update(event_phases={}, event_problems=[])
             for p in passes:
                 table, problems = engine_phases.phase_table(p.completions, views)
                 row["event_phases"][f"c{p.concurrency}"] = table
@@ -364,13 +351,8 @@ def _pair_outcomes(pairs: dict[str, Any], views: dict[str, Any]) -> dict[str, An
         for step in view.steps:
             for call in step.calls:
                 half[call["outcome"]] = half.get(call["outcome"], 0) + 1
-    return {
-        "kinds": pairs["kinds"],
-        "encoder_calls": outcomes,
-        "without_event": missing,
-        "timing_cost": pairs.get("timing_cost"),
-        "timing_cost_skipped": pairs.get("timing_cost_skipped"),
-    }
+    cost = {key: pairs.get(key) for key in ("timing_cost", "timing_cost_skipped")}
+    return {"kinds": pairs["kinds"], "encoder_calls": outcomes, "without_event": missing, **cost}
 
 
 def cost_rounds() -> int:
