@@ -27,36 +27,22 @@ def tables(result: dict[str, Any]) -> list[Table]:
             ["request kind"] + [f"{name}, c{c}" for c in concurrencies for name in configs],
         )
         for kind in model["kinds"]:
-            cells = [kind]
-            for c in concurrencies:
-                for entry in configs.values():
-                    row = entry["rows"].get(f"c{c}/{kind}")
-                    cells.append(
-                        "n/a"
-                        if row is None
-                        else f"{ms(row['ttft_p50_ms'])} / {ms(row['ttft_p99_ms'])}"
-                    )
-            ttft.rows.append(cells)
+            found = [e["rows"].get(f"c{c}/{kind}") for c in concurrencies for e in configs.values()]
+            cells = [
+                f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])}" if r else "n/a" for r in found
+            ]
+            ttft.rows.append([kind, *cells])
         ttft.note = (
             f"{model['per_kind']} requests of each kind per pass, {model['max_tokens']} output "
             "tokens, greedy; "
             + " and ".join(f"c{c}" for c in concurrencies)
             + ": requests in flight. p99 of so few samples is their maximum."
         )
+        rates = [f"requests/s c{c}" for c in concurrencies]
+        counts = ["graphs", "hits / misses", "hits after warm-up", "pool MiB", "KV cache tokens"]
+        headers = ["configuration", "ready (s)", *rates, "encoder share of TTFT, c1", *counts]
         engines = Table(
-            f"{model['name']}: engines",
-            [
-                "configuration",
-                "ready (s)",
-                *(f"requests/s c{c}" for c in concurrencies),
-                "encoder share of TTFT, c1",
-                "graphs",
-                "hits / misses",
-                "hits after warm-up",
-                "pool MiB",
-                "KV cache tokens",
-                "tokens equal eager's: c1, batched",
-            ],
+            f"{model['name']}: engines", [*headers, "tokens equal eager's: c1, batched"]
         )
         for name, entry in configs.items():
             share = entry.get("encoder_share_of_ttft_c1")
@@ -111,16 +97,8 @@ def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]
     for name, entry in configs.items():
         for concurrency, rows in (entry.get("event_phases") or {}).items():
             for kind, row in rows.items():
-                phases = row["phases_mean_ms"]
-                table.rows.append(
-                    [
-                        kind,
-                        name,
-                        concurrency,
-                        ms(row["event_ttft_p50_ms"]),
-                        *(ms(phases[p]) for p in PHASES),
-                    ]
-                )
+                phases = [ms(row["phases_mean_ms"][p]) for p in PHASES]
+                table.rows.append([kind, name, concurrency, ms(row["event_ttft_p50_ms"]), *phases])
     if not table.rows:
         return []
     problems = [f"{n}: {p}" for n, e in configs.items() for p in e.get("event_problems", [])]

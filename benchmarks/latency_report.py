@@ -112,16 +112,9 @@ def _refs(
 def _checks(rows: list[dict[str, Any]], arms: list[dict[str, Any]]) -> Table:
     checked = [a for a in arms if a.get("tolerance", 1.0) is not None]
     compiling = [a for a in arms if a.get("compiles")]
-    checks = Table(
-        "Correctness, compile time and hits",
-        [
-            "encoder",
-            "input",
-            *(f"rel err {a['name']}" for a in checked),
-            *(f"compile s {a['name']}" for a in compiling),
-            "adapter hits / timed calls",
-        ],
-    )
+    errors = [f"rel err {a['name']}" for a in checked]
+    headers = ["encoder", "input", *errors, *(f"compile s {a['name']}" for a in compiling)]
+    checks = Table("Correctness, compile time and hits", [*headers, "adapter hits / timed calls"])
     for row in rows:
         m = row["methods"]
         hits = [e for e in m.values() if e.get("timed_calls") is not None]
