@@ -93,21 +93,11 @@ def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
     for name, adapter in event_figures(paths, skip)["adapters"].items():
         calls = adapter["hits"] + sum(adapter["misses"].values())
         if calls:
-            hits = adapter["hits"]
-            encoders[name] = {
-                "calls": calls,
-                "hits": hits,
-                "misses": adapter["misses"],
-                "hit_rate": hits / calls,
-            }
+            hits, misses = adapter["hits"], adapter["misses"]
+            encoders[name] = dict(calls=calls, hits=hits, misses=misses, hit_rate=hits / calls)
     calls = sum(e["calls"] for e in encoders.values())
     hits = sum(e["hits"] for e in encoders.values())
-    return {
-        "calls": calls,
-        "hits": hits,
-        "hit_rate": hits / calls if calls else None,
-        "encoders": encoders,
-    }
+    return dict(calls=calls, hits=hits, hit_rate=hits / calls if calls else None, encoders=encoders)
 
 
 def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:

@@ -288,11 +288,9 @@ def compare(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | N
 
 def run(ctx: Context) -> dict[str, Any]:
     """Time every arm at every shape; an arm that failed to build fails the benchmark."""
-    settings = {
-        "warmup": ctx.pick(10, 5, 2),
-        "per_round": ctx.pick(12, 10, 3),
-        "cycles": ctx.pick(2, 1, 1),
-    }
+    settings = dict(
+        warmup=ctx.pick(10, 5, 2), per_round=ctx.pick(12, 10, 3), cycles=ctx.pick(2, 1, 1)
+    )
     order = shapes(ctx)
     budget = Budget(ctx, len(order))
     rows: list[dict[str, Any]] = []

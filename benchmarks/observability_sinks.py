@@ -269,12 +269,7 @@ class Relay:
         scrapes, failed = (int(n) for n in counts.split())
         if failed:
             raise RuntimeError(f"{failed} scrapes of the relay's /metrics failed ({scrapes} ok)")
-        return {
-            "exit_code": code,
-            "relayed_events": relayed,
-            "scrapes": scrapes,
-            "scrape_failures": failed,
-        }
+        return dict(exit_code=code, relayed_events=relayed, scrapes=scrapes, scrape_failures=failed)
 
     def kill(self) -> None:
         for process in (self.scraper, self.process):

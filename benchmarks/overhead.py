@@ -192,13 +192,9 @@ def bench_fold(ctx: Context) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     folded, expected = _counts(fold.snapshots()), _expected_counts(events)
     ctx.log(f"  stats fold: {n / elapsed / 1e6:.2f} M events/s")
-    return {
-        "events": n,
-        "seconds": elapsed,
-        "events_per_s": n / elapsed,
-        "folded": folded,
-        "expected": expected,
-    }
+    return dict(
+        events=n, seconds=elapsed, events_per_s=n / elapsed, folded=folded, expected=expected
+    )
 
 
 def bench_throughput(ctx: Context) -> dict[str, Any]:

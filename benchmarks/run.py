@@ -45,18 +45,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="output folder (bench-results)"
     )
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds the whole run may take; torch.compile is skipped past it "
-        "(default: 450, or 120 with --quick)",
+    budget = (
+        "seconds the whole run may take; torch.compile is skipped past it "
+        "(default: 450, or 120 with --quick)"
     )
-    parser.add_argument(
-        "--batch4",
-        action="store_true",
-        help="time the latency shapes at batch 4 too (about 1 to 2 minutes more)",
-    )
+    parser.add_argument("--time-budget", type=float, help=budget)
+    batch4 = "time the latency shapes at batch 4 too (about 1 to 2 minutes more)"
+    parser.add_argument("--batch4", action="store_true", help=batch4)
     parser.add_argument("--no-plots", action="store_true", help="write JSON only")
     # For the test suite and for checking the plumbing without a GPU: numbers meaningless.
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -139,18 +134,10 @@ def run_benchmarks(
         write_json(ctx.out_dir / f"{name}.json", payload)
         outputs[name] = payload
         ctx.log(f"  done in {payload['duration_s']:.1f} s -> {ctx.out_dir / (name + '.json')}")
-    summary = {
-        "environment": env,
-        "benchmarks": {
-            name: {
-                "status": p["status"],
-                "error": p["error"],
-                "duration_s": p["duration_s"],
-                "targets": (p["result"] or {}).get("targets", []),
-            }
-            for name, p in outputs.items()
-        },
-    }
+    summary: dict[str, Any] = {"environment": env, "benchmarks": {}}
+    for name, p in outputs.items():
+        brief = {key: p[key] for key in ("status", "error", "duration_s")}
+        summary["benchmarks"][name] = {**brief, "targets": (p["result"] or {}).get("targets", [])}
     write_json(ctx.out_dir / "summary.json", summary)
     return outputs
 
