@@ -41,6 +41,7 @@ from benchmarks.engine_serving import (
     tensor_parallel_size,
     whole_number,
 )
+from benchmarks.paired import write_checkpoint
 
 NAME = "engine"
 #: Runs on a CPU at toy sizes (the engine CI tier); full scale needs CUDA (checked in run()).
@@ -99,19 +100,8 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
 
 def _checkpoint(model_kind: str, directory: Path, scale: str) -> Path:
     """Write ``model_kind``'s checkpoint (the released sizes at full scale) unless it exists."""
-    from omnitrace.testing_checkpoints import (
-        MiniCPMOSizes,
-        Qwen2_5OmniSizes,
-        write_minicpmo,
-        write_qwen2_5_omni,
-    )
-
-    if directory.exists():
-        return directory
-    if model_kind == "minicpmo":
-        write_minicpmo(directory, MiniCPMOSizes.released() if scale == "full" else None)
-    else:
-        write_qwen2_5_omni(directory, Qwen2_5OmniSizes.released() if scale == "full" else None)
+    if not directory.exists():
+        write_checkpoint(model_kind, directory, released=scale == "full")
     return directory
 
 

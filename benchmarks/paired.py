@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,18 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return quantile(sorted(values), q)
 
 
+def write_checkpoint(model: str, directory: Path, *, released: bool) -> Path:
+    """Write ``model``'s checkpoint (``minicpmo`` or ``qwen2_5_omni``) to ``directory``, at the
+    released model's sizes or the tiny defaults; return its path."""
+    from omnitrace import testing_checkpoints as checkpoints
+
+    if model == "minicpmo":
+        minicpmo = checkpoints.MiniCPMOSizes.released() if released else None
+        return checkpoints.write_minicpmo(directory, minicpmo)
+    qwen = checkpoints.Qwen2_5OmniSizes.released() if released else None
+    return checkpoints.write_qwen2_5_omni(directory, qwen)
+
+
 def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str, Any]:
     """The two halves' p50/p99 and the paired differences (graphed minus eager), in ms.
 
@@ -120,22 +132,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import torch
 
-    from omnitrace.testing_checkpoints import write_minicpmo, write_qwen2_5_omni
-    from omnitrace.testing_checkpoints.minicpmo import MiniCPMOSizes
-    from omnitrace.testing_checkpoints.qwen2_5_omni import Qwen2_5OmniSizes
-
     cuda = torch.cuda.is_available()
     if not cuda:
         # vLLM's CPU engine otherwise takes most of the machine's memory for its KV cache.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    sizes: Any
-    writer: Callable[..., Any]
-    if args.model == "minicpmo":
-        writer, sizes = write_minicpmo, MiniCPMOSizes
-    else:
-        writer, sizes = write_qwen2_5_omni, Qwen2_5OmniSizes
     checkpoint = Path(tempfile.mkdtemp(prefix=f"paired-{args.model}-"))
-    writer(str(checkpoint / "model"), sizes.released() if args.size == "released" else sizes())
+    write_checkpoint(args.model, checkpoint / "model", released=args.size == "released")
 
     from vllm import LLM, SamplingParams
 
