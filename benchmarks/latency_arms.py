@@ -330,14 +330,8 @@ class Run:
             return {**self.sink_report, "status": "skipped" if self.sink_report else "unused"}
         self.flush()
         stats = self._sinks.bus.statistics()
-        return {
-            **self.sink_report,
-            "status": "on",
-            "flushed": self.flushed,
-            "emitted": stats.emitted,
-            "dropped": stats.dropped,
-            "per_sink": sink_rows(stats.sinks),
-        }
+        counts = dict(emitted=stats.emitted, dropped=stats.dropped, per_sink=sink_rows(stats.sinks))
+        return {**self.sink_report, "status": "on", "flushed": self.flushed, **counts}
 
     def compile(self, model: torch.nn.Module, *, mode: str | None) -> Callable[..., Any]:
         """``torch.compile(model)`` for one exact shape (``backend="eager"`` on CPU)."""
