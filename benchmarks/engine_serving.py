@@ -243,13 +243,9 @@ def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[
             # give each rank its share of the cores.
             cores = sorted(os.sched_getaffinity(0))
             share = max(1, len(cores) // tp)
-            env.setdefault(
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "|".join(
-                    ",".join(str(c) for c in cores[r * share : (r + 1) * share] or cores[-1:])
-                    for r in range(tp)
-                ),
-            )
+            ranks = [cores[r * share : (r + 1) * share] or cores[-1:] for r in range(tp)]
+            binds = "|".join(",".join(str(c) for c in mine) for mine in ranks)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
     return env
 
 
@@ -272,23 +268,20 @@ def serving(
     for stale in out.glob("events-*.jsonl"):
         stale.unlink()
     port = free_port()
+    extra: list[str] = []
+    if config.compilation is not None:
+        extra += ["--compilation-config", json.dumps(config.compilation)]
+    extra += ["--trust-remote-code"] if trust_remote_code else []
+    extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    extra += ["--api-server-count", str(api_servers)] if api_servers > 1 else []
+    extra += served_pairs.EXTENSION_ARGS if config.paired else ()
     command = serve_command(
         model,
         port,
         max_model_len=ctx.pick(8192, 4096, 4096),
         max_num_seqs=max_num_seqs,
         hf_overrides=config.hf_overrides(work),
-        extra=(
-            *(
-                ()
-                if config.compilation is None
-                else ("--compilation-config", json.dumps(config.compilation))
-            ),
-            *(("--trust-remote-code",) if trust_remote_code else ()),
-            *(("--tensor-parallel-size", str(tp)) if tp > 1 else ()),
-            *(("--api-server-count", str(api_servers)) if api_servers > 1 else ()),
-            *(served_pairs.EXTENSION_ARGS if config.paired else ()),
-        ),
+        extra=extra,
     )
     output = out / "serve.log"
     with output.open("wb") as sink:
@@ -315,10 +308,9 @@ def _wait_ready(server: Server, timeout: float) -> None:
                 f"vllm serve ({server.config.name}) exited with {server.process.returncode} "
                 f"before serving:\n{server.tail()}"
             )
+        health = f"http://127.0.0.1:{server.port}/health"
         try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{server.port}/health", timeout=2
-            ) as response:
+            with urllib.request.urlopen(health, timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
