@@ -321,8 +321,6 @@ def _clean(obj: Any) -> Any:
         return [_clean(v) for v in obj]
     if isinstance(obj, (str, int, bool)) or obj is None:
         return obj
-    if isinstance(obj, Path):
-        return str(obj)
     if isinstance(obj, torch.dtype):
         return str(obj).removeprefix("torch.")
     return str(obj)
