@@ -21,6 +21,8 @@ NEEDS_CUDA = True
 SMALL = EncoderGeometry(hidden=256, layers=4, heads=4, mlp=1024)
 #: Free memory left beside the ballast in the floor experiment.
 TIGHT_FREE_BYTES = 3 * GiB
+#: The plot's curves: (row key, what it shows, line style).
+_CURVES = (("held_bytes", "held", "-o"), ("peak_bytes", "capture peak", "--x"))
 
 
 def _reserved(on_cuda: bool) -> int:
@@ -92,12 +94,9 @@ def _held(
     base = _reserved(on_cuda)
     base_alloc = int(torch.cuda.memory_allocated()) if on_cuda else 0
     config = EncoderGraphConfig(max_graphs=8, min_free_bytes=0, share_pools=share)
-    adapter = EncoderCudaGraph(
-        model,
-        name=f"mem-{len(inputs)}-{'shared' if share else 'separate'}",
-        config=config,
-        backend=SimulatedGraphBackend() if ctx.simulate else None,
-    )
+    name = f"mem-{len(inputs)}-{'shared' if share else 'separate'}"
+    backend = SimulatedGraphBackend() if ctx.simulate else None
+    adapter = EncoderCudaGraph(model, name=name, config=config, backend=backend)
     with torch.no_grad():
         for x in inputs:
             for _ in range(config.min_capture_calls):
@@ -154,14 +153,9 @@ def _floor(ctx: Context, model: torch.nn.Module, x: torch.Tensor, on_cuda: bool)
     try:
         for label, floor_bytes in (("above free memory", high), ("below free memory", low)):
             backend = SimulatedGraphBackend(free_bytes=free_now) if ctx.simulate else None
-            bus = EventBus()
-            adapter = EncoderCudaGraph(
-                model,
-                name=f"floor-{'high' if floor_bytes == high else 'low'}",
-                config=EncoderGraphConfig(max_graphs=4, min_free_bytes=floor_bytes),
-                bus=bus,
-                backend=backend,
-            )
+            bus, name = EventBus(), f"floor-{'high' if floor_bytes == high else 'low'}"
+            config = EncoderGraphConfig(max_graphs=4, min_free_bytes=floor_bytes)
+            adapter = EncoderCudaGraph(model, name=name, config=config, bus=bus, backend=backend)
             with capture_events(bus) as events, torch.no_grad():
                 for _ in range(calls):
                     adapter(x)
@@ -192,10 +186,7 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     for share, color in ((True, "tab:blue"), (False, "tab:orange")):
         pts = sorted((r["graphs"], r) for r in rows if r["share_pools"] is share)
         label = "shared pools" if share else "separate pools"
-        for key, what, style in (
-            ("held_bytes", "held", "-o"),
-            ("peak_bytes", "capture peak", "--x"),
-        ):
+        for key, what, style in _CURVES:
             values = [p[1][key] / MiB for p in pts]
             ax.plot([p[0] for p in pts], values, style, color=color, label=f"{label}, {what}")
     ax.set(xlabel="graphs captured", ylabel="MiB", title="Device memory of graphs (4-layer, d=256)")
