@@ -98,18 +98,14 @@ class Budget:
         """Raise Skip when this arm's compile would leave no time for the shapes after it."""
         if self.ctx.scale == "quick":
             raise Skip("--quick", "torch.compile runs in full runs only")
-        estimate = self.compile_s.get(
-            arm_name, max(self.compile_s.values(), default=self.first_compile_s)
-        )
+        guess = max(self.compile_s.values(), default=self.first_compile_s)
+        estimate = self.compile_s.get(arm_name, guess)
         # This shape's timing and every shape after it, each without compiles.
         reserve = (max(self.shape_s) if self.shape_s else self.first_shape_s) * self.shapes_left
         room = self.ctx.remaining() - reserve
         if room < estimate:
-            raise Skip(
-                "time budget",
-                f"{max(room, 0.0):.0f} s left for compiling, a compile takes about "
-                f"{estimate:.0f} s",
-            )
+            left = f"{max(room, 0.0):.0f} s left for compiling"
+            raise Skip("time budget", f"{left}, a compile takes about {estimate:.0f} s")
 
     def compiled(self, arm_name: str, seconds: float) -> None:
         self.compile_s[arm_name] = seconds * COMPILE_MARGIN

@@ -271,10 +271,8 @@ class Run:
             except Exception as exc:  # a broken install fails in many ways; all mean "cannot"
                 self._vllm_skip = Skip("vLLM not importable", f"{type(exc).__name__}: {exc}")
             self.vllm["import_s"] = time.perf_counter() - start
-        if self._vllm_skip is not None:
-            self.vllm.update(
-                status="skipped", reason=self._vllm_skip.reason, detail=self._vllm_skip.detail
-            )
+        if (skip := self._vllm_skip) is not None:
+            self.vllm.update(status="skipped", reason=skip.reason, detail=skip.detail)
             return
         self.vllm.update(status="on", version=importlib.metadata.version("vllm"))
 
@@ -295,10 +293,8 @@ class Run:
         bus = EventBus(queue_size=100_000)
         sinks = SinkSet(bus, PRODUCTION_SINKS, self.workdir, "latency")
         self.sink_report = {"requested": list(PRODUCTION_SINKS), "sinks": sinks.report}
-        self.ctx.log(
-            "    production sinks: "
-            + ", ".join(f"{n} {s['status']}" for n, s in sinks.report.items())
-        )
+        states = ", ".join(f"{n} {s['status']}" for n, s in sinks.report.items())
+        self.ctx.log(f"    production sinks: {states}")
         off = {n: s for n, s in sinks.report.items() if s["status"] != "on"}
         if not off:
             self._sinks = sinks
