@@ -63,10 +63,8 @@ def _sizes(ctx: Context) -> list[int]:
 
 def _log(size: int, ctx: Context) -> tuple[Path, float | None]:
     """The log of ``size`` events, written now (and the seconds it took) or found."""
-    folder = Path(
-        os.environ.get("OMNITRACE_BENCH_EVENTLOG_DIR")
-        or Path(tempfile.gettempdir()) / "omnitrace-eventlog-bench"
-    )
+    default = Path(tempfile.gettempdir()) / "omnitrace-eventlog-bench"
+    folder = Path(os.environ.get("OMNITRACE_BENCH_EVENTLOG_DIR") or default)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"events-{size}-s0-g{GENERATOR_VERSION}.jsonl"
     if path.exists():

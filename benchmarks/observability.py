@@ -217,11 +217,10 @@ def run(ctx: Context) -> dict[str, Any]:
             "jsonl_bytes": _size(getattr(sink_set, "jsonl_path", None)),
             "relay": relays.get(arm),
         }
-        relay = relays.get(arm)
-        if relay is not None and relay["relayed_events"] != stats.emitted:  # type: ignore[union-attr]
-            raise RuntimeError(
-                f"{arm}: the relay relayed {relay['relayed_events']} events of {stats.emitted}"  # type: ignore[union-attr]
-            )
+        relay, emitted = relays.get(arm), arms[arm]["emitted"]
+        if relay is not None and relay["relayed_events"] != emitted:
+            relayed = relay["relayed_events"]
+            raise RuntimeError(f"{arm}: the relay relayed {relayed} events of {emitted}")
     with quiet():
         for bus in buses.values():
             if bus is not None:

@@ -379,13 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="hf_overrides as JSON (omnitrace's defaults without it), e.g. "
         '\'{"encoder_cuda_graph_audio_attention": "masked"}\' for Qwen2.5-Omni\'s audio',
     )
-    parser.add_argument(
-        "--cost-rounds",
-        type=int,
-        default=8,
-        help="rounds of a batch of 8 requests with request timing off and one with it on, "
-        "after the pairs (default 8; 0 leaves the cost out)",
+    cost = (
+        "rounds of a batch of 8 requests with request timing off and one with it on, "
+        "after the pairs (default 8; 0 leaves the cost out)"
     )
+    parser.add_argument("--cost-rounds", type=int, default=8, help=cost)
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cost_rounds < 0:
