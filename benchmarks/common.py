@@ -162,12 +162,10 @@ def environment(command: str | None = None) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env["gpu"] = props.name
-        env["gpu_memory_bytes"] = int(props.total_memory)
+        env.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory))
         env["gpu_count"] = torch.cuda.device_count()
-        env["driver"] = _first_line(
-            "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
-        )
+        query = ("--query-gpu=driver_version", "--format=csv,noheader")
+        env["driver"] = _first_line("nvidia-smi", *query)
     return env
 
 

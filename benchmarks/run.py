@@ -99,9 +99,7 @@ def run_benchmarks(
     time_budget: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run ``names`` in order; write one JSON file each and ``summary.json``; return them."""
-    env = environment(command)
-    env["scale"] = ctx.scale
-    env["simulated"] = ctx.simulate
+    env = {**environment(command), "scale": ctx.scale, "simulated": ctx.simulate}
     ctx.environment = env
     budget = TIME_BUDGET_S[ctx.scale] if time_budget is None else time_budget
     ctx.deadline = time.monotonic() + budget
@@ -156,11 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_faulthandler()
     scale = "tiny" if args.tiny else ("quick" if args.quick else "full")
     # Only --suite cpu runs overhead without its CUDA part; named on its own, it needs CUDA.
-    needs_cuda = [
-        n
-        for n in args.benchmarks
-        if _module(n).NEEDS_CUDA or (n == "overhead" and not args.cpu_only)
-    ]
+    cuda_overhead = () if args.cpu_only else ("overhead",)
+    needs_cuda = [n for n in args.benchmarks if _module(n).NEEDS_CUDA or n in cuda_overhead]
     cuda_ok, cuda_info = cuda_status() if not args.cpu_only else (False, "not used by --suite cpu")
     if needs_cuda and not cuda_ok and not args.simulate:
         print(
