@@ -221,11 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("results", type=Path, help="folder written by benchmarks.run --out")
     parser.add_argument("--write", type=Path, help="update the marked sections of this file")
-    parser.add_argument(
-        "--only",
-        help="comma-separated sections to render or write (default: all it has results for), "
-        "e.g. eventlog: a CPU run beside the GPU machine's tables",
+    only = (
+        "comma-separated sections to render or write (default: all it has results for), "
+        "e.g. eventlog: a CPU run beside the GPU machine's tables"
     )
+    parser.add_argument("--only", help=only)
     args = parser.parse_args(argv)
     outputs = load(args.results)
     if not outputs:
