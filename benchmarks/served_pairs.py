@@ -78,17 +78,11 @@ def run(
                     switch(base_url, paused)
                     done = ask(kind, seed + len(sent))
                     times[kind.name][paused].append(done.ttft_s)
-                    sent.append(
-                        {"kind": kind.name, "paused": paused, "request_id": done.request_id}
-                    )
+                    sent.append(dict(kind=kind.name, paused=paused, request_id=done.request_id))
     finally:
         rpc(base_url, "omnitrace_pause_graphs", False)
-    return {
-        "kinds": {
-            name: paired_summary(halves[True], halves[False]) for name, halves in times.items()
-        },
-        "requests": sent,
-    }
+    kinds = {name: paired_summary(halves[True], halves[False]) for name, halves in times.items()}
+    return {"kinds": kinds, "requests": sent}
 
 
 def time_requests(base_url: str, enabled: bool) -> None:
@@ -148,12 +142,8 @@ def timing_cost(
                 sent += batch
     finally:
         time_requests(base_url, True)
-    return {
-        **cost_summary(rates[False], rates[True]),
-        "batch": batch,
-        "off_rps": rates[False],
-        "on_rps": rates[True],
-    }
+    summary = cost_summary(rates[False], rates[True])
+    return {**summary, "batch": batch, "off_rps": rates[False], "on_rps": rates[True]}
 
 
 def tables(model: dict[str, Any]) -> list[Table]:
