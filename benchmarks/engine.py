@@ -22,6 +22,7 @@ from benchmarks.engine_checks import (
     event_figures,
     hits_since,
     line_counts,
+    slowest_calls,
 )
 from benchmarks.engine_serving import (
     AGAIN,
@@ -233,6 +234,7 @@ def _run_model(
             # Hits after the warm-up count the measured passes only, not the pairs.
             figures = event_figures(server.events)
             after_warmup = hits_since(server.events, warmed) if config.plugin else None
+            slowest = slowest_calls(server.events, warmed) if config.plugin else None
             pairs = _served_pairs(ctx, server, kinds, api_servers) if config.paired else None
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
             share = None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
@@ -246,6 +248,7 @@ def _run_model(
                 "encoder_share_of_ttft_c1": share,
                 # The measured passes' encoder calls: what the graphs served once warm.
                 "after_warmup": after_warmup,
+                "slowest_calls_after_warmup": slowest,
                 **{k: v for k, v in figures.items() if k != "encoder_device_s"},
             }
             texts[config.name] = {

@@ -100,6 +100,25 @@ def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
     return dict(calls=calls, hits=hits, hit_rate=hits / calls if calls else None, encoders=encoders)
 
 
+def slowest_calls(paths: Sequence[Path], skip: dict[Path, int], count: int = 8) -> list[Any]:
+    """The ``count`` longest encoder calls in the logs after their first ``skip`` lines, the
+    longest first: each replay, eager miss or capture with its host seconds (``duration_s``),
+    adapter, signature, phase and miss reason. Where a kind's encoder phase is long, these
+    say which calls made it so."""
+    calls = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            for line in itertools.islice(lines, skip.get(path, 0), None):
+                event = json.loads(line)
+                if event.get("type") in _CALLS and event.get("duration_s") is not None:
+                    calls.append({key: event.get(key) for key in _CALL_FIELDS})
+    return sorted(calls, key=lambda call: -float(call["duration_s"]))[:count]
+
+
+_CALLS = ("GraphReplayed", "GraphMissed", "GraphCaptured")
+_CALL_FIELDS = ("type", "adapter", "duration_s", "reason", "phase", "signature")
+
+
 def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:
     """Encoder device seconds in each log's events after its first ``skip`` lines: the most
     of any worker (tensor-parallel ranks run their encoders side by side).

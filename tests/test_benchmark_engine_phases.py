@@ -7,6 +7,7 @@ writes: one request between two scrapes, a request still finishing, a missing hi
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -385,3 +386,35 @@ def test_prepared_servers_are_checked_from_their_first_call_and_compile_by_its_p
     result = {"targets": [], "figures": []}
     engine_checks._prepared_checks(result, "M", configs)
     assert len(result["targets"]) == 2
+
+
+def test_the_slowest_calls_after_the_warm_up_come_longest_first(
+    phases: Any, tmp_path: Path
+) -> None:
+    from benchmarks import engine_checks
+
+    def call(kind: str, seconds: float | None, **extra: Any) -> str:
+        event = {"type": kind, "adapter": "vision", "signature": "s", "phase": "serving"}
+        return json.dumps({**event, "duration_s": seconds, **extra})
+
+    first, second = tmp_path / "events-0-1.jsonl", tmp_path / "events-1-2.jsonl"
+    first.write_text(
+        "\n".join(
+            [
+                call("GraphMissed", 9.0, reason="warmup"),  # the warm-up: skipped
+                call("GraphReplayed", 0.002),
+                call("GraphMissed", 0.5, reason="warmup"),
+                call("GraphMissed", None, reason="ineligible"),  # not run by the adapter
+                json.dumps({"type": "DeviceTimed", "adapter": "vision", "device_s": 3.0}),
+            ]
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    second.write_text(call("GraphCaptured", 0.3) + "\n", encoding="utf-8")
+    slowest = engine_checks.slowest_calls([first, second], {first: 1}, count=2)
+    assert [(c["type"], c["duration_s"], c["reason"]) for c in slowest] == [
+        ("GraphMissed", 0.5, "warmup"),
+        ("GraphCaptured", 0.3, None),
+    ]
+    assert len(engine_checks.slowest_calls([first, second], {first: 1})) == 3
