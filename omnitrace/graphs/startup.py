@@ -46,15 +46,18 @@ def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[
     hits: dict[tuple[str, _Shapes], int] = {}
     read: list[Path] = []
     for path in paths:
+        # A log that fails part way gives none of its shapes, as its warning says: what it
+        # gave before the failure is counted apart until it is read to the end.
+        mine: dict[str, dict[_Shapes, Signature]] = {}
+        replays: dict[tuple[str, _Shapes], int] = {}
         try:
             for event in read_events(path):
                 if isinstance(event, GraphCaptured):
-                    captured.setdefault(event.adapter, {}).setdefault(
-                        _shapes(event.signature), event.signature
-                    )
+                    found = mine.setdefault(event.adapter, {})
+                    found.setdefault(_shapes(event.signature), event.signature)
                 elif isinstance(event, GraphReplayed):
                     key = (event.adapter, _shapes(event.signature))
-                    hits[key] = hits.get(key, 0) + 1
+                    replays[key] = replays.get(key, 0) + 1
         except (OSError, ValueError) as exc:  # EventLogError is a ValueError
             logger.warning(
                 "omnitrace: encoder_cuda_graph_prepare_from: cannot read %s (%s: %s); its "
@@ -65,6 +68,11 @@ def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[
             )
             continue
         read.append(path)
+        for adapter, found in mine.items():
+            for shapes, signature in found.items():
+                captured.setdefault(adapter, {}).setdefault(shapes, signature)
+        for key, count in replays.items():
+            hits[key] = hits.get(key, 0) + count
     if not read:
         logger.warning(
             "omnitrace: encoder_cuda_graph_prepare_from: no event log at %r; no graph is "

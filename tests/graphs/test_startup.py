@@ -284,3 +284,24 @@ def test_a_recorded_dtype_torch_lacks_is_counted_unusable(tmp_path: Path) -> Non
         }
     finally:
         bus.close()
+
+
+def test_a_log_that_fails_part_way_gives_none_of_its_shapes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omnitrace.eventlog import reader
+
+    # Small reads, so that the records before the bad line are handed out before it is met.
+    monkeypatch.setattr(reader, "READ_CHUNK", 256)
+    good, broken = tmp_path / "events-0-1.jsonl", tmp_path / "events-0-2.jsonl"
+    record(good, {"vision": [(3, 4)]})
+    record(broken, {"vision": [(5, 4)], "audio": [(2, 4)]})
+    with broken.open("ab") as log:
+        log.write(b'{"type": "NoSuchEvent", "adapter": "vision"}\n')
+    caplog.set_level(logging.WARNING, logger="omnitrace")
+    found, read = recorded_signatures(str(tmp_path / "events-*.jsonl"))
+    # The warning says the broken log's shapes are not prepared: none of them is.
+    assert f"cannot read {broken}" in caplog.text
+    assert read == [good]
+    assert list(found) == ["vision"]
+    assert [s.inputs[0].shape for s in found["vision"]] == [(3, 8)]
