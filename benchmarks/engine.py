@@ -33,6 +33,7 @@ from benchmarks.engine_serving import (
     Server,
     api_server_count,
     configurations,
+    mm_processor_kwargs,
     one_request,
     openai_client,
     request_kinds,
@@ -142,6 +143,7 @@ def run(ctx: Context) -> dict[str, Any]:
         chosen_configurations(model_kind)  # a misspelt name fails before any server starts
     offline_enabled()
     cost_rounds()
+    mm_processor_kwargs()
     if ctx.cuda and tp > 1:
         import torch
 
@@ -154,6 +156,7 @@ def run(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = dict(
         sizes=sizes, tensor_parallel_size=tp, api_server_count=api_servers
     )
+    result["mm_processor_kwargs"] = mm_processor_kwargs()
     result.update(anchors=list(ANCHORS), models={}, targets=[], figures=[])
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")

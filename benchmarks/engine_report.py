@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from benchmarks import served_pairs
@@ -15,6 +16,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
         setup.append(f"tensor-parallel over {tp}")
     if (api_servers := result.get("api_server_count", 1)) > 1:
         setup.append(f"{api_servers} API servers")
+    if result.get("mm_processor_kwargs"):
+        setup.append(f"--mm-processor-kwargs {json.dumps(result['mm_processor_kwargs'])}")
     for model in result.get("models", {}).values():
         configs: dict[str, Any] = model["configurations"]
         if not configs:

@@ -224,6 +224,25 @@ def api_server_count() -> int:
     return whole_number("OMNITRACE_BENCH_ENGINE_API_SERVERS", default=1, most=16)
 
 
+def mm_processor_kwargs() -> dict[str, Any] | None:
+    """``OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS``: a JSON object every ``vllm serve`` of
+    the run gets as ``--mm-processor-kwargs`` (default: none).
+
+    Raises:
+        ValueError: the value is not a JSON object.
+    """
+    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", "").strip()
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError:
+        value = raw
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(
+            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {raw!r}"
+        )
+    return value
+
+
 def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
@@ -274,6 +293,8 @@ def serving(
     extra += ["--trust-remote-code"] if trust_remote_code else []
     extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     extra += ["--api-server-count", str(api_servers)] if api_servers > 1 else []
+    if (processor := mm_processor_kwargs()) is not None:
+        extra += ["--mm-processor-kwargs", json.dumps(processor)]
     extra += served_pairs.EXTENSION_ARGS if config.paired else ()
     command = serve_command(
         model,

@@ -912,6 +912,10 @@ def test_engine_servers_get_the_api_server_count_on_their_command_line(
 
     monkeypatch.setattr(engine_serving.subprocess, "Popen", Process)
     monkeypatch.setattr(engine_serving, "_wait_ready", lambda server, timeout: None)
+    # The processor's options ride along in the four-server case only.
+    processor = {"audio_kwargs": {"max_length": 480000}}
+    if servers > 1:
+        monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", json.dumps(processor))
     ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
     for config in engine_serving.configurations("minicpmo")[:2]:
         with engine_serving.serving(
@@ -923,9 +927,33 @@ def test_engine_servers_get_the_api_server_count_on_their_command_line(
         assert command[command.index("serve") + 1] == str(tmp_path / "model")
         if servers == 1:
             assert "--api-server-count" not in command
+            assert "--mm-processor-kwargs" not in command
         else:
             at = command.index("--api-server-count")
             assert command[at + 1] == str(servers)
+            at = command.index("--mm-processor-kwargs")
+            assert json.loads(command[at + 1]) == processor
+
+
+@pytest.mark.parametrize("value", ["[1]", "480000", "{audio", '"x"'])
+def test_engine_mm_processor_kwargs_must_be_a_json_object(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    from benchmarks import engine
+    from benchmarks.common import Context
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was served")
+
+    monkeypatch.setattr(engine, "_run_model", start)
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", value)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {value!r}"
+        ),
+    ):
+        engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
 
 
 def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_servers(
