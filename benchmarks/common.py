@@ -33,9 +33,6 @@ T = TypeVar("T")
 #: Run sizes: ``full`` for the real report, ``quick`` for a short look, ``tiny`` for CI.
 SCALES = ("full", "quick", "tiny")
 
-MiB = 1 << 20
-GiB = 1 << 30
-
 
 class GcClock:
     """A ``gc.callbacks`` entry counting collections and their time while ``armed``."""

@@ -7,9 +7,9 @@ import itertools
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.table import GiB, MiB
 from omnitrace import events as ev
 from omnitrace.config import EncoderGraphConfig
 from omnitrace.demo.traffic import TrafficMix
@@ -18,13 +18,11 @@ from omnitrace.events import MissReason, Phase
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.signature import InputSpec, Signature
 
-__all__ = ["GENERATOR_VERSION", "TrafficLog", "write_log"]
+__all__ = ["GENERATOR_VERSION", "write_log"]
 
 #: Bumped whenever the traffic or the lines change, so a cached log is written anew.
 GENERATOR_VERSION = 1
 
-MiB = 1 << 20
-GiB = 1 << 30
 #: SigLIP's hidden size and Whisper's mel bins (MiniCPM-o 4.5).
 VISION_HIDDEN = 1152
 MEL_BINS = 80
@@ -46,16 +44,6 @@ _REASON = {
 }
 #: The adapter's details of admission misses (a warm-up miss says which call it was).
 _DETAIL = {MissReason.CAPACITY: "cap", MissReason.MEMORY: "floor"}
-
-
-@dataclass(frozen=True, slots=True)
-class TrafficLog:
-    """A written log: where, and what it holds."""
-
-    path: Path
-    events: int
-    calls: int
-    bytes: int
 
 
 def _signature(kind: str, batch: int, length: int, masked: bool) -> Signature:
@@ -166,7 +154,6 @@ def traffic_events(events: int, seed: int = 0) -> Iterator[ev.Event]:
     inputs, once per encoder), then the serving mix."""
     worker = _Worker(seed)
     mix = TrafficMix(seed)
-
     produced = 0
 
     def calls() -> Iterator[ev.Event]:
@@ -181,21 +168,17 @@ def traffic_events(events: int, seed: int = 0) -> Iterator[ev.Event]:
         yield event
 
 
-def write_log(path: Path, events: int, seed: int = 0) -> TrafficLog:
+def write_log(path: Path, events: int, seed: int = 0) -> None:
     """Write a log of ``events`` events to ``path`` (atomically: a partial log never stays)."""
     encode = LineEncoder(pid=PID, rank=0)
     partial = path.with_name(path.name + ".partial")
-    calls = 0
     with partial.open("wb") as file:
         file.write(_info_lines())
         batch: list[bytes] = []
         for event in traffic_events(events, seed):
-            if isinstance(event, (ev.GraphReplayed, ev.GraphMissed)):
-                calls += 1
             batch.append(encode(event))
             if len(batch) >= 4096:
                 file.write(b"".join(batch))
                 batch.clear()
         file.write(b"".join(batch))
     os.replace(partial, path)
-    return TrafficLog(path, events, calls, path.stat().st_size)

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Context, GiB, MiB, free_cuda_memory, save_plot, target
-from benchmarks.table import Table, columns, mib, times
+from benchmarks.common import Context, free_cuda_memory, save_plot, target
+from benchmarks.table import GiB, MiB, Table, columns, mib, times
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.demo.encoders import EncoderGeometry, VisionEncoder
 from omnitrace.testing import SimulatedGraphBackend, capture_events

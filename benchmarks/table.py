@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 @dataclass
