@@ -112,10 +112,8 @@ def cuda_status() -> tuple[bool, str]:
     """Return whether CUDA is usable here, and why not if it is not."""
     if not torch.cuda.is_available():
         build = torch.version.cuda or "none (CPU-only build)"
-        return (
-            False,
-            f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})",
-        )
+        why = f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})"
+        return False, why
     try:
         x = torch.ones(4, device="cuda")
         torch.cuda.synchronize()
@@ -171,8 +169,6 @@ def environment(command: str | None = None) -> dict[str, Any]:
 
 def quantile(ordered: Sequence[float], q: float) -> float:
     """The ``q`` quantile of ``ordered`` (sorted), linear between ranks as numpy's default."""
-    if len(ordered) == 1:
-        return ordered[0]
     pos = q * (len(ordered) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
@@ -198,9 +194,7 @@ def rotated(names: Sequence[T], round_index: int) -> list[T]:
     """``names`` from ``round_index mod len(names)`` on, wrapping: every method of a timing
     round takes every position equally often, and none always runs after the same other."""
     items = list(names)
-    if not items:
-        return items
-    k = round_index % len(items)
+    k = round_index % len(items) if items else 0
     return items[k:] + items[:k]
 
 

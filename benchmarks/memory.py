@@ -49,8 +49,7 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for share in (True, False):
         for n in counts:
-            rows.append(_held(ctx, model, inputs[:n], share, on_cuda))
-            r = rows[-1]
+            rows.append(r := _held(ctx, model, inputs[:n], share, on_cuda))
             ctx.log(
                 f"  {n} graph(s), share_pools={share}: held {r['held_bytes'] / MiB:.1f} MiB, "
                 f"capture peak {r['peak_bytes'] / MiB:.1f} MiB, {r['pools']} pool(s)"
@@ -101,12 +100,8 @@ def _held(
         for x in inputs:
             for _ in range(config.min_capture_calls):
                 adapter(x)
-    if on_cuda:
-        torch.cuda.synchronize()
-        peak = int(torch.cuda.max_memory_reserved()) - base
-        free_cuda_memory()
-    else:
-        peak = 0
+    peak = int(torch.cuda.max_memory_reserved()) - base if on_cuda else 0
+    free_cuda_memory()
     held = _reserved(on_cuda) - base
     allocated = (int(torch.cuda.memory_allocated()) - base_alloc) if on_cuda else 0
     stats = adapter.stats()
