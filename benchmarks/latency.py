@@ -4,7 +4,6 @@ compile budget are in BENCHMARKS.md, "Method"."""
 
 from __future__ import annotations
 
-import gc
 import time
 import traceback
 from collections.abc import Callable
@@ -70,16 +69,9 @@ def shapes(ctx: Context) -> list[Shape]:
     return out
 
 
-def _input_shape(encoder: str, size: int, batch: int, hidden: int) -> tuple[int, ...]:
-    return (batch, size, hidden) if encoder == "vision" else (batch, 80, size)  # mel x frames
-
-
-def _input(
-    encoder: str, size: int, batch: int, hidden: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(size * 31 + batch)
-    x = torch.randn(*_input_shape(encoder, size, batch, hidden), generator=gen)
-    return x.to(device=device, dtype=dtype)
+def _input_shape(shape: Shape, hidden: int) -> tuple[int, ...]:
+    batch, size = shape.batch, shape.size
+    return (batch, size, hidden) if shape.encoder == "vision" else (batch, 80, size)  # mel x frames
 
 
 class Budget:
@@ -141,15 +133,6 @@ def time_rounds(
     return samples
 
 
-def _warm(arms: dict[str, Timed], calls: int, sync: Callable[[], None]) -> None:
-    for timed in arms.values():
-        with timed.window():
-            for _ in range(calls):
-                timed.call()
-            sync()
-        timed.settle()
-
-
 def _build(
     spec: Arm, point: Point, budget: Budget, row: dict[str, Any], log: Callable[[str], None]
 ) -> Timed | None:
@@ -161,7 +144,7 @@ def _build(
             budget.check(spec.name)
         timed = spec.build(point)
         out = timed.call()
-        point.sync()
+        point.run.sync()
     except Skip as skip:
         entry.update(skipped=skip.reason, detail=skip.detail)
         log(f"    {spec.name}: skipped ({skip.reason}{': ' + skip.detail if skip.detail else ''})")
@@ -194,7 +177,8 @@ def measure_shape(
     cls = VisionEncoder if shape.encoder == "vision" else AudioEncoder
     with torch.device(run.device):
         model = cls(geometry).to(run.dtype).eval()
-    x = _input(shape.encoder, shape.size, shape.batch, geometry.hidden, run.device, run.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(shape.size * 31 + shape.batch)
+    x = torch.randn(*_input_shape(shape, geometry.hidden), generator=gen).to(run.device, run.dtype)
     row: dict[str, Any] = {
         "label": shape.label,
         "encoder": shape.encoder,
@@ -237,7 +221,12 @@ def _measure_arms(
 
     phase = time.perf_counter()
     rounds = settings["cycles"] * len(arms)
-    _warm(arms, settings["warmup"], run.sync)
+    for timed in arms.values():
+        with timed.window():
+            for _ in range(settings["warmup"]):
+                timed.call()
+            run.sync()
+        timed.settle()
     before = {n: t.adapter.get_cumulative_stats() for n, t in arms.items() if t.adapter}
     samples = time_rounds(arms, rounds=rounds, per_round=settings["per_round"], sync=run.sync)
     for name, timed in arms.items():
@@ -319,8 +308,7 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.log(_describe_vllm(state.vllm))
         with torch.no_grad(), simulated_compile(ctx):
             for i, shape in enumerate(order):
-                hidden = geometries(ctx.simulate)[shape.encoder].hidden
-                dims = _input_shape(shape.encoder, shape.size, shape.batch, hidden)
+                dims = _input_shape(shape, geometries(ctx.simulate)[shape.encoder].hidden)
                 ctx.log(
                     f"  [{i + 1}/{len(order)}] {shape.label}, batch {shape.batch}, "
                     f"input ({', '.join(map(str, dims))}), {ctx.remaining():.0f} s of budget left"
@@ -347,7 +335,6 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def _release(*, compiled: bool) -> None:
     """Drop the shape's objects; reset dynamo after compiles, as a fresh process would be."""
-    gc.collect()
     if compiled:
         torch._dynamo.reset()
     free_cuda_memory()

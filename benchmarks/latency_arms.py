@@ -175,12 +175,12 @@ def _reduce_overhead(p: Point) -> Timed:
         return fn(p.x)
 
     call()
-    p.sync()
+    p.run.sync()
     compile_s = time.perf_counter() - start
     # CUDA-graph trees record on a later call; keep that out of the timed loop.
     for _ in range(3):
         call()
-    p.sync()
+    p.run.sync()
     warm_s = time.perf_counter() - start - compile_s
     return Timed(call, info={"compile_s": compile_s, "warm_s": warm_s})
 
@@ -357,9 +357,6 @@ class Point:
     built: dict[str, Any] = field(default_factory=dict)
     closers: list[Callable[[], Any]] = field(default_factory=list)
 
-    def sync(self) -> None:
-        self.run.sync()
-
     def captured_adapter(
         self,
         name: str,
@@ -381,7 +378,7 @@ class Point:
         )
         for _ in range(config.min_capture_calls):
             adapter(self.x)
-        self.sync()
+        self.run.sync()
         if adapter.num_graphs != 1:
             raise RuntimeError(
                 f"{name}: the adapter did not capture {self.shape.label} batch "
