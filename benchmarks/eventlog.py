@@ -152,15 +152,12 @@ def run(ctx: Context) -> dict[str, Any]:
                 for row in rows[-2:]:
                     row["same_output"] = same
     result = {"logs": logs, "rows": rows, "load_average": os.getloadavg(), "cpus": os.cpu_count()}
-    return {**result, "targets": _targets(rows), "figures": _figures(rows)}
+    mine = [r for r in rows if r["arm"] == "this tree"]
+    return {**result, "targets": _targets(mine), "figures": _figures(mine)}
 
 
-def _mine(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r["arm"] == "this tree"]
-
-
-def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    mine = _mine(rows)
+def _targets(mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The goals' bars, on the runs of this tree (``mine``)."""
     out = []
     at_1m = {r["tool"]: r for r in mine if r["events"] == 1_000_000}
     for tool, limit in LIMITS_1M.items():
@@ -182,8 +179,7 @@ _GROWTH_NOTES = {
 }
 
 
-def _figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    mine = _mine(rows)
+def _figures(mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for tool in TOOLS:
         runs = sorted((r for r in mine if r["tool"] == tool), key=lambda r: r["events"])

@@ -379,11 +379,10 @@ def bench_cuda_hit_vs_bare(ctx: Context) -> dict[str, Any]:
             for name, s in samples.items()
         }
     counted = _counted(adapters, before, *buses)
-    bare_host = timings["bare"]["host_us"]["median"]
     bare_med = {key: timings["bare"][key]["median"] for key in ("host_us", "latency_us")}
     over = {n: {k: timings[n][k]["median"] - bare_med[k] for k in bare_med} for n in adapters}
     ctx.log(
-        f"  CUDA tiny encoder: bare {bare_host:.1f} us host, adapter+bus "
+        f"  CUDA tiny encoder: bare {bare_med['host_us']:.1f} us host, adapter+bus "
         f"{timings['adapter_bus']['host_us']['median']:.1f} us host "
         f"(+{over['adapter_bus']['host_us']:.1f} us)"
     )
@@ -438,7 +437,6 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     """Draw emit cost by subscribers and the hit-path split."""
-    paths: list[Path] = []
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     rows = result["emit"]["rows"]
     labels = [f"{r['count']} {r['subscribers']}" if r["count"] else "none" for r in rows]
@@ -452,5 +450,4 @@ def plot(result: dict[str, Any], out_dir: Path, plt: Any) -> list[Path]:
     ax2.bar(parts, [split[p] for p in parts], color="tab:green")
     ax2.set_ylabel("us per call (median)")
     ax2.set_title("Hit path split (simulated backend)")
-    paths.append(save_plot(plt, fig, out_dir / "overhead.png"))
-    return paths
+    return [save_plot(plt, fig, out_dir / "overhead.png")]

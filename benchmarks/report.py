@@ -149,8 +149,7 @@ def load(out_dir: Path) -> dict[str, dict[str, Any]]:
 def _tables_for(name: str, payload: dict[str, Any]) -> list[Table]:
     if payload.get("result") is None:
         return []
-    tables: list[Table] = importlib.import_module(RENDERERS[name]).tables(payload["result"])
-    return tables
+    return list(importlib.import_module(RENDERERS[name]).tables(payload["result"]))
 
 
 def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -> dict[str, str]:
