@@ -1,7 +1,6 @@
-"""Qwen2.5-Omni's audio processor pads every clip to 300 s, and a shorter pad length passed
-through vLLM's ``--mm-processor-kwargs`` gives the same features for every shorter clip
-(docs/operations.md, "Why is my TTFT high?"). These tests hold the page to the installed
-transformers and vLLM.
+"""Qwen2.5-Omni's audio processor pads every clip to 300 s; a shorter pad length passed
+through vLLM's ``--mm-processor-kwargs`` gives the same features for every shorter clip.
+Holds docs/operations.md ("Why is my TTFT high?") to the installed transformers and vLLM.
 """
 
 from __future__ import annotations
@@ -73,27 +72,51 @@ def test_a_clip_as_long_as_the_pad_is_cut_to_it(checkpoint: Path) -> None:
 _ENGINE = """
 import json, sys
 import numpy as np
+import transformers
+
+calls = []
+extract = transformers.WhisperFeatureExtractor.__call__
+
+
+def spy(self, *args, **kwargs):
+    out = extract(self, *args, **kwargs)
+    frames = out["input_features"].shape[-1]
+    calls.append({"frames": frames, "truncation": kwargs.get("truncation")})
+    return out
+
+
+transformers.WhisperFeatureExtractor.__call__ = spy
 from vllm import LLM, SamplingParams
 
-model, kwargs, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+model, kwargs, text = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 llm = LLM(model=model, load_format="dummy", seed=0, max_model_len=2048, max_num_seqs=1,
           limit_mm_per_prompt={"image": 0, "audio": 1, "video": 0}, **kwargs)
-samples = np.random.default_rng(0).standard_normal(int(seconds * 16000))
-audio = ((0.1 * samples).astype(np.float32), 16000)
-prompt = sys.argv[4] + "<|im_start|>assistant\\n"
-out = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": audio}}],
-                   SamplingParams(max_tokens=1), use_tqdm=False)[0]
-print("PROMPT_TOKENS", len(out.prompt_token_ids))
+tokens = {}
+for seconds in (1, 45):
+    calls.clear()
+    samples = np.random.default_rng(0).standard_normal(seconds * 16000)
+    audio = ((0.1 * samples).astype(np.float32), 16000)
+    prompt = {"prompt": text + "<|im_start|>assistant\\n", "multi_modal_data": {"audio": audio}}
+    out = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    tokens[seconds] = {"prompt_tokens": len(out.prompt_token_ids), "extractor": calls[-1]}
+print("RESULT", json.dumps(tokens))
 """
 
 
 @pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
 def test_vllm_hands_the_setting_to_the_processor(checkpoint: Path, tmp_path: Path) -> None:
-    """A 45-s clip through ``vllm.LLM(mm_processor_kwargs=...)`` is cut to 30 s, as the
-    processor cuts it with the setting: vLLM handed the setting on."""
-    kwargs = {"mm_processor_kwargs": SHORTER}
+    """Through ``vllm.LLM(mm_processor_kwargs=...)`` a 1-s clip is padded to 30 s, not 300 s;
+    a 45-s clip is cut to 30 s where vLLM lets the processor truncate (0.26), and keeps its
+    length where vLLM passes ``truncation=False`` (0.32), as the processor does alone."""
     done = subprocess.run(
-        [sys.executable, "-c", _ENGINE, str(checkpoint), json.dumps(kwargs), "45", TEXT],
+        [
+            sys.executable,
+            "-c",
+            _ENGINE,
+            str(checkpoint),
+            json.dumps({"mm_processor_kwargs": SHORTER}),
+            TEXT,
+        ],
         env=engine_environment(OMNITRACE_PLUGIN="0"),
         cwd=tmp_path,
         capture_output=True,
@@ -102,10 +125,14 @@ def test_vllm_hands_the_setting_to_the_processor(checkpoint: Path, tmp_path: Pat
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    tokens = [line for line in done.stdout.splitlines() if line.startswith("PROMPT_TOKENS")]
-    assert tokens, done.stdout[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:]
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    assert got["1"]["extractor"]["frames"] == 3_000
+    truncation = got["45"]["extractor"]["truncation"]
+    extra = {} if truncation is None else {"truncation": truncation}
     prompt = TEXT + "<|im_start|>assistant\n"
-    with_setting = processed(checkpoint, clip(45.0), prompt, **SHORTER)["input_ids"].shape[-1]
-    without = processed(checkpoint, clip(45.0), prompt)["input_ids"].shape[-1]
-    assert without > with_setting
-    assert int(tokens[-1].split()[1]) == with_setting
+    audio = {"audio_kwargs": {**SHORTER["audio_kwargs"], **extra}}
+    expected = processed(checkpoint, clip(45.0), prompt, **audio)
+    assert got["45"]["prompt_tokens"] == expected["input_ids"].shape[-1]
+    assert got["45"]["extractor"]["frames"] == (4_500 if truncation is False else 3_000)
