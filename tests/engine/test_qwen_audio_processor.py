@@ -16,19 +16,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
+from engine.engine_run import SAMPLING_RATE, clip
 from engine.support import ENGINE_TIMEOUT_S, engine_environment
 
 pytestmark = pytest.mark.engine
 
-RATE = 16_000
 #: The setting the page gives: clips padded to 30 s instead of 300 s.
-SHORTER = {"audio_kwargs": {"max_length": 30 * RATE}}
+SHORTER = {"audio_kwargs": {"max_length": 30 * SAMPLING_RATE}}
 TEXT = "<|im_start|>user\n<|audio_bos|><|AUDIO|><|audio_eos|>What do you hear?<|im_end|>\n"
-
-
-def clip(seconds: float, seed: int = 0) -> np.ndarray:
-    samples = np.random.default_rng(seed).standard_normal(int(seconds * RATE))
-    return (0.1 * samples).astype(np.float32)
 
 
 def processed(
@@ -46,7 +41,7 @@ def processed(
 def test_a_shorter_pad_gives_the_same_features_for_every_shorter_clip(
     checkpoint: Path, seconds: float
 ) -> None:
-    audio = clip(seconds)
+    audio = clip(0, seconds)[0]
     default = processed(checkpoint, audio)
     shorter = processed(checkpoint, audio, **SHORTER)
     # By default every clip, a 1-s one too, becomes 300 s of features (30,000 frames).
@@ -61,7 +56,7 @@ def test_a_shorter_pad_gives_the_same_features_for_every_shorter_clip(
 
 
 def test_a_clip_as_long_as_the_pad_is_cut_to_it(checkpoint: Path) -> None:
-    audio = clip(45.0)
+    audio = clip(0, 45.0)[0]
     default = processed(checkpoint, audio)
     shorter = processed(checkpoint, audio, **SHORTER)
     assert int(default["feature_attention_mask"].sum()) == 4_500
@@ -133,6 +128,6 @@ def test_vllm_hands_the_setting_to_the_processor(checkpoint: Path, tmp_path: Pat
     extra = {} if truncation is None else {"truncation": truncation}
     prompt = TEXT + "<|im_start|>assistant\n"
     audio = {"audio_kwargs": {**SHORTER["audio_kwargs"], **extra}}
-    expected = processed(checkpoint, clip(45.0), prompt, **audio)
+    expected = processed(checkpoint, clip(0, 45.0)[0], prompt, **audio)
     assert got["45"]["prompt_tokens"] == expected["input_ids"].shape[-1]
     assert got["45"]["extractor"]["frames"] == (4_500 if truncation is False else 3_000)
