@@ -91,8 +91,14 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
             ordered = sorted(samples)
             stats = summarize(ordered, scale=1e3)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-            row = rows[f"c{p.concurrency}/{kind}"] = {"concurrency": p.concurrency, "kind": kind}
-            row.update(n=stats["n"], ttft_p50_ms=stats["median"], ttft_p99_ms=p99 * 1e3)
+            row = {
+                "concurrency": p.concurrency,
+                "kind": kind,
+                "n": stats["n"],
+                "ttft_p50_ms": stats["median"],
+                "ttft_p99_ms": p99 * 1e3,
+            }
+            rows[f"c{p.concurrency}/{kind}"] = row
             if p.concurrency == 1:
                 mine = [c.phases for c in p.completions if c.kind == kind]
                 row["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
@@ -143,7 +149,7 @@ def run(ctx: Context) -> dict[str, Any]:
         chosen_configurations(model_kind)  # a misspelt name fails before any server starts
     offline_enabled()
     cost_rounds()
-    mm_processor_kwargs()
+    processor = mm_processor_kwargs()
     if ctx.cuda and tp > 1:
         import torch
 
@@ -152,12 +158,16 @@ def run(ctx: Context) -> dict[str, Any]:
                 f"OMNITRACE_BENCH_ENGINE_TP={tp} needs {tp} CUDA devices, "
                 f"this machine has {torch.cuda.device_count()}"
             )
-    sizes = "released" if ctx.scale == "full" else "tiny"
-    result: dict[str, Any] = dict(
-        sizes=sizes, tensor_parallel_size=tp, api_server_count=api_servers
-    )
-    result["mm_processor_kwargs"] = mm_processor_kwargs()
-    result.update(anchors=list(ANCHORS), models={}, targets=[], figures=[])
+    result: dict[str, Any] = {
+        "sizes": "released" if ctx.scale == "full" else "tiny",
+        "tensor_parallel_size": tp,
+        "api_server_count": api_servers,
+        "mm_processor_kwargs": processor,
+        "anchors": list(ANCHORS),
+        "models": {},
+        "targets": [],
+        "figures": [],
+    }
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")
         result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp, api_servers)
