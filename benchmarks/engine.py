@@ -33,6 +33,7 @@ from benchmarks.engine_serving import (
     Server,
     api_server_count,
     configurations,
+    lm_graph_tokens,
     mm_processor_kwargs,
     one_request,
     openai_client,
@@ -149,7 +150,7 @@ def run(ctx: Context) -> dict[str, Any]:
         chosen_configurations(model_kind)  # a misspelt name fails before any server starts
     offline_enabled()
     cost_rounds()
-    processor = mm_processor_kwargs()
+    processor, graph_tokens = mm_processor_kwargs(), lm_graph_tokens()
     if ctx.cuda and tp > 1:
         import torch
 
@@ -163,6 +164,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "api_server_count": api_servers,
         "mm_processor_kwargs": processor,
+        "lm_graph_tokens": graph_tokens if ctx.cuda else None,
         "anchors": list(ANCHORS),
         "models": {},
         "targets": [],
@@ -389,7 +391,8 @@ def _offline(ctx: Context, model_kind: str, work: Path) -> dict[str, Any]:
         *(sys.executable, "-m", "benchmarks.paired", "--model", model_kind),
         *("--size", "released" if ctx.scale == "full" else "tiny", "--out", str(out)),
         *("--pairs", str(ctx.pick(12, 2, 1)), "--warmup", str(ctx.pick(3, 2, 2))),
-        *("--cost-rounds", "0"),
+        # "vllm" leaves vLLM's choice: twice paired's max_num_seqs of 4.
+        *("--cost-rounds", "0", "--lm-graph-tokens", str(lm_graph_tokens() or 8)),
     ]
     if model_kind == "qwen2_5_omni":
         # Its audio tower graphs only through the masked attention, as configured above.

@@ -16,6 +16,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
         setup.append(f"tensor-parallel over {tp}")
     if (api_servers := result.get("api_server_count", 1)) > 1:
         setup.append(f"{api_servers} API servers")
+    if result.get("lm_graph_tokens"):
+        setup.append(f"language model's CUDA graphs to {result['lm_graph_tokens']} tokens")
     if result.get("mm_processor_kwargs"):
         setup.append(f"--mm-processor-kwargs {json.dumps(result['mm_processor_kwargs'])}")
     for model in result.get("models", {}).values():

@@ -243,6 +243,20 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
     return value
 
 
+def lm_graph_tokens() -> int | None:
+    """``OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS``: on CUDA, the largest step vLLM replays the
+    language model's CUDA graphs for (``max_cudagraph_capture_size``): default 512, vLLM's own
+    with its default ``--max-num-seqs`` on an H100/H200; ``vllm`` leaves it to vLLM, which
+    takes twice the run's ``--max-num-seqs`` (64), so longer prompts prefill without them.
+
+    Raises:
+        ValueError: the value is neither ``vllm`` nor a whole number 1 to 8192.
+    """
+    if os.environ.get("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", "").strip() == "vllm":
+        return None
+    return whole_number("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", default=512, most=8192)
+
+
 def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
@@ -288,8 +302,11 @@ def serving(
         stale.unlink()
     port = free_port()
     extra: list[str] = []
-    if config.compilation is not None:
-        extra += ["--compilation-config", json.dumps(config.compilation)]
+    compilation = dict(config.compilation or {})
+    if ctx.cuda and (tokens := lm_graph_tokens()) is not None:
+        compilation["max_cudagraph_capture_size"] = tokens
+    if compilation:
+        extra += ["--compilation-config", json.dumps(compilation)]
     extra += ["--trust-remote-code"] if trust_remote_code else []
     extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     extra += ["--api-server-count", str(api_servers)] if api_servers > 1 else []

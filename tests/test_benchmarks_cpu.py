@@ -956,6 +956,67 @@ def test_engine_mm_processor_kwargs_must_be_a_json_object(
         engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
 
 
+@pytest.mark.parametrize(
+    ("cuda", "value", "expected"),
+    [(True, None, 512), (True, "96", 96), (True, "vllm", None), (False, None, None)],
+)
+def test_engine_servers_get_the_language_model_s_graph_size_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    cuda: bool,
+    value: str | None,
+    expected: int | None,
+) -> None:
+    """On CUDA, ``max_cudagraph_capture_size`` in every server's compilation config (512
+    unless set; ``vllm`` leaves it out), merged with the configuration's own options."""
+    from benchmarks import engine_serving
+    from benchmarks.common import Context
+
+    started: list[list[str]] = []
+
+    class Process:
+        def __init__(self, command: list[str], **kwargs: Any) -> None:
+            started.append(command)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(engine_serving.subprocess, "Popen", Process)
+    monkeypatch.setattr(engine_serving, "_wait_ready", lambda server, timeout: None)
+    if value is not None:
+        monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", value)
+    ctx = Context(scale="tiny", out_dir=tmp_path, cuda=cuda, log=lambda message: None)
+    chosen = {c.name: c for c in engine_serving.configurations("qwen2_5_omni")}
+    for name in ("eager", "vllm-encoder-graphs"):
+        with engine_serving.serving(
+            chosen[name], tmp_path / "model", tmp_path, ctx, max_num_seqs=32
+        ):
+            pass
+    found = []
+    for command in started:
+        at = command.index("--compilation-config") if "--compilation-config" in command else None
+        found.append({} if at is None else json.loads(command[at + 1]))
+    own = chosen["vllm-encoder-graphs"].compilation or {}
+    lm = {} if expected is None else {"max_cudagraph_capture_size": expected}
+    assert found == [lm, {**own, **lm}]
+
+
+@pytest.mark.parametrize("value", ["0", "8193", "auto", "-1"])
+def test_engine_refuses_a_bad_language_model_graph_size(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    from benchmarks import engine
+    from benchmarks.common import Context
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was served")
+
+    monkeypatch.setattr(engine, "_run_model", start)
+    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", value)
+    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS: expected"):
+        engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
+
+
 def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_servers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
