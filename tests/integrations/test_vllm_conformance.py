@@ -644,3 +644,30 @@ def test_plugin_wraps_the_v2_runners_profiling_run(monkeypatch: pytest.MonkeyPat
         Probe.profile_run(object.__new__(Probe))
     assert seen == [Phase.PROFILING]
     assert graph.phase is Phase.SERVING
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "warned"),
+    [("FULL_AND_PIECEWISE", 64, True), ("FULL_AND_PIECEWISE", 512, False), ("NONE", 64, False)],
+)
+def test_the_language_model_graph_notice_reads_vllms_compilation_config(
+    mode: str, size: int, warned: bool
+) -> None:
+    """The start-up notice reads the names vLLM's own CompilationConfig and CUDAGraphMode use."""
+    import types
+
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from omnitrace.integrations.vllm_plugin import language_model_graph_notice
+
+    compilation = CompilationConfig(
+        cudagraph_mode=getattr(CUDAGraphMode, mode), max_cudagraph_capture_size=size
+    )
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(enforce_eager=False), compilation_config=compilation
+    )
+    notice = language_model_graph_notice(config)
+    assert (notice is not None) is warned
+    if warned:
+        assert notice is not None
+        assert f"at most {size} tokens" in notice

@@ -575,3 +575,50 @@ def test_a_host_that_configured_logging_keeps_it() -> None:
     assert logging.getLogger().handlers, "pytest's own handler is on the root logger"
     assert show_plugin_logs({}) is None
     assert not logging.getLogger("omnitrace").handlers
+
+
+def _engine_config(size: int, *, mode: str = "FULL_AND_PIECEWISE", eager: bool = False) -> Any:
+    """The parts of a VllmConfig the language-model graph notice reads."""
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(enforce_eager=eager),
+        compilation_config=types.SimpleNamespace(
+            cudagraph_mode=types.SimpleNamespace(name=mode), max_cudagraph_capture_size=size
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "warned"),
+    [
+        (_engine_config(64), True),
+        (_engine_config(511), True),
+        (_engine_config(512), False),
+        (_engine_config(64, eager=True), False),
+        (_engine_config(64, mode="NONE"), False),
+        (None, False),
+    ],
+)
+def test_a_small_language_model_graph_size_is_named_with_the_setting_that_raises_it(
+    config: Any, warned: bool
+) -> None:
+    """Below 512 tokens a multimodal prompt's prefill runs outside vLLM's graphs: the notice
+    names the size and the option; graphs off, or at 512, say nothing."""
+    notice = vllm_plugin.language_model_graph_notice(config)
+    if not warned:
+        assert notice is None
+        return
+    assert notice is not None
+    size = config.compilation_config.max_cudagraph_capture_size
+    assert f"at most {size} tokens" in notice
+    option = notice.split("--compilation-config ")[1].split("'")[1]
+    assert json.loads(option) == {"max_cudagraph_capture_size": vllm_plugin.LM_GRAPH_TOKENS}
+
+
+def test_the_plugin_logs_the_language_model_graph_notice_when_it_attaches(
+    fresh_plugin: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=vllm_plugin.__name__):
+        vllm_plugin._after_load(build(), _engine_config(64))
+    notices = [r for r in caplog.records if "CUDA graphs for steps of at most 64" in r.getMessage()]
+    assert len(notices) == 1
+    assert notices[0].levelno == logging.WARNING
