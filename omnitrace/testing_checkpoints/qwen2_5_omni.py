@@ -100,6 +100,11 @@ class Qwen2_5OmniSizes:
     """The language model's vocabulary in the config; None: the tokenizer's length padded
     to a multiple of 64. A larger one (the real model's 152,064) gives the LM head its real
     cost; ids past the tokenizer are never produced by a prompt."""
+    # The image processor's resize bounds, in pixels: a larger image is scaled down to at
+    # most image_max_pixels (by default 448x448's, 256 tokens; the released model allows
+    # 16,384 tokens), a smaller one up to image_min_pixels.
+    image_min_pixels: int = 28 * 28 * 4
+    image_max_pixels: int = 28 * 28 * 256
 
     @classmethod
     def released(cls) -> Qwen2_5OmniSizes:
@@ -120,6 +125,9 @@ class Qwen2_5OmniSizes:
             audio_ffn=5120,
             max_position_embeddings=32768,
             text_vocab=152_064,
+            # The released preprocessor_config.json's bounds.
+            image_min_pixels=3136,
+            image_max_pixels=12_845_056,
         )
 
     def check(self) -> None:
@@ -145,6 +153,11 @@ class Qwen2_5OmniSizes:
         if self.text_vocab is not None and (self.text_vocab % 64 or self.text_vocab < 1024):
             raise CheckpointError(
                 f"text_vocab must be a multiple of 64 of at least 1024, got {self.text_vocab}"
+            )
+        if not 28 * 28 <= self.image_min_pixels <= self.image_max_pixels:
+            raise CheckpointError(
+                f"image pixels: need 784 <= image_min_pixels <= image_max_pixels, got "
+                f"{self.image_min_pixels} and {self.image_max_pixels}"
             )
         if self.tokenizer_vocab < 300:
             raise CheckpointError(
@@ -194,7 +207,7 @@ def _write_qwen2_5_omni(transformers: Any, directory: Path, sizes: Qwen2_5OmniSi
     with quiet(transformers):
         config.save_pretrained(directory)
 
-    _save_processor(transformers, directory, tokenizer)
+    _save_processor(transformers, directory, tokenizer, sizes)
     tokenizer.save_pretrained(directory)
     (directory / "generation_config.json").write_text(
         json.dumps({"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}) + "\n"
@@ -285,14 +298,16 @@ def _talker_config(configs: Any, ids: dict[str, int]) -> Any:
     )
 
 
-def _save_processor(transformers: Any, directory: Path, tokenizer: Any) -> None:
+def _save_processor(
+    transformers: Any, directory: Path, tokenizer: Any, sizes: Qwen2_5OmniSizes
+) -> None:
     """Save the processor: images, audio features, the tokenizer, video where it imports."""
     image_processor = transformers.Qwen2VLImageProcessor(
         patch_size=14,
         merge_size=2,
         temporal_patch_size=2,
-        min_pixels=28 * 28 * 4,
-        max_pixels=28 * 28 * 256,
+        min_pixels=sizes.image_min_pixels,
+        max_pixels=sizes.image_max_pixels,
     )
     feature_extractor = transformers.WhisperFeatureExtractor(
         feature_size=128, sampling_rate=SAMPLING_RATE, chunk_length=300, n_samples=4_800_000

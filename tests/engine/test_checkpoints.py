@@ -65,6 +65,33 @@ def test_sizes_vllm_would_refuse_are_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize(("released", "grid"), [(False, [1, 26, 36]), (True, [1, 72, 96])])
+def test_released_sizes_keep_the_released_image_bounds(
+    tmp_path: Path, released: bool, grid: list[int]
+) -> None:
+    """A 1344x1008 image: 6,912 patches (1,728 tokens) with the released model's bounds,
+    scaled down to at most 448x448's pixels (234 tokens) with the tiny default's."""
+    import numpy as np
+    from transformers import AutoProcessor
+
+    bounds = Qwen2_5OmniSizes.released() if released else Qwen2_5OmniSizes()
+    sizes = Qwen2_5OmniSizes(
+        image_min_pixels=bounds.image_min_pixels, image_max_pixels=bounds.image_max_pixels
+    )
+    processor = AutoProcessor.from_pretrained(write_qwen2_5_omni(tmp_path / "qwen", sizes))
+    image = np.zeros((1008, 1344, 3), dtype=np.uint8)
+    found = processor.image_processor(images=[image], return_tensors="np")["image_grid_thw"]
+    assert found.tolist() == [grid]
+
+
+def test_image_bounds_out_of_order_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="image_min_pixels <= image_max_pixels"):
+        write_qwen2_5_omni(
+            tmp_path / "bad", Qwen2_5OmniSizes(image_min_pixels=4096, image_max_pixels=2048)
+        )
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_directory_with_files_is_never_overwritten(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
