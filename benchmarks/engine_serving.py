@@ -383,11 +383,17 @@ def _token_ids(choice: Any) -> list[int]:
 
 
 def one_request(
-    client: Any, model: str, kind: RequestKind, seed: int, max_tokens: int
+    client: Any,
+    model: str,
+    kind: RequestKind,
+    seed: int,
+    max_tokens: int,
+    prompt: list[dict[str, Any]] | None = None,
 ) -> Completion:
-    # The request's media are made before the clock starts: a user's TTFT begins when the
-    # request is sent, not while its PNG is encoded (up to a third of a second at 1344x1344).
-    prompt = messages(kind, seed)
+    # The request's media are made before the clock starts (or given, made before a pass's
+    # clock): a user's TTFT begins when the request is sent, not while its PNG is encoded
+    # (up to a third of a second at 1344x1344).
+    prompt = messages(kind, seed) if prompt is None else prompt
     start = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
@@ -432,11 +438,14 @@ def run_pass(
     client, model = openai_client(server.port)
     if concurrency == 1:
         return _run_alone(server, client, model, traffic, seed=seed, tokens=tokens)
+    # Every request's media first: encoding them in the clients' threads would hold the
+    # GIL while the others wait to read their streams, and bound the pass by the encoding.
+    prompts = [messages(kind, seed * 1000 + i) for i, kind in enumerate(traffic)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         futures = [
-            pool.submit(one_request, client, model, kind, seed * 1000 + i, tokens)
-            for i, kind in enumerate(traffic)
+            pool.submit(one_request, client, model, kind, seed * 1000 + i, tokens, prompt)
+            for i, (kind, prompt) in enumerate(zip(traffic, prompts, strict=True))
         ]
         completions = [f.result() for f in futures]
     return Pass(concurrency, time.perf_counter() - start, completions)

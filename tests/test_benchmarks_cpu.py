@@ -1222,3 +1222,40 @@ def test_restarted_and_compiled_servers_prepare_from_the_defaults_servers_worker
         assert expand([Path(pattern)]) == [logs / "events-0-41.jsonl"]
     assert "encoder_cuda_graph_prepare_from" not in configs["omnitrace"].hf_overrides(tmp_path)
     assert configs["omnitrace"].hf_overrides(tmp_path) == configs["omnitrace"].overrides
+
+
+def test_a_concurrent_pass_makes_every_request_s_media_before_its_clock_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At concurrency above 1 the media are made before the pass's clock and the first
+    request, so neither the pass's wall time nor the clients' threads encode PNGs."""
+    import types
+
+    from benchmarks import engine_serving
+
+    order: list[str] = []
+
+    def messages(kind: Any, seed: int) -> list[dict[str, Any]]:
+        order.append("media")
+        return [{"role": "user", "content": f"{kind.name} {seed}"}]
+
+    class Completions:
+        def create(self, **request: Any) -> list[Any]:
+            order.append("sent")
+            choice = types.SimpleNamespace(token_ids=[7], model_extra={})
+            return [types.SimpleNamespace(id="chatcmpl-1", choices=[choice])]
+
+    client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=Completions()))
+    clock = engine_serving.time.perf_counter
+    monkeypatch.setattr(engine_serving, "messages", messages)
+    monkeypatch.setattr(engine_serving, "openai_client", lambda port: (client, "m"))
+    monkeypatch.setattr(
+        engine_serving.time, "perf_counter", lambda: order.append("clock") or clock()
+    )
+    kinds = engine_serving.request_kinds("tiny", "minicpmo")
+    done = engine_serving.run_pass(
+        types.SimpleNamespace(port=0), kinds, seed=7, concurrency=4, tokens=1
+    )
+    assert len(done.completions) == len(kinds)
+    assert order[: len(kinds) + 1] == ["media"] * len(kinds) + ["clock"]
+    assert "media" not in order[len(kinds) :]
