@@ -244,10 +244,9 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
 
 
 def lm_graph_tokens() -> int | None:
-    """``OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS``: on CUDA, the largest step vLLM replays the
-    language model's CUDA graphs for (``max_cudagraph_capture_size``): default 512, vLLM's own
-    with its default ``--max-num-seqs`` on an H100/H200; ``vllm`` leaves it to vLLM, which
-    takes twice the run's ``--max-num-seqs`` (64), so longer prompts prefill without them.
+    """``OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS``: on CUDA, vLLM's ``max_cudagraph_capture_size``
+    (default 512, vLLM's own on an H200 with its default ``--max-num-seqs``; ``vllm``: twice
+    the run's ``--max-num-seqs``, 64, so longer prompts prefill without the graphs).
 
     Raises:
         ValueError: the value is neither ``vllm`` nor a whole number 1 to 8192.
@@ -429,6 +428,14 @@ class Pass:
     concurrency: int
     wall_s: float
     completions: list[Completion] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)  # requests/s of each run it holds
+
+
+def repeated(runs: Sequence[Pass]) -> Pass:
+    """``runs`` of one concurrency as one pass: their requests together, each run's rate."""
+    completions = [c for run in runs for c in run.completions]
+    rates = [len(run.completions) / run.wall_s for run in runs]
+    return Pass(runs[0].concurrency, sum(r.wall_s for r in runs), completions, rates)
 
 
 def run_pass(

@@ -878,9 +878,9 @@ def test_engine_api_server_count_refuses_what_is_not_a_count(
         engine.api_server_count()
 
 
-def test_engine_refuses_a_bad_api_server_count_before_any_server_starts(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def _refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str) -> str:
+    """The error of an engine run with ``name`` set to ``value``, raised before any model
+    is served."""
     from benchmarks import engine
     from benchmarks.common import Context
 
@@ -888,18 +888,36 @@ def test_engine_refuses_a_bad_api_server_count_before_any_server_starts(
         raise AssertionError("a model was served")
 
     monkeypatch.setattr(engine, "_run_model", start)
-    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", "many")
-    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_API_SERVERS"):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name) as raised:
         engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
+    return str(raised.value)
 
 
-@pytest.mark.parametrize("servers", [1, 4])
-def test_engine_servers_get_the_api_server_count_on_their_command_line(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, servers: int
+_MM = "OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS"
+_LM = "OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS"
+_SERVERS = "OMNITRACE_BENCH_ENGINE_API_SERVERS"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        (_SERVERS, "many", "expected a whole number 1 to 16"),
+        *((_MM, value, "expected a JSON object") for value in ("[1]", "480000", "{audio", '"x"')),
+        *((_LM, value, "expected a whole number 1 to 8192") for value in ("0", "8193", "auto")),
+    ],
+)
+def test_engine_refuses_a_bad_setting_before_any_server_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str, expected: str
 ) -> None:
-    """``--api-server-count N`` on every ``vllm serve`` when N > 1; vLLM's default else."""
+    message = _refused(monkeypatch, tmp_path, name, value)
+    assert message == f"{name}: {expected}, got {value!r}"
+
+
+def _serve_commands(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The command lines of the ``vllm serve`` processes the benchmark starts from now on
+    (none runs: each is ready at once)."""
     from benchmarks import engine_serving
-    from benchmarks.common import Context
 
     started: list[list[str]] = []
 
@@ -912,6 +930,18 @@ def test_engine_servers_get_the_api_server_count_on_their_command_line(
 
     monkeypatch.setattr(engine_serving.subprocess, "Popen", Process)
     monkeypatch.setattr(engine_serving, "_wait_ready", lambda server, timeout: None)
+    return started
+
+
+@pytest.mark.parametrize("servers", [1, 4])
+def test_engine_servers_get_the_api_server_count_on_their_command_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, servers: int
+) -> None:
+    """``--api-server-count N`` on every ``vllm serve`` when N > 1; vLLM's default else."""
+    from benchmarks import engine_serving
+    from benchmarks.common import Context
+
+    started = _serve_commands(monkeypatch)
     # The processor's options ride along in the four-server case only.
     processor = {"audio_kwargs": {"max_length": 480000}}
     if servers > 1:
@@ -935,27 +965,6 @@ def test_engine_servers_get_the_api_server_count_on_their_command_line(
             assert json.loads(command[at + 1]) == processor
 
 
-@pytest.mark.parametrize("value", ["[1]", "480000", "{audio", '"x"'])
-def test_engine_mm_processor_kwargs_must_be_a_json_object(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
-) -> None:
-    from benchmarks import engine
-    from benchmarks.common import Context
-
-    def start(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a model was served")
-
-    monkeypatch.setattr(engine, "_run_model", start)
-    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", value)
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {value!r}"
-        ),
-    ):
-        engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
-
-
 @pytest.mark.parametrize(
     ("cuda", "value", "expected"),
     [(True, None, 512), (True, "96", 96), (True, "vllm", None), (False, None, None)],
@@ -972,17 +981,7 @@ def test_engine_servers_get_the_language_model_s_graph_size_on_cuda(
     from benchmarks import engine_serving
     from benchmarks.common import Context
 
-    started: list[list[str]] = []
-
-    class Process:
-        def __init__(self, command: list[str], **kwargs: Any) -> None:
-            started.append(command)
-
-        def poll(self) -> int:
-            return 0
-
-    monkeypatch.setattr(engine_serving.subprocess, "Popen", Process)
-    monkeypatch.setattr(engine_serving, "_wait_ready", lambda server, timeout: None)
+    started = _serve_commands(monkeypatch)
     if value is not None:
         monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", value)
     ctx = Context(scale="tiny", out_dir=tmp_path, cuda=cuda, log=lambda message: None)
@@ -999,22 +998,6 @@ def test_engine_servers_get_the_language_model_s_graph_size_on_cuda(
     own = chosen["vllm-encoder-graphs"].compilation or {}
     lm = {} if expected is None else {"max_cudagraph_capture_size": expected}
     assert found == [lm, {**own, **lm}]
-
-
-@pytest.mark.parametrize("value", ["0", "8193", "auto", "-1"])
-def test_engine_refuses_a_bad_language_model_graph_size(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
-) -> None:
-    from benchmarks import engine
-    from benchmarks.common import Context
-
-    def start(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a model was served")
-
-    monkeypatch.setattr(engine, "_run_model", start)
-    monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS", value)
-    with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS: expected"):
-        engine.run(Context(scale="tiny", out_dir=tmp_path, log=lambda message: None))
 
 
 def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_servers(
@@ -1259,3 +1242,14 @@ def test_a_concurrent_pass_makes_every_request_s_media_before_its_clock_starts(
     assert len(done.completions) == len(kinds)
     assert order[: len(kinds) + 1] == ["media"] * len(kinds) + ["clock"]
     assert "media" not in order[len(kinds) :]
+
+
+def test_repeated_runs_keep_every_request_and_each_run_s_rate() -> None:
+    from benchmarks.engine_serving import Completion, Pass, repeated
+
+    def run(wall_s: float, n: int) -> Pass:
+        return Pass(8, wall_s, [Completion("image", 0.1, 0.2, [1]) for _ in range(n)])
+
+    merged = repeated([run(2.0, 8), run(4.0, 8), run(1.0, 8)])
+    assert (merged.concurrency, merged.wall_s, len(merged.completions)) == (8, 7.0, 24)
+    assert merged.rates == [4.0, 2.0, 8.0]
