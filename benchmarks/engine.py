@@ -398,8 +398,7 @@ def _offline(ctx: Context, model_kind: str, work: Path) -> dict[str, Any]:
         *(sys.executable, "-m", "benchmarks.paired", "--model", model_kind),
         *("--size", "released" if ctx.scale == "full" else "tiny", "--out", str(out)),
         *("--pairs", str(ctx.pick(12, 2, 1)), "--warmup", str(ctx.pick(3, 2, 2))),
-        # "vllm" leaves vLLM's choice: twice paired's max_num_seqs of 4.
-        *("--cost-rounds", "0", "--lm-graph-tokens", str(lm_graph_tokens() or 8)),
+        *("--cost-rounds", "0", "--lm-graph-tokens", str(lm_graph_tokens() or 0)),
     ]
     if model_kind == "qwen2_5_omni":
         # Its audio tower graphs only through the masked attention, as configured above.

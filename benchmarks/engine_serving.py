@@ -445,8 +445,8 @@ def run_pass(
     client, model = openai_client(server.port)
     if concurrency == 1:
         return _run_alone(server, client, model, traffic, seed=seed, tokens=tokens)
-    # Every request's media first: encoding them in the clients' threads would hold the
-    # GIL while the others wait to read their streams, and bound the pass by the encoding.
+    # Every request's media first: made in the clients' threads they would count in the
+    # pass's wall time and take the CPU from the threads reading their streams.
     prompts = [messages(kind, seed * 1000 + i) for i, kind in enumerate(traffic)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from omnitrace.integrations.vllm_plugin import pause_graphs
 
+    lm_graphs = {"max_cudagraph_capture_size": args.lm_graph_tokens}
     started = time.monotonic()
     llm = LLM(
         model=str(checkpoint / "model"),
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=8192 if cuda else 4096,
         max_num_seqs=4,
         # vLLM's own limit with its default max_num_seqs on an H200 (with 4 it would be 8).
-        compilation_config={"max_cudagraph_capture_size": args.lm_graph_tokens} if cuda else None,
+        compilation_config=lm_graphs if cuda and args.lm_graph_tokens else None,
         limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
         hf_overrides=json.loads(args.overrides),
         **({"trust_remote_code": True} if args.model == "minicpmo" else {}),
@@ -386,12 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "after the pairs (default 8; 0 leaves the cost out)"
     )
     parser.add_argument("--cost-rounds", type=int, default=8, help=cost)
-    graphs = "on CUDA, the largest step of the language model's CUDA graphs (default 512)"
+    graphs = "on CUDA, the language model's largest CUDA graph (default 512; 0: vLLM's choice)"
     parser.add_argument("--lm-graph-tokens", type=int, default=512, help=graphs)
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.cost_rounds < 0 or not 1 <= args.lm_graph_tokens <= 8192:
-        parser.error("--cost-rounds must be 0 or more, --lm-graph-tokens 1 to 8192")
+    if args.cost_rounds < 0 or not 0 <= args.lm_graph_tokens <= 8192:
+        parser.error("--cost-rounds must be 0 or more, --lm-graph-tokens 0 to 8192")
     if args.pairs < 1 or args.warmup < 2:
         parser.error(
             "--pairs must be at least 1 and --warmup at least 2 (graphs capture on the second call)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks.paired import KINDS, cost_summary, paired_summary, request
@@ -64,3 +66,17 @@ def test_every_clip_is_new_content_of_its_length(model: str) -> None:
         assert (samples != other).any(), kind
         placeholder = "(<audio>./</audio>)" if model == "minicpmo" else "<|AUDIO|>"
         assert one["prompt"].count(placeholder) == 1, kind
+
+
+@pytest.mark.parametrize("tokens", ["-1", "8193"])
+def test_a_language_model_graph_size_out_of_range_is_refused(
+    tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused in one line before any engine starts (0 leaves vLLM's own size)."""
+    from benchmarks import paired
+
+    with pytest.raises(SystemExit) as exited:
+        paired.main(["--out", str(tmp_path), "--lm-graph-tokens", tokens])
+    assert exited.value.code == 2
+    assert "--lm-graph-tokens 0 to 8192" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -161,9 +161,7 @@ def language_model_graph_notice(vllm_config: Any) -> str | None:
     compilation = getattr(vllm_config, "compilation_config", None)
     mode = getattr(compilation, "cudagraph_mode", None)
     size = getattr(compilation, "max_cudagraph_capture_size", None)
-    if mode is None or getattr(mode, "name", "NONE") == "NONE" or type(size) is not int:
-        return None
-    if size >= LM_GRAPH_TOKENS:
+    if getattr(mode, "name", "NONE") == "NONE" or type(size) is not int or size >= LM_GRAPH_TOKENS:
         return None
     return (
         f"omnitrace: vLLM replays the language model's CUDA graphs for steps of at most "
