@@ -36,7 +36,6 @@ from benchmarks.engine_serving import (
     api_server_count,
     configurations,
     lm_graph_tokens,
-    mm_processor_kwargs,
     one_request,
     openai_client,
     repeated,
@@ -47,7 +46,7 @@ from benchmarks.engine_serving import (
     tensor_parallel_size,
     whole_number,
 )
-from benchmarks.paired import write_checkpoint
+from benchmarks.paired import mm_processor_kwargs, write_checkpoint
 
 NAME = "engine"
 #: Runs on a CPU at toy sizes (the engine CI tier); full scale needs CUDA (checked in run()).

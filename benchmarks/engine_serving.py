@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks import engine_phases, served_pairs
 from benchmarks.common import Context
-from benchmarks.paired import SAMPLING_RATE, random_clip, random_image
+from benchmarks.paired import SAMPLING_RATE, mm_processor_kwargs, random_clip, random_image
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command, wav
 
 #: The models compared, in the order they are served, and their names in the report.
@@ -222,25 +222,6 @@ def api_server_count() -> int:
         ValueError: the value is not a whole number from 1 to 16.
     """
     return whole_number("OMNITRACE_BENCH_ENGINE_API_SERVERS", default=1, most=16)
-
-
-def mm_processor_kwargs() -> dict[str, Any] | None:
-    """``OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS``: a JSON object every ``vllm serve`` of
-    the run gets as ``--mm-processor-kwargs`` (default: none).
-
-    Raises:
-        ValueError: the value is not a JSON object.
-    """
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", "").strip()
-    try:
-        value = json.loads(raw) if raw else None
-    except ValueError:
-        value = raw
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(
-            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {raw!r}"
-        )
-    return value
 
 
 def lm_graph_tokens() -> int | None:

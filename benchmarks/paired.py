@@ -77,6 +77,25 @@ def request(model: str, kind: str, seed: int) -> dict[str, Any]:
     }
 
 
+def mm_processor_kwargs() -> dict[str, Any] | None:
+    """``OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS``: a JSON object every engine of the run
+    gets, the offline one and each ``vllm serve`` (``--mm-processor-kwargs``); default none.
+
+    Raises:
+        ValueError: the value is not a JSON object.
+    """
+    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", "").strip()
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError:
+        value = raw
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(
+            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {raw!r}"
+        )
+    return value
+
+
 def _quantile(values: Sequence[float], q: float) -> float:
     return quantile(sorted(values), q)
 
@@ -125,8 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stale.unlink()
     os.environ["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}.jsonl")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # collective_rpc sends pause_graphs to the engine core by pickle, which vLLM refuses
-    # unless told it may.
+    # collective_rpc sends pause_graphs to the engine core by pickle: vLLM must allow it.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # This process reads the device before the engine starts; its children must not fork it.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -156,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         compilation_config=lm_graphs if cuda and args.lm_graph_tokens else None,
         limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
         hf_overrides=json.loads(args.overrides),
+        mm_processor_kwargs=mm_processor_kwargs(),
         **({"trust_remote_code": True} if args.model == "minicpmo" else {}),
     )
     init_s = time.monotonic() - started
@@ -287,6 +306,7 @@ def _report(args: argparse.Namespace, out: Path, engine: dict[str, Any]) -> dict
         "pairs": args.pairs,
         "warmup": args.warmup,
         "overrides": json.loads(args.overrides),
+        "mm_processor_kwargs": mm_processor_kwargs(),
         "runner": "V1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "default",
         "init_s": round(engine["init_s"], 1),
         "total_s": round(engine["total_s"], 1),

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +85,43 @@ def test_a_language_model_graph_size_out_of_range_is_refused(
     assert exited.value.code == 2
     assert "--lm-graph-tokens 0 to 8192" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("options", [None, {"audio_kwargs": {"max_length": 480000}}])
+def test_the_offline_engine_gets_the_runs_processor_options(
+    options: dict[str, Any] | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS`` reaches ``vllm.LLM`` as it reaches every
+    ``vllm serve``, so the offline pairs and the servers process media alike."""
+    from benchmarks import paired
+
+    class Started(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def llm(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise Started
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = llm, object  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(paired, "write_checkpoint", lambda *args, **kwargs: tmp_path)
+    # run() sets these for its engine; set here, they are restored after the test.
+    for name in ("OMNITRACE_EVENTS_LOG", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.setenv(name, "")
+    for name in ("VLLM_NO_USAGE_STATS", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.setenv(name, "1" if name != "VLLM_WORKER_MULTIPROC_METHOD" else "spawn")
+    if options is None:
+        monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", raising=False)
+    else:
+        monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", json.dumps(options))
+    args = argparse.Namespace(
+        model="qwen2_5_omni", size="tiny", out=str(tmp_path / "out"), overrides="{}"
+    )
+    args.lm_graph_tokens = 512
+    with pytest.raises(Started):
+        paired.run(args)
+    assert seen["mm_processor_kwargs"] == options
+    assert seen["hf_overrides"] == {}
