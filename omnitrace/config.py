@@ -65,6 +65,7 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
     "encoder_cuda_graph_skip_profiling": "skip_profiling",
     "encoder_cuda_graph_audio_attention": "audio_attention",
     "encoder_cuda_graph_prepare_from": "prepare_from",
+    "encoder_cuda_graph_split_items": "split_items",
 }
 _FIELD_TO_KEY = {v: k for k, v in HF_OVERRIDE_KEYS.items()}
 
@@ -159,6 +160,14 @@ class EncoderGraphConfig:
             cap, budget and memory floor, so their first requests replay a graph (and,
             with ``compile``, a compiled one). A pattern that matches nothing prepares
             nothing and logs one line. Empty (default): nothing is prepared.
+        split_items: serve a call that carries several items (a Qwen2.5-Omni tower's
+            images, or its clips) as one call per item, so each item's shape is its own
+            graph key: the batches vLLM forms under concurrent traffic, whose mixes of items
+            seldom repeat, replay the graphs of the items' shapes instead of missing as new
+            shapes. Each item is then one call in the stats and events. An item's result
+            equals its own forward's, which may differ from the batched forward's in the
+            last bits, as two of vLLM's batch mixes may. Off by default. Qwen2.5-Omni only:
+            MiniCPM-o's calls keep their batches.
     """
 
     enabled: bool = True
@@ -173,6 +182,7 @@ class EncoderGraphConfig:
     skip_profiling: bool = False
     audio_attention: str = "native"
     prepare_from: str = ""
+    split_items: bool = False
 
     def __post_init__(self) -> None:
         counted = self.max_graphs is not _UNSET
@@ -210,6 +220,7 @@ class EncoderGraphConfig:
             "background_capture",
             "device_timing",
             "skip_profiling",
+            "split_items",
         ):
             check_bool(_FIELD_TO_KEY[name], getattr(self, name))
         if not isinstance(self.audio_attention, str) or (

@@ -140,12 +140,30 @@ def _captures_on(graph: EncoderCudaGraph, device: torch.device) -> bool:
     return not backend.simulated and backend.is_graph_device(device)
 
 
+def _item_rows(grid_thw: Any, rows: int) -> list[int] | None:
+    """The patch rows of each item of ``grid_thw`` (``t * h * w``), or None where its layout
+    is not one row of three per item or the rows do not add up to ``rows``."""
+    grid = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    try:
+        sizes = [int(t) * int(h) * int(w) for t, h, w in grid]
+    except (TypeError, ValueError):
+        return None
+    return sizes if sum(sizes) == rows and min(sizes, default=0) > 0 else None
+
+
 class _VisionForward:
     """``visual.forward`` with everything after the metadata served by the adapter."""
 
-    def __init__(self, visual: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
+    def __init__(
+        self,
+        visual: Any,
+        graph: EncoderCudaGraph,
+        original: Callable[..., Any],
+        split_items: bool = False,
+    ):
         self._visual = visual
         self._graph = graph
+        self._split = split_items
         self.original = original
 
     def __call__(
@@ -172,6 +190,18 @@ class _VisionForward:
         if detail is not None:
             record_ineligible(graph, detail, x)
             return self.original(x, grid_thw, *args, encoder_metadata=encoder_metadata, **kwargs)
+        if self._split and len(grid_thw) > 1:
+            sizes = _item_rows(grid_thw, x.shape[0])
+            if sizes is not None:
+                # One call per image: each image's rows, its own grid row and metadata.
+                pieces = x.split(sizes)
+                return torch.cat(
+                    [self._serve(p, grid_thw[i : i + 1]) for i, p in enumerate(pieces)]
+                )
+        return self._serve(x, grid_thw)
+
+    def _serve(self, x: torch.Tensor, grid_thw: Any) -> Any:
+        visual, graph = self._visual, self._graph
         metadata = visual.prepare_encoder_metadata(grid_thw)
         inputs = _vision_inputs(metadata)
         if inputs is None:
@@ -277,11 +307,13 @@ class _AudioForward:
         original: Callable[..., Any],
         seam: AudioSeam,
         masked: AttentionBinding | None = None,
+        split_items: bool = False,
     ):
         self._tower = tower
         self._graph = graph
         self._seam = seam
         self._masked = masked is not None
+        self._split = split_items
         self._stack = _audio_stack(original)
         self.original = original
 
@@ -304,6 +336,17 @@ class _AudioForward:
         if detail is not None:
             record_ineligible(graph, detail, input_features)
             return self.original(input_features, feature_lens, aftercnn_lens, **kwargs)
+        if self._split and feature_lens.dim() == 1 and len(feature_lens) > 1:
+            frames = [int(n) for n in feature_lens.tolist()]
+            if min(frames) > 0 and sum(frames) == input_features.shape[-1]:
+                # One call per clip: its frames and its length; the outputs in clip order.
+                pieces = input_features.split(frames, dim=-1)
+                states = [self._serve(p, feature_lens[i : i + 1]) for i, p in enumerate(pieces)]
+                return seam.output(last_hidden_state=torch.cat(states))
+        return seam.output(last_hidden_state=self._serve(input_features, feature_lens))
+
+    def _serve(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+        tower, graph, seam = self._tower, self._graph, self._seam
         # The forward's own metadata steps, in its order; aftercnn_lens is not used by it.
         padded, chunk_lengths = seam.chunk_and_pad_features(
             input_features, feature_lens, tower.n_window
@@ -324,11 +367,12 @@ class _AudioForward:
             if not self._masked and _captures_on(graph, padded.device):
                 # Not flash attention: every layer splits by lengths.tolist() on the host.
                 record_ineligible(graph, "attention_backend", *inputs, None)
-                return seam.output(last_hidden_state=self._stack(*inputs, None))
+                return self._stack(*inputs, None)
             bound = None
         else:
             bound = torch.empty((0, int(max_seqlen)), dtype=torch.int32, device=padded.device)
-        return seam.output(last_hidden_state=graph(*inputs, bound))
+        state: torch.Tensor = graph(*inputs, bound)
+        return state
 
 
 # -- attaching ---------------------------------------------------------------------------------
@@ -382,7 +426,10 @@ def _attach_vision(adapters: Adapters, visual: nn.Module) -> EncoderCudaGraph:
         visual, GRAPH_ATTR, "vision", lambda: _vision_stack(visual.forward)
     )
     if made:
-        route_method(visual, "forward", lambda original: _VisionForward(visual, graph, original))
+        split = adapters.config.split_items
+        route_method(
+            visual, "forward", lambda original: _VisionForward(visual, graph, original, split)
+        )
     return graph
 
 
@@ -411,8 +458,11 @@ def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | No
         tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward, masked)
     )
     if made:
+        split = adapters.config.split_items
         route_method(
-            tower, "forward", lambda original: _AudioForward(tower, graph, original, seam, masked)
+            tower,
+            "forward",
+            lambda original: _AudioForward(tower, graph, original, seam, masked, split),
         )
     return graph
 

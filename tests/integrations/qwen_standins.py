@@ -103,7 +103,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         frames: list[int] = []
         windows: list[int] = []
         offset = 0
+        positions: list[int] = []
         for t, h, w in rows:
+            # Positions within each image, as vLLM's rotary table (from its h and w) has them.
+            positions += range(t * h * w)
             units_h, units_w = h // MERGE, w // MERGE
             for _ in range(t):
                 # Column-major within a frame: the order depends on h and w, not on h * w.
@@ -118,12 +121,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         index = torch.tensor(window_index)
         reverse = torch.empty_like(index)
         reverse[index] = torch.arange(index.numel())
-        positions = torch.arange(offset * UNIT, dtype=torch.float32)[:, None]
+        angles = torch.tensor(positions, dtype=torch.float32)[:, None]
         flash = self.attn_backend.name in FLASH_KINDS
         device = self.device
         return {
-            "rotary_pos_emb_cos": torch.cos(positions / 7).expand(-1, 4).to(device),
-            "rotary_pos_emb_sin": torch.sin(positions / 7).expand(-1, 4).to(device),
+            "rotary_pos_emb_cos": torch.cos(angles / 7).expand(-1, 4).to(device),
+            "rotary_pos_emb_sin": torch.sin(angles / 7).expand(-1, 4).to(device),
             "window_index": index.to(device),
             "reverse_indices": reverse.to(device),
             "cu_seqlens": F.pad(torch.tensor(frames).cumsum(0), (1, 0)).to(device, torch.int32),

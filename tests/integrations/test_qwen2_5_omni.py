@@ -328,6 +328,84 @@ def test_audio_extra_arguments_run_the_original(bus: EventBus) -> None:
     assert _details(events) == ["arguments"]
 
 
+# -- one call per item ------------------------------------------------------------------------
+
+SPLIT = {**FAST, "encoder_cuda_graph_split_items": True}
+
+
+def _close(got: Any, want: Any) -> bool:
+    """Equal shapes, values within float32 rounding: an item alone may round differently."""
+    return len(got) == len(want) and all(
+        g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_batch_of_known_images_replays_their_graphs_when_split(
+    bus: EventBus, split: bool
+) -> None:
+    """Two images seen alone (captured), then together: split, the batch is two hits on
+    their graphs, equal to the tower's batched forward; whole, a new shape's warm-up miss."""
+    reference, model = build(**FAST), build(**(SPLIT if split else FAST))
+    result = _instrument(model, bus)
+    grids = [(1, 4, 4), (1, 8, 4)]
+    with torch.no_grad():
+        for grid in grids:
+            for _ in range(2):
+                model._process_image_input(image_batch([grid], seed=7))
+        data = image_batch(grids, seed=8)
+        want = reference._process_image_input(data)
+        with capture_events(bus) as events:
+            got = model._process_image_input(data)
+    assert _close(got, want)
+    stats = result.vision.get_cumulative_stats()  # type: ignore[union-attr]
+    # Before the batch: each image's first call a warm-up miss, its second captured and hit.
+    hits, warmups = (4, 2) if split else (2, 3)
+    assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (2, hits, warmups)
+    assert len([e for e in events if isinstance(e, GraphMissed)]) == (0 if split else 1)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_batch_of_known_clips_replays_their_graphs_when_split(bus: EventBus, split: bool) -> None:
+    """Two clips seen alone (captured), then together: split, two hits whose outputs, in clip
+    order, equal the tower's batched forward; whole, a new shape's warm-up miss."""
+    reference, model = build(**FAST), build(**(SPLIT if split else FAST))
+    result = _instrument(model, bus)
+    frames = [23, 7]
+    with torch.no_grad():
+        for n in frames:
+            for _ in range(2):
+                model._process_audio_input(audio_batch([n], seed=7))
+        data = audio_batch(frames, seed=8)
+        want = reference._process_audio_input(data)
+        with capture_events(bus) as events:
+            got = model._process_audio_input(data)
+    assert _close(got, want)
+    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    hits, warmups = (4, 2) if split else (2, 3)
+    assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (2, hits, warmups)
+    assert len([e for e in events if isinstance(e, GraphMissed)]) == (0 if split else 1)
+
+
+def test_split_items_leaves_single_items_and_odd_layouts_whole(bus: EventBus) -> None:
+    """One image or clip is one call as before; a grid whose rows do not match the patches
+    goes whole to the tower, which decides (here: its own error)."""
+    model = build(**SPLIT)
+    result = _instrument(model, bus)
+    with torch.no_grad():
+        model._process_image_input(image_batch([(2, 4, 8)]))
+        model._process_audio_input(audio_batch([50]))
+        vision = result.vision.get_cumulative_stats()  # type: ignore[union-attr]
+        audio = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+        assert vision["graph_misses"] == audio["graph_misses"] == 1
+        data = image_batch([(1, 4, 4), (1, 8, 4)])
+        data["pixel_values"] = data["pixel_values"][:-4]
+        with pytest.raises(IndexError):
+            model._process_image_input(data)
+    assert result.vision.get_cumulative_stats()["graph_misses"] == 2  # type: ignore[union-attr]
+
+
 # -- both ------------------------------------------------------------------------------------
 
 

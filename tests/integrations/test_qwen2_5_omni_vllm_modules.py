@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from integrations.vllm_modules import SETUPS, equal, setup_for
-from omnitrace import EventBus, GraphMissed, derive_stats
+from omnitrace import EventBus, GraphMissed, GraphReplayed, derive_stats
 from omnitrace.integrations import qwen2_5_omni
 from omnitrace.integrations.qwen2_5_omni import audio_seam, detect, instrument
 from omnitrace.testing import capture_events
@@ -72,7 +72,7 @@ def _import_thinker() -> Any:
     return qwen2_5_omni_thinker
 
 
-def _host(vllm_config: Any, *, vision: bool, audio: bool) -> nn.Module:
+def _host(vllm_config: Any, *, vision: bool, audio: bool, split: bool = False) -> nn.Module:
     """The thinker's towers on a host that has vLLM's calls into them."""
     thinker = _import_thinker()
     from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
@@ -114,12 +114,14 @@ def _host(vllm_config: Any, *, vision: bool, audio: bool) -> nn.Module:
                     )
                 )
             self.vllm_config = vllm_config
-            self.config = types.SimpleNamespace(**OVERRIDES)
+            split_items = {"encoder_cuda_graph_split_items": True} if split else {}
+            self.config = types.SimpleNamespace(**OVERRIDES, **split_items)
 
     return Host()
 
 
 def _build(vllm_config: Any, device: torch.device, dtype: torch.dtype, **towers: bool) -> nn.Module:
+    """The host of :func:`_host` (``towers``: its keyword arguments) on ``device``."""
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     torch.manual_seed(0)
@@ -208,6 +210,78 @@ def test_transformers_audio_tower_through_the_graph_equals_vllms_call(
     flash = "flash" in str(model.audio_tower.config._attn_implementation)
     _expect(stats, events, len(FRAMES), setup == "cpu-simulated" or flash)
     assert derive_stats(events) == {"audio": stats}
+    bus.close()
+
+
+def _items_alone(
+    reference: Any, model: Any, bus: EventBus, process: str, batch: dict[str, Any], items: list[Any]
+) -> None:
+    """``model`` (items split) serves ``batch`` as its ``items``, each bitwise the reference's
+    forward of that item alone, and close to the reference's forward of the whole batch."""
+    alone = [getattr(reference, process)(item)[0] for item in items]
+    whole = getattr(reference, process)(batch)
+    for _ in range(3):  # warm-up, capture, replay of each item's shape
+        with capture_events(bus) as events:
+            got = getattr(model, process)(batch)
+        assert equal(got, tuple(alone))
+        # One decision per item: a replay or a miss each.
+        assert len([e for e in events if isinstance(e, (GraphReplayed, GraphMissed))]) == 2
+    for g, w in zip(got, whole, strict=True):
+        # float32 on the CPU, bfloat16 on CUDA: a batch mix may round each item differently.
+        tolerance = 1e-5 if g.dtype == torch.float32 else 2**-5
+        assert (g - w).abs().max() <= tolerance * max(1.0, float(w.abs().max()))
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_vllm_vision_tower_serves_a_calls_images_one_by_one_when_split(
+    setup: str, vllm_env: Any
+) -> None:
+    """encoder_cuda_graph_split_items: a call of two images is two calls of one image."""
+    device, dtype, extra = setup_for(setup, vllm_env)
+    reference = _build(vllm_env, device, dtype, vision=True, audio=False)
+    model = _build(vllm_env, device, dtype, vision=True, audio=False, split=True)
+    bus = EventBus()
+    result = instrument(model, bus=bus, **extra)
+    assert result.vision is not None
+    patch = 3 * 2 * 14 * 14
+    grids = GRIDS[1]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch).to(device, dtype)
+    rows = [t * h * w for t, h, w in grids]
+    items = [
+        {"type": "pixel_values", "pixel_values": p, "image_grid_thw": torch.tensor([g])}
+        for p, g in zip(pixels.split(rows), grids, strict=True)
+    ]
+    batch = {"type": "pixel_values", "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+    with torch.no_grad():
+        _items_alone(reference, model, bus, "_process_image_input", batch, items)
+    stats = result.vision.get_cumulative_stats()
+    assert stats["graph_hits"] + stats["graph_misses"] == 3 * len(grids)
+    bus.close()
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_transformers_audio_tower_serves_a_calls_clips_one_by_one_when_split(
+    setup: str, vllm_env: Any
+) -> None:
+    """encoder_cuda_graph_split_items: a call of two clips is two calls of one clip."""
+    device, dtype, extra = setup_for(setup, vllm_env)
+    reference = _build(vllm_env, device, dtype, vision=False, audio=True)
+    model = _build(vllm_env, device, dtype, vision=False, audio=True, split=True)
+    bus = EventBus()
+    result = instrument(model, bus=bus, **extra)
+    assert result.audio is not None
+    frames = FRAMES[0]
+    features = torch.randn(128, sum(frames)).to(device, dtype)
+    lengths = torch.tensor(frames, device=device)
+    items = [
+        {"input_features": f, "audio_feature_lengths": lengths[i : i + 1]}
+        for i, f in enumerate(features.split(frames, dim=-1))
+    ]
+    batch = {"input_features": features, "audio_feature_lengths": lengths}
+    with torch.no_grad():
+        _items_alone(reference, model, bus, "_process_audio_input", batch, items)
+    stats = result.audio.get_cumulative_stats()
+    assert stats["graph_hits"] + stats["graph_misses"] == 3 * len(frames)
     bus.close()
 
 
