@@ -279,10 +279,9 @@ def _run_model(
             }
             if "eager" in texts and config.name != "eager":
                 mine, eager = texts[config.name], texts["eager"]
-                # One request at a time the engine's batches are the same in every
-                # configuration, so its tokens must be too. With several in flight the
-                # batches depend on timing and the language model's numerics on the batch,
-                # so those are counted, not required.
+                # One request at a time the batches, so the tokens, match every configuration's.
+                # With several in flight batches depend on timing and numerics on the batch:
+                # those are counted, not required.
                 solo = [k for k in eager if k.startswith("c1/")]
                 row["parity_with_eager"] = all(mine.get(k) == eager[k] for k in solo)
                 batched = [k for k in eager if not k.startswith("c1/")]

@@ -64,6 +64,7 @@ def configurations(model_kind: str) -> list[Configuration]:
     graphs: dict[str, Any] = {"encoder_cuda_graph_device_timing": True}
     if model_kind == "qwen2_5_omni":
         graphs["encoder_cuda_graph_audio_attention"] = "masked"
+    split = {**graphs, "encoder_cuda_graph_split_items": True}
     return [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
@@ -76,6 +77,8 @@ def configurations(model_kind: str) -> list[Configuration]:
         # The defaults' server restarted: its graphs captured before the first request.
         Configuration("omnitrace-restarted", dict(graphs), prepare_from="omnitrace"),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
+        # Qwen2.5-Omni's calls of several images or clips served one item at a time.
+        *([Configuration("omnitrace-split", split)] if model_kind == "qwen2_5_omni" else []),
         Configuration(
             "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
         ),
@@ -252,8 +255,7 @@ def _environment(config: Configuration, out: Path, cuda: bool, tp: int) -> dict[
         # A CPU engine otherwise takes most of the machine's memory for its KV cache.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if tp > 1:
-            # vLLM's CPU workers cannot bind their threads themselves on a small machine:
-            # give each rank its share of the cores.
+            # vLLM's CPU workers cannot bind their threads on a small machine: share the cores.
             cores = sorted(os.sched_getaffinity(0))
             share = max(1, len(cores) // tp)
             ranks = [cores[r * share : (r + 1) * share] or cores[-1:] for r in range(tp)]
@@ -370,9 +372,8 @@ def one_request(
     max_tokens: int,
     prompt: list[dict[str, Any]] | None = None,
 ) -> Completion:
-    # The request's media are made before the clock starts (or given, made before a pass's
-    # clock): a user's TTFT begins when the request is sent, not while its PNG is encoded
-    # (up to a third of a second at 1344x1344).
+    # The media are made (or given, made) before the clock: a user's TTFT begins when the
+    # request is sent, not while its PNG is encoded (a third of a second at 1344x1344).
     prompt = messages(kind, seed) if prompt is None else prompt
     start = time.perf_counter()
     first: float | None = None

@@ -832,6 +832,19 @@ def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyP
     ]
 
 
+def test_engine_serves_qwens_calls_one_item_at_a_time_in_a_configuration_of_its_own() -> None:
+    """omnitrace-split: the defaults plus encoder_cuda_graph_split_items, for Qwen2.5-Omni only
+    (MiniCPM-o's adapters keep their batches, so a server of it would repeat omnitrace's)."""
+    from benchmarks import engine_serving
+
+    qwen = {c.name: c for c in engine_serving.configurations("qwen2_5_omni")}
+    split, defaults = qwen["omnitrace-split"].overrides, qwen["omnitrace"].overrides
+    assert split == {**defaults, "encoder_cuda_graph_split_items": True}
+    assert list(qwen).index("omnitrace-split") < list(qwen).index("eager-again")
+    minicpmo = [c.name for c in engine_serving.configurations("minicpmo")]
+    assert "omnitrace-split" not in minicpmo
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "1001", "many", "2.5"])
 def test_engine_cost_rounds_refuse_what_is_not_a_count(
     monkeypatch: pytest.MonkeyPatch, value: str
