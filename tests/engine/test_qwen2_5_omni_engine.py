@@ -24,6 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 from engine.support import (
     CUDA,
     Served,
+    calls,
     check_attached_line,
     check_call_events,
     check_graphs_or_eager,
@@ -145,3 +146,52 @@ def test_outputs_with_omnitrace_equal_outputs_without(
 ) -> None:
     """Every tower output is bit-for-bit the same, and so are the greedy tokens and logprobs."""
     check_parity(served.result, baseline)
+
+
+@pytest.fixture(scope="module")
+def split(checkpoint: Path, engine_dir: Path, runner: str) -> Served:
+    """The plugin's engine with encoder_cuda_graph_split_items: one call per image or clip."""
+    out = engine_dir / f"split-{runner}"
+    log = out / "events-{rank}-{pid}.jsonl"
+    run = run_engine(
+        checkpoint,
+        out,
+        env=engine_environment(OMNITRACE_EVENTS_LOG=str(log), **runner_env(runner)),
+        overrides={**OVERRIDES, "encoder_cuda_graph_split_items": True},
+    )
+    return Served(run, only_log(out, run))
+
+
+def _images(event: dict[str, Any]) -> int:
+    """The images of a vision call: its cu_seqlens (the seventh input) holds one more entry."""
+    return int(event["signature"]["inputs"][6]["shape"][0]) - 1
+
+
+def test_split_items_calls_the_towers_once_per_item_with_the_same_tokens(
+    split: Served, served: Served, baseline: dict[str, Any]
+) -> None:
+    """Every serving vision call holds one image where, whole, the batched prompts' calls
+    hold several; the clips of a call go one by one too; the greedy tokens are the
+    baseline's, the log-probabilities within float32 rounding (an item alone may round
+    otherwise than in a batch)."""
+    whole = calls(served.events, "vision", "serving")
+    alone = calls(split.events, "vision", "serving")
+    assert max(_images(e) for e in whole) > 1
+    assert alone
+    assert {_images(e) for e in alone} == {1}
+    assert sum(_images(e) for e in alone) == sum(_images(e) for e in whole)
+    audio = [len(calls(r.events, "audio", "serving")) for r in (served, split)]
+    assert audio[1] > audio[0], audio
+    result = split.result
+    assert result["tokens"] == baseline["tokens"]
+    assert result["chat_tokens"] == baseline["chat_tokens"]
+    got, want = _flat(result["logprobs"]), _flat(baseline["logprobs"])
+    got += result["chat_logprobs"]
+    want += baseline["chat_logprobs"]
+    assert len(got) == len(want)
+    assert all(abs(g - w) <= 1e-3 for g, w in zip(got, want, strict=True))
+
+
+def _flat(nested: list[Any]) -> list[float]:
+    """The numbers of nested lists, in order."""
+    return [x for item in nested for x in (_flat(item) if isinstance(item, list) else [item])]
