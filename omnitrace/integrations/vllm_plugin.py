@@ -207,8 +207,14 @@ def _after_load(model: Any, vllm_config: Any) -> None:
         from omnitrace.integrations.vllm_requests import hook_worker
 
         hook_worker(worker_bus)
-    if (notice := language_model_graph_notice(vllm_config)) is not None:
-        logger.warning("%s", notice)
+    from omnitrace.integrations.vllm_notices import audio_processor_notice
+
+    for notice in (
+        language_model_graph_notice(vllm_config),
+        audio_processor_notice(vllm_config, integration.name),
+    ):
+        if notice is not None:
+            logger.warning("%s", notice)
     pid, rank = worker_identity()
     logger.info(
         "omnitrace: encoder graphs attached (%s, model=%s, pid=%d, rank=%s)",

@@ -195,3 +195,12 @@ def test_split_items_calls_the_towers_once_per_item_with_the_same_tokens(
 def _flat(nested: list[Any]) -> list[float]:
     """The numbers of nested lists, in order."""
     return [x for item in nested for x in (_flat(item) if isinstance(item, list) else [item])]
+
+
+def test_the_worker_names_the_audio_processor_setting_once(served: Served) -> None:
+    """The checkpoint's processor pads clips to 300 s, as the released model's does, and the
+    engine runs without --mm-processor-kwargs: one start-up warning names the setting."""
+    lines = [line for line in served.run.output.splitlines() if "pads every audio clip" in line]
+    assert len(lines) == 1, served.run.tail()
+    assert "4800000 samples (300 s at 16000 Hz)" in lines[0]
+    assert """--mm-processor-kwargs '{"audio_kwargs": {"max_length": 480000}}'""" in lines[0]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from integrations.qwen_standins import build as build_qwen
 from integrations.standins import build, image
 from omnitrace import ConfigError, EncoderCudaGraph, EncoderGraphConfig, MissReason
 from omnitrace.events import NO_SIGNATURE, Phase, ProfilingObserved
@@ -620,5 +621,20 @@ def test_the_plugin_logs_the_language_model_graph_notice_when_it_attaches(
     with caplog.at_level(logging.WARNING, logger=vllm_plugin.__name__):
         vllm_plugin._after_load(build(), _engine_config(64))
     notices = [r for r in caplog.records if "CUDA graphs for steps of at most 64" in r.getMessage()]
+    assert len(notices) == 1
+    assert notices[0].levelno == logging.WARNING
+
+
+def test_the_plugin_logs_the_audio_processor_notice_once_when_it_attaches(
+    fresh_plugin: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Qwen2.5-Omni thinker attached with a 300-s pad: one warning, before serving."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"n_samples": 4_800_000}))
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=str(tmp_path), enforce_eager=True)
+    )
+    with caplog.at_level(logging.WARNING, logger=vllm_plugin.__name__):
+        vllm_plugin._after_load(build_qwen(encoder_cuda_graph_min_free_bytes=0), config)
+    notices = [r for r in caplog.records if "pads every audio clip" in r.getMessage()]
     assert len(notices) == 1
     assert notices[0].levelno == logging.WARNING
