@@ -341,48 +341,35 @@ def _close(got: Any, want: Any) -> bool:
     )
 
 
+#: Per tower: the adapter, vLLM's call into the tower, its input maker, two items' sizes.
+_TOWERS = {
+    "vision": ("_process_image_input", image_batch, [(1, 4, 4), (1, 8, 4)]),
+    "audio": ("_process_audio_input", audio_batch, [23, 7]),
+}
+
+
 @pytest.mark.parametrize("split", [False, True])
-def test_a_batch_of_known_images_replays_their_graphs_when_split(
-    bus: EventBus, split: bool
+@pytest.mark.parametrize("tower", sorted(_TOWERS))
+def test_a_batch_of_known_items_replays_their_graphs_when_split(
+    bus: EventBus, tower: str, split: bool
 ) -> None:
-    """Two images seen alone (captured), then together: split, the batch is two hits on
-    their graphs, equal to the tower's batched forward; whole, a new shape's warm-up miss."""
+    """Two images (or clips) seen alone (captured), then together: split, the batch is two
+    hits on their graphs whose outputs, in item order, equal the tower's batched forward;
+    whole, a new shape's warm-up miss."""
+    process, inputs, items = _TOWERS[tower]
     reference, model = build(**FAST), build(**(SPLIT if split else FAST))
     result = _instrument(model, bus)
-    grids = [(1, 4, 4), (1, 8, 4)]
     with torch.no_grad():
-        for grid in grids:
+        for item in items:
             for _ in range(2):
-                model._process_image_input(image_batch([grid], seed=7))
-        data = image_batch(grids, seed=8)
-        want = reference._process_image_input(data)
+                getattr(model, process)(inputs([item], seed=7))
+        data = inputs(items, seed=8)
+        want = getattr(reference, process)(data)
         with capture_events(bus) as events:
-            got = model._process_image_input(data)
+            got = getattr(model, process)(data)
     assert _close(got, want)
-    stats = result.vision.get_cumulative_stats()  # type: ignore[union-attr]
-    # Before the batch: each image's first call a warm-up miss, its second captured and hit.
-    hits, warmups = (4, 2) if split else (2, 3)
-    assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (2, hits, warmups)
-    assert len([e for e in events if isinstance(e, GraphMissed)]) == (0 if split else 1)
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_a_batch_of_known_clips_replays_their_graphs_when_split(bus: EventBus, split: bool) -> None:
-    """Two clips seen alone (captured), then together: split, two hits whose outputs, in clip
-    order, equal the tower's batched forward; whole, a new shape's warm-up miss."""
-    reference, model = build(**FAST), build(**(SPLIT if split else FAST))
-    result = _instrument(model, bus)
-    frames = [23, 7]
-    with torch.no_grad():
-        for n in frames:
-            for _ in range(2):
-                model._process_audio_input(audio_batch([n], seed=7))
-        data = audio_batch(frames, seed=8)
-        want = reference._process_audio_input(data)
-        with capture_events(bus) as events:
-            got = model._process_audio_input(data)
-    assert _close(got, want)
-    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    stats = getattr(result, tower).get_cumulative_stats()
+    # Before the batch: each item's first call a warm-up miss, its second captured and hit.
     hits, warmups = (4, 2) if split else (2, 3)
     assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (2, hits, warmups)
     assert len([e for e in events if isinstance(e, GraphMissed)]) == (0 if split else 1)

@@ -232,56 +232,52 @@ def _items_alone(
         assert (g - w).abs().max() <= tolerance * max(1.0, float(w.abs().max()))
 
 
-@pytest.mark.parametrize("setup", SETUPS)
-def test_vllm_vision_tower_serves_a_calls_images_one_by_one_when_split(
-    setup: str, vllm_env: Any
-) -> None:
-    """encoder_cuda_graph_split_items: a call of two images is two calls of one image."""
-    device, dtype, extra = setup_for(setup, vllm_env)
-    reference = _build(vllm_env, device, dtype, vision=True, audio=False)
-    model = _build(vllm_env, device, dtype, vision=True, audio=False, split=True)
-    bus = EventBus()
-    result = instrument(model, bus=bus, **extra)
-    assert result.vision is not None
-    patch = 3 * 2 * 14 * 14
-    grids = GRIDS[1]
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch).to(device, dtype)
-    rows = [t * h * w for t, h, w in grids]
-    items = [
-        {"type": "pixel_values", "pixel_values": p, "image_grid_thw": torch.tensor([g])}
-        for p, g in zip(pixels.split(rows), grids, strict=True)
-    ]
-    batch = {"type": "pixel_values", "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
-    with torch.no_grad():
-        _items_alone(reference, model, bus, "_process_image_input", batch, items)
-    stats = result.vision.get_cumulative_stats()
-    assert stats["graph_hits"] + stats["graph_misses"] == 3 * len(grids)
-    bus.close()
-
-
-@pytest.mark.parametrize("setup", SETUPS)
-def test_transformers_audio_tower_serves_a_calls_clips_one_by_one_when_split(
-    setup: str, vllm_env: Any
-) -> None:
-    """encoder_cuda_graph_split_items: a call of two clips is two calls of one clip."""
-    device, dtype, extra = setup_for(setup, vllm_env)
-    reference = _build(vllm_env, device, dtype, vision=False, audio=True)
-    model = _build(vllm_env, device, dtype, vision=False, audio=True, split=True)
-    bus = EventBus()
-    result = instrument(model, bus=bus, **extra)
-    assert result.audio is not None
+def _two_items(tower: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, list[Any]]:
+    """A call of two images (or clips) as vLLM makes it, and each of its items as a call."""
+    if tower == "vision":
+        grids = GRIDS[1]
+        rows = [t * h * w for t, h, w in grids]
+        pixels = torch.randn(sum(rows), 3 * 2 * 14 * 14).to(device, dtype)
+        batch = {
+            "type": "pixel_values",
+            "pixel_values": pixels,
+            "image_grid_thw": torch.tensor(grids),
+        }
+        items = [
+            {"type": "pixel_values", "pixel_values": p, "image_grid_thw": torch.tensor([g])}
+            for p, g in zip(pixels.split(rows), grids, strict=True)
+        ]
+        return batch, items
     frames = FRAMES[0]
     features = torch.randn(128, sum(frames)).to(device, dtype)
     lengths = torch.tensor(frames, device=device)
+    batch = {"input_features": features, "audio_feature_lengths": lengths}
     items = [
         {"input_features": f, "audio_feature_lengths": lengths[i : i + 1]}
         for i, f in enumerate(features.split(frames, dim=-1))
     ]
-    batch = {"input_features": features, "audio_feature_lengths": lengths}
+    return batch, items
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("tower", ["vision", "audio"])
+def test_each_tower_serves_a_calls_items_one_by_one_when_split(
+    tower: str, setup: str, vllm_env: Any
+) -> None:
+    """encoder_cuda_graph_split_items: a call of two images (vLLM's vision tower) or two
+    clips (transformers' audio tower) is two calls of one item."""
+    device, dtype, extra = setup_for(setup, vllm_env)
+    towers = {"vision": tower == "vision", "audio": tower == "audio"}
+    reference = _build(vllm_env, device, dtype, **towers)
+    model = _build(vllm_env, device, dtype, split=True, **towers)
+    bus = EventBus()
+    result = instrument(model, bus=bus, **extra)
+    batch, items = _two_items(tower, device, dtype)
+    process = "_process_image_input" if tower == "vision" else "_process_audio_input"
     with torch.no_grad():
-        _items_alone(reference, model, bus, "_process_audio_input", batch, items)
-    stats = result.audio.get_cumulative_stats()
-    assert stats["graph_hits"] + stats["graph_misses"] == 3 * len(frames)
+        _items_alone(reference, model, bus, process, batch, items)
+    stats = getattr(result, tower).get_cumulative_stats()
+    assert stats["graph_hits"] + stats["graph_misses"] == 3 * len(items)
     bus.close()
 
 
