@@ -396,6 +396,28 @@ def test_calls_the_path_does_not_cover_run_vllms_method(
     bus.close()
 
 
+@pytest.mark.parametrize(("seconds", "apart"), [(1.0, False), (1.5, True)])
+def test_vllms_batch_audio_lets_a_clips_last_chunk_see_the_batchs_padding(
+    vllm_env: Any, seconds: float, apart: bool
+) -> None:
+    """docs/vllm.md ("A clip's embeddings depend on its batch"): vLLM's method masks padding
+    by mel frames, not by positions after the convolution, so a clip batched with a longer
+    one differs from the clip alone where its last 1-s chunk is partial (1.5 s), and only by
+    rounding where it is whole (1 s)."""
+    device, dtype = torch.device("cpu"), torch.float32
+    host = _build(device, dtype)
+    both = audio_batch([seconds, 3.0], device, dtype, 0)
+    alone = {key: value[:1] if isinstance(value, list) else value for key, value in both.items()}
+    with torch.no_grad():
+        batched = host.get_audio_hidden_states(both)[0]
+        single = host.get_audio_hidden_states(alone)[0]
+    assert batched.shape == single.shape
+    difference = float((batched - single).abs().max())
+    scale = float(single.abs().max())
+    assert (difference > 1e-4 * scale) == apart, (difference, scale)
+    assert difference < 1e-2 * scale
+
+
 def test_a_vpm_without_vllms_resampler_keeps_the_tower_graph(vllm_env: Any) -> None:
     """The host without a resampler module keeps the SigLIP-stack adapter on vpm.encoder."""
     model = _build(torch.device("cpu"), torch.float32)
