@@ -77,8 +77,8 @@ def configurations(model_kind: str) -> list[Configuration]:
         # The defaults' server restarted: its graphs captured before the first request.
         Configuration("omnitrace-restarted", dict(graphs), prepare_from="omnitrace"),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
-        # Qwen2.5-Omni's calls of several images or clips served one item at a time.
-        *([Configuration("omnitrace-split", split)] if model_kind == "qwen2_5_omni" else []),
+        # Calls of several images or clips served one item at a time.
+        Configuration("omnitrace-split", split),
         Configuration(
             "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
         ),

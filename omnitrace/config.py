@@ -160,14 +160,16 @@ class EncoderGraphConfig:
             cap, budget and memory floor, so their first requests replay a graph (and,
             with ``compile``, a compiled one). A pattern that matches nothing prepares
             nothing and logs one line. Empty (default): nothing is prepared.
-        split_items: serve a call that carries several items (a Qwen2.5-Omni tower's
-            images, or its clips) as one call per item, so each item's shape is its own
-            graph key: the batches vLLM forms under concurrent traffic, whose mixes of items
-            seldom repeat, replay the graphs of the items' shapes instead of missing as new
-            shapes. Each item is then one call in the stats and events. An item's result
-            equals its own forward's, which may differ from the batched forward's in the
-            last bits, as two of vLLM's batch mixes may. Off by default. Qwen2.5-Omni only:
-            MiniCPM-o's calls keep their batches.
+        split_items: serve a call that carries several items as one call per item, so
+            each item's shape is its own graph key: the batches vLLM forms under concurrent
+            traffic, whose mixes of items seldom repeat, replay the graphs of the items'
+            shapes instead of missing as new shapes. Qwen2.5-Omni: each image, each clip;
+            an item's result is its own forward's, which may differ from the batched
+            forward's in the last bits, as two of vLLM's batch mixes may. MiniCPM-o: each
+            audio slice at its own length, with the result vLLM's method gives it alone
+            (batched, a slice shorter than the longest sees part of its padding); its
+            vision keeps its batches. Each item is one call in the stats and events. Off by
+            default.
     """
 
     enabled: bool = True

@@ -832,17 +832,17 @@ def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyP
     ]
 
 
-def test_engine_serves_qwens_calls_one_item_at_a_time_in_a_configuration_of_its_own() -> None:
-    """omnitrace-split: the defaults plus encoder_cuda_graph_split_items, for Qwen2.5-Omni only
-    (MiniCPM-o's adapters keep their batches, so a server of it would repeat omnitrace's)."""
+@pytest.mark.parametrize("model_kind", ["qwen2_5_omni", "minicpmo"])
+def test_engine_serves_calls_one_item_at_a_time_in_a_configuration_of_its_own(
+    model_kind: str,
+) -> None:
+    """omnitrace-split: the defaults plus encoder_cuda_graph_split_items, before eager-again."""
     from benchmarks import engine_serving
 
-    qwen = {c.name: c for c in engine_serving.configurations("qwen2_5_omni")}
-    split, defaults = qwen["omnitrace-split"].overrides, qwen["omnitrace"].overrides
+    configs = {c.name: c for c in engine_serving.configurations(model_kind)}
+    split, defaults = configs["omnitrace-split"].overrides, configs["omnitrace"].overrides
     assert split == {**defaults, "encoder_cuda_graph_split_items": True}
-    assert list(qwen).index("omnitrace-split") < list(qwen).index("eager-again")
-    minicpmo = [c.name for c in engine_serving.configurations("minicpmo")]
-    assert "omnitrace-split" not in minicpmo
+    assert list(configs).index("omnitrace-split") < list(configs).index("eager-again")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "1001", "many", "2.5"])

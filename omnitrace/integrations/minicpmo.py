@@ -303,9 +303,16 @@ class _AudioBatchMethod:
     lengths and concatenated, one tensor per audio item.
     """
 
-    def __init__(self, model: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
+    def __init__(
+        self,
+        model: Any,
+        graph: EncoderCudaGraph,
+        original: Callable[..., Any],
+        split_items: bool = False,
+    ):
         self._model = model
         self._graph = graph
+        self._split = split_items
         self.original = original
 
     def __call__(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -332,24 +339,50 @@ class _AudioBatchMethod:
             record_ineligible(graph, detail, first)
             return self.original(data, *args, **kwargs)
 
-        wavforms = _padded_features(features)
         if isinstance(lens_raw, torch.Tensor):
             lens_raw = lens_raw.unbind(0)
         lens = torch.hstack(lens_raw)
-        mask = _batch_attention_mask(model, wavforms, lens)
-        audio_embeds = encode_audio(model, wavforms, mask)
         _, num_audio_tokens = model._get_feat_extract_output_lengths(lens)
         # One read of the lengths, where vLLM's slicing by a device tensor waits once a slice.
         counts = [int(n) for n in num_audio_tokens.tolist()]
+        slices = self._slices_alone(features, lens) if self._split else None
+        if slices is None:
+            wavforms = _padded_features(features)
+            audio_embeds = encode_audio(
+                model, wavforms, _batch_attention_mask(model, wavforms, lens)
+            )
+            rows = list(audio_embeds)
+        else:
+            # One call per slice, at its own length: no other slice's padding in its batch.
+            rows = [
+                encode_audio(model, mel, _batch_attention_mask(model, mel, length))[0]
+                for mel, length in slices
+            ]
         final: list[torch.Tensor] = []
         idx = 0
         for item in lens_raw:
             parts: list[torch.Tensor] = []
             for _ in range(len(item)):
-                parts.append(audio_embeds[idx, : counts[idx], :])
+                parts.append(rows[idx][: counts[idx], :])
                 idx += 1
             final.append(torch.cat(parts))
         return final
+
+    def _slices_alone(
+        self, features: Any, lens: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each slice's ``(1, C, length)`` mel and its length, for a call of several slices
+        whose lengths fit their mels; None to serve the call as one batch."""
+        count = len(features)
+        if count < 2 or lens.dim() != 1 or len(lens) != count:
+            return None
+        frames = [int(n) for n in lens.tolist()]
+        pieces = []
+        for mel, n in zip(features, frames, strict=True):
+            if not 0 < n <= mel.shape[-1]:
+                return None
+            pieces.append(mel[..., :n].reshape(1, *mel.shape[-2:-1], n))
+        return [(piece, lens[i : i + 1]) for i, piece in enumerate(pieces)]
 
 
 def _batch_arguments(features: Any, lens_raw: Any) -> bool:
@@ -381,7 +414,8 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
         )
         return None
     # vLLM's self.<name>(data) finds the instance attribute first; the class is untouched.
-    route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original))
+    split = graph.config.split_items
+    route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original, split))
     object.__setattr__(model, _AUDIO_METHOD, name)
     return name
 

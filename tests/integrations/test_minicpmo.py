@@ -344,6 +344,45 @@ def test_routed_batch_audio_equals_the_uninstrumented_method(chunk_length: float
     assert result.audio.get_cumulative_stats()["graph_hits"] == 4  # type: ignore[union-attr]
 
 
+def _alone(reference: MiniCPMOStandIn, data: dict[str, Any]) -> list[torch.Tensor]:
+    """vLLM's method on each slice of ``data`` alone, at its own length, joined per item."""
+    features, lens = data["audio_features"], data["audio_feature_lens"]
+    lengths = [int(n) for item in lens for n in item]
+    out = [
+        reference.get_audio_hidden_states(
+            {"audio_features": [mel[..., :n]], "audio_feature_lens": [torch.tensor([n])]}
+        )[0]
+        for mel, n in zip(features, lengths, strict=True)
+    ]
+    final, idx = [], 0
+    for item in lens:
+        final.append(torch.cat(out[idx : idx + len(item)]))
+        idx += len(item)
+    return final
+
+
+def test_split_items_serves_each_audio_slice_alone() -> None:
+    """encoder_cuda_graph_split_items: each slice is one call at its own length, its result
+    exactly the method's on that slice alone, the slices of an item joined as vLLM joins them.
+    Batched, slices of 14 and 6 frames beside one of 20 saw part of their padding (vLLM's
+    mask); two slices of 20 frames, unpadded, give the batch's result up to rounding."""
+    reference = build(**FAST)
+    model = build(**FAST, encoder_cuda_graph_split_items=True)
+    result, backend = _instrument(model)
+    with torch.no_grad():
+        for data, padded in zip(_variants(), (True, False), strict=True):
+            want = _alone(reference, data)
+            outs = [model.get_audio_hidden_states(data) for _ in range(3)]
+            assert all(_same(out, want) for out in outs)
+            batched = reference.get_audio_hidden_states(data)
+            apart = max(float((b - w).abs().max()) for b, w in zip(batched, want, strict=True))
+            assert (apart > 1e-4) is padded, apart
+    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    # Slices of 20, 14 and 6 frames, then two of 20: three shapes, six calls a round.
+    assert stats["num_graphs"] == backend.captures == 3
+    assert stats["graph_hits"] + stats["graph_misses"] == 3 * (3 + 2)
+
+
 def test_routed_batch_audio_masks_padding_and_later_chunks() -> None:
     """The graphed call sees the mask: a padded short item and chunked frames change the output."""
     model = build(**FAST)

@@ -418,6 +418,33 @@ def test_vllms_batch_audio_lets_a_clips_last_chunk_see_the_batchs_padding(
     assert difference < 1e-2 * scale
 
 
+@pytest.mark.parametrize("setup", SETUPS)
+def test_split_items_gives_each_clip_vllms_result_for_it_alone(setup: str, vllm_env: Any) -> None:
+    """encoder_cuda_graph_split_items: a call of a 1.5-s and a 3-s clip is two calls, each
+    clip's embeddings exactly vLLM's method's for that clip alone (no batch padding seen)."""
+    device, dtype, extra = setup_for(setup, vllm_env)
+    reference, model = _build(device, dtype), _build(device, dtype)
+    model.config.encoder_cuda_graph_split_items = True
+    bus = EventBus()
+    result = instrument(model, bus=bus, **extra)
+    assert result.audio is not None
+    data = audio_batch([1.5, 3.0], device, dtype, 0)
+    with torch.no_grad():
+        want = [
+            reference.get_audio_hidden_states(
+                {"audio_features": [mel], "audio_feature_lens": [length]}
+            )[0]
+            for mel, length in zip(data["audio_features"], data["audio_feature_lens"], strict=True)
+        ]
+        with capture_events(bus) as events:
+            for _ in range(3):  # warm-up miss, capture, replay of each clip's shape
+                assert equal(model.get_audio_hidden_states(data), want)
+    stats = result.audio.get_cumulative_stats()
+    assert stats["graph_hits"] + stats["graph_misses"] == 3 * 2
+    assert derive_stats(events) == {"audio": stats}
+    bus.close()
+
+
 def test_a_vpm_without_vllms_resampler_keeps_the_tower_graph(vllm_env: Any) -> None:
     """The host without a resampler module keeps the SigLIP-stack adapter on vpm.encoder."""
     model = _build(torch.device("cpu"), torch.float32)
