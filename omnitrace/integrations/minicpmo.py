@@ -379,6 +379,9 @@ class _AudioBatchMethod:
         frames = [int(n) for n in lens.tolist()]
         pieces = []
         for mel, n in zip(features, frames, strict=True):
+            # A slice is (C, L) or (1, C, L), as vLLM's method copies it into its batch row.
+            if mel.dim() not in (2, 3) or mel.numel() != mel.shape[-2] * mel.shape[-1]:
+                return None
             if not 0 < n <= mel.shape[-1]:
                 return None
             pieces.append(mel[..., :n].reshape(1, *mel.shape[-2:-1], n))
