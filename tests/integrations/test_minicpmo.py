@@ -383,6 +383,20 @@ def test_split_items_serves_each_audio_slice_alone() -> None:
     assert stats["graph_hits"] + stats["graph_misses"] == 3 * (3 + 2)
 
 
+def test_split_items_keeps_a_call_whole_where_a_length_passes_its_mel() -> None:
+    """A slice length beyond its mel's frames: one batched call, exactly vLLM's method, as
+    without the option."""
+    reference = build(**FAST)
+    model = build(**FAST, encoder_cuda_graph_split_items=True)
+    result, _ = _instrument(model)
+    data = audio_batch(((20,), (6,)))
+    data["audio_feature_lens"] = [torch.tensor([20]), torch.tensor([7])]
+    with torch.no_grad():
+        assert _same(model.get_audio_hidden_states(data), reference.get_audio_hidden_states(data))
+    stats = result.audio.get_cumulative_stats()  # type: ignore[union-attr]
+    assert stats["graph_hits"] + stats["graph_misses"] == 1
+
+
 def test_routed_batch_audio_masks_padding_and_later_chunks() -> None:
     """The graphed call sees the mask: a padded short item and chunked frames change the output."""
     model = build(**FAST)
