@@ -342,9 +342,6 @@ class _AudioBatchMethod:
         if isinstance(lens_raw, torch.Tensor):
             lens_raw = lens_raw.unbind(0)
         lens = torch.hstack(lens_raw)
-        _, num_audio_tokens = model._get_feat_extract_output_lengths(lens)
-        # One read of the lengths, where vLLM's slicing by a device tensor waits once a slice.
-        counts = [int(n) for n in num_audio_tokens.tolist()]
         slices = self._slices_alone(features, lens) if self._split else None
         if slices is None:
             wavforms = _padded_features(features)
@@ -358,6 +355,9 @@ class _AudioBatchMethod:
                 encode_audio(model, mel, _batch_attention_mask(model, mel, length))[0]
                 for mel, length in slices
             ]
+        _, num_audio_tokens = model._get_feat_extract_output_lengths(lens)
+        # One read of the lengths, where vLLM's slicing by a device tensor waits once a slice.
+        counts = [int(n) for n in num_audio_tokens.tolist()]
         final: list[torch.Tensor] = []
         idx = 0
         for item in lens_raw:
