@@ -242,8 +242,7 @@ def geometries(simulate: bool) -> dict[str, demo.EncoderGeometry]:
 
 
 def encoders(ctx: Context) -> dict[str, torch.nn.Module]:
-    """The demo's vision and audio encoders of :func:`geometries`, on the run's device and
-    dtype."""
+    """The demo's vision and audio encoders of :func:`geometries`, on the run's device and dtype."""
     sizes = geometries(ctx.simulate)
     with torch.device(ctx.device):
         vision = demo.VisionEncoder(sizes["vision"]).to(ctx.dtype).eval()

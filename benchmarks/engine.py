@@ -21,6 +21,7 @@ from benchmarks.common import BenchmarkFailedError, Context, save_plot, summariz
 from benchmarks.engine_checks import (
     check_model,
     device_s_since,
+    eager_agreement,
     event_figures,
     hits_since,
     line_counts,
@@ -135,8 +136,7 @@ def models() -> list[str]:
 
 
 def chosen_configurations(model_kind: str) -> list[Configuration]:
-    """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by
-    default), in :func:`configurations`' order."""
+    """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by default)."""
     every = configurations(model_kind)
     names = _chosen("OMNITRACE_BENCH_ENGINE_CONFIGS", [c.name for c in every])
     return [c for c in every if c.name in names]
@@ -278,15 +278,7 @@ def _run_model(
                 for i, c in enumerate(p.completions)
             }
             if "eager" in texts and config.name != "eager":
-                mine, eager = texts[config.name], texts["eager"]
-                # One request at a time the batches, so the tokens, match every configuration's.
-                # With several in flight batches depend on timing and numerics on the batch:
-                # those are counted, not required.
-                solo = [k for k in eager if k.startswith("c1/")]
-                row["parity_with_eager"] = all(mine.get(k) == eager[k] for k in solo)
-                batched = [k for k in eager if not k.startswith("c1/")]
-                row["batched_equal_eager"] = sum(mine.get(k) == eager[k] for k in batched)
-                row["batched_requests"] = len(batched)
+                row.update(eager_agreement(texts[config.name], texts["eager"], config.overrides))
         if config.plugin:
             # After the server stopped, every process has flushed its log: each request's
             # phases from its own events, per kind and concurrency.
@@ -305,8 +297,7 @@ def _run_model(
 
 
 def timing_cost_skipped(api_servers: int) -> str | None:
-    """Why request timing's cost is not measured with ``api_servers`` API servers (None: it
-    is, with one)."""
+    """Why request timing's cost is not measured with ``api_servers`` API servers, or None."""
     if api_servers <= 1:
         return None
     return (
@@ -380,8 +371,7 @@ def cost_rounds() -> int:
 
 
 def offline_enabled() -> bool:
-    """Whether the offline paired run comes first (``OMNITRACE_BENCH_ENGINE_OFFLINE``, 1 by
-    default; 0 leaves it out)."""
+    """Whether the offline paired run comes first (``OMNITRACE_BENCH_ENGINE_OFFLINE``, 0 or 1)."""
     raw = os.environ.get("OMNITRACE_BENCH_ENGINE_OFFLINE", "1").strip()
     if raw not in ("0", "1"):
         raise ValueError(f"OMNITRACE_BENCH_ENGINE_OFFLINE: expected 0 or 1, got {raw!r}")
@@ -389,8 +379,8 @@ def offline_enabled() -> bool:
 
 
 def _offline(ctx: Context, model_kind: str, work: Path) -> dict[str, Any]:
-    """Run :mod:`benchmarks.paired` on this model in a child (its engine's memory is given
-    back before the servers start) and return its result; its failure fails the benchmark."""
+    """Run :mod:`benchmarks.paired` on this model in a child (its memory given back before the
+    servers start) and return its result; its failure fails the benchmark."""
     out = work / "offline"
     argv = [
         *(sys.executable, "-m", "benchmarks.paired", "--model", model_kind),

@@ -9,6 +9,15 @@ from benchmarks import served_pairs
 from benchmarks.table import Table, mib, ms
 
 
+def _agreement(e: dict[str, Any]) -> str:
+    """Completions like eager's: solo (parity, or a count where items are split), batched."""
+    if "batched_requests" not in e:
+        return "baseline"
+    solo = e.get("parity_with_eager")
+    first = f"{e['solo_equal_eager']} of {e['solo_requests']}" if solo is None else "NO"
+    return f"{'yes' if solo else first}, {e['batched_equal_eager']} of {e['batched_requests']}"
+
+
 def tables(result: dict[str, Any]) -> list[Table]:
     tables: list[Table] = []
     setup = [f"{result['sizes']} sizes"]
@@ -37,11 +46,10 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])}" if r else "n/a" for r in found
             ]
             ttft.rows.append([kind, *cells])
+        flight = " and ".join(f"c{c}" for c in concurrencies)
         ttft.note = (
             f"{model['per_kind']} requests of each kind per pass, {model['max_tokens']} output "
-            "tokens, greedy; "
-            + " and ".join(f"c{c}" for c in concurrencies)
-            + ": requests in flight. p99 of so few samples is their maximum."
+            f"tokens, greedy; {flight}: requests in flight. p99 of so few samples is their maximum."
         )
         rates = [f"requests/s c{c}" for c in concurrencies]
         counts = ["graphs", "hits / misses", "hits after warm-up", "pool MiB", "KV cache tokens"]
@@ -62,11 +70,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
                     _hit_rate(entry.get("after_warmup")),
                     mib(entry["pool_bytes"]),
                     "n/a" if entry["kv_cache_tokens"] is None else f"{entry['kv_cache_tokens']:,}",
-                    "baseline"
-                    if "parity_with_eager" not in entry
-                    else f"{'yes' if entry['parity_with_eager'] else 'NO'}, "
-                    f"{entry.get('batched_equal_eager', 'n/a')} of "
-                    f"{entry.get('batched_requests', 'n/a')}",
+                    _agreement(entry),
                 ]
             )
         missing = "; ".join(f"{k}: {v}" for k, v in model.get("not_applicable", {}).items())

@@ -64,7 +64,6 @@ def configurations(model_kind: str) -> list[Configuration]:
     graphs: dict[str, Any] = {"encoder_cuda_graph_device_timing": True}
     if model_kind == "qwen2_5_omni":
         graphs["encoder_cuda_graph_audio_attention"] = "masked"
-    split = {**graphs, "encoder_cuda_graph_split_items": True}
     return [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
@@ -78,7 +77,7 @@ def configurations(model_kind: str) -> list[Configuration]:
         Configuration("omnitrace-restarted", dict(graphs), prepare_from="omnitrace"),
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         # Calls of several images or clips served one item at a time.
-        Configuration("omnitrace-split", split),
+        Configuration("omnitrace-split", {**graphs, "encoder_cuda_graph_split_items": True}),
         Configuration(
             "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
         ),
@@ -205,8 +204,7 @@ def tensor_parallel_size() -> int:
 
 
 def whole_number(name: str, *, default: int, most: int) -> int:
-    """The environment variable ``name``: a whole number 1 to ``most``, ``default``
-    when unset or empty.
+    """The environment variable ``name``: a whole number 1 to ``most`` (``default`` if unset).
 
     Raises:
         ValueError: the value is anything else.
@@ -218,8 +216,7 @@ def whole_number(name: str, *, default: int, most: int) -> int:
 
 
 def api_server_count() -> int:
-    """``OMNITRACE_BENCH_ENGINE_API_SERVERS``: the API server processes of each ``vllm serve``
-    (its ``--api-server-count``; default 1).
+    """``OMNITRACE_BENCH_ENGINE_API_SERVERS``: each ``vllm serve``'s ``--api-server-count``.
 
     Raises:
         ValueError: the value is not a whole number from 1 to 16.

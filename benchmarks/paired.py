@@ -403,8 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         '\'{"encoder_cuda_graph_audio_attention": "masked"}\' for Qwen2.5-Omni\'s audio',
     )
     cost = (
-        "rounds of a batch of 8 requests with request timing off and one with it on, "
-        "after the pairs (default 8; 0 leaves the cost out)"
+        "rounds after the pairs of 8 requests with request timing off, then on (default 8; 0: none)"
     )
     parser.add_argument("--cost-rounds", type=int, default=8, help=cost)
     graphs = "on CUDA, the language model's largest CUDA graph (default 512; 0: vLLM's choice)"

@@ -418,3 +418,43 @@ def test_the_slowest_calls_after_the_warm_up_come_longest_first(
         ("GraphCaptured", 0.3, None),
     ]
     assert len(engine_checks.slowest_calls([first, second], {first: 1})) == 3
+
+
+def test_the_engines_table_says_how_each_configurations_tokens_agree_with_eagers() -> None:
+    """Eager is the baseline; parity is yes or NO; a configuration that splits items shows
+    its solo count instead; batched ones are counted in every row."""
+    from benchmarks import engine_report
+
+    def config(**agreement: Any) -> dict[str, Any]:
+        row = {"concurrency": 1, "kind": "image-1", "n": 1, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0}
+        return {
+            "ready_s": 1.0,
+            "kv_cache_tokens": None,
+            "rows": {"c1/image-1": row},
+            "requests_per_s": {"c1": 1.0},
+            "encoder_share_of_ttft_c1": None,
+            "graphs": 0,
+            "hits": 0,
+            "misses": 0,
+            "pool_bytes": 0,
+            **agreement,
+        }
+
+    batched = {"batched_equal_eager": 3, "batched_requests": 4}
+    configs = {
+        "eager": config(),
+        "omnitrace": config(parity_with_eager=True, **batched),
+        "omnitrace-4": config(parity_with_eager=False, **batched),
+        "omnitrace-split": config(solo_equal_eager=1, solo_requests=2, **batched),
+    }
+    model = {"name": "M", "kinds": ["image-1"], "per_kind": 1, "max_tokens": 1}
+    tables = engine_report.tables(
+        {"sizes": "tiny", "models": {"m": {**model, "configurations": configs}}}
+    )
+    (engines,) = [t for t in tables if t.title == "M: engines"]
+    assert {row[0]: row[-1] for row in engines.rows} == {
+        "eager": "baseline",
+        "omnitrace": "yes, 3 of 4",
+        "omnitrace-4": "NO, 3 of 4",
+        "omnitrace-split": "1 of 2, 3 of 4",
+    }

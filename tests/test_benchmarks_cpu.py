@@ -845,6 +845,26 @@ def test_engine_serves_calls_one_item_at_a_time_in_a_configuration_of_its_own(
     assert list(configs).index("omnitrace-split") < list(configs).index("eager-again")
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_engine_requires_solo_parity_with_eager_except_where_items_are_split(split: bool) -> None:
+    """A solo completion unlike eager's breaks parity (the benchmark then fails), unless the
+    configuration serves a call's items one by one: then solo ones are counted, as batched
+    ones always are."""
+    from benchmarks.engine_checks import eager_agreement
+
+    eager = {"c1/0": [1, 2], "c1/1": [3], "c8/0": [4], "c8/1": [5]}
+    mine = {"c1/0": [1, 2], "c1/1": [9], "c8/0": [4], "c8/1": [6]}
+    overrides = {"encoder_cuda_graph_split_items": True} if split else {}
+    got = eager_agreement(mine, eager, overrides)
+    assert (got["batched_equal_eager"], got["batched_requests"]) == (1, 2)
+    if split:
+        assert (got["solo_equal_eager"], got["solo_requests"]) == (1, 2)
+        assert "parity_with_eager" not in got
+    else:
+        assert got["parity_with_eager"] is False
+        assert eager_agreement(eager, eager, overrides)["parity_with_eager"] is True
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "1001", "many", "2.5"])
 def test_engine_cost_rounds_refuse_what_is_not_a_count(
     monkeypatch: pytest.MonkeyPatch, value: str
