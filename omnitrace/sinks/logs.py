@@ -155,7 +155,9 @@ def configure_logging(
             *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
-        logger_factory=structlog.PrintLoggerFactory(
+        # One write() per line, its new line included (print() writes the two apart): a line
+        # from another writer of the stream (vLLM's own logger) cannot land inside it.
+        logger_factory=structlog.WriteLoggerFactory(
             file=stream if stream is not None else _StderrProxy()  # type: ignore[arg-type]
         ),
         # Not cached: a test or a CLI run may reconfigure, and the sink is not on the hot path.

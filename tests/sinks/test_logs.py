@@ -148,6 +148,28 @@ def test_configure_logging_writes_filtered_json_lines() -> None:
     assert lines[0]["timestamp"].endswith("Z")
 
 
+@pytest.mark.parametrize("json_lines", [True, False])
+def test_each_line_is_one_write_with_its_new_line(json_lines: bool) -> None:
+    """A line goes out in one write() that ends it, so another writer of the same stream (a
+    server's own logger, on another thread) cannot put its text between a line and its end."""
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    stream = Writes()
+    configure_logging(level="info", json=json_lines, stream=stream)
+    structlog.get_logger("omnitrace").info("graph_summary", encoder="vision", calls=3)
+    structlog.get_logger("omnitrace").warning("graph_missed", reason="warmup")
+    assert len(stream.calls) == 2
+    assert all(call.endswith("\n") and call.count("\n") == 1 for call in stream.calls)
+
+
 def test_configure_logging_rejects_unknown_level() -> None:
     """A misspelt level is a ConfigError that lists the valid ones."""
     with pytest.raises(
