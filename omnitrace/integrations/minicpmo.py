@@ -303,16 +303,10 @@ class _AudioBatchMethod:
     lengths and concatenated, one tensor per audio item.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        graph: EncoderCudaGraph,
-        original: Callable[..., Any],
-        split_items: bool = False,
-    ):
+    def __init__(self, model: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
         self._model = model
         self._graph = graph
-        self._split = split_items
+        self._split = graph.config.split_items
         self.original = original
 
     def __call__(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -417,8 +411,7 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
         )
         return None
     # vLLM's self.<name>(data) finds the instance attribute first; the class is untouched.
-    split = graph.config.split_items
-    route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original, split))
+    route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original))
     object.__setattr__(model, _AUDIO_METHOD, name)
     return name
 

@@ -154,16 +154,10 @@ def _item_rows(grid_thw: Any, rows: int) -> list[int] | None:
 class _VisionForward:
     """``visual.forward`` with everything after the metadata served by the adapter."""
 
-    def __init__(
-        self,
-        visual: Any,
-        graph: EncoderCudaGraph,
-        original: Callable[..., Any],
-        split_items: bool = False,
-    ):
+    def __init__(self, visual: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
         self._visual = visual
         self._graph = graph
-        self._split = split_items
+        self._split = graph.config.split_items
         self.original = original
 
     def __call__(
@@ -307,13 +301,12 @@ class _AudioForward:
         original: Callable[..., Any],
         seam: AudioSeam,
         masked: AttentionBinding | None = None,
-        split_items: bool = False,
     ):
         self._tower = tower
         self._graph = graph
         self._seam = seam
         self._masked = masked is not None
-        self._split = split_items
+        self._split = graph.config.split_items
         self._stack = _audio_stack(original)
         self.original = original
 
@@ -426,10 +419,7 @@ def _attach_vision(adapters: Adapters, visual: nn.Module) -> EncoderCudaGraph:
         visual, GRAPH_ATTR, "vision", lambda: _vision_stack(visual.forward)
     )
     if made:
-        split = adapters.config.split_items
-        route_method(
-            visual, "forward", lambda original: _VisionForward(visual, graph, original, split)
-        )
+        route_method(visual, "forward", lambda original: _VisionForward(visual, graph, original))
     return graph
 
 
@@ -458,11 +448,8 @@ def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | No
         tower, GRAPH_ATTR, "audio", lambda: _audio_stack(tower.forward, masked)
     )
     if made:
-        split = adapters.config.split_items
         route_method(
-            tower,
-            "forward",
-            lambda original: _AudioForward(tower, graph, original, seam, masked, split),
+            tower, "forward", lambda original: _AudioForward(tower, graph, original, seam, masked)
         )
     return graph
 
