@@ -158,3 +158,44 @@ def test_outputs_with_omnitrace_equal_outputs_without(
 ) -> None:
     """Every encoder output is bit-for-bit the same, and so are the greedy tokens and logprobs."""
     check_parity(served.result, baseline)
+
+
+@pytest.fixture(scope="module")
+def split(minicpmo_checkpoint: Path, engine_dir: Path, runner: str) -> Served:
+    """The plugin's engine with encoder_cuda_graph_split_items: one audio call per clip."""
+    out = engine_dir / f"minicpmo-split-{runner}"
+    run = run_engine(
+        minicpmo_checkpoint,
+        out,
+        env=engine_environment(
+            OMNITRACE_EVENTS_LOG=str(out / "events-{rank}-{pid}.jsonl"), **runner_env(runner)
+        ),
+        overrides={**OVERRIDES, "encoder_cuda_graph_split_items": True},
+        args=_args(),
+    )
+    return Served(run, only_log(out, run))
+
+
+def test_split_items_serves_each_clip_alone_at_its_own_length(
+    split: Served, served: Served, baseline: dict[str, Any]
+) -> None:
+    """Whole, a step's clips share a batch padded to the longest; split, each clip is a call
+    of its own at its own length, the vision batches are unchanged, and the greedy tokens are
+    the baseline's (a clip alone may round otherwise than in its batch)."""
+    whole = [_first_shape(e) for e in calls(served.events, "audio", "serving")]
+    alone = [_first_shape(e) for e in calls(split.events, "audio", "serving")]
+    assert max(shape[0] for shape in whole) > 1
+    assert {shape[0] for shape in alone} == {1}
+    assert len(alone) == sum(shape[0] for shape in whole)
+    # 100 mel frames a second: each clip at its own length, none padded up to the 30 s one.
+    clips = REPEAT * list(ROUND_CLIPS) + list(CHAT_CLIPS)
+    assert sorted(shape[2] for shape in alone) == sorted(round(s * 100) for s in clips)
+    assert sum(shape[2] for shape in alone) < sum(shape[0] * shape[2] for shape in whole)
+    vision = [
+        sorted(_first_shape(e) for e in calls(r.events, "vision", "serving"))
+        for r in (served, split)
+    ]
+    assert vision[0] == vision[1]
+    result = split.result
+    assert result["tokens"] == baseline["tokens"]
+    assert result["chat_tokens"] == baseline["chat_tokens"]
