@@ -355,11 +355,18 @@ def _notes(recording: Recording) -> tuple[str, ...]:
         costs = recording.costs.get(adapter, {})
         estimated = sum(cost.estimated_time for cost in costs.values())
         unknown = sum(cost.saving_s is None for cost in costs.values())
+        first = sum(cost.first_calls_only for cost in costs.values())
         line = f"{adapter}: {source} time"
         if estimated:
-            line += f", {estimated} of {len(costs)} keys' times estimated from the others' ratio"
+            line += f", {estimated} of {len(costs)} keys' times estimated from the others'"
         if unknown:
             line += f", {unknown} keys with no time to estimate from"
+        if first:
+            # No key ran eagerly after its first call: nothing tells the one-off part.
+            line += (
+                f", {first} of {len(costs)} keys' eager times from their first calls only "
+                "(one-off start-up costs included: their savings are upper bounds)"
+            )
         notes.append(line)
     if recording.simulated:
         notes.append(

@@ -23,6 +23,9 @@ __all__ = ["CallSequence", "KeyCost", "Recording", "Setting", "Worker"]
 Worker = tuple[int, int]
 """``(rank, pid)`` of the process that wrote a log line."""
 
+_Inputs = tuple[Any, ...]
+"""A signature's inputs (:attr:`Signature.inputs`): what an eager time is kept by."""
+
 _KEYS = {name: key for key, name in HF_OVERRIDE_KEYS.items()}
 
 #: Flags of a call in :attr:`CallSequence.flags`.
@@ -92,6 +95,9 @@ class KeyCost:
         capture_bytes: bytes its capture takes.
         estimated_time: a time is estimated from the encoder's ratio; default False.
         estimated_bytes: ``capture_bytes`` is estimated; default False.
+        first_calls_only: ``eager_s`` comes only from the first call of the key in each
+            worker (one-off start-up costs included) and no other key of the encoder tells
+            how much of it was one-off; default False.
     """
 
     eager_s: float | None
@@ -102,6 +108,8 @@ class KeyCost:
     """``eager_s`` or ``replay_s`` comes from the encoder's replay-to-eager ratio."""
     estimated_bytes: bool = False
     """``capture_bytes`` comes from the encoder's recorded bytes per input element."""
+    first_calls_only: bool = False
+    """``eager_s`` is the mean of first calls only, uncorrected: an upper bound."""
 
     @property
     def saving_s(self) -> float | None:
@@ -253,9 +261,7 @@ _SKIPPED = 4
 """A flag while recording: kept out of admission as profiling (its key gets a stream)."""
 
 
-def _append(
-    store: dict[tuple[str, Signature], Any], ident: tuple[str, Signature], value: Any
-) -> None:
+def _append(store: dict[tuple[str, Any], Any], ident: tuple[str, Any], value: Any) -> None:
     """Append a time, in 8 bytes while every value of the key is a float; a key with an
     integer time keeps its values as objects, so their sum is the reference's exactly."""
     values = store.get(ident)
@@ -286,9 +292,23 @@ class _Builder:
     def __init__(self) -> None:
         self.workers: dict[Worker, _Worker] = {}
         self.infos: dict[str, Mapping[str, Any]] = {}
-        self.eager: dict[tuple[str, Signature], Any] = {}
+        # Eager times by encoder and inputs, whatever the stream: an ineligible call (graphs
+        # paused, say) runs the same forward as a miss of its key. A worker's first eager
+        # call of a key is kept apart: it carries one-off costs (the device's kernels loaded
+        # on first launch, allocator growth), 2-30x a later call of the same key on an H200.
+        self.eager: dict[tuple[str, _Inputs], Any] = {}
+        self.eager_dev: dict[tuple[str, _Inputs], Any] = {}
+        self.eager_first: dict[tuple[str, _Inputs], Any] = {}
+        self.eager_first_dev: dict[tuple[str, _Inputs], Any] = {}
+        self.eager_seen: set[tuple[Worker, str, _Inputs]] = set()
+        self.eager_seen_dev: set[tuple[Worker, str, _Inputs]] = set()
+        # A worker's first eager call of an encoder pays most of the one-off costs (on an
+        # H200, 0.6-2 s where later first calls of a key took 40-120 ms): never a key's cost
+        # while the encoder has another eager time.
+        self.eager_cold: dict[tuple[str, _Inputs], Any] = {}
+        self.eager_cold_dev: dict[tuple[str, _Inputs], Any] = {}
+        self.cold_seen: set[tuple[Worker, str, bool]] = set()
         self.replay: dict[tuple[str, Signature], Any] = {}
-        self.eager_dev: dict[tuple[str, Signature], Any] = {}
         self.replay_dev: dict[tuple[str, Signature], Any] = {}
         self.sizes: dict[tuple[str, Signature], list[int]] = {}
         self.device_timed: set[str] = set()
@@ -316,11 +336,19 @@ class _Builder:
                 self.device_timed.add(item.adapter)
                 # Its keys' costs are device times from now on: the host times would never
                 # be read, and they are as many as the calls.
-                for store in (self.eager, self.replay):
-                    for stale in [ident for ident in store if ident[0] == item.adapter]:
+                stores: tuple[dict[tuple[str, Any], Any], ...] = (
+                    self.eager,
+                    self.eager_first,
+                    self.eager_cold,
+                    self.replay,
+                )
+                for store in stores:
+                    for stale in [key for key in store if key[0] == item.adapter]:
                         del store[stale]
-            target = self.replay_dev if item.kind == "replay" else self.eager_dev
-            _append(target, ident, item.device_s)
+            if item.kind == "replay":
+                _append(self.replay_dev, ident, item.device_s)
+            else:
+                self._eager(worker, item.adapter, item.signature, item.device_s, device=True)
         elif isinstance(item, ev.GraphCaptured):
             size = item.bytes_reserved + item.static_bytes
             self.sizes.setdefault(ident, []).append(size)
@@ -356,8 +384,8 @@ class _Builder:
                 if details is None:
                     details = self.ineligible[adapter] = {}
                 details[item.detail] = details.get(item.detail, 0) + 1
-            if eligible and item.duration_s is not None and host:
-                _append(self.eager, ident, item.duration_s)
+            if item.duration_s is not None and host:
+                self._eager(record.source, adapter, signature, item.duration_s, device=False)
         if eligible and signature.stream is not None:
             counts = self.streams.get((adapter, signature.device))
             if counts is None:
@@ -376,6 +404,23 @@ class _Builder:
             | (PROFILING if profiling or skipped else 0)
             | (_SKIPPED if skipped else 0)
         )
+
+    def _eager(
+        self, worker: Worker, adapter: str, signature: Signature, value: Any, *, device: bool
+    ) -> None:
+        """Record one eager time of ``signature``'s inputs: apart if it is the worker's first."""
+        seen = self.eager_seen_dev if device else self.eager_seen
+        place = (worker, adapter, signature.inputs)
+        if place in seen:
+            store = self.eager_dev if device else self.eager
+        elif (worker, adapter, device) not in self.cold_seen:
+            self.cold_seen.add((worker, adapter, device))
+            seen.add(place)
+            store = self.eager_cold_dev if device else self.eager_cold
+        else:
+            seen.add(place)
+            store = self.eager_first_dev if device else self.eager_first
+        _append(store, (adapter, signature.inputs), value)
 
     def _key(self, adapter: str, signature: Signature, skipped: bool) -> Signature:
         """The key of a call: a call kept out of admission has no stream, so it gets the
@@ -471,21 +516,54 @@ class _Builder:
     def _costs(
         self, adapter: str, keys: Sequence[Signature], source: str
     ) -> dict[Signature, KeyCost]:
-        eager_times = self.eager_dev if source == "device" else self.eager
-        replay_times = self.replay_dev if source == "device" else self.replay
+        device = source == "device"
+        later_times = self.eager_dev if device else self.eager
+        first_times = self.eager_first_dev if device else self.eager_first
+        replay_times = self.replay_dev if device else self.replay
 
         def mean(values: Sequence[float] | None) -> float | None:
             return sum(values) / len(values) if values else None
 
-        eager = {key: mean(eager_times.get((adapter, key))) for key in keys}
-        replay = {key: mean(replay_times.get((adapter, key))) for key in keys}
-        # The replay-to-eager ratio of keys with both, weighted by their replays.
-        replay_total = eager_equiv = 0.0
+        # A key's eager time: the mean of its later calls; with none, its first calls,
+        # scaled by what the encoder's keys with both say of a first call (their median of
+        # later mean over first mean, at most 1).
+        later = {key: mean(later_times.get((adapter, key.inputs))) for key in keys}
+        first = {key: mean(first_times.get((adapter, key.inputs))) for key in keys}
+        if not any(t is not None for t in (*later.values(), *first.values())):
+            # The encoder's first calls are all it ran eagerly: they are what is known.
+            cold_times = self.eager_cold_dev if device else self.eager_cold
+            first = {key: mean(cold_times.get((adapter, key.inputs))) for key in keys}
+        scales = sorted(
+            min(1.0, w / f)
+            for key in keys
+            if (w := later[key]) is not None and (f := first[key]) is not None and f > 0
+        )
+        scale = scales[len(scales) // 2] if scales else None
+        eager: dict[Signature, float | None] = {}
+        scaled: set[Signature] = set()
+        uncorrected: set[Signature] = set()
         for key in keys:
-            e, times = eager[key], replay_times.get((adapter, key))
-            if e is not None and times:
-                replay_total += sum(times)
-                eager_equiv += len(times) * e
+            w, f = later[key], first[key]
+            if w is not None:
+                eager[key] = w
+            elif f is not None and scale is not None:
+                eager[key] = f * scale
+                scaled.add(key)
+            else:
+                eager[key] = f
+                if f is not None:
+                    uncorrected.add(key)
+        replay = {key: mean(replay_times.get((adapter, key))) for key in keys}
+        # The replay-to-eager ratio of keys with both, weighted by their replays: from keys
+        # whose eager time is measured after their first call when any of them replayed.
+        both = [key for key in keys if eager[key] is not None and replay_times.get((adapter, key))]
+        measured = [key for key in both if later[key] is not None] or both
+        replay_total = eager_equiv = 0.0
+        for key in measured:
+            e, times = eager[key], replay_times[(adapter, key)]
+            assert e is not None
+            replay_total += sum(times)
+            eager_equiv += len(times) * e
         ratio = replay_total / eager_equiv if eager_equiv > 0 else None
         # Bytes per input element of the keys captured, for the keys never captured.
         size = {key: self.sizes.get((adapter, key)) for key in keys}
@@ -500,7 +578,7 @@ class _Builder:
         costs: dict[Signature, KeyCost] = {}
         for key in keys:
             e, r = eager[key], replay[key]
-            estimated_time = False
+            estimated_time = key in scaled
             if e is None and r is None and typical is not None:
                 # Neither time measured (a device timing never resolved): the encoder's
                 # typical eager time stands in.
@@ -515,7 +593,9 @@ class _Builder:
                 capture_bytes, estimated_bytes = round(sum(sizes) / len(sizes)), False
             else:
                 capture_bytes, estimated_bytes = round(per_element * _numel(key)), True
-            costs[key] = KeyCost(e, r, capture_bytes, estimated_time, estimated_bytes)
+            costs[key] = KeyCost(
+                e, r, capture_bytes, estimated_time, estimated_bytes, key in uncorrected
+            )
         return costs
 
 
