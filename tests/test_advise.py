@@ -531,6 +531,38 @@ def test_a_simulated_log_is_ranked_by_calls_graphed() -> None:
     assert "encoder_cuda_graph_prepare_from" in prepare
 
 
+@pytest.mark.parametrize("items", [None, "batched", "split"])
+def test_warm_up_misses_are_told_apart_and_split_items_named_where_batches_were_served(
+    items: str | None,
+) -> None:
+    """Three shapes called again and again, then four called once (a step's mix of images
+    formed once): prepare_from takes the first calls of the three; the four stay eager under
+    every setting, and where the encoder served a call's items as one batch the note names
+    encoder_cuda_graph_split_items."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    hot = [(1, 16, 8), (2, 16, 8), (3, 16, 8)]
+    once = [(4, 16, 8), (5, 16, 8), (6, 16, 8), (7, 16, 8)]
+    calls: list[Call] = [("vision", shape, Phase.SERVING) for _ in range(10) for shape in hot]
+    calls += [("vision", shape, Phase.SERVING) for shape in once]
+    records = _records(_run(calls, logged), logged)
+    if items is not None:
+        (info,) = [r for r in records if isinstance(r.item, AdapterInfo)]
+        described = AdapterInfo("vision", {**info.item.info, "items": items})  # type: ignore[union-attr]
+        records[records.index(info)] = EventRecord(described, info.pid, info.rank)
+    recording = Recording.from_records(records)
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    assert advice.best is not None
+    (warmup,) = [n for n in advice.notes if n.startswith("warm-up:")]
+    assert warmup.startswith("warm-up: 3 of 34 calls run eagerly before their shape is captured")
+    assert "encoder_cuda_graph_prepare_from" in warmup
+    (seldom,) = [n for n in advice.notes if n.startswith("seldom shapes:")]
+    assert seldom.startswith(
+        "seldom shapes: 4 of 34 calls are of shapes called once, which min_capture_calls 2 "
+        "never captures"
+    )
+    assert ("encoder_cuda_graph_split_items" in seldom) is (items == "batched")
+
+
 def test_advise_recommends_what_a_brute_force_of_the_demo_log_confirms(tmp_path: Path) -> None:
     """On the demo's own event log the recommendation is the best of the grid when every
     setting is run through the real adapters."""

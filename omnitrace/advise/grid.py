@@ -321,22 +321,40 @@ def advise(
         recording=recording,
         memory_budget=memory_budget,
         ties=ties,
-        notes=(*_notes(recording), *_prepare_note(best)),
+        notes=(*_notes(recording), *_prepare_note(best, recording)),
     )
 
 
-def _prepare_note(best: Result | None) -> tuple[str, ...]:
-    """What starting from these logs' shapes would add: the best setting's warm-up misses."""
+def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
+    """What the best setting's warm-up misses are, and the settings that take them away:
+    starting from these logs' shapes, or serving a call's items one by one."""
     if best is None:
         return ()
+    calls = best.setting.min_capture_calls
+    first, seldom = recording.call_counts(calls)
     warmup = sum(e.misses.get(MissReason.WARMUP, 0) for e in best.encoders)
-    if not warmup:
-        return ()
-    return (
-        f"warm-up: {warmup} of {best.calls} calls run eagerly before their shape is "
-        "captured; a server restarted with encoder_cuda_graph_prepare_from naming these "
-        "logs captures the shapes before it serves",
-    )
+    notes = []
+    if min(first, warmup):
+        notes.append(
+            f"warm-up: {min(first, warmup)} of {best.calls} calls run eagerly before their "
+            "shape is captured; a server restarted with encoder_cuda_graph_prepare_from "
+            "naming these logs captures the shapes before it serves"
+        )
+    if seldom:
+        times = "once" if calls == 2 else f"fewer than {calls} times"
+        note = (
+            f"seldom shapes: {seldom} of {best.calls} calls are of shapes called {times}, "
+            f"which min_capture_calls {calls} never captures"
+        )
+        batched = [name for name, how in recording.items.items() if how == "batched"]
+        if batched:
+            note += (
+                f"; {', '.join(batched)} served a step's images or clips in one call, and "
+                "such mixes seldom recur: encoder_cuda_graph_split_items serves each item on "
+                "its own shape's graph"
+            )
+        notes.append(note)
+    return tuple(notes)
 
 
 def _logged_result(recording: Recording, results: Sequence[Result]) -> Result | None:

@@ -184,6 +184,27 @@ class Recording:
     ineligible: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Per encoder: its calls no graph could serve (ineligible, profiling skips aside), by
     detail (``cpu``, ``disabled``, ...)."""
+    items: Mapping[str, str] = field(default_factory=dict)
+    """Per encoder whose calls can carry several images or clips, how it served them:
+    ``"batched"`` (one call, one key) or ``"split"`` (one call per item), from its adapter
+    facts (``encoder_cuda_graph_split_items``)."""
+
+    def call_counts(self, min_calls: int) -> tuple[int, int]:
+        """Eligible calls, all workers, that no ``min_capture_calls`` of ``min_calls`` can
+        serve however many graphs it keeps: the first ``min_calls - 1`` calls of each key
+        its worker called at least ``min_calls`` times, and the calls of keys it called
+        fewer times (never captured).
+
+        Returns:
+            ``(first, seldom)``.
+        """
+        first = seldom = 0
+        for sequence in self.sequences.values():
+            ids = sequence.ids[(sequence.flags & ELIGIBLE) != 0]
+            counts = np.bincount(ids, minlength=len(sequence.keys))
+            first += int((counts >= min_calls).sum()) * (min_calls - 1)
+            seldom += int(counts[(counts > 0) & (counts < min_calls)].sum())
+        return first, seldom
 
     def why_ineligible(self) -> str:
         """Why calls could use no graph, per encoder with counts: ``vision: cpu 51``.
@@ -492,6 +513,11 @@ class _Builder:
             simulated=any(bool(info.get("simulated")) for info in self.infos.values()),
             profiling=self.profiling or bool(self.skipped_profiling),
             ineligible=self.ineligible,
+            items={
+                adapter: value
+                for adapter, info in self.infos.items()
+                if (value := info.get("items")) in ("batched", "split")
+            },
         )
 
     def _logged(self, adapter: str) -> Setting:

@@ -28,6 +28,7 @@ __all__ = [
     "code_names",
     "code_strings",
     "config_from_model",
+    "describe_items",
     "original_method",
     "output_tensor",
     "record_ineligible",
@@ -231,6 +232,19 @@ def record_ineligible(graph: EncoderCudaGraph, detail: str, *inputs: Any) -> Non
     # The adapter's own fold and its bus both see the miss, so adapter stats, bus stats and
     # derive_stats() over a recorded log agree on calls that never reached the graph.
     graph.record_ineligible(detail, *(x if isinstance(x, torch.Tensor) else None for x in inputs))
+
+
+def describe_items(graph: EncoderCudaGraph) -> None:
+    """Add to the adapter's registered facts how its calls' items (the images or clips of a
+    step) are served: ``items`` is ``"split"`` (one call per item,
+    ``encoder_cuda_graph_split_items``) or ``"batched"``. Event logs carry it, and
+    ``omnitrace advise`` names the setting where batches' mixes seldom recur."""
+    bus = graph.bus
+    if bus is None:
+        return
+    info = dict(bus.adapters().get(graph.name, {}))
+    info["items"] = "split" if graph.config.split_items else "batched"
+    bus.register_adapter(graph.name, info)
 
 
 def code_names(function: object) -> frozenset[str]:

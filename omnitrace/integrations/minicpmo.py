@@ -25,6 +25,7 @@ from omnitrace.integrations.base import (
     code_names,
     code_strings,
     config_from_model,
+    describe_items,
     output_tensor,
     record_ineligible,
     route_method,
@@ -412,6 +413,7 @@ def _route_audio_batch_method(model: Any, graph: EncoderCudaGraph) -> str | None
         return None
     # vLLM's self.<name>(data) finds the instance attribute first; the class is untouched.
     route_method(model, name, lambda original: _AudioBatchMethod(model, graph, original))
+    describe_items(graph)
     object.__setattr__(model, _AUDIO_METHOD, name)
     return name
 

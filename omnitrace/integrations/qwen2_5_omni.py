@@ -21,6 +21,7 @@ from omnitrace.integrations.base import (
     Adapters,
     ModelIntegration,
     attach_lock,
+    describe_items,
     output_tensor,
     record_ineligible,
     route_method,
@@ -420,6 +421,7 @@ def _attach_vision(adapters: Adapters, visual: nn.Module) -> EncoderCudaGraph:
     )
     if made:
         route_method(visual, "forward", lambda original: _VisionForward(visual, graph, original))
+        describe_items(graph)
     return graph
 
 
@@ -451,6 +453,7 @@ def _attach_audio(adapters: Adapters, tower: nn.Module) -> EncoderCudaGraph | No
         route_method(
             tower, "forward", lambda original: _AudioForward(tower, graph, original, seam, masked)
         )
+        describe_items(graph)
     return graph
 
 

@@ -298,6 +298,11 @@ class Served:
         self.receiver = receiver
 
 
+def adapter_facts(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each adapter's registered facts, from the ``AdapterInfo`` lines of a worker's log."""
+    return {e["adapter"]: e["info"] for e in events if e["type"] == "AdapterInfo"}
+
+
 def only_log(out: Path, run: EngineRun) -> Path:
     """The one worker's event log an engine wrote in ``out``."""
     logs = sorted(out.glob("events-*.jsonl"))

@@ -27,6 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 from engine.support import (
     CUDA,
     Served,
+    adapter_facts,
     calls,
     check_attached_line,
     check_call_events,
@@ -184,6 +185,10 @@ def test_split_items_serves_each_clip_alone_at_its_own_length(
     the baseline's (a clip alone may round otherwise than in its batch)."""
     whole = [_first_shape(e) for e in calls(served.events, "audio", "serving")]
     alone = [_first_shape(e) for e in calls(split.events, "audio", "serving")]
+    # The logs say how the audio adapter served a call's slices, for advise to read.
+    assert adapter_facts(served.events)["audio"]["items"] == "batched"
+    assert adapter_facts(split.events)["audio"]["items"] == "split"
+    assert "items" not in adapter_facts(split.events)["vision"]
     assert max(shape[0] for shape in whole) > 1
     assert {shape[0] for shape in alone} == {1}
     assert len(alone) == sum(shape[0] for shape in whole)

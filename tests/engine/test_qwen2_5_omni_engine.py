@@ -24,6 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 from engine.support import (
     CUDA,
     Served,
+    adapter_facts,
     calls,
     check_attached_line,
     check_call_events,
@@ -176,6 +177,10 @@ def test_split_items_calls_the_towers_once_per_item_with_the_same_tokens(
     otherwise than in a batch)."""
     whole = calls(served.events, "vision", "serving")
     alone = calls(split.events, "vision", "serving")
+    # The logs say how each tower served a call's items, for advise to read.
+    for run, items in ((served, "batched"), (split, "split")):
+        facts = adapter_facts(run.events)
+        assert {facts[name]["items"] for name in ("vision", "audio")} == {items}
     assert max(_images(e) for e in whole) > 1
     assert alone
     assert {_images(e) for e in alone} == {1}

@@ -522,3 +522,18 @@ def test_audio_batch_method_finds_the_standins_vllm_structure() -> None:
     assert audio_batch_method(MiniCPMOStandIn) == "get_audio_hidden_states"
     assert audio_batch_method(build()) == "get_audio_hidden_states"
     assert audio_batch_method(torch.nn.Linear) is None
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_audio_adapter_registers_how_it_serves_a_calls_slices(split: bool) -> None:
+    """The audio adapter's facts say whether a call's slices go as one batch or one by one;
+    the vision path keeps its batches and says nothing of items."""
+    bus = EventBus()
+    try:
+        model = build(**FAST, encoder_cuda_graph_split_items=split)
+        _instrument(model, bus=bus)
+        infos = bus.adapters()
+        assert infos["audio"]["items"] == ("split" if split else "batched")
+        assert "items" not in infos["vision"]
+    finally:
+        bus.close()

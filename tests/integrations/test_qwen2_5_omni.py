@@ -446,3 +446,16 @@ def test_module_constants_name_vllms_and_transformers_classes() -> None:
     """The detector looks for the class names vLLM and transformers give the two towers."""
     assert qwen2_5_omni.VISION_TOWER == "Qwen2_5_VisionTransformer"
     assert qwen2_5_omni.AUDIO_TOWER == "Qwen2_5OmniAudioEncoder"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_both_towers_register_how_they_serve_a_calls_items(bus: EventBus, split: bool) -> None:
+    """Each tower's adapter facts say whether a call's images or clips go as one batch or one
+    by one: event logs carry them, and advise reads them."""
+    _instrument(build(**(SPLIT if split else FAST)), bus)
+    infos = bus.adapters()
+    assert {infos[name]["items"] for name in ("vision", "audio")} == {
+        "split" if split else "batched"
+    }
+    # The adapter's own facts are kept beside it.
+    assert infos["vision"]["max_graphs"] == FAST["encoder_cuda_graph_max_graphs"]
