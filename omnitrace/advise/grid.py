@@ -326,19 +326,20 @@ def advise(
 
 
 def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
-    """What the best setting's warm-up misses are, and the settings that take them away:
-    starting from these logs' shapes, or serving a call's items one by one."""
+    """The best setting's warm-up misses, which starting from these logs' shapes takes away,
+    and the calls of shapes too seldom to capture, which serving a call's items one by one
+    may."""
     if best is None:
         return ()
     calls = best.setting.min_capture_calls
-    first, seldom = recording.call_counts(calls)
+    seldom = recording.seldom_calls(calls)
     warmup = sum(e.misses.get(MissReason.WARMUP, 0) for e in best.encoders)
     notes = []
-    if min(first, warmup):
+    if warmup:
         notes.append(
-            f"warm-up: {min(first, warmup)} of {best.calls} calls run eagerly before their "
-            "shape is captured; a server restarted with encoder_cuda_graph_prepare_from "
-            "naming these logs captures the shapes before it serves"
+            f"warm-up: {warmup} of {best.calls} calls run eagerly before their shape is "
+            "captured; a server restarted with encoder_cuda_graph_prepare_from naming these "
+            "logs captures the shapes this run captured before it serves"
         )
     if seldom:
         times = "once" if calls == 2 else f"fewer than {calls} times"

@@ -189,22 +189,15 @@ class Recording:
     ``"batched"`` (one call, one key) or ``"split"`` (one call per item), from its adapter
     facts (``encoder_cuda_graph_split_items``)."""
 
-    def call_counts(self, min_calls: int) -> tuple[int, int]:
-        """Eligible calls, all workers, that no ``min_capture_calls`` of ``min_calls`` can
-        serve however many graphs it keeps: the first ``min_calls - 1`` calls of each key
-        its worker called at least ``min_calls`` times, and the calls of keys it called
-        fewer times (never captured).
-
-        Returns:
-            ``(first, seldom)``.
-        """
-        first = seldom = 0
+    def seldom_calls(self, min_calls: int) -> int:
+        """Eligible calls, all workers, of keys their worker called fewer than ``min_calls``
+        times: calls no setting with that ``min_capture_calls`` serves from a graph."""
+        total = 0
         for sequence in self.sequences.values():
             ids = sequence.ids[(sequence.flags & ELIGIBLE) != 0]
             counts = np.bincount(ids, minlength=len(sequence.keys))
-            first += int((counts >= min_calls).sum()) * (min_calls - 1)
-            seldom += int(counts[(counts > 0) & (counts < min_calls)].sum())
-        return first, seldom
+            total += int(counts[(counts > 0) & (counts < min_calls)].sum())
+        return total
 
     def why_ineligible(self) -> str:
         """Why calls could use no graph, per encoder with counts: ``vision: cpu 51``.
