@@ -532,57 +532,55 @@ class _Builder:
             number("pool_budget_bytes", legacy.pool_budget_bytes),
         )
 
-    def _costs(
-        self, adapter: str, keys: Sequence[Signature], source: str
-    ) -> dict[Signature, KeyCost]:
-        device = source == "device"
+    def _eager_times(self, adapter: str, keys: Sequence[Signature], device: bool) -> _EagerTimes:
+        """Each key's eager time: the mean of its later calls; with none, of its first calls,
+        scaled by what the encoder's keys with both say of a first call (their median of
+        later mean over first mean, at most 1)."""
         later_times = self.eager_dev if device else self.eager
         first_times = self.eager_first_dev if device else self.eager_first
-        replay_times = self.replay_dev if device else self.replay
-
-        def mean(values: Sequence[float] | None) -> float | None:
-            return sum(values) / len(values) if values else None
-
-        # A key's eager time: the mean of its later calls; with none, its first calls,
-        # scaled by what the encoder's keys with both say of a first call (their median of
-        # later mean over first mean, at most 1).
-        later = {key: mean(later_times.get((adapter, key.inputs))) for key in keys}
-        first = {key: mean(first_times.get((adapter, key.inputs))) for key in keys}
+        later = {key: _mean(later_times.get((adapter, key.inputs))) for key in keys}
+        first = {key: _mean(first_times.get((adapter, key.inputs))) for key in keys}
         if not any(t is not None for t in (*later.values(), *first.values())):
             # The encoder's first calls are all it ran eagerly: they are what is known.
             cold_times = self.eager_cold_dev if device else self.eager_cold
-            first = {key: mean(cold_times.get((adapter, key.inputs))) for key in keys}
+            first = {key: _mean(cold_times.get((adapter, key.inputs))) for key in keys}
         scales = sorted(
             min(1.0, w / f)
             for key in keys
             if (w := later[key]) is not None and (f := first[key]) is not None and f > 0
         )
         scale = scales[len(scales) // 2] if scales else None
-        eager: dict[Signature, float | None] = {}
-        scaled: set[Signature] = set()
-        uncorrected: set[Signature] = set()
+        times = _EagerTimes({}, set(), set(), {key for key in keys if later[key] is not None})
         for key in keys:
             w, f = later[key], first[key]
             if w is not None:
-                eager[key] = w
+                times.eager[key] = w
             elif f is not None and scale is not None:
-                eager[key] = f * scale
-                scaled.add(key)
+                times.eager[key] = f * scale
+                times.scaled.add(key)
             else:
-                eager[key] = f
+                times.eager[key] = f
                 if f is not None:
-                    uncorrected.add(key)
+                    times.uncorrected.add(key)
+        return times
+
+    def _costs(
+        self, adapter: str, keys: Sequence[Signature], source: str
+    ) -> dict[Signature, KeyCost]:
+        replay_times = self.replay_dev if source == "device" else self.replay
+        times = self._eager_times(adapter, keys, source == "device")
+        eager, mean = times.eager, _mean
         replay = {key: mean(replay_times.get((adapter, key))) for key in keys}
         # The replay-to-eager ratio of keys with both, weighted by their replays: from keys
         # whose eager time is measured after their first call when any of them replayed.
         both = [key for key in keys if eager[key] is not None and replay_times.get((adapter, key))]
-        measured = [key for key in both if later[key] is not None] or both
+        measured = [key for key in both if key in times.measured] or both
         replay_total = eager_equiv = 0.0
         for key in measured:
-            e, times = eager[key], replay_times[(adapter, key)]
+            e, replays = eager[key], replay_times[(adapter, key)]
             assert e is not None
-            replay_total += sum(times)
-            eager_equiv += len(times) * e
+            replay_total += sum(replays)
+            eager_equiv += len(replays) * e
         ratio = replay_total / eager_equiv if eager_equiv > 0 else None
         # Bytes per input element of the keys captured, for the keys never captured.
         size = {key: self.sizes.get((adapter, key)) for key in keys}
@@ -597,7 +595,7 @@ class _Builder:
         costs: dict[Signature, KeyCost] = {}
         for key in keys:
             e, r = eager[key], replay[key]
-            estimated_time = key in scaled
+            estimated_time = key in times.scaled
             if e is None and r is None and typical is not None:
                 # Neither time measured (a device timing never resolved): the encoder's
                 # typical eager time stands in.
@@ -613,9 +611,26 @@ class _Builder:
             else:
                 capture_bytes, estimated_bytes = round(per_element * _numel(key)), True
             costs[key] = KeyCost(
-                e, r, capture_bytes, estimated_time, estimated_bytes, key in uncorrected
+                e, r, capture_bytes, estimated_time, estimated_bytes, key in times.uncorrected
             )
         return costs
+
+
+@dataclass(frozen=True, slots=True)
+class _EagerTimes:
+    """An encoder's eager time per key (None: no eager call), and how each was had."""
+
+    eager: dict[Signature, float | None]
+    scaled: set[Signature]
+    """Keys whose time is their first calls' scaled by the encoder's other keys."""
+    uncorrected: set[Signature]
+    """Keys whose time is their first calls', with nothing to scale it by."""
+    measured: set[Signature]
+    """Keys with eager calls after their first."""
+
+
+def _mean(values: Sequence[float] | None) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _numel(signature: Signature) -> int:
