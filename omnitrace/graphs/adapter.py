@@ -208,6 +208,7 @@ class EncoderCudaGraph:
         self._phase = _SERVING
         self._skip_profiling = config.skip_profiling
         self._paused = False
+        self._split_items = config.split_items
         self._compiled: Callable[..., Any] | None = None
         # Set once serving starts inside an engine whose compiled ops forbid a compile beside
         # them (vLLM): later shapes are captured from the eager forward.
@@ -293,6 +294,33 @@ class EncoderCudaGraph:
         if not isinstance(paused, bool):
             raise ConfigError(f"paused: expected a bool, got {paused!r}")
         self._paused = paused
+
+    @property
+    def split_items(self) -> bool:
+        """Whether an integration whose calls carry several items (a step's images or clips)
+        serves them one call each: ``encoder_cuda_graph_split_items``, or
+        :meth:`set_split_items` since. Plain encoders ignore it."""
+        return self._split_items
+
+    def set_split_items(self, split: bool) -> None:
+        """Serve a call's items one call each (``True``) or as one batch (``False``) from the
+        next call on, where the integration splits items; the adapter's registered
+        ``items`` fact follows. For side-by-side measurements in one engine, as
+        :meth:`pause_graphs`.
+
+        Args:
+            split: True to split, False to batch.
+
+        Raises:
+            ConfigError: ``split`` is not a bool.
+        """
+        if not isinstance(split, bool):
+            raise ConfigError(f"split: expected a bool, got {split!r}")
+        self._split_items = split
+        bus = self._bus
+        info = None if bus is None else bus.adapters().get(self.name)
+        if bus is not None and info is not None and "items" in info:
+            bus.register_adapter(self.name, {**info, "items": "split" if split else "batched"})
 
     def set_phase(self, phase: Phase | str) -> None:
         """Tag later events with ``phase``; with ``skip_profiling``, ``profiling`` calls stay

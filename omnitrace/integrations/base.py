@@ -243,7 +243,7 @@ def describe_items(graph: EncoderCudaGraph) -> None:
     if bus is None:
         return
     info = dict(bus.adapters().get(graph.name, {}))
-    info["items"] = "split" if graph.config.split_items else "batched"
+    info["items"] = "split" if graph.split_items else "batched"
     bus.register_adapter(graph.name, info)
 
 

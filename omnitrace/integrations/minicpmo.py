@@ -307,7 +307,6 @@ class _AudioBatchMethod:
     def __init__(self, model: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
         self._model = model
         self._graph = graph
-        self._split = graph.config.split_items
         self.original = original
 
     def __call__(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +336,7 @@ class _AudioBatchMethod:
         if isinstance(lens_raw, torch.Tensor):
             lens_raw = lens_raw.unbind(0)
         lens = torch.hstack(lens_raw)
-        slices = self._slices_alone(features, lens) if self._split else None
+        slices = self._slices_alone(features, lens) if self._graph.split_items else None
         if slices is None:
             wavforms = _padded_features(features)
             audio_embeds = encode_audio(

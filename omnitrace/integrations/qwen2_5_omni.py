@@ -158,7 +158,6 @@ class _VisionForward:
     def __init__(self, visual: Any, graph: EncoderCudaGraph, original: Callable[..., Any]):
         self._visual = visual
         self._graph = graph
-        self._split = graph.config.split_items
         self.original = original
 
     def __call__(
@@ -185,7 +184,7 @@ class _VisionForward:
         if detail is not None:
             record_ineligible(graph, detail, x)
             return self.original(x, grid_thw, *args, encoder_metadata=encoder_metadata, **kwargs)
-        if self._split and len(grid_thw) > 1:
+        if self._graph.split_items and len(grid_thw) > 1:
             sizes = _item_rows(grid_thw, x.shape[0])
             if sizes is not None:
                 # One call per image: each image's rows, its own grid row and metadata.
@@ -307,7 +306,6 @@ class _AudioForward:
         self._graph = graph
         self._seam = seam
         self._masked = masked is not None
-        self._split = graph.config.split_items
         self._stack = _audio_stack(original)
         self.original = original
 
@@ -330,7 +328,7 @@ class _AudioForward:
         if detail is not None:
             record_ineligible(graph, detail, input_features)
             return self.original(input_features, feature_lens, aftercnn_lens, **kwargs)
-        if self._split and feature_lens.dim() == 1 and len(feature_lens) > 1:
+        if self._graph.split_items and feature_lens.dim() == 1 and len(feature_lens) > 1:
             frames = [int(n) for n in feature_lens.tolist()]
             if min(frames) > 0 and sum(frames) == input_features.shape[-1]:
                 # One call per clip: its frames and its length; the outputs in clip order.

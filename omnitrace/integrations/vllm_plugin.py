@@ -38,10 +38,12 @@ __all__ = [
     "PluginError",
     "api_log_path",
     "language_model_graph_notice",
+    "items_split",
     "pause_graphs",
     "profiling_phase",
     "register",
     "request_bus",
+    "split_items",
     "time_requests",
     "worker_bus",
 ]
@@ -504,6 +506,26 @@ def graphs_paused(worker: Any = None) -> dict[str, bool]:
     """Whether each adapter attached in this process has its graphs paused, by name (the
     worker first and unused, as :func:`pause_graphs` takes it)."""
     return {adapter.name: adapter.graphs_paused for adapter in list(_attached)}
+
+
+def split_items(worker: Any = None, split: bool = True) -> int:
+    """Serve a call's items one call each (or, with ``split=False``, as one batch) in every
+    adapter attached in this process whose integration splits items; return how many
+    adapters were set (all attached, as :func:`pause_graphs`).
+
+    Made for ``llm.collective_rpc(split_items, args=(True,))``: a benchmark alternates passes
+    with ``encoder_cuda_graph_split_items`` off and on in one engine (the worker first, unused).
+    """
+    adapters = list(_attached)
+    for adapter in adapters:
+        adapter.set_split_items(split)
+    return len(adapters)
+
+
+def items_split(worker: Any = None) -> dict[str, bool]:
+    """Whether each adapter attached in this process splits a call's items, by name (the
+    worker first and unused, as :func:`split_items` takes it)."""
+    return {adapter.name: adapter.split_items for adapter in list(_attached)}
 
 
 def time_requests(worker: Any = None, enabled: bool = True) -> bool:

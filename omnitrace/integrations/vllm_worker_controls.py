@@ -5,7 +5,13 @@ on in a running server")."""
 from __future__ import annotations
 
 from omnitrace._validate import check_flag
-from omnitrace.integrations.vllm_plugin import graphs_paused, pause_graphs, time_requests
+from omnitrace.integrations.vllm_plugin import (
+    graphs_paused,
+    items_split,
+    pause_graphs,
+    split_items,
+    time_requests,
+)
 
 #: The value of ``--worker-extension-cls`` that adds these methods to vLLM's workers.
 QUALNAME = "omnitrace.integrations.vllm_worker_controls.WorkerControls"
@@ -30,6 +36,20 @@ class WorkerControls:
     def omnitrace_graphs_paused(self) -> dict[str, bool]:
         """Whether each adapter attached in this worker has its graphs paused, by name."""
         return graphs_paused(self)
+
+    def omnitrace_split_items(self, split: object = True) -> int:
+        """Serve a call's images or clips one call each (``true``) or as one batch
+        (``false``) in every adapter of this worker, as ``encoder_cuda_graph_split_items``
+        does at start-up; return how many adapters that was.
+
+        Raises:
+            ConfigError: ``split`` is neither true nor false.
+        """
+        return split_items(self, check_flag("split", split))
+
+    def omnitrace_items_split(self) -> dict[str, bool]:
+        """Whether each adapter attached in this worker splits a call's items, by name."""
+        return items_split(self)
 
     def omnitrace_time_requests(self, enabled: object = True) -> bool:
         """Switch this worker's per-request timing (its encoder-step hooks) on or off; return

@@ -26,9 +26,10 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
     """Paused, every adapter of the worker says so and the server keeps serving (on a CPU its
     calls are ``ineligible`` misses, detail ``cpu``, either way; the H200 benchmark checks the
     ``paused`` misses); a value that is not a flag is refused with omnitrace's message and
-    changes nothing; resumed, none is paused. omnitrace's route beside vLLM's switches the
-    API server's request timing, and names it: the request served while it is off has no
-    event."""
+    changes nothing; resumed, none is paused. Switched by name, a prompt's two images go
+    to the vision tower one call each, where before they went in one. omnitrace's route
+    beside vLLM's switches the API server's request timing, and names it: the request
+    served while it is off has no event."""
     import httpx
     import openai
 
@@ -42,17 +43,20 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         model = client.models.list().data[0].id
 
-        def ask(seed: int) -> str:
-            picture = data_url("image/png", png(image(seed, 252, 252)))
+        def ask(seed: int, images: int = 1) -> str:
+            pictures = [
+                {
+                    "type": "image_url",
+                    "image_url": {"url": data_url("image/png", png(image(seed + i, 252, 252)))},
+                }
+                for i in range(images)
+            ]
             reply = client.chat.completions.create(
                 model=model,
                 messages=[
                     {
                         "role": "user",
-                        "content": [
-                            {"type": "image_url", "image_url": {"url": picture}},
-                            {"type": "text", "text": "Describe it."},
-                        ],
+                        "content": [*pictures, {"type": "text", "text": "Describe them."}],
                     }
                 ],
                 max_tokens=2,
@@ -88,6 +92,14 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
         assert rpc("omnitrace_graphs_paused") == {"vision": False, "audio": False}
         asked.append(ask(3))
 
+        # Two images in one prompt: one vision call batched; two calls once split by name.
+        asked.append(ask(10, images=2))
+        assert rpc("omnitrace_items_split") == {"vision": False, "audio": False}
+        assert rpc("omnitrace_split_items", True) == "2"
+        assert rpc("omnitrace_items_split") == {"vision": True, "audio": True}
+        asked.append(ask(20, images=2))
+        assert rpc("omnitrace_split_items", False) == "2"
+
         # The API server's request timing, switched by omnitrace's route beside vLLM's.
         def timing(value: object) -> httpx.Response:
             return httpx.post(
@@ -113,3 +125,13 @@ def test_collective_rpc_pauses_and_resumes_the_graphs_by_name(
     ]
     assert sorted(timed) == sorted(asked), (timed, asked)
     assert untimed not in timed
+    # The worker's vision calls by the images each held (its cu_seqlens: one more entry).
+    held = [
+        event["signature"]["inputs"][6]["shape"][0] - 1
+        for event in map(json.loads, server.log.read_text().splitlines())
+        if event.get("adapter") == "vision"
+        and event["type"] in ("GraphMissed", "GraphReplayed")
+        and event.get("phase") == "serving"
+    ]
+    # Three prompts of one image, the batched pair, the split pair, then two of one image.
+    assert held == [1, 1, 1, 2, 1, 1, 1, 1], held

@@ -84,3 +84,56 @@ def test_request_timing_switch_by_name_returns_the_previous_state() -> None:
         assert worker.omnitrace_time_requests(True) is False
     finally:
         set_request_timing(before)
+
+
+def test_split_items_by_name_switches_how_a_tower_serves_a_calls_items(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Qwen2.5-Omni stand-in's towers, attached batched: switched to split by name, a call
+    of three clips is three adapter calls and the registered ``items`` fact says split;
+    switched back, one call; a word that is not a flag is refused by name."""
+    from integrations.qwen_standins import audio_batch, build
+    from omnitrace import EventBus
+    from omnitrace.integrations.qwen2_5_omni import instrument
+
+    bus = EventBus()
+    try:
+        model = build(encoder_cuda_graph_min_free_bytes=0)
+        result = instrument(model, bus=bus, backend=SimulatedGraphBackend())
+        graphs = [result.vision, result.audio]
+        monkeypatch.setattr(vllm_plugin, "_attached", weakref.WeakSet(graphs))
+        worker = WorkerControls()
+        data = audio_batch([23, 7, 10])
+        audio = result.audio
+        assert audio is not None
+
+        def calls() -> int:
+            stats = audio.get_cumulative_stats()
+            return int(stats["graph_hits"] + stats["graph_misses"])
+
+        assert worker.omnitrace_items_split() == {"vision": False, "audio": False}
+        assert worker.omnitrace_split_items("true") == 2
+        assert worker.omnitrace_items_split() == {"vision": True, "audio": True}
+        assert bus.adapters()["audio"]["items"] == "split"
+        with torch.no_grad():
+            before = calls()
+            model._process_audio_input(data)
+            assert calls() - before == 3
+            assert worker.omnitrace_split_items(False) == 2
+            before = calls()
+            model._process_audio_input(data)
+            assert calls() - before == 1
+        assert bus.adapters()["audio"]["items"] == "batched"
+        with pytest.raises(ValueError, match="split: expected true or false"):
+            worker.omnitrace_split_items("both")
+    finally:
+        bus.close()
+
+
+def test_an_adapter_refuses_a_split_that_is_not_a_bool() -> None:
+    graph = EncoderCudaGraph(lambda x: x * 2, name="vision", backend=SimulatedGraphBackend())
+    assert graph.split_items is False
+    with pytest.raises(ConfigError, match=r"^split: expected a bool, got 1$"):
+        graph.set_split_items(1)  # type: ignore[arg-type]
+    graph.set_split_items(True)
+    assert graph.split_items is True
