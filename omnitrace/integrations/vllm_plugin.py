@@ -496,9 +496,14 @@ def pause_graphs(worker: Any = None, paused: bool = True) -> int:
     same kind in one engine, so that drift hits both alike. Paused calls are ``ineligible``
     misses, detail ``paused``; graphs, history and pools are kept.
     """
+    return _each(lambda adapter: adapter.pause_graphs(paused))
+
+
+def _each(change: Callable[[EncoderCudaGraph], None]) -> int:
+    """Apply ``change`` to every adapter attached in this process; return how many."""
     adapters = list(_attached)
     for adapter in adapters:
-        adapter.pause_graphs(paused)
+        change(adapter)
     return len(adapters)
 
 
@@ -516,10 +521,7 @@ def split_items(worker: Any = None, split: bool = True) -> int:
     Made for ``llm.collective_rpc(split_items, args=(True,))``: a benchmark alternates passes
     with ``encoder_cuda_graph_split_items`` off and on in one engine (the worker first, unused).
     """
-    adapters = list(_attached)
-    for adapter in adapters:
-        adapter.set_split_items(split)
-    return len(adapters)
+    return _each(lambda adapter: adapter.set_split_items(split))
 
 
 def items_split(worker: Any = None) -> dict[str, bool]:

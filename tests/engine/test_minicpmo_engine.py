@@ -73,20 +73,26 @@ def _first_shape(event: dict[str, Any]) -> list[int]:
     return shape
 
 
-@pytest.fixture(scope="module")
-def served(minicpmo_checkpoint: Path, engine_dir: Path, runner: str) -> Served:
-    """An engine with the plugin on and its event log."""
-    out = engine_dir / f"minicpmo-on-{runner}"
+def _plugin_engine(checkpoint: Path, out: Path, runner: str, overrides: dict[str, Any]) -> Served:
+    """An engine with the plugin on, ``overrides`` its ``--hf-overrides``, and its event log."""
     run = run_engine(
-        minicpmo_checkpoint,
+        checkpoint,
         out,
         env=engine_environment(
             OMNITRACE_EVENTS_LOG=str(out / "events-{rank}-{pid}.jsonl"), **runner_env(runner)
         ),
-        overrides=OVERRIDES,
+        overrides=overrides,
         args=_args(),
     )
     return Served(run, only_log(out, run))
+
+
+@pytest.fixture(scope="module")
+def served(minicpmo_checkpoint: Path, engine_dir: Path, runner: str) -> Served:
+    """An engine with the plugin on and its event log."""
+    return _plugin_engine(
+        minicpmo_checkpoint, engine_dir / f"minicpmo-on-{runner}", runner, OVERRIDES
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,16 +171,9 @@ def test_outputs_with_omnitrace_equal_outputs_without(
 def split(minicpmo_checkpoint: Path, engine_dir: Path, runner: str) -> Served:
     """The plugin's engine with encoder_cuda_graph_split_items: one audio call per clip."""
     out = engine_dir / f"minicpmo-split-{runner}"
-    run = run_engine(
-        minicpmo_checkpoint,
-        out,
-        env=engine_environment(
-            OMNITRACE_EVENTS_LOG=str(out / "events-{rank}-{pid}.jsonl"), **runner_env(runner)
-        ),
-        overrides={**OVERRIDES, "encoder_cuda_graph_split_items": True},
-        args=_args(),
+    return _plugin_engine(
+        minicpmo_checkpoint, out, runner, {**OVERRIDES, "encoder_cuda_graph_split_items": True}
     )
-    return Served(run, only_log(out, run))
 
 
 def test_split_items_serves_each_clip_alone_at_its_own_length(
