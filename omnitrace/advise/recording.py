@@ -191,7 +191,11 @@ class Recording:
 
     def seldom_calls(self, min_calls: int) -> int:
         """Eligible calls, all workers, of keys their worker called fewer than ``min_calls``
-        times: calls no setting with that ``min_capture_calls`` serves from a graph."""
+        times: calls no setting with that ``min_capture_calls`` serves from a graph.
+
+        Args:
+            min_calls: the ``min_capture_calls`` of the setting.
+        """
         total = 0
         for sequence in self.sequences.values():
             ids = sequence.ids[(sequence.flags & ELIGIBLE) != 0]

@@ -18,7 +18,11 @@ the misses' details moved into the shared encoder summary: `replay --json` gaine
 encoder's `miss_details` (`top --json` printed them already, and prints the same), recorded
 as the old outputs with that key added, checked to differ in nothing else. Then `advise`
 gained a note counting the recommended setting's warm-up calls: its outputs are the old ones
-with that note added, checked to differ in nothing else. Run it
+with that note added, checked to differ in nothing else. Then `advise` took a key's eager
+time from its calls after the first (a worker's first call of an encoder never), and gained
+a `seldom shapes:` note: its outputs were recorded again and checked, setting by setting, to
+differ only in the time saved, the order of settings the saving ranks alike (the
+recommendation is the same in every scenario) and the notes. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
