@@ -313,7 +313,7 @@ class _Builder:
         # Eager times by encoder and inputs, whatever the stream: an ineligible call (graphs
         # paused, say) runs the same forward as a miss of its key. A worker's first eager
         # call of a key is kept apart: it carries one-off costs (the device's kernels loaded
-        # on first launch, allocator growth), 2-30x a later call of the same key on an H200.
+        # on first launch, allocator growth): 1.5-5x a later call of the same key on an H200.
         self.eager: dict[tuple[str, _Inputs], Any] = {}
         self.eager_dev: dict[tuple[str, _Inputs], Any] = {}
         self.eager_first: dict[tuple[str, _Inputs], Any] = {}
@@ -321,8 +321,8 @@ class _Builder:
         self.eager_seen: set[tuple[Worker, str, _Inputs]] = set()
         self.eager_seen_dev: set[tuple[Worker, str, _Inputs]] = set()
         # A worker's first eager call of an encoder pays most of the one-off costs (on an
-        # H200, 0.6-2 s where later first calls of a key took 40-120 ms): never a key's cost
-        # while the encoder has another eager time.
+        # H200, 0.19-1.97 s where other keys' first calls took 20-220 ms): never a key's
+        # cost while the encoder has another eager time.
         self.eager_cold: dict[tuple[str, _Inputs], Any] = {}
         self.eager_cold_dev: dict[tuple[str, _Inputs], Any] = {}
         self.cold_seen: set[tuple[Worker, str, bool]] = set()
