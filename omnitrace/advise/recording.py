@@ -310,22 +310,9 @@ class _Builder:
     def __init__(self) -> None:
         self.workers: dict[Worker, _Worker] = {}
         self.infos: dict[str, Mapping[str, Any]] = {}
-        # Eager times by encoder and inputs, whatever the stream: an ineligible call (graphs
-        # paused, say) runs the same forward as a miss of its key. A worker's first eager
-        # call of a key is kept apart: it carries one-off costs (the device's kernels loaded
-        # on first launch, allocator growth): 1.5-5x a later call of the same key on an H200.
-        self.eager: dict[tuple[str, _Inputs], Any] = {}
-        self.eager_dev: dict[tuple[str, _Inputs], Any] = {}
-        self.eager_first: dict[tuple[str, _Inputs], Any] = {}
-        self.eager_first_dev: dict[tuple[str, _Inputs], Any] = {}
-        self.eager_seen: set[tuple[Worker, str, _Inputs]] = set()
-        self.eager_seen_dev: set[tuple[Worker, str, _Inputs]] = set()
-        # A worker's first eager call of an encoder pays most of the one-off costs (on an
-        # H200, 0.19-1.97 s where other keys' first calls took 20-220 ms): never a key's
-        # cost while the encoder has another eager time.
-        self.eager_cold: dict[tuple[str, _Inputs], Any] = {}
-        self.eager_cold_dev: dict[tuple[str, _Inputs], Any] = {}
-        self.cold_seen: set[tuple[Worker, str, bool]] = set()
+        # Eager times by encoder and inputs, in host and in device time (_EagerStore).
+        self.eager_host = _EagerStore()
+        self.eager_device = _EagerStore()
         self.replay: dict[tuple[str, Signature], Any] = {}
         self.replay_dev: dict[tuple[str, Signature], Any] = {}
         self.sizes: dict[tuple[str, Signature], list[int]] = {}
@@ -354,19 +341,13 @@ class _Builder:
                 self.device_timed.add(item.adapter)
                 # Its keys' costs are device times from now on: the host times would never
                 # be read, and they are as many as the calls.
-                stores: tuple[dict[tuple[str, Any], Any], ...] = (
-                    self.eager,
-                    self.eager_first,
-                    self.eager_cold,
-                    self.replay,
-                )
-                for store in stores:
-                    for stale in [key for key in store if key[0] == item.adapter]:
-                        del store[stale]
+                self.eager_host.drop(item.adapter)
+                for stale in [key for key in self.replay if key[0] == item.adapter]:
+                    del self.replay[stale]
             if item.kind == "replay":
                 _append(self.replay_dev, ident, item.device_s)
             else:
-                self._eager(worker, item.adapter, item.signature, item.device_s, device=True)
+                self.eager_device.add(worker, item.adapter, item.signature.inputs, item.device_s)
         elif isinstance(item, ev.GraphCaptured):
             size = item.bytes_reserved + item.static_bytes
             self.sizes.setdefault(ident, []).append(size)
@@ -403,7 +384,7 @@ class _Builder:
                     details = self.ineligible[adapter] = {}
                 details[item.detail] = details.get(item.detail, 0) + 1
             if item.duration_s is not None and host:
-                self._eager(record.source, adapter, signature, item.duration_s, device=False)
+                self.eager_host.add(record.source, adapter, signature.inputs, item.duration_s)
         if eligible and signature.stream is not None:
             counts = self.streams.get((adapter, signature.device))
             if counts is None:
@@ -422,23 +403,6 @@ class _Builder:
             | (PROFILING if profiling or skipped else 0)
             | (_SKIPPED if skipped else 0)
         )
-
-    def _eager(
-        self, worker: Worker, adapter: str, signature: Signature, value: Any, *, device: bool
-    ) -> None:
-        """Record one eager time of ``signature``'s inputs: apart if it is the worker's first."""
-        seen = self.eager_seen_dev if device else self.eager_seen
-        place = (worker, adapter, signature.inputs)
-        if place in seen:
-            store = self.eager_dev if device else self.eager
-        elif (worker, adapter, device) not in self.cold_seen:
-            self.cold_seen.add((worker, adapter, device))
-            seen.add(place)
-            store = self.eager_cold_dev if device else self.eager_cold
-        else:
-            seen.add(place)
-            store = self.eager_first_dev if device else self.eager_first
-        _append(store, (adapter, signature.inputs), value)
 
     def _key(self, adapter: str, signature: Signature, skipped: bool) -> Signature:
         """The key of a call: a call kept out of admission has no stream, so it gets the
@@ -540,14 +504,12 @@ class _Builder:
         """Each key's eager time: the mean of its later calls; with none, of its first calls,
         scaled by what the encoder's keys with both say of a first call (their median of
         later mean over first mean, at most 1)."""
-        later_times = self.eager_dev if device else self.eager
-        first_times = self.eager_first_dev if device else self.eager_first
-        later = {key: _mean(later_times.get((adapter, key.inputs))) for key in keys}
-        first = {key: _mean(first_times.get((adapter, key.inputs))) for key in keys}
+        store = self.eager_device if device else self.eager_host
+        later = {key: _mean(store.later.get((adapter, key.inputs))) for key in keys}
+        first = {key: _mean(store.first.get((adapter, key.inputs))) for key in keys}
         if not any(t is not None for t in (*later.values(), *first.values())):
             # The encoder's first calls are all it ran eagerly: they are what is known.
-            cold_times = self.eager_cold_dev if device else self.eager_cold
-            first = {key: _mean(cold_times.get((adapter, key.inputs))) for key in keys}
+            first = {key: _mean(store.cold.get((adapter, key.inputs))) for key in keys}
         scales = sorted(
             min(1.0, w / f)
             for key in keys
@@ -618,6 +580,43 @@ class _Builder:
                 e, r, capture_bytes, estimated_time, estimated_bytes, key in times.uncorrected
             )
         return costs
+
+
+class _EagerStore:
+    """One time source's eager times by encoder and inputs, whatever the stream: an
+    ineligible call (graphs paused, say) runs the same forward as a miss of its key.
+
+    A worker's first eager call of a key carries one-off costs (the device's kernels loaded
+    on first launch, allocator growth): 1.5-5x a later call of the same key on an H200. Its
+    first eager call of an encoder pays most of them (0.19-1.97 s there, where other keys'
+    first calls took 20-220 ms). So each call goes to one of three stores: ``cold`` (the
+    worker's first of the encoder), ``first`` (its first of the key) and ``later``.
+    """
+
+    __slots__ = ("_encoders", "_keys", "cold", "first", "later")
+
+    def __init__(self) -> None:
+        self.cold: dict[tuple[str, _Inputs], Any] = {}
+        self.first: dict[tuple[str, _Inputs], Any] = {}
+        self.later: dict[tuple[str, _Inputs], Any] = {}
+        self._keys: set[tuple[Worker, str, _Inputs]] = set()
+        self._encoders: set[tuple[Worker, str]] = set()
+
+    def add(self, worker: Worker, adapter: str, inputs: _Inputs, value: Any) -> None:
+        """Record one eager time of ``adapter``'s call with ``inputs`` in ``worker``."""
+        if (worker, adapter, inputs) in self._keys:
+            store = self.later
+        else:
+            self._keys.add((worker, adapter, inputs))
+            store = self.first if (worker, adapter) in self._encoders else self.cold
+            self._encoders.add((worker, adapter))
+        _append(store, (adapter, inputs), value)
+
+    def drop(self, adapter: str) -> None:
+        """Forget ``adapter``'s times (its costs are read from the other source now)."""
+        for store in (self.cold, self.first, self.later):
+            for stale in [key for key in store if key[0] == adapter]:
+                del store[stale]
 
 
 @dataclass(frozen=True, slots=True)
