@@ -1,7 +1,6 @@
 """Shared plumbing of the benchmarks: run context, statistics, targets, JSON, plots.
 
-A benchmark module has ``NAME``, ``NEEDS_CUDA``, ``run(ctx) -> dict`` and maybe ``plot``.
-"""
+A benchmark module has ``NAME``, ``NEEDS_CUDA``, ``run(ctx) -> dict`` and maybe ``plot``."""
 
 from __future__ import annotations
 
@@ -328,8 +327,7 @@ def write_partial(ctx: Context, name: str, result: dict[str, Any]) -> Path:
     """Write what benchmark ``name`` measured so far as ``<out>/<name>.json``, status partial
     (a killed run keeps it; one that raises keeps it with status ``error``)."""
     ctx.partials[name] = result
-    environment = ctx.environment or {}
-    payload = dict(benchmark=name, environment=environment, status="partial", error=None)
+    payload = dict(benchmark=name, environment=ctx.environment or {}, status="partial", error=None)
     return write_json(ctx.out_dir / f"{name}.json", {**payload, "result": result})
 
 

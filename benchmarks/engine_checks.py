@@ -1,6 +1,5 @@
 """The engine benchmark's readings and checks: what the workers' event logs say, and the
-targets and figures of each model's results against eager.
-"""
+targets and figures of each model's results against eager."""
 
 from __future__ import annotations
 
@@ -72,9 +71,8 @@ def _fold_log(
                 reason = str(event.get("reason"))
                 mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
             elif kind == "DeviceTimed":
-                device[event["adapter"]] = device.get(event["adapter"], 0.0) + float(
-                    event["device_s"]
-                )
+                name = event["adapter"]
+                device[name] = device.get(name, 0.0) + float(event["device_s"])
 
 
 def line_counts(paths: Sequence[Path]) -> dict[Path, int]:
@@ -121,10 +119,8 @@ _CALL_FIELDS = ("type", "adapter", "duration_s", "reason", "phase", "signature")
 
 def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None:
     """Encoder device seconds in each log's events after its first ``skip`` lines: the most
-    of any worker (tensor-parallel ranks run their encoders side by side).
-
-    None when there are none: device timing needs CUDA events, so a CPU run has no figure.
-    """
+    of any worker (tensor-parallel ranks run their encoders side by side); None when there
+    are none: device timing needs CUDA events, so a CPU run has no figure."""
     per_worker = []
     for path in paths:
         with path.open(encoding="utf-8") as lines:

@@ -91,10 +91,9 @@ def split(client_ttft_s: float, engine: Mapping[str, float] | None) -> dict[str,
     engine's figures; None without figures."""
     if engine is None:
         return None
-    rendering = engine["engine_ttft"] - engine["queue"] - engine["prefill"]
     return {
         "outside": client_ttft_s - engine["engine_ttft"],
-        "rendering": rendering,
+        "rendering": engine["engine_ttft"] - engine["queue"] - engine["prefill"],
         "queue": engine["queue"],
         "prefill": engine["prefill"],
     }
@@ -103,8 +102,7 @@ def split(client_ttft_s: float, engine: Mapping[str, float] | None) -> dict[str,
 def mean_phases_ms(samples: Iterable[Mapping[str, float] | None]) -> dict[str, float] | None:
     """The mean of each phase over ``samples`` in milliseconds (means add up to the mean
     TTFT, which medians would not); None when any sample lacks figures."""
-    present = _every(samples)
-    if present is None:
+    if (present := _every(samples)) is None:
         return None
     return {p: 1e3 * math.fsum(s[p] for s in present) / len(present) for p in PHASES}
 
@@ -112,8 +110,7 @@ def mean_phases_ms(samples: Iterable[Mapping[str, float] | None]) -> dict[str, f
 def engine_ttft_p50_ms(samples: Iterable[Mapping[str, float] | None]) -> float | None:
     """The median of vLLM's own TTFT (rendering, queue and prefill: from the request's arrival
     at the renderer) over ``samples`` in milliseconds; None when any sample lacks figures."""
-    present = _every(samples)
-    if present is None:
+    if (present := _every(samples)) is None:
         return None
     return 1e3 * statistics.median(s["rendering"] + s["queue"] + s["prefill"] for s in present)
 
@@ -163,8 +160,7 @@ def phase_table(
     the engine's part by both; and what could not be found (``problems``)."""
     rows: dict[str, Any] = {}
     problems = []
-    kinds = sorted({c.kind for c in completions})
-    for kind in kinds:
+    for kind in sorted({c.kind for c in completions}):
         mine = [c for c in completions if c.kind == kind]
         found = [views[c.request_id] for c in mine if c.request_id in views]
         if len(found) != len(mine):

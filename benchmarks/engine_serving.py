@@ -1,6 +1,5 @@
 """What the engine benchmark serves: the configurations and models compared, the seeded
-traffic of request kinds, one ``vllm serve`` and the passes its OpenAI clients send.
-"""
+traffic of request kinds, one ``vllm serve`` and the passes its OpenAI clients send."""
 
 from __future__ import annotations
 
@@ -103,11 +102,9 @@ class RequestKind:
 
 
 def request_kinds(scale: str, model_kind: str = "qwen2_5_omni") -> list[RequestKind]:
-    """The traffic mix's kinds; smaller images and clips on the CPU scales.
-
-    MiniCPM-o's images are sized by their slices of 448 px: one (the overview only), 2, 4, 6
-    and 9 slices beside the overview.
-    """
+    """The traffic mix's kinds; smaller images and clips on the CPU scales. MiniCPM-o's images
+    are sized by their slices of 448 px: one (the overview only), 2, 4, 6 and 9 slices beside
+    the overview."""
     if scale != "full":
         return [
             RequestKind("image-224", images=((224, 224),)),
@@ -302,13 +299,8 @@ def serving(
     )
     output = out / "serve.log"
     with output.open("wb") as sink:
-        process = subprocess.Popen(
-            command,
-            env=_environment(config, out, ctx.cuda, tp),
-            cwd=out,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
+        env = _environment(config, out, ctx.cuda, tp)
+        process = subprocess.Popen(command, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT)
     server = Server(config, process, port, output, out)
     try:
         _wait_ready(server, timeout=ctx.pick(900.0, 600.0, 600.0))

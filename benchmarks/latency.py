@@ -319,8 +319,10 @@ def run(ctx: Context) -> dict[str, Any]:
                 compile_s = sum(float(e.get("build_s", 0.0)) for e in compiling)
                 budget.shape_done(row["timings"]["total_s"] - compile_s)
                 ctx.log(_describe_row(row))
-                # A compile that failed may have left dynamo state behind as well.
-                _release(compiled=any("skipped" not in e for e in compiling))
+                # Reset dynamo after any compile, failed ones too, as a fresh process would be.
+                if any("skipped" not in e for e in compiling):
+                    torch._dynamo.reset()
+                free_cuda_memory()
                 write_partial(ctx, NAME, result())
         final = result()
     finally:
@@ -331,13 +333,6 @@ def run(ctx: Context) -> dict[str, Any]:
             f"{len(failures)} arm build(s) failed: " + "; ".join(failures)[:1000], final
         )
     return final
-
-
-def _release(*, compiled: bool) -> None:
-    """Drop the shape's objects; reset dynamo after compiles, as a fresh process would be."""
-    if compiled:
-        torch._dynamo.reset()
-    free_cuda_memory()
 
 
 def _describe_vllm(vllm: dict[str, Any]) -> str:

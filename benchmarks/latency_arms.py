@@ -150,8 +150,7 @@ def _adapter_timed(p: Point) -> Timed:
 def _adapter_vllm(p: Point) -> Timed:
     from omnitrace.graphs.backends.vllm import VllmGraphBackend
 
-    backend = VllmGraphBackend(p.run.vllm_config())
-    adapter = p.captured_adapter("vllm", backend=backend)
+    adapter = p.captured_adapter("vllm", backend=VllmGraphBackend(p.run.vllm_config()))
     return Timed(lambda: adapter(p.x), adapter=adapter)
 
 

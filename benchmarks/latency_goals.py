@@ -34,9 +34,8 @@ def _worst(
 ) -> tuple[float | None, str]:
     picked = [r for r in rows if not encoder or r["encoder"] == encoder]
     values = [r[table][key] for r in picked if r[table].get(key) is not None]
-    note = f"measured at {len(values)} of {len(picked)} shapes" + _skip_note(
-        rows, key.split("_over_")[0]
-    )
+    skipped = _skip_note(rows, key.split("_over_")[0])
+    note = f"measured at {len(values)} of {len(picked)} shapes{skipped}"
     return (max(values) * scale if values else None), note
 
 
@@ -109,10 +108,9 @@ def _checks(rows: list[dict[str, Any]], sinks: dict[str, Any]) -> list[dict[str,
     out = [target(name, err, "<=", COMPILE_TOLERANCE, "", note=note, goal="compiled")]
     name, note = "outputs match eager (bf16 tolerance), arms failing", "; ".join(mismatched)
     out.append(target(name, float(len(mismatched)), "<=", 0.0, "arms", note=note))
+    name = "timed adapter calls that were not hits"
     note = f"every adapter arm at every shape ({len(adapter_entries)} timed)"
-    out.append(
-        target("timed adapter calls that were not hits", missed, "<=", 0.0, "calls", note=note)
-    )
+    out.append(target(name, missed, "<=", 0.0, "calls", note=note))
     name = "events the production sinks dropped or failed on"
     note = "bus and per-sink drops, sinks disabled by an error, a flush that timed out" + (
         "" if lost_events is not None else f"; sinks {sinks.get('status')}"

@@ -40,11 +40,10 @@ def run(ctx: Context) -> dict[str, Any]:
     tokens = ctx.pick(1024, 1024, 64) if not ctx.simulate else max(64, 16 * (max(counts) + 1))
     shapes = [(1, tokens - 16 * i, geometry.hidden) for i in range(max(counts))]
     inputs = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
-    sync = ctx.device_sync
     with torch.no_grad():
         for x in inputs:
             model(x)
-    sync()
+    ctx.device_sync()
 
     rows: list[dict[str, Any]] = []
     for share in (True, False):

@@ -195,6 +195,7 @@ def run(ctx: Context) -> dict[str, Any]:
         bus = buses[arm]
         stats = None if bus is None else bus.statistics()
         sink_set = sinks.get(arm)
+        exported = getattr(sink_set, "spans_exported", None)
         arms[arm] = {
             "label": label,
             "sinks_requested": list(names or ()),
@@ -211,9 +212,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "dropped": None if stats is None else stats.dropped,
             "sinks": [] if stats is None else sink_rows(stats.sinks),
             "adapter_stats": {enc: a.get_cumulative_stats() for enc, a in adapters[arm].items()},
-            "spans_exported": sink_set.spans_exported()
-            if sink_set and sink_set.spans_exported
-            else None,
+            "spans_exported": exported() if exported else None,
             "jsonl_bytes": _size(getattr(sink_set, "jsonl_path", None)),
             "relay": relays.get(arm),
         }
@@ -232,19 +231,16 @@ def run(ctx: Context) -> dict[str, Any]:
     del models, hot, cold
     free_cuda_memory()
 
-    report = dict(sinks["all_sinks"].report) if "all_sinks" in sinks else {}
     loss = arms["all_sinks"]["vs_baseline"]["loss"]
     production = arms["production"]["vs_baseline"]["loss"]
     relayed = arms["production_relayed"]["vs_baseline"]["loss"]
-    on = arms["all_sinks"]["sinks_on"]
     production_on = arms["production"]["sinks_on"]
     relayed_on = arms["production_relayed"]["sinks_on"]
-    base = arms[BASELINE]["calls_per_s"]
     ctx.log(
         f"  calls/s (median of rounds): no bus {arms['no_bus']['calls_per_s']:,.0f}, "
-        f"bus {base:,.0f}; loss vs bus (median of paired rounds): "
+        f"bus {arms[BASELINE]['calls_per_s']:,.0f}; loss vs bus (median of paired rounds): "
         + ", ".join(f"{a} {arms[a]['vs_baseline']['loss'] * 100:+.2f} %" for a in arm_names[2:])
-        + f" (sinks on: {', '.join(on) or 'none'})"
+        + f" (sinks on: {', '.join(arms['all_sinks']['sinks_on']) or 'none'})"
     )
     # Every arm made the same calls: the same hits and misses per encoder.
     counts = {
@@ -265,7 +261,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "arm_order": "round r starts at arm r mod n",
         "baseline": BASELINE,
         "loss_statistic": "1 - median over rounds of (arm calls/s / baseline calls/s, same round)",
-        "sinks": report,
+        "sinks": dict(sinks["all_sinks"].report) if "all_sinks" in sinks else {},
         "arms": arms,
         "same_counts_in_every_arm": len(set(counts.values())) == 1,
         "flushed": flushed,

@@ -189,8 +189,7 @@ class SinkSet:
     def _jsonl(self, path: Path) -> str:
         from omnitrace.sinks.jsonl import JsonlSink
 
-        sink = JsonlSink(path, bus=self.bus)
-        self.bus.add_sink(sink)
+        self.bus.add_sink(JsonlSink(path, bus=self.bus))
         self.jsonl_path = path
         return f"JsonlSink({path.name})"
 

@@ -253,9 +253,8 @@ def bench_hit_path(ctx: Context) -> dict[str, Any]:
     rounds = ctx.pick(15, 7, 3)
     x = torch.randn(1, 16, 64)
     config = EncoderGraphConfig(min_free_bytes=0)
-    cpu = torch.device("cpu")
-    backend = SimulatedGraphBackend()
-    graph = backend.capture(CaptureRequest(_identity, (x,), cpu, None, None))
+    request = CaptureRequest(_identity, (x,), torch.device("cpu"), None, None)
+    graph = SimulatedGraphBackend().capture(request)
 
     names = ("no_bus", "bus", "bus_sink")
     with torch.no_grad():

@@ -1,8 +1,7 @@
 """Render benchmark JSON results as markdown tables, and refresh ``BENCHMARKS.md`` with them.
 
 ``python -m benchmarks.report DIR [--write BENCHMARKS.md]`` replaces what lies between
-``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->`` for every section X it has results for.
-"""
+``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->`` for every section X it has results for."""
 
 from __future__ import annotations
 
@@ -172,8 +171,7 @@ def markdown_sections(outputs: dict[str, dict[str, Any]], image_dir: str = "") -
             body = f"_Failed: {failed}; what it measured follows._\n\n{body}"
         if payload.get("status") == "partial":
             body = f"_Partial: the run stopped before {name} finished._\n\n{body}"
-        plots = payload.get("plots") or []
-        if plots:
+        if plots := payload.get("plots"):
             prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
             body += "\n\n" + "\n".join(f"![{name}]({prefix}{Path(p).name})" for p in plots)
         sections[name] = body

@@ -1,6 +1,5 @@
 """Run the omnitrace benchmarks of the suites named (``python -m benchmarks.run --help``), in
-this one process; write ``<out>/<name>.json``, ``summary.json`` and PNG plots; print a summary.
-"""
+this one process; write ``<out>/<name>.json``, ``summary.json`` and PNG plots; print a summary."""
 
 from __future__ import annotations
 
