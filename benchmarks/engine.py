@@ -309,9 +309,9 @@ def timing_cost_skipped(api_servers: int) -> str | None:
 def _served_pairs(
     ctx: Context, server: Server, kinds: Sequence[RequestKind], api_servers: int = 1
 ) -> dict[str, Any]:
-    """Eager and graphed requests of each kind in pairs, one at a time, in this server; then
-    request timing's cost in rounds of batches, timing off and on (not with several API
-    servers: :func:`timing_cost_skipped`)."""
+    """Eager and graphed requests of each kind in pairs, one at a time, in this server; then,
+    in rounds of batches: request timing off and on (not with several API servers:
+    :func:`timing_cost_skipped`), and a call's items as one batch and one call each."""
     client, model = openai_client(server.port)
     ctx.log(f"  {server.config.name}: graphs off and on in pairs (served_pairs)")
     base_url = f"http://127.0.0.1:{server.port}"
@@ -322,21 +322,24 @@ def _served_pairs(
         pairs=ctx.pick(8, 2, 1),
         seed=300_000,
     )
-    skipped = timing_cost_skipped(api_servers)
-    if skipped is not None:
-        ctx.log(f"  {server.config.name}: request timing's cost not measured ({skipped})")
-        pairs["timing_cost"] = None
-        pairs["timing_cost_skipped"] = skipped
-        return pairs
-    ctx.log(f"  {server.config.name}: request timing off and on in rounds (served_pairs)")
-    pairs["timing_cost"] = served_pairs.timing_cost(
-        base_url,
+    in_rounds = functools.partial(
+        served_pairs.batch_rounds,
         kinds,
         lambda kind, seed: one_request(client, model, kind, seed, 4),
         rounds=ctx.pick(cost_rounds(), 2, 1),
-        seed=400_000,
         warmup=ctx.pick(2, 0, 0),
     )
+    pairs["timing_cost_skipped"] = skipped = timing_cost_skipped(api_servers)
+    pairs["timing_cost"] = None
+    if skipped is None:
+        ctx.log(f"  {server.config.name}: request timing off and on in rounds (served_pairs)")
+        timing = functools.partial(served_pairs.time_requests, base_url)
+        pairs["timing_cost"] = in_rounds(timing, seed=400_000, after=True)
+    else:
+        ctx.log(f"  {server.config.name}: request timing's cost not measured ({skipped})")
+    ctx.log(f"  {server.config.name}: items batched and split in rounds (served_pairs)")
+    split = functools.partial(served_pairs.switch, base_url, names=served_pairs.SPLIT)
+    pairs["split_cost"] = in_rounds(split, seed=500_000, after=False)
     return pairs
 
 
@@ -355,12 +358,12 @@ def _pair_outcomes(pairs: dict[str, Any], views: dict[str, Any]) -> dict[str, An
         for step in view.steps:
             for call in step.calls:
                 half[call["outcome"]] = half.get(call["outcome"], 0) + 1
-    cost = {key: pairs.get(key) for key in ("timing_cost", "timing_cost_skipped")}
+    cost = {k: pairs.get(k) for k in ("timing_cost", "timing_cost_skipped", "split_cost")}
     return {"kinds": pairs["kinds"], "encoder_calls": outcomes, "without_event": missing, **cost}
 
 
 def cost_rounds() -> int:
-    """Counted rounds of request timing's cost at full scale
+    """Counted rounds of request timing's cost and of the split at full scale
     (``OMNITRACE_BENCH_ENGINE_COST_ROUNDS``, 16 by default; about 2 s a round at concurrency 8
     on the H200). A 1 % bar needs a 95 % interval under 1 %: about 60 rounds at a ±4 % spread.
 

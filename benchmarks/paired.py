@@ -346,12 +346,15 @@ def pairs_table(title: str, kinds: dict[str, dict[str, Any]]) -> Table:
     )
 
 
-def cost_text(cost: dict[str, Any]) -> str:
-    """Request timing's cost (:func:`cost_summary`, with ``batch``) as one sentence."""
+def cost_text(
+    cost: dict[str, Any], what: str = "Request timing's cost", halves: Sequence[str] = ("off", "on")
+) -> str:
+    """A switch's rounds (:func:`cost_summary`, with ``batch``) as one sentence: ``what``, then
+    the rates of the ``halves`` (switched off, on)."""
     return (
-        f"Request timing's cost: {cost['rounds']} rounds of a batch of {cost['batch']} "
-        f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s off, "
-        f"{cost['on_rps_p50']:.2f} on; paired change {cost['change_median_pct']:+.1f} % "
+        f"{what}: {cost['rounds']} rounds of a batch of {cost['batch']} "
+        f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s {halves[0]}, "
+        f"{cost['on_rps_p50']:.2f} {halves[1]}; paired change {cost['change_median_pct']:+.1f} % "
         f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)"
         + (
             f", mean {cost['change_mean_pct']:+.1f} ± {cost['change_ci95_pct']:.1f} % (95 %)"

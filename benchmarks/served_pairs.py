@@ -42,19 +42,26 @@ def rpc(base_url: str, method: str, *args: Any) -> list[Any]:
     return results
 
 
-def switch(base_url: str, paused: bool) -> None:
-    """Pause or resume every worker's graphs, then read the state back.
+#: :func:`switch`'s worker methods (to set, to read back) and state: graphs paused or not;
+#: a call's items split (one call each) or not.
+PAUSE = ("omnitrace_pause_graphs", "omnitrace_graphs_paused", "paused")
+SPLIT = ("omnitrace_split_items", "omnitrace_items_split", "split")
+
+
+def switch(base_url: str, value: bool, names: Sequence[str] = PAUSE) -> None:
+    """Set every worker's graphs to ``value`` (:data:`PAUSE` or :data:`SPLIT`, ``names``),
+    then read the state back from each adapter.
 
     Raises:
         SwitchError: a worker has no adapter, or one of them is not in the state asked for.
     """
-    rpc(base_url, "omnitrace_pause_graphs", paused)
-    states = rpc(base_url, "omnitrace_graphs_paused")
+    method, read, what = names
+    rpc(base_url, method, value)
+    states = rpc(base_url, read)
     if any(not isinstance(s, dict) or not s for s in states):
         raise SwitchError(f"a worker has no encoder adapter: {states}")
-    wrong = [s for s in states if any(v is not paused for v in s.values())]
-    if wrong:
-        raise SwitchError(f"asked for paused={paused}, the workers say {states}")
+    if any(v is not value for s in states for v in s.values()):
+        raise SwitchError(f"asked for {what}={value}, the workers say {states}")
 
 
 def run(
@@ -101,18 +108,20 @@ def time_requests(base_url: str, enabled: bool) -> None:
     rpc(base_url, "omnitrace_time_requests", enabled)
 
 
-def timing_cost(
-    base_url: str,
+def batch_rounds(
     kinds: Sequence[Any],
     ask: Callable[[Any, int], Any],
+    switch: Callable[[bool], None],
     *,
     rounds: int,
     seed: int,
+    after: bool,
     batch: int = COST_BATCH,
     warmup: int = 2,
 ) -> dict[str, Any]:
-    """Request timing's cost: each round a batch of ``batch`` requests in flight with timing
-    off and one with it on, the order alternating, graphs on; requests/s of each batch.
+    """Each round a batch of ``batch`` requests in flight with ``switch(False)`` and one with
+    ``switch(True)``, the order alternating; requests/s of each batch. ``switch(after)`` is
+    left in force, whatever happens.
 
     Both batches of a round carry the same kinds (new content each), so a round's change
     compares like with like; the kinds move on from round to round. ``warmup`` rounds run
@@ -129,7 +138,7 @@ def timing_cost(
         for round_ in range(-warmup, rounds):
             chosen = [kinds[(round_ * batch + i) % len(kinds)] for i in range(batch)]
             for on in (False, True) if round_ % 2 == 0 else (True, False):
-                time_requests(base_url, on)
+                switch(on)
                 start = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(batch) as pool:
                     done = [
@@ -141,7 +150,7 @@ def timing_cost(
                     rates[on].append(batch / (time.perf_counter() - start))
                 sent += batch
     finally:
-        time_requests(base_url, True)
+        switch(after)
     summary = cost_summary(rates[False], rates[True])
     return {**summary, "batch": batch, "off_rps": rates[False], "on_rps": rates[True]}
 
@@ -176,5 +185,7 @@ def tables(model: dict[str, Any]) -> list[Table]:
             table.note += f" {cost_text(cost)}, in the same server."
         elif pairs.get("timing_cost_skipped"):
             table.note += f" Request timing's cost not measured: {pairs['timing_cost_skipped']}."
+        if split := pairs.get("split_cost"):
+            table.note += f" {cost_text(split, 'One call per item', ('batched', 'split'))}."
         found.append(table)
     return found

@@ -1033,36 +1033,52 @@ def test_engine_servers_get_the_language_model_s_graph_size_on_cuda(
     assert found == [lm, {**own, **lm}]
 
 
-def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_servers(
+def test_engine_served_pairs_measure_the_split_always_and_timing_with_one_api_server(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The pairs run (``/collective_rpc`` reaches every worker); the timing switch reaches
-    one API server, so its cost is recorded as not measured, with the reason, not measured
-    wrong."""
+    """The pairs and the split rounds run (``/collective_rpc`` reaches every worker); the
+    timing switch reaches one API server, so with several its cost is recorded as not
+    measured, with the reason, not measured wrong."""
     from benchmarks import engine, served_pairs
     from benchmarks.common import Context
+    from benchmarks.paired import cost_summary
 
     model = SimpleNamespace(data=[SimpleNamespace(id="m")])
     client = SimpleNamespace(models=SimpleNamespace(list=lambda: model))
     monkeypatch.setitem(sys.modules, "openai", SimpleNamespace(OpenAI=lambda **kw: client))
     monkeypatch.setattr(served_pairs, "run", lambda *a, **kw: {"kinds": {}, "requests": []})
+    calls = _fake_workers(monkeypatch)
+    timed: list[bool] = []
+    monkeypatch.setattr(served_pairs, "time_requests", lambda url, on: timed.append(on))
 
-    def cost(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {"rounds": kwargs["rounds"]}
+    def cost(kinds: Any, ask: Any, switch: Any, **kwargs: Any) -> dict[str, Any]:
+        switch(True)  # through the switch the rounds were given
+        return {**cost_summary([10.0], [12.0]), **kwargs}
 
-    monkeypatch.setattr(served_pairs, "timing_cost", cost)
+    monkeypatch.setattr(served_pairs, "batch_rounds", cost)
     ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
     server = SimpleNamespace(port=1, config=SimpleNamespace(name="omnitrace"))
 
-    assert engine._served_pairs(ctx, server, [], 1)["timing_cost"] == {"rounds": 1}
+    pairs = engine._served_pairs(ctx, server, [], 1)
+    assert pairs["timing_cost"]["seed"] == 400_000
+    assert pairs["timing_cost"]["after"] is True
+    assert pairs["split_cost"]["seed"] == 500_000
+    assert pairs["split_cost"]["after"] is False
+    assert pairs["split_cost"]["rounds"] == 1
+    assert timed == [True]
+    assert ("omnitrace_split_items", True) in calls
     assert engine.timing_cost_skipped(1) is None
+    timed.clear()
     pairs = engine._served_pairs(ctx, server, [], 2)
+    assert timed == []
     assert pairs["timing_cost"] is None
+    assert pairs["split_cost"]["seed"] == 500_000
     assert pairs["timing_cost_skipped"] == engine.timing_cost_skipped(2)
     assert pairs["timing_cost_skipped"].startswith("2 API servers: POST /omnitrace/request_timing")
     outcome = engine._pair_outcomes(pairs, {})
     assert outcome["timing_cost"] is None
     assert outcome["timing_cost_skipped"] == pairs["timing_cost_skipped"]
+    assert outcome["split_cost"] == pairs["split_cost"]
     (table,) = served_pairs.tables(
         {
             "name": "M",
@@ -1073,9 +1089,11 @@ def test_engine_served_pairs_leave_request_timing_s_cost_out_with_several_api_se
             },
         }
     )
-    assert table.note.endswith(
-        f"Request timing's cost not measured: {pairs['timing_cost_skipped']}."
-    )
+    assert (
+        f"Request timing's cost not measured: {pairs['timing_cost_skipped']}. One call per item: "
+        "1 rounds of a batch of 8 requests each way, alternating: 10.00 requests/s batched, "
+        "12.00 split; paired change +20.0 % (IQR +20.0 … +20.0 %)."
+    ) in table.note
 
 
 def _fake_workers(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[tuple[Any, ...]]:
@@ -1083,16 +1101,19 @@ def _fake_workers(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[t
     from benchmarks import served_pairs
 
     calls: list[tuple[Any, ...]] = []
-    state = {"paused": False}
+    state = {"paused": False, "split": False}
+    setters = {"omnitrace_pause_graphs": "paused", "omnitrace_split_items": "split"}
+    readers = {"omnitrace_graphs_paused": "paused", "omnitrace_items_split": "split"}
 
     def rpc(base_url: str, method: str, *args: Any) -> list[Any]:
         calls.append((method, *args))
-        if method == "omnitrace_pause_graphs":
-            state["paused"] = bool(args[0])
-            return ["2"]
+        if method in setters:
+            state[setters[method]] = bool(args[0])
+            return [2]
         if answer is not None:
             return list(answer)
-        return [{"vision": state["paused"], "audio": state["paused"]}]
+        value = state[readers[method]]
+        return [{"vision": value, "audio": value}]
 
     monkeypatch.setattr(served_pairs, "rpc", rpc)
     return calls
@@ -1179,15 +1200,13 @@ def test_served_pairs_refuse_a_switch_the_workers_did_not_make(
         served_pairs.switch("http://x", True)
 
 
-def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
+def test_served_rounds_alternate_batches_and_leave_the_switch_as_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from benchmarks import served_pairs
 
     switched: list[bool] = []
-    monkeypatch.setattr(served_pairs, "time_requests", lambda url, on: switched.append(on))
     seeds: list[int] = []
-
     asked: list[tuple[bool, str]] = []
 
     def ask(kind: Any, seed: int) -> Any:
@@ -1196,7 +1215,8 @@ def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
         return SimpleNamespace(ttft_s=0.01, request_id=str(seed))
 
     kinds = [SimpleNamespace(name=n) for n in ("image", "audio", "both")]
-    cost = served_pairs.timing_cost("http://x", kinds, ask, rounds=3, seed=50, batch=4, warmup=1)
+    how = dict(rounds=3, seed=50, batch=4, warmup=1, after=True)
+    cost = served_pairs.batch_rounds(kinds, ask, switched.append, **how)
     # One warm-up round (round -1: on first), then three counted, the order alternating.
     assert switched == [True, False, False, True, True, False, False, True, True]
     assert sorted(seeds) == list(range(50, 50 + 4 * 2 * 4))
@@ -1204,19 +1224,38 @@ def test_served_timing_cost_alternates_batches_and_leaves_timing_on(
     batches = [sorted(k for _, k in asked[i : i + 4]) for i in range(0, len(asked), 4)]
     assert all(batches[i] == batches[i + 1] for i in range(0, len(batches), 2))
     assert batches[0] != batches[2]
+    # Each batch ran in the state switched on just before it.
+    assert all(len({on for on, _ in asked[i : i + 4]}) == 1 for i in range(0, len(asked), 4))
     assert cost["rounds"] == 3
     assert cost["batch"] == 4
     assert len(cost["off_rps"]) == len(cost["on_rps"]) == 3
     assert min(cost["off_rps"] + cost["on_rps"]) > 0
 
-    switched.clear()
-
     def broken(kind: Any, seed: int) -> Any:
         raise RuntimeError("refused")
 
-    with pytest.raises(RuntimeError, match="refused"):
-        served_pairs.timing_cost("http://x", kinds, broken, rounds=1, seed=0, batch=2, warmup=0)
-    assert switched == [False, True]
+    for after in (True, False):
+        switched.clear()
+        with pytest.raises(RuntimeError, match="refused"):
+            served_pairs.batch_rounds(
+                kinds, broken, switched.append, rounds=1, seed=0, batch=2, warmup=0, after=after
+            )
+        assert switched == [False, after]
+
+
+def test_served_split_switch_sets_every_adapter_and_reads_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import served_pairs
+
+    calls = _fake_workers(monkeypatch)
+    served_pairs.switch("http://x", True, names=served_pairs.SPLIT)
+    assert calls == [("omnitrace_split_items", True), ("omnitrace_items_split",)]
+    served_pairs.switch("http://x", False, names=served_pairs.SPLIT)
+    assert calls[-2] == ("omnitrace_split_items", False)
+    _fake_workers(monkeypatch, [{"vision": True, "audio": False}])
+    with pytest.raises(served_pairs.SwitchError, match="asked for split=True"):
+        served_pairs.switch("http://x", True, names=served_pairs.SPLIT)
 
 
 def test_restarted_and_compiled_servers_prepare_from_the_defaults_servers_worker_logs(

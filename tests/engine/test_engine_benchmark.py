@@ -124,6 +124,10 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
         assert cost["rounds"] == 1, (model_kind, cost)
         assert len(cost["off_rps"]) == len(cost["on_rps"]) == 1, (model_kind, cost)
         assert min(cost["off_rps"] + cost["on_rps"]) > 0, (model_kind, cost)
+        # A call's items batched and split, switched through /collective_rpc the same way.
+        split = pairs["split_cost"]
+        assert split["rounds"] == 1, (model_kind, split)
+        assert min(split["off_rps"] + split["on_rps"]) > 0, (model_kind, split)
         assert "served_pairs" not in model["configurations"]["eager"], model_kind
         assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
         assert model["configurations"]["eager-again"]["parity_with_eager"] is True, model_kind
