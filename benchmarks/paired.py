@@ -361,6 +361,15 @@ def cost_text(
             if cost.get("change_ci95_pct") is not None
             else ""
         )
+        + (
+            "; TTFT p50 / p99: "
+            + ", ".join(
+                f"{cost[key]['p50']:,.0f} / {cost[key]['p99']:,.0f} ms {half}"
+                for key, half in zip(("off_ttft_ms", "on_ttft_ms"), halves, strict=True)
+            )
+            if "off_ttft_ms" in cost
+            else ""
+        )
     )
 
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.common import quantile
 from benchmarks.paired import COST_BATCH, cost_summary, paired_summary
 from benchmarks.table import Table
 
@@ -128,11 +129,13 @@ def batch_rounds(
     first and are not counted: their batches capture the batched shapes.
 
     Returns:
-        :func:`benchmarks.paired.cost_summary` of the rounds, with each batch's rate.
+        :func:`benchmarks.paired.cost_summary` of the rounds, with each batch's rate and
+        each half's TTFT p50 and p99 (``off_ttft_ms``, ``on_ttft_ms``).
     """
     import concurrent.futures
 
     rates: dict[bool, list[float]] = {False: [], True: []}
+    ttfts: dict[bool, list[float]] = {False: [], True: []}
     sent = 0
     try:
         for round_ in range(-warmup, rounds):
@@ -144,14 +147,17 @@ def batch_rounds(
                     done = [
                         pool.submit(ask, kind, seed + sent + i) for i, kind in enumerate(chosen)
                     ]
-                    for future in done:
-                        future.result()
+                    finished = [future.result() for future in done]
                 if round_ >= 0:
                     rates[on].append(batch / (time.perf_counter() - start))
+                    ttfts[on] += [completion.ttft_s * 1e3 for completion in finished]
                 sent += batch
     finally:
         switch(after)
     summary = cost_summary(rates[False], rates[True])
+    for on, half in ((False, "off"), (True, "on")):
+        ordered = sorted(ttfts[on])
+        summary[f"{half}_ttft_ms"] = {"p50": quantile(ordered, 0.5), "p99": quantile(ordered, 0.99)}
     return {**summary, "batch": batch, "off_rps": rates[False], "on_rps": rates[True]}
 
 

@@ -1053,7 +1053,8 @@ def test_engine_served_pairs_measure_the_split_always_and_timing_with_one_api_se
 
     def cost(kinds: Any, ask: Any, switch: Any, **kwargs: Any) -> dict[str, Any]:
         switch(True)  # through the switch the rounds were given
-        return {**cost_summary([10.0], [12.0]), **kwargs}
+        ttft = {"off_ttft_ms": {"p50": 90.0, "p99": 120.4}, "on_ttft_ms": {"p50": 80, "p99": 99}}
+        return {**cost_summary([10.0], [12.0]), **ttft, **kwargs}
 
     monkeypatch.setattr(served_pairs, "batch_rounds", cost)
     ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
@@ -1092,7 +1093,8 @@ def test_engine_served_pairs_measure_the_split_always_and_timing_with_one_api_se
     assert (
         f"Request timing's cost not measured: {pairs['timing_cost_skipped']}. One call per item: "
         "1 rounds of a batch of 8 requests each way, alternating: 10.00 requests/s batched, "
-        "12.00 split; paired change +20.0 % (IQR +20.0 … +20.0 %)."
+        "12.00 split; paired change +20.0 % (IQR +20.0 … +20.0 %); TTFT p50 / p99: 90 / 120 ms "
+        "batched, 80 / 99 ms split."
     ) in table.note
 
 
@@ -1230,6 +1232,8 @@ def test_served_rounds_alternate_batches_and_leave_the_switch_as_asked(
     assert cost["batch"] == 4
     assert len(cost["off_rps"]) == len(cost["on_rps"]) == 3
     assert min(cost["off_rps"] + cost["on_rps"]) > 0
+    # Each half's TTFTs, from the completions of its counted batches.
+    assert cost["off_ttft_ms"] == cost["on_ttft_ms"] == {"p50": 10.0, "p99": 10.0}
 
     def broken(kind: Any, seed: int) -> Any:
         raise RuntimeError("refused")

@@ -128,6 +128,8 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
         split = pairs["split_cost"]
         assert split["rounds"] == 1, (model_kind, split)
         assert min(split["off_rps"] + split["on_rps"]) > 0, (model_kind, split)
+        for half in ("off_ttft_ms", "on_ttft_ms"):
+            assert 0 < split[half]["p50"] <= split[half]["p99"], (model_kind, split)
         assert "served_pairs" not in model["configurations"]["eager"], model_kind
         assert model["configurations"]["omnitrace"]["parity_with_eager"] is True, model_kind
         assert model["configurations"]["eager-again"]["parity_with_eager"] is True, model_kind
