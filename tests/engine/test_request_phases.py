@@ -159,8 +159,9 @@ def test_a_request_s_phases_add_up_to_the_client_s_ttft_and_join_its_trace(
     clients = dict([(rid, client_ttft), _stream(server, 60), _stream(server, 61)])
     out = server.log.parent
     assert (out / "events-api.jsonl").exists(), sorted(p.name for p in out.iterdir())
-    every = {v.event.request_id: v for v in _join(out, wait_for=set(clients)).requests()}
-    views = [v for v in every.values() if v.event.request_id == rid]
+    joined = _join(out, wait_for=set(clients)).requests()
+    views = [v for v in joined if v.event.request_id == rid]
+    every = {v.event.request_id: v for v in joined}
     assert len(views) == 1, [v.event.request_id for v in _join(out).requests()]
     view = views[0]
     event = view.event
