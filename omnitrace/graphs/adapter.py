@@ -45,7 +45,7 @@ from omnitrace.graphs.timing import DeviceTimer, DeviceTimers
 from omnitrace.signature import Signature
 from omnitrace.stats import AdapterStats, StatsFold
 
-__all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "failure_message"]
+__all__ = ["EncoderCudaGraph", "MESSAGE_MAX_CHARS", "failure_message", "items_fact"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,16 @@ _perf = time.perf_counter
 # interpreter tears down.
 _THREADED: weakref.WeakSet[EncoderCudaGraph] = weakref.WeakSet()
 _EXIT_CLOSE_S = 5.0
+
+
+def items_fact(split: bool) -> str:
+    """The ``items`` fact an adapter registers on its bus: how its calls' items (the images
+    or clips of a step) are served, ``"split"`` (one call each) or ``"batched"``.
+
+    Args:
+        split: whether the adapter serves a call's items one call each.
+    """
+    return "split" if split else "batched"
 
 
 def _close_at_exit() -> None:
@@ -320,7 +330,7 @@ class EncoderCudaGraph:
         bus = self._bus
         info = None if bus is None else bus.adapters().get(self.name)
         if bus is not None and info is not None and "items" in info:
-            bus.register_adapter(self.name, {**info, "items": "split" if split else "batched"})
+            bus.register_adapter(self.name, {**info, "items": items_fact(split)})
 
     def set_phase(self, phase: Phase | str) -> None:
         """Tag later events with ``phase``; with ``skip_profiling``, ``profiling`` calls stay

@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 
 from omnitrace.bus import EventBus
 from omnitrace.config import HF_OVERRIDE_KEYS, EncoderGraphConfig, spelt_like_a_key
-from omnitrace.graphs.adapter import EncoderCudaGraph
+from omnitrace.graphs.adapter import EncoderCudaGraph, items_fact
 from omnitrace.graphs.backends.base import GraphBackend
 
 __all__ = [
@@ -243,7 +243,7 @@ def describe_items(graph: EncoderCudaGraph) -> None:
     if bus is None:
         return
     info = dict(bus.adapters().get(graph.name, {}))
-    info["items"] = "split" if graph.split_items else "batched"
+    info["items"] = items_fact(graph.split_items)
     bus.register_adapter(graph.name, info)
 
 
