@@ -190,6 +190,40 @@ def test_compile_captures_the_compiled_forward_and_misses_stay_eager(
     assert graph.get_cumulative_stats()["graph_hits"] == 2
 
 
+def test_compile_compiles_every_admitted_shape_past_dynamos_recompile_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dynamo stops recompiling a function after recompile_limit shapes (8); an adapter that
+    may hold more graphs compiles each shape it captures, and leaves the limit as it was."""
+    compiled_shapes: list[tuple[int, ...]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled_shapes.append(tuple(example_inputs[0].shape))
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    limit = torch._dynamo.config.recompile_limit
+    shapes = limit + 4
+    torch._dynamo.reset()
+    try:
+        graph = EncoderCudaGraph(
+            encoder,
+            name="v",
+            config=CFG.replace(compile=True, max_graphs=shapes),
+            backend=SimulatedGraphBackend(),
+        )
+        for n in range(1, shapes + 1):
+            for _ in range(graph.config.min_capture_calls + 1):  # warm-up misses, capture
+                x = torch.randn(1, n, 3)
+                torch.testing.assert_close(graph(x), encoder(x))
+    finally:
+        torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit == limit
+    assert graph.get_cumulative_stats()["num_graphs"] == shapes
+    assert sorted(set(compiled_shapes)) == [(1, n, 3) for n in range(1, shapes + 1)]
+
+
 def _on_prepare_thread() -> bool:
     return threading.current_thread().name.startswith("omnitrace-prepare-")
 
