@@ -563,6 +563,44 @@ def test_warm_up_misses_are_told_apart_and_split_items_named_where_batches_were_
     assert ("encoder_cuda_graph_split_items" in seldom) is (items == "batched")
 
 
+def test_calls_no_setting_can_graph_are_counted_and_left_out_of_a_second_hit_rate() -> None:
+    """Calls run while graphs were paused are misses under every setting: a note counts them
+    by detail and gives the recommended setting's hit rate over the other calls."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    bus = EventBus()
+    graph = EncoderCudaGraph(
+        lambda x: x * 2, name="vision", config=logged, bus=bus, backend=SimulatedGraphBackend()
+    )
+    x = _tensor((1, 16, 8))
+    try:
+        with capture_events(bus) as events, torch.no_grad():
+            for paused in [False] * 10 + [True] * 6 + [False] * 4:
+                graph.pause_graphs(paused)
+                graph(x)
+    finally:
+        bus.close()
+    recording = Recording.from_records(_records(events, logged))
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    assert advice.best is not None
+    # 20 calls: the first is a warm-up miss, 6 were paused, 13 replayed.
+    assert (advice.best.calls, advice.best.hits) == (20, 13)
+    (note,) = [n for n in advice.notes if n.startswith("ineligible:")]
+    assert note == (
+        "ineligible: 6 of 20 calls could use no graph under any setting (vision: paused 6); "
+        "the hit rates count them as misses, and of the other calls the recommended setting "
+        "serves 92.9 % from graphs"
+    )
+
+
+def test_no_ineligible_note_where_every_call_could_use_a_graph() -> None:
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    calls: list[Call] = [("vision", (1, 16, 8), Phase.SERVING)] * 5
+    recording = Recording.from_records(_records(_run(calls, logged), logged))
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    assert advice.best is not None
+    assert not [n for n in advice.notes if n.startswith("ineligible:")]
+
+
 def test_advise_recommends_what_a_brute_force_of_the_demo_log_confirms(tmp_path: Path) -> None:
     """On the demo's own event log the recommendation is the best of the grid when every
     setting is run through the real adapters."""

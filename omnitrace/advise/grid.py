@@ -326,15 +326,26 @@ def advise(
 
 
 def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
-    """The best setting's warm-up misses, which starting from these logs' shapes takes away,
-    and the calls of shapes too seldom to capture, which serving a call's items one by one
-    may."""
+    """The calls no setting can graph (graphs paused, say), which every hit rate counts as
+    misses; the best setting's warm-up misses, which starting from these logs' shapes takes
+    away; and the calls of shapes too seldom to capture, which serving a call's items one
+    by one may."""
     if best is None:
         return ()
     calls = best.setting.min_capture_calls
     seldom = recording.seldom_calls(calls)
     warmup = sum(e.misses.get(MissReason.WARMUP, 0) for e in best.encoders)
     notes = []
+    # As logged: a setting that skips profiling makes more (its replay counts those too).
+    ineligible = sum(sum(details.values()) for details in recording.ineligible.values())
+    if ineligible:
+        rest = best.calls - ineligible
+        share = f"{100 * best.hits / rest:.1f} %" if rest else "none"
+        notes.append(
+            f"ineligible: {ineligible} of {best.calls} calls could use no graph under any "
+            f"setting ({recording.why_ineligible()}); the hit rates count them as misses, and "
+            f"of the other calls the recommended setting serves {share} from graphs"
+        )
     if warmup:
         notes.append(
             f"warm-up: {warmup} of {best.calls} calls run eagerly before their shape is "

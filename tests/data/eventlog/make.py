@@ -22,7 +22,10 @@ with that note added, checked to differ in nothing else. Then `advise` took a ke
 time from its calls after the first (a worker's first call of an encoder never), and gained
 a `seldom shapes:` note: its outputs were recorded again and checked, setting by setting, to
 differ only in the time saved, the order of settings the saving ranks alike (the
-recommendation is the same in every scenario) and the notes. Run it
+recommendation is the same in every scenario) and the notes. Then `advise` gained an
+`ineligible:` note (the calls no setting can graph, and the recommended setting's hit rate
+without them): its outputs are the old ones with that note added, checked to differ in
+nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
