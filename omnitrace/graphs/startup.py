@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = ["prepare_adapters", "recorded_signatures", "zero_inputs"]
 
 logger = logging.getLogger(__name__)
+#: The start-up's clock (a test steps it).
+_clock = time.perf_counter
 
 _Shapes = tuple[tuple[str, tuple[int, ...]] | None, ...]
 
@@ -143,14 +145,27 @@ def prepare_adapters(
     return outcomes
 
 
+def _left(elapsed_s: float, done: int, total: int) -> str:
+    """``"; about 2 min 05 s left"`` once ``done`` of ``total`` shapes took ``elapsed_s``,
+    at their mean pace; empty when none is left or under a second is (plain captures)."""
+    if done <= 0 or done >= total:
+        return ""
+    seconds = round(elapsed_s / done * (total - done))
+    if seconds < 1:
+        return ""
+    if seconds < 60:
+        return f"; about {seconds} s left"
+    return f"; about {seconds // 60} min {seconds % 60:02d} s left"
+
+
 def _prepare_one(
     adapter: EncoderCudaGraph, signatures: Iterable[Signature], device: torch.device
 ) -> dict[str, int]:
     counts: dict[str, int] = {}
-    start = time.perf_counter()
+    start = _clock()
     signatures = list(signatures)
     for number, signature in enumerate(signatures, 1):
-        began = time.perf_counter()
+        began = _clock()
         # Checked here rather than caught around prepare(): an error of the capture itself
         # (a ValueError too, possibly) must stop the start, not be counted as a shape.
         unknown = _unknown_dtype(signature)
@@ -159,24 +174,28 @@ def _prepare_one(
         else:
             outcome = f"unusable: not a torch dtype: {unknown!r}"
         counts[outcome] = counts.get(outcome, 0) + 1
-        # A compiled capture takes seconds: a line per shape shows the start-up's progress.
+        stop = outcome.startswith(("capacity", "memory"))
+        now = _clock()
+        # A compiled capture takes seconds: a line per shape shows the start-up's progress,
+        # and how long the shapes still to come should take at the pace so far.
         logger.info(
-            "omnitrace: %r shape %d of %d (%s): %s in %.1f s",
+            "omnitrace: %r shape %d of %d (%s): %s in %.1f s%s",
             adapter.name,
             number,
             len(signatures),
             signature.inputs_text,
             outcome,
-            time.perf_counter() - began,
+            now - began,
+            "" if stop else _left(now - start, number, len(signatures)),
         )
-        if outcome.startswith(("capacity", "memory")):
+        if stop:
             break
     logger.info(
         "omnitrace: %r prepared %d of %d recorded shapes before serving in %.1f s (%s)",
         adapter.name,
         counts.get("captured", 0),
         len(signatures),
-        time.perf_counter() - start,
+        _clock() - start,
         ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "none",
     )
     return counts

@@ -8,6 +8,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from omnitrace import (
     GraphReplayed,
 )
 from omnitrace.events import Phase
+from omnitrace.graphs import startup
 from omnitrace.graphs.startup import prepare_adapters, recorded_signatures, zero_inputs
 from omnitrace.integrations import vllm_startup
 from omnitrace.signature import Signature
@@ -129,6 +131,45 @@ def test_the_cap_and_the_floor_bound_what_is_prepared(tmp_path: Path) -> None:
         assert graph.num_graphs == 0
     finally:
         bus.close()
+
+
+def test_each_shape_logs_how_long_the_rest_should_take_when_captures_are_slow(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled capture takes about 30 s: each shape's line says how long the shapes still
+    to come should take at the pace so far; fast (plain) captures add nothing."""
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(1, 4), (2, 3), (3, 2)]})
+    caplog.set_level(logging.INFO, logger="omnitrace")
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)))
+    try:
+        prepare_adapters([graph], CPU)
+    finally:
+        bus.close()
+    lines = [r.getMessage() for r in caplog.records if " shape " in r.getMessage()]
+    assert len(lines) == 3
+    assert not any("left" in line for line in lines)
+
+    now = [0.0]
+
+    class SlowBackend(SimulatedGraphBackend):
+        def capture(self, request: Any) -> Any:
+            now[0] += 40.0  # a compile's pace
+            return super().capture(request)
+
+    monkeypatch.setattr(startup, "_clock", lambda: now[0])
+    caplog.clear()
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)), backend=SlowBackend())
+    try:
+        prepare_adapters([graph], CPU)
+    finally:
+        bus.close()
+    lines = [r.getMessage() for r in caplog.records if " shape " in r.getMessage()]
+    assert [line.split(": ", 2)[2] for line in lines] == [
+        "captured in 40.0 s; about 1 min 20 s left",
+        "captured in 40.0 s; about 40 s left",
+        "captured in 40.0 s",
+    ]
 
 
 def test_held_and_ineligible_shapes_are_counted_not_captured(tmp_path: Path) -> None:
