@@ -339,8 +339,8 @@ def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
     # As logged: a setting that skips profiling makes more (its replay counts those too).
     ineligible = sum(sum(details.values()) for details in recording.ineligible.values())
     if ineligible:
-        rest = best.calls - ineligible
-        share = f"{100 * best.hits / rest:.1f} %" if rest else "none"
+        # The best setting graphs a call, so some calls could use a graph: rest > 0.
+        share = f"{100 * best.hits / (best.calls - ineligible):.1f} %"
         notes.append(
             f"ineligible: {ineligible} of {best.calls} calls could use no graph under any "
             f"setting ({recording.why_ineligible()}); the hit rates count them as misses, and "

@@ -148,7 +148,7 @@ def prepare_adapters(
 def _left(elapsed_s: float, done: int, total: int) -> str:
     """``"; about 2 min 05 s left"`` once ``done`` of ``total`` shapes took ``elapsed_s``,
     at their mean pace; empty when none is left or under a second is (plain captures)."""
-    if done <= 0 or done >= total:
+    if done >= total:
         return ""
     seconds = round(elapsed_s / done * (total - done))
     if seconds < 1:
