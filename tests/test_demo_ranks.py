@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from rich.console import Console
 
 from omnitrace import derive_stats
 from omnitrace.cli import main
-from omnitrace.demo.ranks import rank_log_path, run_ranks
+from omnitrace.demo.ranks import _forward, _Rank, rank_log_path, run_ranks
 from omnitrace.sinks.jsonl import read_records
 
 REQUESTS = "60"
@@ -39,6 +40,38 @@ def test_a_log_path_without_rank_or_pid_gets_the_rank_before_its_suffix() -> Non
     assert rank_log_path(Path("logs/events.jsonl")) == Path("logs/events-{rank}.jsonl")
     assert rank_log_path(Path("events-{pid}.jsonl")) == Path("events-{pid}.jsonl")
     assert rank_log_path(Path("e-{rank}-{pid}.jsonl")) == Path("e-{rank}-{pid}.jsonl")
+
+
+class _SlowStderr(io.StringIO):
+    """A standard error whose every write lets the other threads run first."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.0002)
+        return super().write(text)
+
+
+def test_two_ranks_lines_reach_standard_error_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two forwarders writing at once never join lines: each line is one JSON object with
+    its rank, and each rank's lines keep their order."""
+    stderr = _SlowStderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    count = 200
+    threads = []
+    for rank in (0, 1):
+        lines = "".join(
+            json.dumps({"event": "graph_captured", "n": n}) + "\n" for n in range(count)
+        )
+        process: Any = None
+        started = _Rank(rank, process, Path(f"e-{rank}.jsonl"), Path(f"s-{rank}.json"))
+        threads.append(threading.Thread(target=_forward, args=(started, io.StringIO(lines))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    records = [json.loads(line) for line in stderr.getvalue().splitlines()]
+    assert len(records) == 2 * count
+    for rank in (0, 1):
+        assert [r["n"] for r in records if r["rank"] == rank] == list(range(count))
 
 
 @pytest.fixture(scope="module")

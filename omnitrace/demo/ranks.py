@@ -85,15 +85,24 @@ class RanksResult:
         return max((code if code >= 0 else 1 for code in self.returncodes), default=0)
 
 
+_STDERR_LINES = threading.Lock()
+"""Held while a forwarder writes one line: the ranks' lines reach standard error whole."""
+
+
 def _forward(rank: _Rank, stream: IO[str]) -> None:
     """Copy a rank's stderr to ours, line by line, until the rank closes it."""
     with stream:
         for line in stream:
             text = _relabel(rank, line.rstrip("\n"))
             if text is not None:
-                # Looked up per line: the live view takes sys.stderr over while it is up,
-                # and shows the last lines.
-                print(text, file=sys.stderr, flush=True)
+                # One write under the lock: print() writes the text and the newline apart, so
+                # two ranks' lines could join into one (two JSON objects on a line).
+                with _STDERR_LINES:
+                    # Looked up per line: the live view takes sys.stderr over while it is up,
+                    # and shows the last lines.
+                    out = sys.stderr
+                    out.write(f"{text}\n")
+                    out.flush()
 
 
 def _relabel(rank: _Rank, text: str) -> str | None:
