@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from omnitrace.signature import Signature
 if TYPE_CHECKING:
     from omnitrace.graphs.adapter import EncoderCudaGraph
 
-__all__ = ["prepare_adapters", "recorded_signatures", "zero_inputs"]
+__all__ = ["capture_order", "prepare_adapters", "recorded_signatures", "zero_inputs"]
 
 logger = logging.getLogger(__name__)
 #: The start-up's clock (a test steps it).
@@ -43,20 +44,36 @@ def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[
         or stream; and the logs read. A log that cannot be read is skipped with a warning
         naming it; a pattern that matches nothing gives nothing, with one line.
     """
+    ranked, _, read = _recorded(pattern)
+    return ranked, read
+
+
+#: Per adapter name and recorded shapes, the most memory one capture of them took in the
+#: logs (allocator growth plus static buffers, the budget's measure).
+_Costs = dict[str, dict[_Shapes, int]]
+
+
+def _recorded(pattern: str) -> tuple[dict[str, list[Signature]], _Costs, list[Path]]:
+    """:func:`recorded_signatures`, with what each recorded capture took."""
     paths = [path for path in expand([Path(pattern)]) if not is_pattern(path)]
     captured: dict[str, dict[_Shapes, Signature]] = {}
+    costs: _Costs = {}
     hits: dict[tuple[str, _Shapes], int] = {}
     read: list[Path] = []
     for path in paths:
         # A log that fails part way gives none of its shapes, as its warning says: what it
         # gave before the failure is counted apart until it is read to the end.
         mine: dict[str, dict[_Shapes, Signature]] = {}
+        took: _Costs = {}
         replays: dict[tuple[str, _Shapes], int] = {}
         try:
             for event in read_events(path):
                 if isinstance(event, GraphCaptured):
-                    found = mine.setdefault(event.adapter, {})
-                    found.setdefault(_shapes(event.signature), event.signature)
+                    shapes = _shapes(event.signature)
+                    mine.setdefault(event.adapter, {}).setdefault(shapes, event.signature)
+                    size = max(0, event.bytes_reserved) + max(0, event.static_bytes)
+                    sizes = took.setdefault(event.adapter, {})
+                    sizes[shapes] = max(sizes.get(shapes, 0), size)
                 elif isinstance(event, GraphReplayed):
                     key = (event.adapter, _shapes(event.signature))
                     replays[key] = replays.get(key, 0) + 1
@@ -73,6 +90,10 @@ def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[
         for adapter, found in mine.items():
             for shapes, signature in found.items():
                 captured.setdefault(adapter, {}).setdefault(shapes, signature)
+        for adapter, sizes in took.items():
+            kept = costs.setdefault(adapter, {})
+            for shapes, size in sizes.items():
+                kept[shapes] = max(kept.get(shapes, 0), size)
         for key, count in replays.items():
             hits[key] = hits.get(key, 0) + count
     if not read:
@@ -86,7 +107,7 @@ def recorded_signatures(pattern: str) -> tuple[dict[str, list[Signature]], list[
         order = list(found)
         order.sort(key=lambda shapes: -hits.get((adapter, shapes), 0))  # stable: capture order
         ranked[adapter] = [found[shapes] for shapes in order]
-    return ranked, read
+    return ranked, costs, read
 
 
 def zero_inputs(signature: Signature, device: torch.device) -> tuple[torch.Tensor | None, ...]:
@@ -120,7 +141,9 @@ def _unknown_dtype(signature: Signature) -> str | None:
 def prepare_adapters(
     adapters: Sequence[EncoderCudaGraph], device: torch.device
 ) -> dict[str, dict[str, int]]:
-    """Capture, for each adapter with ``prepare_from``, the shapes recorded for its name.
+    """Capture, for each adapter with ``prepare_from``, the shapes recorded for its name,
+    in :func:`capture_order`: the most replayed that fit the cap and the budget, largest
+    first, then the others.
 
     Stops an adapter at its first capacity or memory refusal (later shapes cannot fit
     either). Logs a line per adapter. Run it before serving, in the engine's phase and grad
@@ -133,16 +156,69 @@ def prepare_adapters(
         EncoderGraphFailedError: a capture failed (the adapter is terminal, as it would be
             for a failed capture while serving).
     """
-    read: dict[str, dict[str, list[Signature]]] = {}
+    read: dict[str, tuple[dict[str, list[Signature]], _Costs]] = {}
     outcomes: dict[str, dict[str, int]] = {}
     for adapter in adapters:
         pattern = adapter.config.prepare_from
         if not pattern:
             continue
         if pattern not in read:
-            read[pattern] = recorded_signatures(pattern)[0]
-        outcomes[adapter.name] = _prepare_one(adapter, read[pattern].get(adapter.name, ()), device)
+            read[pattern] = _recorded(pattern)[:2]
+        ranked, costs = read[pattern]
+        order = capture_order(
+            ranked.get(adapter.name, ()),
+            costs.get(adapter.name, {}),
+            slots=adapter.config.max_graphs - adapter.num_graphs,
+            budget=adapter.config.pool_budget_bytes,
+        )
+        outcomes[adapter.name] = _prepare_one(adapter, order, device)
     return outcomes
+
+
+def capture_order(
+    signatures: Iterable[Signature], costs: Mapping[_Shapes, int], *, slots: int, budget: int
+) -> list[Signature]:
+    """The order in which to capture recorded ``signatures`` (given the most replayed first).
+
+    First the most replayed shapes whose recorded captures fit ``slots`` graphs and
+    ``budget`` bytes together, the largest inputs first among them: graphs captured into
+    one shared pool reuse the memory an earlier capture freed, so a smaller graph captured
+    after a larger one fits in blocks the larger left, where a larger graph captured after
+    smaller ones grows the pool beyond them. Then the shapes that did not fit, the most
+    replayed first, for whatever room those captures leave.
+
+    Args:
+        signatures: the recorded shapes, the most replayed first.
+        costs: per recorded shapes (:func:`_shapes`), the memory one capture of them took
+            in the logs (allocator growth plus static buffers); a shape without one costs 0.
+        slots: graphs the adapter may still take (``max_graphs`` less those it holds).
+        budget: the pool budget in bytes; 0 or less: none.
+
+    Returns:
+        The same signatures, reordered.
+    """
+    chosen: list[Signature] = []
+    rest: list[Signature] = []
+    total = 0
+    for signature in signatures:
+        cost = costs.get(_shapes(signature), 0)
+        if len(chosen) < slots and (budget <= 0 or total + cost <= budget):
+            chosen.append(signature)
+            total += cost
+        else:
+            rest.append(signature)
+    chosen.sort(key=_input_bytes, reverse=True)  # stable: ties keep the replay order
+    return chosen + rest
+
+
+def _input_bytes(signature: Signature) -> int:
+    """Bytes of ``signature``'s inputs (0 for a dtype torch does not have)."""
+    total = 0
+    for spec in signature.inputs:
+        dtype = None if spec is None else getattr(torch, spec.dtype, None)
+        if spec is not None and isinstance(dtype, torch.dtype):
+            total += math.prod(spec.shape) * dtype.itemsize
+    return total
 
 
 def _left(elapsed_s: float, done: int, total: int) -> str:

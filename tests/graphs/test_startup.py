@@ -24,7 +24,12 @@ from omnitrace import (
 )
 from omnitrace.events import Phase
 from omnitrace.graphs import startup
-from omnitrace.graphs.startup import prepare_adapters, recorded_signatures, zero_inputs
+from omnitrace.graphs.startup import (
+    capture_order,
+    prepare_adapters,
+    recorded_signatures,
+    zero_inputs,
+)
 from omnitrace.integrations import vllm_startup
 from omnitrace.signature import Signature
 from omnitrace.sinks.jsonl import JsonlSink
@@ -89,7 +94,7 @@ def test_recorded_shapes_are_served_by_a_graph_from_their_first_call(tmp_path: P
         assert outcomes == {"vision": {"captured": 2}}
         # Captured, not called: no hit and no miss is counted.
         assert [type(e) for e in events] == [GraphCaptured, GraphCaptured]
-        # The most replayed shape first.
+        # The larger shape first (it is the more replayed one too).
         assert [e.signature.inputs[0].shape for e in events] == [(5, 8), (3, 8)]
         assert graph.stats().calls == 0
         x = torch.randn(3, 8)
@@ -97,6 +102,74 @@ def test_recorded_shapes_are_served_by_a_graph_from_their_first_call(tmp_path: P
             out = graph(x)
         assert [type(e) for e in events] == [GraphReplayed]
         torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+    finally:
+        bus.close()
+
+
+MiB = 1 << 20
+
+
+def write_log(path: Path, shapes: list[tuple[str, int, int]]) -> None:
+    """Log, per ``(signature text, bytes its capture took, replays)``, a capture and its
+    replays, as a server would have."""
+    sink = JsonlSink(path)
+    for index, (text, took, replays) in enumerate(shapes):
+        signature = Signature.parse(text)
+        args = (1, 1, 0.0, 1, "cpu", 0, 0, took - 64, 64, index)
+        sink.handle([GraphCaptured("vision", signature, *args)])
+        sink.handle([GraphReplayed("vision", signature, 1, 1, 0.001)] * replays)
+    sink.close()
+
+
+def test_recorded_shapes_that_fit_are_captured_largest_first() -> None:
+    small, mid, big = (Signature.parse(f"float32[{n},8]") for n in (2, 4, 9))
+    ranked = [small, mid, big]  # the most replayed first
+    costs = {startup._shapes(s): c for s, c in ((small, 100), (mid, 100), (big, 1000))}
+    # No budget: every shape, the largest first.
+    assert capture_order(ranked, costs, slots=16, budget=0) == [big, mid, small]
+    # The most replayed shapes that fit the budget, largest first; then the rest.
+    assert capture_order(ranked, costs, slots=16, budget=250) == [mid, small, big]
+    # A shape that does not fit is passed over, not the ones after it.
+    assert capture_order([big, small, mid], costs, slots=16, budget=250) == [mid, small, big]
+    # The cap counts too: the most replayed shape, then the others by replays.
+    assert capture_order(ranked, costs, slots=1, budget=0) == [small, mid, big]
+    assert capture_order(ranked, costs, slots=0, budget=0) == ranked
+    # Equal sizes keep the replay order; a dtype torch lacks counts as no bytes.
+    odd = Signature.parse("Tensor[99,99]")
+    twin = Signature.parse("float32[8,4]")
+    assert capture_order([odd, twin, mid], {}, slots=16, budget=0) == [twin, mid, odd]
+
+
+def test_a_budget_keeps_the_most_replayed_shapes_and_captures_them_largest_first(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "events.jsonl"
+    write_log(
+        log,
+        [
+            ("float32[2,8]", 100 * MiB, 9),
+            ("float32[9,8]", 1024 * MiB, 1),
+            ("float32[4,8]", 100 * MiB, 5),
+        ],
+    )
+    found, _ = recorded_signatures(str(log))
+    assert [s.inputs[0].shape for s in found["vision"]] == [(2, 8), (4, 8), (9, 8)]
+    config = CFG.replace(prepare_from=str(log), pool_budget_bytes=300 * MiB)
+    graph, _, bus = adapter(config, backend=SimulatedGraphBackend(graph_bytes=100 * MiB))
+    try:
+        with capture_events(bus) as events:
+            assert prepare_adapters([graph], CPU) == {"vision": {"captured": 3}}
+        # The two most replayed fit the budget on their recorded sizes: the larger of them
+        # first, then the smaller; the large, seldom replayed shape last, in the room left.
+        assert [e.signature.inputs[0].shape for e in events] == [(4, 8), (2, 8), (9, 8)]
+    finally:
+        bus.close()
+    # With the budget taken by the first two, the third is refused, as before.
+    config = config.replace(pool_budget_bytes=200 * MiB)
+    graph, _, bus = adapter(config, backend=SimulatedGraphBackend(graph_bytes=100 * MiB))
+    try:
+        assert prepare_adapters([graph], CPU) == {"vision": {"captured": 2, "capacity: budget": 1}}
+        assert sorted(s.inputs[0].shape for s in graph.captured_signatures()) == [(2, 8), (4, 8)]
     finally:
         bus.close()
 
