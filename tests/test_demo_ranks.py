@@ -21,7 +21,7 @@ from rich.console import Console
 
 from omnitrace import derive_stats
 from omnitrace.cli import main
-from omnitrace.demo.ranks import _forward, _Rank, rank_log_path, run_ranks
+from omnitrace.demo.ranks import _forward, _locked, _Rank, rank_log_path, run_ranks
 from omnitrace.sinks.jsonl import read_records
 
 REQUESTS = "60"
@@ -72,6 +72,36 @@ def test_two_ranks_lines_reach_standard_error_whole(monkeypatch: pytest.MonkeyPa
     assert len(records) == 2 * count
     for rank in (0, 1):
         assert [r["n"] for r in records if r["rank"] == rank] == list(range(count))
+
+
+def test_the_launcher_s_own_lines_do_not_split_a_rank_s_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A status line printed while a forwarder writes (text and newline apart, as print()
+    does) lands between the rank's lines, never inside one."""
+    stderr = _SlowStderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+
+    def print_like(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.write("\n")
+
+    say = _locked(print_like)
+    count = 200
+    lines = "".join(json.dumps({"event": "graph_captured", "n": n}) + "\n" for n in range(count))
+    process: Any = None
+    started = _Rank(0, process, Path("e-0.jsonl"), Path("s-0.json"))
+    forwarder = threading.Thread(target=_forward, args=(started, io.StringIO(lines)))
+    forwarder.start()
+    for n in range(count):
+        say(f"rank 1: status {n}")
+    forwarder.join()
+    out = stderr.getvalue().splitlines()
+    assert [line for line in out if line.startswith("rank 1: ")] == [
+        f"rank 1: status {n}" for n in range(count)
+    ]
+    records = [json.loads(line) for line in out if not line.startswith("rank 1: ")]
+    assert [r["n"] for r in records] == list(range(count))
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,17 @@ def _forward(rank: _Rank, stream: IO[str]) -> None:
                     out.flush()
 
 
+def _locked(say: Callable[[str], None]) -> Callable[[str], None]:
+    """``say`` under the forwarders' lock: a status line of the launcher's own never lands
+    inside a rank's forwarded line, nor one of those inside it."""
+
+    def locked(text: str) -> None:
+        with _STDERR_LINES:
+            say(text)
+
+    return locked
+
+
 def _relabel(rank: _Rank, text: str) -> str | None:
     """A rank's line as this process prints it: a JSON log line with the rank added, a
     status line prefixed with it; None for a line about the launcher's own scratch file."""
@@ -402,6 +413,8 @@ def run_command(
     if args.json_summary is not None:
         # Checked before the run, so a bad path does not cost the run's results.
         check_regular(args.json_summary, "--json-summary")
+    # A forwarder may still be writing a rank's last lines after the ranks' join gave up.
+    say = _locked(say)
     tui = not args.no_tui and console.is_terminal
     result = run_ranks(
         rank_argv(args),
