@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -425,6 +426,62 @@ def test_the_floor_is_replayed_from_the_free_memory_the_deferrals_imply() -> Non
     for setting, real in truth.items():
         assert by_setting[setting].graphs == real.graphs, setting
         assert by_setting[setting].hits == real.hits, setting
+
+
+def _memory_bound(shapes: Sequence[tuple[int, ...]], floor: int) -> Recording:
+    """A log of 30 calls of each of ``shapes`` (256 MiB a graph per 4096 input elements) on
+    a device with 1 GiB free, read as a recording that knows the free memory."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=floor)
+    calls: list[Call] = [("vision", s, Phase.SERVING) for _ in range(30) for s in shapes]
+    sizes = {shape: 256 * MiB * math.prod(shape) // 4096 for shape in shapes}
+    events = _run(calls, logged, free_bytes=GiB, sizes=sizes)
+    events = _retimed(events, {s: 0.004 for s in shapes}, {s: 0.001 for s in shapes})
+    return Recording.from_records(_records(events, logged), free_bytes=GiB)
+
+
+def test_the_memory_note_says_how_much_more_free_memory_would_graph_the_memory_misses() -> None:
+    """Six shapes of 256 MiB on a device with 1 GiB free and a 256 MiB floor: three are
+    captured, the calls of the other three run eagerly under the floor; 768 MiB more free
+    memory (the fewest 256 MiB steps that fit the sixth capture and the static buffers)
+    graphs them all."""
+    shapes = [(1, 32 << n, 128 >> n) for n in range(6)]  # as many input elements each
+    recording = _memory_bound(shapes, 256 * MiB)
+    setting = Setting(8, 2, 256 * MiB)
+    advice = advise(recording, [setting])
+    assert advice.best is not None
+    assert advice.best.hits == 3 * 29
+    assert advice.best.encoders[0].misses[MissReason.MEMORY] == 3 * 29
+    (note,) = [n for n in advice.notes if n.startswith("memory:")]
+    assert note == (
+        "memory: 87 of 180 calls run eagerly because the device-free memory is under the "
+        "floor (256.0 MiB); with 768.0 MiB more free at each worker's start (memory the engine "
+        "holds: for vLLM, a lower --gpu-memory-utilization, which takes it from the KV cache) "
+        "the recommended setting would serve 174 of its 180 calls from graphs instead of 87"
+    )
+    # The figure is the least that does it: 512 MiB more leaves memory misses.
+    for extra, left in ((512 * MiB, True), (768 * MiB, False)):
+        more = dataclasses.replace(
+            recording, free_bytes={k: v + extra for k, v in recording.free_bytes.items()}
+        )
+        assert (replay(more, setting).encoders[0].misses[MissReason.MEMORY] > 0) is left
+    # A setting whose cap refuses the shapes first has no memory miss, and no note.
+    capped = advise(recording, [Setting(3, 2, 256 * MiB)])
+    assert capped.best is not None
+    assert capped.best.encoders[0].misses[MissReason.MEMORY] == 0
+    assert not [n for n in capped.notes if n.startswith("memory:")]
+
+
+def test_the_memory_note_names_no_figure_where_no_step_fits() -> None:
+    """A shape whose graph would take 64 GiB: no step up to 16 GiB fits it, so the note
+    says so rather than naming a figure."""
+    shapes = [(1, 32, 128), (1, 64, 64), (1, 128, 32), (1, 1024, 1024)]
+    recording = _memory_bound(shapes, 512 * MiB)
+    advice = advise(recording, [Setting(8, 2, 512 * MiB)])
+    assert advice.best is not None
+    assert advice.best.hits > 0
+    (note,) = [n for n in advice.notes if n.startswith("memory:")]
+    assert note.startswith("memory: ")
+    assert note.endswith("; even 16.0 GiB more free at the start leaves some of them eager")
 
 
 def test_profiling_captures_that_take_a_slot_make_skipping_profiling_win() -> None:

@@ -4,6 +4,7 @@ says what is estimated and how ties go)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ MAX_GRAPHS_GRID: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_CALLS_GRID: tuple[int, ...] = (2, 3, 4, 6, 8)
 #: Floors tried by default when device-free memory is known (with the logged one).
 FLOOR_GRID: tuple[int, ...] = (0, 256 * MiB, 512 * MiB, GiB, 2 * GiB, 4 * GiB)
+#: The memory note's steps: more device-free memory at start, 256 MiB at a time, to 16 GiB.
+MORE_FREE_STEP = 256 * MiB
+MORE_FREE_STEPS = 64
 
 # -- the grid and the advice -----------------------------------------------------------------
 
@@ -321,7 +325,11 @@ def advise(
         recording=recording,
         memory_budget=memory_budget,
         ties=ties,
-        notes=(*_notes(recording), *_prepare_note(best, recording)),
+        notes=(
+            *_notes(recording),
+            *_prepare_note(best, recording),
+            *_memory_note(best, recording),
+        ),
     )
 
 
@@ -367,6 +375,53 @@ def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
             )
         notes.append(note)
     return tuple(notes)
+
+
+def _memory_misses(result: Result) -> int:
+    return sum(e.misses.get(MissReason.MEMORY, 0) for e in result.encoders)
+
+
+def _memory_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
+    """The best setting's calls left eager under the memory floor, and how much more
+    device-free memory at each worker's start would let that setting capture their shapes
+    (the fewest steps of :data:`MORE_FREE_STEP` after which none is left and every capture
+    fits): memory only the engine can give, such as vLLM's KV cache."""
+    if best is None or recording.free_source == "unknown":
+        return ()
+    short = _memory_misses(best)
+    if not short:
+        return ()
+
+    def with_more(steps: int) -> Result | None:
+        """The replay with ``steps`` more at each start; None while a miss or more is left."""
+        extra = steps * MORE_FREE_STEP
+        more = {place: free + extra for place, free in recording.free_bytes.items()}
+        result = replay(dataclasses.replace(recording, free_bytes=more), best.setting)
+        return None if _memory_misses(result) or result.exhausts_memory else result
+
+    head = (
+        f"memory: {short} of {best.calls} calls run eagerly because the device-free memory "
+        f"is under the floor ({format_bytes(best.setting.min_free_bytes)})"
+    )
+    enough = with_more(MORE_FREE_STEPS)
+    if enough is None:
+        top = format_bytes(MORE_FREE_STEPS * MORE_FREE_STEP)
+        return (f"{head}; even {top} more free at the start leaves some of them eager",)
+    # The fewest steps that do; the replay's memory model gives more memory no new miss.
+    low, high = 0, MORE_FREE_STEPS
+    while high - low > 1:
+        middle = (low + high) // 2
+        result = with_more(middle)
+        if result is None:
+            low = middle
+        else:
+            high, enough = middle, result
+    return (
+        f"{head}; with {format_bytes(high * MORE_FREE_STEP)} more free at each worker's start "
+        "(memory the engine holds: for vLLM, a lower --gpu-memory-utilization, which takes "
+        f"it from the KV cache) the recommended setting would serve {enough.hits} of its "
+        f"{enough.calls} calls from graphs instead of {best.hits}",
+    )
 
 
 def _logged_result(recording: Recording, results: Sequence[Result]) -> Result | None:

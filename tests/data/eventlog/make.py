@@ -25,7 +25,9 @@ differ only in the time saved, the order of settings the saving ranks alike (the
 recommendation is the same in every scenario) and the notes. Then `advise` gained an
 `ineligible:` note (the calls no setting can graph, and the recommended setting's hit rate
 without them): its outputs are the old ones with that note added, checked to differ in
-nothing else. Run it
+nothing else. Then `advise` gained a `memory:` note (how much more device-free memory would
+let the recommended setting graph the calls it leaves eager under its floor): its outputs
+are the old ones with that note added, checked to differ in nothing else. Run it
 from the repository root with the omnitrace to record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
