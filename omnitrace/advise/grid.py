@@ -396,7 +396,7 @@ def _memory_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
         """The replay with ``steps`` more at each start; None while a miss or more is left."""
         extra = steps * MORE_FREE_STEP
         more = {place: free + extra for place, free in recording.free_bytes.items()}
-        result = replay(dataclasses.replace(recording, free_bytes=more), best.setting)
+        result = replay_grid(dataclasses.replace(recording, free_bytes=more), [best.setting])[0]
         return None if _memory_misses(result) or result.exhausts_memory else result
 
     head = (
