@@ -156,12 +156,12 @@ class EncoderGraphConfig:
         prepare_from: event logs of an earlier run (a path or a glob pattern, such as
             ``/var/log/omnitrace/events-*.jsonl``; rotated files are read too): inside
             vLLM, once the engine has warmed up and before it serves, each encoder captures
-            the shapes its namesake captured there (the most replayed that fit the cap
-            and budget, largest first, so smaller graphs reuse the larger ones' pool
-            memory; then the others), under the same cap, budget and memory floor, so
-            their first requests replay a graph (and,
-            with ``compile``, a compiled one). A pattern that matches nothing prepares
-            nothing and logs one line. Empty (default): nothing is prepared.
+            the shapes its namesake captured there (the largest first, so smaller
+            graphs reuse the larger ones' pool memory, where their recorded captures fit
+            the pool budget together; else the most replayed first), under the same cap,
+            budget and memory floor, so their first requests replay a graph (and, with
+            ``compile``, a compiled one). A pattern that matches nothing prepares nothing
+            and logs one line. Empty (default): nothing is prepared.
         split_items: serve a call that carries several items as one call per item, so
             each item's shape is its own graph key: the batches vLLM forms under concurrent
             traffic, whose mixes of items seldom repeat, replay the graphs of the items'

@@ -142,8 +142,7 @@ def prepare_adapters(
     adapters: Sequence[EncoderCudaGraph], device: torch.device
 ) -> dict[str, dict[str, int]]:
     """Capture, for each adapter with ``prepare_from``, the shapes recorded for its name,
-    in :func:`capture_order`: the most replayed that fit the cap and the budget, largest
-    first, then the others.
+    in :func:`capture_order` (the largest first, where the budget allows).
 
     Stops an adapter at its first capacity or memory refusal (later shapes cannot fit
     either). Logs a line per adapter. Run it before serving, in the engine's phase and grad
@@ -180,12 +179,14 @@ def capture_order(
 ) -> list[Signature]:
     """The order in which to capture recorded ``signatures`` (given the most replayed first).
 
-    First the most replayed shapes whose recorded captures fit ``slots`` graphs and
-    ``budget`` bytes together, the largest inputs first among them: graphs captured into
-    one shared pool reuse the memory an earlier capture freed, so a smaller graph captured
-    after a larger one fits in blocks the larger left, where a larger graph captured after
-    smaller ones grows the pool beyond them. Then the shapes that did not fit, the most
-    replayed first, for whatever room those captures leave.
+    The most replayed shapes that fit ``slots`` graphs come first, the largest inputs first
+    among them: graphs captured into one shared pool reuse the memory an earlier capture
+    freed, so a smaller graph captured after a larger one fits in blocks the larger left,
+    where a larger graph captured after smaller ones grows the pool beyond them. Then the
+    shapes past the cap. Where the captures the logs recorded for those shapes do not fit
+    ``budget`` together, the given order stands instead: a capture's memory is known only
+    after it, and a large graph captured first could take the budget that the smaller, more
+    replayed ones would have used.
 
     Args:
         signatures: the recorded shapes, the most replayed first.
@@ -197,18 +198,12 @@ def capture_order(
     Returns:
         The same signatures, reordered.
     """
-    chosen: list[Signature] = []
-    rest: list[Signature] = []
-    total = 0
-    for signature in signatures:
-        cost = costs.get(_shapes(signature), 0)
-        if len(chosen) < slots and (budget <= 0 or total + cost <= budget):
-            chosen.append(signature)
-            total += cost
-        else:
-            rest.append(signature)
-    chosen.sort(key=_input_bytes, reverse=True)  # stable: ties keep the replay order
-    return chosen + rest
+    given = list(signatures)
+    chosen = given[: max(0, slots)]
+    if budget > 0 and sum(costs.get(_shapes(s), 0) for s in chosen) > budget:
+        return given
+    # Stable: shapes of equal size keep the replay order.
+    return sorted(chosen, key=_input_bytes, reverse=True) + given[len(chosen) :]
 
 
 def _input_bytes(signature: Signature) -> int:

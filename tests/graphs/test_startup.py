@@ -121,37 +121,35 @@ def write_log(path: Path, shapes: list[tuple[str, int, int]]) -> None:
     sink.close()
 
 
-def test_recorded_shapes_that_fit_are_captured_largest_first() -> None:
+def test_recorded_shapes_are_captured_largest_first_where_the_budget_allows() -> None:
     small, mid, big = (Signature.parse(f"float32[{n},8]") for n in (2, 4, 9))
     ranked = [small, mid, big]  # the most replayed first
     costs = {startup._shapes(s): c for s, c in ((small, 100), (mid, 100), (big, 1000))}
-    # No budget: every shape, the largest first.
+    # No budget, or one the recorded captures fit together: the largest first.
     assert capture_order(ranked, costs, slots=16, budget=0) == [big, mid, small]
-    # The most replayed shapes that fit the budget, largest first; then the rest.
-    assert capture_order(ranked, costs, slots=16, budget=250) == [mid, small, big]
-    # A shape that does not fit is passed over, not the ones after it.
-    assert capture_order([big, small, mid], costs, slots=16, budget=250) == [mid, small, big]
-    # The cap counts too: the most replayed shape, then the others by replays.
-    assert capture_order(ranked, costs, slots=1, budget=0) == [small, mid, big]
+    assert capture_order(ranked, costs, slots=16, budget=1200) == [big, mid, small]
+    # A budget they do not fit: the replay order stands (the large graph captured first
+    # could take the budget the more replayed ones would have used).
+    assert capture_order(ranked, costs, slots=16, budget=1199) == ranked
+    # The cap: the most replayed shapes it admits, the largest first; then the others.
+    assert capture_order(ranked, costs, slots=2, budget=0) == [mid, small, big]
+    assert capture_order(ranked, costs, slots=2, budget=250) == [mid, small, big]
     assert capture_order(ranked, costs, slots=0, budget=0) == ranked
+    assert capture_order(ranked, costs, slots=-1, budget=0) == ranked
     # Equal sizes keep the replay order; a dtype torch lacks counts as no bytes.
     odd = Signature.parse("Tensor[99,99]")
     twin = Signature.parse("float32[8,4]")
     assert capture_order([odd, twin, mid], {}, slots=16, budget=0) == [twin, mid, odd]
 
 
-def test_a_budget_keeps_the_most_replayed_shapes_and_captures_them_largest_first(
-    tmp_path: Path,
-) -> None:
+def test_a_budget_the_recorded_captures_fit_prepares_them_largest_first(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
-    write_log(
-        log,
-        [
-            ("float32[2,8]", 100 * MiB, 9),
-            ("float32[9,8]", 1024 * MiB, 1),
-            ("float32[4,8]", 100 * MiB, 5),
-        ],
-    )
+    shapes = [
+        ("float32[2,8]", 100 * MiB, 9),
+        ("float32[9,8]", 100 * MiB, 1),
+        ("float32[4,8]", 100 * MiB, 5),
+    ]
+    write_log(log, shapes)
     found, _ = recorded_signatures(str(log))
     assert [s.inputs[0].shape for s in found["vision"]] == [(2, 8), (4, 8), (9, 8)]
     config = CFG.replace(prepare_from=str(log), pool_budget_bytes=300 * MiB)
@@ -159,17 +157,19 @@ def test_a_budget_keeps_the_most_replayed_shapes_and_captures_them_largest_first
     try:
         with capture_events(bus) as events:
             assert prepare_adapters([graph], CPU) == {"vision": {"captured": 3}}
-        # The two most replayed fit the budget on their recorded sizes: the larger of them
-        # first, then the smaller; the large, seldom replayed shape last, in the room left.
-        assert [e.signature.inputs[0].shape for e in events] == [(4, 8), (2, 8), (9, 8)]
+        assert [e.signature.inputs[0].shape for e in events] == [(9, 8), (4, 8), (2, 8)]
     finally:
         bus.close()
-    # With the budget taken by the first two, the third is refused, as before.
-    config = config.replace(pool_budget_bytes=200 * MiB)
-    graph, _, bus = adapter(config, backend=SimulatedGraphBackend(graph_bytes=100 * MiB))
+    # Recorded larger than the budget: the most replayed first, until the budget is taken.
+    log = tmp_path / "larger.jsonl"
+    write_log(log, [(text, 150 * MiB, replays) for text, _, replays in shapes])
+    config = config.replace(prepare_from=str(log))
+    graph, _, bus = adapter(config, backend=SimulatedGraphBackend(graph_bytes=150 * MiB))
     try:
-        assert prepare_adapters([graph], CPU) == {"vision": {"captured": 2, "capacity: budget": 1}}
-        assert sorted(s.inputs[0].shape for s in graph.captured_signatures()) == [(2, 8), (4, 8)]
+        with capture_events(bus) as events:
+            outcomes = prepare_adapters([graph], CPU)
+        assert outcomes == {"vision": {"captured": 2, "capacity: budget": 1}}
+        assert [e.signature.inputs[0].shape for e in events] == [(2, 8), (4, 8)]
     finally:
         bus.close()
 
