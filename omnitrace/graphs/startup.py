@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -130,10 +129,16 @@ def zero_inputs(signature: Signature, device: torch.device) -> tuple[torch.Tenso
     )
 
 
+def _torch_dtype(name: str) -> torch.dtype | None:
+    """Torch's dtype of that name, or None where torch has none."""
+    found = getattr(torch, name, None)
+    return found if isinstance(found, torch.dtype) else None
+
+
 def _unknown_dtype(signature: Signature) -> str | None:
     """The first dtype of ``signature`` that torch does not have, or None."""
     for spec in signature.inputs:
-        if spec is not None and not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
+        if spec is not None and _torch_dtype(spec.dtype) is None:
             return spec.dtype
     return None
 
@@ -210,9 +215,9 @@ def _input_bytes(signature: Signature) -> int:
     """Bytes of ``signature``'s inputs (0 for a dtype torch does not have)."""
     total = 0
     for spec in signature.inputs:
-        dtype = None if spec is None else getattr(torch, spec.dtype, None)
-        if spec is not None and isinstance(dtype, torch.dtype):
-            total += math.prod(spec.shape) * dtype.itemsize
+        dtype = None if spec is None else _torch_dtype(spec.dtype)
+        if spec is not None and dtype is not None:
+            total += spec.numel * dtype.itemsize
     return total
 
 
