@@ -16,37 +16,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks import engine_phases, served_pairs
+from benchmarks import engine_checks, engine_phases, engine_serving, served_pairs
 from benchmarks.common import BenchmarkFailedError, Context, save_plot, summarize, write_partial
-from benchmarks.engine_checks import (
-    check_model,
-    device_s_since,
-    eager_agreement,
-    event_figures,
-    hits_since,
-    line_counts,
-    slowest_calls,
-)
-from benchmarks.engine_serving import (
-    AGAIN,
-    MODELS,
-    Configuration,
-    Pass,
-    RequestKind,
-    Server,
-    api_server_count,
-    configurations,
-    lm_graph_tokens,
-    one_request,
-    openai_client,
-    repeated,
-    request_kinds,
-    run_pass,
-    schedule,
-    serving,
-    tensor_parallel_size,
-    whole_number,
-)
+from benchmarks.engine_serving import AGAIN, MODELS, Configuration, Pass, RequestKind, Server
 from benchmarks.paired import mm_processor_kwargs, write_checkpoint
 
 NAME = "engine"
@@ -110,13 +82,6 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def _checkpoint(model_kind: str, directory: Path, scale: str) -> Path:
-    """Write ``model_kind``'s checkpoint (the released sizes at full scale) unless it exists."""
-    if not directory.exists():
-        write_checkpoint(model_kind, directory, released=scale == "full")
-    return directory
-
-
 def _chosen(variable: str, known: Sequence[str]) -> list[str]:
     """The comma-separated names ``variable`` holds, each one of ``known``; all when unset."""
     raw = os.environ.get(variable, "").strip()
@@ -137,7 +102,7 @@ def models() -> list[str]:
 
 def chosen_configurations(model_kind: str) -> list[Configuration]:
     """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by default)."""
-    every = configurations(model_kind)
+    every = engine_serving.configurations(model_kind)
     names = _chosen("OMNITRACE_BENCH_ENGINE_CONFIGS", [c.name for c in every])
     return [c for c in every if c.name in names]
 
@@ -146,13 +111,13 @@ def run(ctx: Context) -> dict[str, Any]:
     """Serve the traffic through each model's configurations back to back; compare with eager."""
     if ctx.scale == "full" and not ctx.cuda:
         raise RuntimeError("the engine benchmark at full scale needs a CUDA device")
-    tp = tensor_parallel_size()
-    api_servers = api_server_count()
+    tp = engine_serving.tensor_parallel_size()
+    api_servers = engine_serving.api_server_count()
     for model_kind in models():
         chosen_configurations(model_kind)  # a misspelt name fails before any server starts
     offline_enabled()
     cost_rounds()
-    processor, graph_tokens = mm_processor_kwargs(), lm_graph_tokens()
+    processor, graph_tokens = mm_processor_kwargs(), engine_serving.lm_graph_tokens()
     if ctx.cuda and tp > 1:
         import torch
 
@@ -175,7 +140,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for model_kind in models():
         ctx.log(f"  {MODELS[model_kind]}")
         result["models"][model_kind] = entry = _run_model(ctx, model_kind, result, tp, api_servers)
-        check_model(result, model_kind, entry)
+        engine_checks.check_model(result, model_kind, entry)
         write_partial(ctx, NAME, result)
     for model_kind, entry in result["models"].items():
         for name, config in entry["configurations"].items():
@@ -192,8 +157,10 @@ def _run_model(
     # Absolute: each server runs in its own directory.
     name = model_kind if tp == 1 else f"{model_kind}-tp{tp}"
     work = (ctx.out_dir / "engine-work" / name).resolve()
-    model = _checkpoint(model_kind, work / "checkpoint", ctx.scale)
-    kinds = request_kinds(ctx.scale, model_kind)
+    model = work / "checkpoint"  # the released sizes at full scale, written once
+    if not model.exists():
+        write_checkpoint(model_kind, model, released=ctx.scale == "full")
+    kinds = engine_serving.request_kinds(ctx.scale, model_kind)
     per_kind = ctx.pick(8, 2, 1)
     tokens = ctx.pick(8, 4, 2)
     concurrencies = ctx.pick((1, 8, 32), (1, 4), (1, 2))
@@ -222,7 +189,7 @@ def _run_model(
             continue
         ctx.log(f"  {config.name}: starting vllm serve")
         started = time.perf_counter()
-        with serving(
+        with engine_serving.serving(
             config,
             model,
             work,
@@ -234,29 +201,31 @@ def _run_model(
         ) as server:
             ready_s = time.perf_counter() - started
             # Warm-up: every shape min_capture_calls times, so the graphs are in place.
+            send = functools.partial(engine_serving.run_pass, server)
             for warm in range(2):
-                run_pass(server, schedule(kinds, 1, warm), seed=100 + warm, concurrency=1, tokens=1)
-            warmed = line_counts(server.events)
+                warmup = engine_serving.schedule(kinds, 1, warm)
+                send(warmup, seed=100 + warm, concurrency=1, tokens=1)
+            warmed = engine_checks.line_counts(server.events)
             passes = []
             device_s_c1: float | None = None
             for concurrency in concurrencies:
-                skip = line_counts(server.events)
-                traffic = schedule(kinds, per_kind, 7)
+                skip = engine_checks.line_counts(server.events)
+                traffic = engine_serving.schedule(kinds, per_kind, 7)
                 # Above c1 a pass lasts seconds and its rate swings: the median of repeats,
                 # each with new media (a repeat would hit vLLM's processor cache).
                 repeats = 1 if concurrency == 1 else ctx.pick(3, 2, 2)
-                measure = functools.partial(run_pass, server, traffic, concurrency=concurrency)
+                seeds = [200 + concurrency + 1000 * r for r in range(repeats)]
                 runs = [
-                    measure(seed=200 + concurrency + 1000 * r, tokens=tokens)
-                    for r in range(repeats)
+                    send(traffic, seed=s, concurrency=concurrency, tokens=tokens) for s in seeds
                 ]
-                passes.append(repeated(runs))
+                passes.append(engine_serving.repeated(runs))
                 if concurrency == 1 and config.plugin:
-                    device_s_c1 = device_s_since(server.events, skip)
+                    device_s_c1 = engine_checks.device_s_since(server.events, skip)
             # Hits after the warm-up count the measured passes only, not the pairs.
-            figures = event_figures(server.events)
-            after_warmup = hits_since(server.events, warmed) if config.plugin else None
-            slowest = slowest_calls(server.events, warmed) if config.plugin else None
+            figures = engine_checks.event_figures(server.events)
+            plugin = config.plugin
+            after_warmup = engine_checks.hits_since(server.events, warmed) if plugin else None
+            slowest = engine_checks.slowest_calls(server.events, warmed) if plugin else None
             pairs = _served_pairs(ctx, server, kinds, api_servers) if config.paired else None
             ttft_c1 = sum(c.ttft_s for c in passes[0].completions)
             share = None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
@@ -272,13 +241,14 @@ def _run_model(
                 "slowest_calls_after_warmup": slowest,
                 **{k: v for k, v in figures.items() if k != "encoder_device_s"},
             }
-            texts[config.name] = {
+            mine = {
                 f"c{p.concurrency}/{i}": c.tokens
                 for p in passes
                 for i, c in enumerate(p.completions)
             }
+            texts[config.name] = mine
             if "eager" in texts and config.name != "eager":
-                row.update(eager_agreement(texts[config.name], texts["eager"], config.overrides))
+                row.update(engine_checks.eager_agreement(mine, texts["eager"], config.overrides))
         if config.plugin:
             # After the server stopped, every process has flushed its log: each request's
             # phases from its own events, per kind and concurrency.
@@ -300,10 +270,8 @@ def timing_cost_skipped(api_servers: int) -> str | None:
     """Why request timing's cost is not measured with ``api_servers`` API servers, or None."""
     if api_servers <= 1:
         return None
-    return (
-        f"{api_servers} API servers: POST /omnitrace/request_timing switches the one API server "
-        "that takes the connection, so the others would keep timing their requests"
-    )
+    why = "POST /omnitrace/request_timing switches the one API server that takes the connection"
+    return f"{api_servers} API servers: {why}, so the others would keep timing their requests"
 
 
 def _served_pairs(
@@ -312,20 +280,20 @@ def _served_pairs(
     """Eager and graphed requests of each kind in pairs, one at a time, in this server; then,
     in rounds of batches: request timing off and on (not with several API servers:
     :func:`timing_cost_skipped`), and a call's items as one batch and one call each."""
-    client, model = openai_client(server.port)
+    client, model = engine_serving.openai_client(server.port)
     ctx.log(f"  {server.config.name}: graphs off and on in pairs (served_pairs)")
     base_url = f"http://127.0.0.1:{server.port}"
     pairs = served_pairs.run(
         base_url,
         kinds,
-        lambda kind, seed: one_request(client, model, kind, seed, 1),
+        lambda kind, seed: engine_serving.one_request(client, model, kind, seed, 1),
         pairs=ctx.pick(8, 2, 1),
         seed=300_000,
     )
     in_rounds = functools.partial(
         served_pairs.batch_rounds,
         kinds,
-        lambda kind, seed: one_request(client, model, kind, seed, 4),
+        lambda kind, seed: engine_serving.one_request(client, model, kind, seed, 4),
         rounds=ctx.pick(cost_rounds(), 2, 1),
         warmup=ctx.pick(2, 0, 0),
     )
@@ -370,7 +338,7 @@ def cost_rounds() -> int:
     Raises:
         ValueError: the value is not a whole number from 1 to 1000.
     """
-    return whole_number("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", default=16, most=1000)
+    return engine_serving.whole_number("OMNITRACE_BENCH_ENGINE_COST_ROUNDS", default=16, most=1000)
 
 
 def offline_enabled() -> bool:
@@ -389,7 +357,7 @@ def _offline(ctx: Context, model_kind: str, work: Path) -> dict[str, Any]:
         *(sys.executable, "-m", "benchmarks.paired", "--model", model_kind),
         *("--size", "released" if ctx.scale == "full" else "tiny", "--out", str(out)),
         *("--pairs", str(ctx.pick(12, 2, 1)), "--warmup", str(ctx.pick(3, 2, 2))),
-        *("--cost-rounds", "0", "--lm-graph-tokens", str(lm_graph_tokens() or 0)),
+        *("--cost-rounds", "0", "--lm-graph-tokens", str(engine_serving.lm_graph_tokens() or 0)),
     ]
     if model_kind == "qwen2_5_omni":
         # Its audio tower graphs only through the masked attention, as configured above.

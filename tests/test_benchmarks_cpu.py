@@ -769,21 +769,21 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
 def test_engine_tensor_parallel_size_reads_its_variable(
     monkeypatch: pytest.MonkeyPatch, value: str, expected: int
 ) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_TP", value)
-    assert engine.tensor_parallel_size() == expected
+    assert engine_serving.tensor_parallel_size() == expected
 
 
 @pytest.mark.parametrize("value", ["0", "9", "two", "-1", "1.5"])
 def test_engine_tensor_parallel_size_refuses_what_is_not_a_size(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_TP", value)
     with pytest.raises(ValueError, match="OMNITRACE_BENCH_ENGINE_TP: expected a whole number"):
-        engine.tensor_parallel_size()
+        engine_serving.tensor_parallel_size()
 
 
 @pytest.mark.parametrize("value", ["qwen", ",", "minicpmo,qwen"])
@@ -816,7 +816,7 @@ def test_engine_configurations_refuse_unknown_names(
 
 
 def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import engine
+    from benchmarks import engine, engine_serving
 
     monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_CONFIGS", "eager-again, omnitrace-4,eager")
     chosen = engine.chosen_configurations("qwen2_5_omni")
@@ -828,7 +828,7 @@ def test_engine_configurations_keep_the_tables_order(monkeypatch: pytest.MonkeyP
     assert counted["encoder_cuda_graph_audio_attention"] == "masked"
     monkeypatch.delenv("OMNITRACE_BENCH_ENGINE_CONFIGS")
     assert [c.name for c in engine.chosen_configurations("minicpmo")] == [
-        c.name for c in engine.configurations("minicpmo")
+        c.name for c in engine_serving.configurations("minicpmo")
     ]
 
 
@@ -889,17 +889,17 @@ def test_engine_cost_rounds_default_and_set(monkeypatch: pytest.MonkeyPatch) -> 
 def test_engine_api_server_count_reads_its_variable(
     monkeypatch: pytest.MonkeyPatch, value: str, expected: int
 ) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", value)
-    assert engine.api_server_count() == expected
+    assert engine_serving.api_server_count() == expected
 
 
 @pytest.mark.parametrize("value", ["0", "17", "two", "-1", "1.5", "\u0663"])
 def test_engine_api_server_count_refuses_what_is_not_a_count(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    from benchmarks import engine
+    from benchmarks import engine_serving
 
     monkeypatch.setenv("OMNITRACE_BENCH_ENGINE_API_SERVERS", value)
     with pytest.raises(
@@ -908,7 +908,7 @@ def test_engine_api_server_count_refuses_what_is_not_a_count(
             f"OMNITRACE_BENCH_ENGINE_API_SERVERS: expected a whole number 1 to 16, got {value!r}"
         ),
     ):
-        engine.api_server_count()
+        engine_serving.api_server_count()
 
 
 def _refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str) -> str:
