@@ -35,6 +35,7 @@ from omnitrace.graphs.backends.vllm import (  # noqa: E402
     detect_vllm_api,
     load_vllm_api,
 )
+from omnitrace.graphs.eligibility import signature_of  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -348,10 +349,60 @@ def test_vllm_captures_on_the_adapters_stream_and_warms_up_off_it(
     eager = [stream for stream, capturing in forward_log if not capturing]
     assert len(captured) == 2
     assert {g.stream for g in CpuGraph.instances} == set(captured)
-    # Warm-up misses, the backend's structure probe and vLLM's own warm-up: all on replay.
-    assert len(eager) == 2 + 2 + 2
+    # Warm-up misses and vLLM's own warm-up, all on replay; the model is sized from the
+    # misses' outputs, with no run of its own.
+    assert len(eager) == 2 + 2
     assert all(stream is REPLAY for stream in eager)
     assert getattr(torch.cuda.graph, "default_capture_stream", None) is None
+
+
+def test_a_capturing_call_runs_the_forward_once_before_vllms_capture(
+    cpu_graphs: list[CpuGraph],
+) -> None:
+    """The capturing call sizes the manager's model from the key's earlier eager call: one
+    forward (vLLM's warm-up), then the capture; a key prepared with no call before probes."""
+    backend = CpuVllmBackend(_config())
+    x = torch.randn(1, 4, 4)
+    graph = EncoderCudaGraph(
+        _logged(_encoder),
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=0),
+        backend=backend,
+    )
+    with torch.no_grad():
+        first = graph(x, None)
+        del forward_log[:]
+        second = graph(x * 2, None)
+        assert [capturing for _, capturing in forward_log] == [False, True]
+        assert torch.equal(first, _encoder(x, None))
+        assert torch.equal(second, _encoder(x * 2, None))
+        # Without an eager call of its key, the structure comes from a run of its own.
+        del forward_log[:]
+        signature = signature_of((torch.randn(1, 7, 4), None))
+        assert graph.prepare(signature, torch.device("cpu")) == "captured"
+        assert [capturing for _, capturing in forward_log] == [False, False, True]
+        y = torch.randn(1, 7, 4)
+        assert torch.equal(graph(y, None), _encoder(y, None))
+    stats = graph.get_cumulative_stats()
+    assert (stats["num_graphs"], stats["graph_hits"], stats["graph_misses"]) == (2, 2, 1)
+
+
+def test_the_layouts_kept_for_later_captures_are_bounded(cpu_graphs: list[CpuGraph]) -> None:
+    """Layouts are kept for as many shapes as admission remembers calls of: a shape it forgot
+    warms up again, and the newest one is captured from its kept layout."""
+    backend = CpuVllmBackend(_config())
+    config = EncoderGraphConfig(min_free_bytes=0, max_graphs=8)
+    graph = EncoderCudaGraph(_logged(_encoder), name="vision", config=config, backend=backend)
+    shapes = [torch.randn(1, n, 4) for n in range(1, config.history_size + 9)]
+    with torch.no_grad():
+        for x in shapes:
+            graph(x, None)
+        assert len(graph._seen or {}) == config.history_size
+        for x, runs in ((shapes[0], [False]), (shapes[-1], [False, True])):
+            del forward_log[:]
+            assert torch.equal(graph(x, None), _encoder(x, None))
+            assert [capturing for _, capturing in forward_log] == runs
+    assert graph.num_graphs == 1
 
 
 def test_merged_manager_stats_agree_with_the_adapter_fold(cpu_graphs: list[CpuGraph]) -> None:

@@ -61,6 +61,10 @@ class CaptureRequest:
     """The output layout of warm-ups already run for this key (a background preparation):
     the backend skips its own warm-up and sizes the static outputs from it. A backend that
     warms up on its own terms (vLLM's manager) may ignore it."""
+    seen: OutputLayout | None = None
+    """The output layout an eager call of this key returned before it was due: a backend
+    whose own warm-up runs in any case (vLLM's manager) sizes its model from it instead of
+    running the forward once more for it; others ignore it."""
 
 
 @runtime_checkable
@@ -171,6 +175,15 @@ class OutputLayout:
                 "encoder returned different outputs during capture than during warm-up "
                 f"({len(leaves)} leaves against {len(self.leaves)}, or other shapes or dtypes)"
             )
+
+
+def layout_of(out: Any) -> OutputLayout | None:
+    """The layout of one forward's output tree; None for a tree no graph can hold."""
+    try:
+        leaves, spec = flatten_outputs(out)
+    except TypeError:
+        return None
+    return OutputLayout(tuple((t.shape, t.dtype) for t in leaves), spec)
 
 
 def warm_up(

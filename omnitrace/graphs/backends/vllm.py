@@ -146,6 +146,9 @@ class VllmGraphBackend(CudaDeviceQuestions):
     name = "vllm"
     error_modes: tuple[str, ...] = ("global",)
     simulated = False
+    #: The manager warms up before its capture anyway: a layout an eager call of the key
+    #: returned (``CaptureRequest.seen``) saves a run of the forward on the capturing call.
+    takes_seen_layout = True
 
     def __init__(self, vllm_config: Any, *, api: VllmApi | None = None) -> None:
         if vllm_config is None:
@@ -203,11 +206,16 @@ class VllmGraphBackend(CudaDeviceQuestions):
         with self._device_scope(device):
             replay_stream = self._current_stream(device)
             static_inputs = static_copies(inputs)
-            # One eager run on the replay stream for the output structure; the manager's own
-            # warm-up is routed back to the replay stream by the model's warmup_scope.
-            leaves, spec = flatten_outputs(forward(*static_inputs))
-            shapes = [(t.shape, t.dtype) for t in leaves]
-            del leaves
+            # The output structure sizes the manager's model: from an eager call of this key
+            # when the adapter saw one, else from one eager run on the replay stream. The
+            # manager's own warm-up is routed back to the replay stream by warmup_scope, and
+            # its capture checks the structure again.
+            if request.seen is not None:
+                spec, shapes = request.seen.spec, list(request.seen.leaves)
+            else:
+                leaves, spec = flatten_outputs(forward(*static_inputs))
+                shapes = [(t.shape, t.dtype) for t in leaves]
+                del leaves
             model = ExactShapeEncoder(
                 self.api,
                 forward,
