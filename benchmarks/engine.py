@@ -67,14 +67,8 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
             ordered = sorted(samples)
             stats = summarize(ordered, scale=1e3)
             p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-            row = {
-                "concurrency": p.concurrency,
-                "kind": kind,
-                "n": stats["n"],
-                "ttft_p50_ms": stats["median"],
-                "ttft_p99_ms": p99 * 1e3,
-            }
-            rows[f"c{p.concurrency}/{kind}"] = row
+            row = rows[f"c{p.concurrency}/{kind}"] = {"concurrency": p.concurrency, "kind": kind}
+            row.update(n=stats["n"], ttft_p50_ms=stats["median"], ttft_p99_ms=p99 * 1e3)
             if p.concurrency == 1:
                 mine = [c.phases for c in p.completions if c.kind == kind]
                 row["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
@@ -121,11 +115,9 @@ def run(ctx: Context) -> dict[str, Any]:
     if ctx.cuda and tp > 1:
         import torch
 
-        if torch.cuda.device_count() < tp:
-            raise RuntimeError(
-                f"OMNITRACE_BENCH_ENGINE_TP={tp} needs {tp} CUDA devices, "
-                f"this machine has {torch.cuda.device_count()}"
-            )
+        if (found := torch.cuda.device_count()) < tp:
+            need = f"OMNITRACE_BENCH_ENGINE_TP={tp} needs {tp} CUDA devices"
+            raise RuntimeError(f"{need}, this machine has {found}")
     result: dict[str, Any] = {
         "sizes": "released" if ctx.scale == "full" else "tiny",
         "tensor_parallel_size": tp,

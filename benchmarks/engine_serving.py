@@ -56,6 +56,7 @@ class Configuration:
 AGAIN = "eager-again"
 #: The configuration that keeps four graphs an encoder, no pool budget (the former default).
 COUNTED = "omnitrace-4"
+BACKGROUND = "omnitrace-background"
 
 
 def configurations(model_kind: str) -> list[Configuration]:
@@ -77,6 +78,8 @@ def configurations(model_kind: str) -> list[Configuration]:
         Configuration(COUNTED, {**graphs, "encoder_cuda_graph_max_graphs": 4}),
         # Calls of several images or clips served one item at a time.
         Configuration("omnitrace-split", {**graphs, "encoder_cuda_graph_split_items": True}),
+        # A new shape warmed up and captured off the calling thread while its calls run eagerly.
+        Configuration(BACKGROUND, {**graphs, "encoder_cuda_graph_background_capture": True}),
         Configuration(
             "vllm-encoder-graphs", {}, compilation={"cudagraph_mm_encoder": True}, plugin=False
         ),

@@ -431,6 +431,7 @@ def test_prepared_servers_are_checked_from_their_first_call_and_compile_by_its_p
         "omnitrace": config({1: 50.0, 8: 200.0, 32: 400.0}, 80, 20),
         "omnitrace+compile": config({1: 40.0, 8: 250.0, 32: 380.0}, 90, 10),
         "omnitrace-restarted": config({1: 50.0, 8: 200.0, 32: 400.0}, 99, 1),
+        "omnitrace-background": config({1: 60.0, 8: 190.0, 32: 440.0}, 70, 30),
     }
     result: dict[str, Any] = {"targets": [], "figures": []}
     engine_checks._prepared_checks(result, "M", configs)
@@ -447,7 +448,13 @@ def test_prepared_servers_are_checked_from_their_first_call_and_compile_by_its_p
     )
     assert c8["value"] == pytest.approx(25.0)
     assert c32["value"] == pytest.approx(-5.0)
-    assert len(result["targets"]) == 4
+    # Capture off the calling thread is held to the same p99 (its hit rate is the defaults').
+    background = [t for t in result["targets"] if "omnitrace-background vs omnitrace" in t["name"]]
+    assert [(t["value"], t["met"]) for t in background] == [
+        (pytest.approx(-5.0), True),
+        (pytest.approx(10.0), False),
+    ]
+    assert len(result["targets"]) == 6
     del configs["omnitrace"]
     result = {"targets": [], "figures": []}
     engine_checks._prepared_checks(result, "M", configs)
