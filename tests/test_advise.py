@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -611,6 +612,9 @@ def test_warm_up_misses_are_told_apart_and_split_items_named_where_batches_were_
     assert advice.best is not None
     (warmup,) = [n for n in advice.notes if n.startswith("warm-up:")]
     assert warmup.startswith("warm-up: 3 of 34 calls run eagerly before their shape is captured")
+    # What the three captures made their calls wait, as logged.
+    held = r"; this run's 3 captures while serving held up their calls [\d.]+ m?s in all "
+    assert re.search(held + r"\(the longest [\d.]+ m?s\); a server restarted", warmup), warmup
     assert "encoder_cuda_graph_prepare_from" in warmup
     (seldom,) = [n for n in advice.notes if n.startswith("seldom shapes:")]
     assert seldom.startswith(
@@ -618,6 +622,21 @@ def test_warm_up_misses_are_told_apart_and_split_items_named_where_batches_were_
         "never captures"
     )
     assert ("encoder_cuda_graph_split_items" in seldom) is (items == "batched")
+
+
+def test_only_captures_while_serving_count_as_holding_up_calls() -> None:
+    """A capture at start-up held up no call: the warm-up note sums the serving ones."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    calls: list[Call] = [("vision", (n, 16, 8), Phase.SERVING) for n in (1, 2) for _ in range(5)]
+    events = _run(calls, logged)
+    first, second = [e for e in events if isinstance(e, GraphCaptured)]
+    events[events.index(first)] = dataclasses.replace(first, phase=Phase.STARTUP)
+    events[events.index(second)] = dataclasses.replace(second, duration_s=0.25)
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.serving_captures == (0.25,)
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    (warmup,) = [n for n in advice.notes if n.startswith("warm-up:")]
+    assert "; this run's one capture while serving held up its call 250.0 ms; " in warmup
 
 
 def test_calls_no_setting_can_graph_are_counted_and_left_out_of_a_second_hit_rate() -> None:

@@ -354,11 +354,22 @@ def _prepare_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
             f"setting ({recording.why_ineligible()}); the hit rates count them as misses, and "
             f"of the other calls the recommended setting serves {share} from graphs"
         )
+    captures = recording.serving_captures
     if warmup:
+        held = ""
+        if len(captures) == 1:
+            took = format_seconds(captures[0])
+            held = f"; this run's one capture while serving held up its call {took}"
+        elif captures:
+            held = (
+                f"; this run's {len(captures)} captures while serving held up their calls "
+                f"{format_seconds(sum(captures))} in all (the longest "
+                f"{format_seconds(max(captures))})"
+            )
         notes.append(
             f"warm-up: {warmup} of {best.calls} calls run eagerly before their shape is "
-            "captured; a server restarted with encoder_cuda_graph_prepare_from naming these "
-            "logs captures the shapes this run captured before it serves"
+            f"captured{held}; a server restarted with encoder_cuda_graph_prepare_from naming "
+            "these logs captures the shapes this run captured before it serves"
         )
     if seldom:
         times = "once" if calls == 2 else f"fewer than {calls} times"

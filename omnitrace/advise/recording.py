@@ -3,6 +3,7 @@ each key's costs summed exactly as a list of every value would sum them."""
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -188,6 +189,9 @@ class Recording:
     """Per encoder whose calls can carry several images or clips, how it served them:
     ``"batched"`` (one call, one key) or ``"split"`` (one call per item), from its adapter
     facts (``encoder_cuda_graph_split_items``)."""
+    serving_captures: tuple[float, ...] = ()
+    """The host seconds of each capture logged while serving: each held up the call that
+    made it (captures at start-up, before serving, are not among them)."""
 
     def seldom_calls(self, min_calls: int) -> int:
         """Eligible calls, all workers, of keys their worker called fewer than ``min_calls``
@@ -324,6 +328,7 @@ class _Builder:
         self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
         self.profiling = False
         self.ineligible: dict[str, dict[str, int]] = {}
+        self.serving_captures: list[float] = []
 
     def add(self, record: EventRecord) -> None:
         item = record.item
@@ -349,6 +354,8 @@ class _Builder:
             else:
                 self.eager_device.add(worker, item.adapter, item.signature.inputs, item.device_s)
         elif isinstance(item, ev.GraphCaptured):
+            if item.phase is Phase.SERVING and math.isfinite(item.duration_s):
+                self.serving_captures.append(item.duration_s)
             size = item.bytes_reserved + item.static_bytes
             self.sizes.setdefault(ident, []).append(size)
             place = (worker, item.device)
@@ -479,6 +486,7 @@ class _Builder:
                 for adapter, info in self.infos.items()
                 if (value := info.get("items")) in ("batched", "split")
             },
+            serving_captures=tuple(self.serving_captures),
         )
 
     def _logged(self, adapter: str) -> Setting:

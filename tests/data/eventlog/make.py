@@ -27,8 +27,11 @@ recommendation is the same in every scenario) and the notes. Then `advise` gaine
 without them): its outputs are the old ones with that note added, checked to differ in
 nothing else. Then `advise` gained a `memory:` note (how much more device-free memory would
 let the recommended setting graph the calls it leaves eager under its floor): its outputs
-are the old ones with that note added, checked to differ in nothing else. Run it
-from the repository root with the omnitrace to record:
+are the old ones with that note added, checked to differ in nothing else. Then the
+`warm-up:` note of `advise` gained what the captures logged while serving held up their calls
+(count, seconds in all, the longest): its outputs are the old ones with that clause added,
+checked to differ in nothing else. Run it from the repository root with the omnitrace to
+record:
 
     python tests/data/eventlog/make.py logs       # rewrite logs.tar.xz (changes the outputs)
     python tests/data/eventlog/make.py outputs    # record the outputs of this omnitrace
