@@ -178,7 +178,11 @@ class OutputLayout:
 
 
 def layout_of(out: Any) -> OutputLayout | None:
-    """The layout of one forward's output tree; None for a tree no graph can hold."""
+    """The layout of one forward's output tree; None for a tree no graph can hold.
+
+    Args:
+        out: what the forward returned (tensors, None, and tuples, lists and dicts of them).
+    """
     try:
         leaves, spec = flatten_outputs(out)
     except TypeError:
