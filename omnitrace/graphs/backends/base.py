@@ -184,9 +184,13 @@ def layout_of(out: Any) -> OutputLayout | None:
         out: what the forward returned (tensors, None, and tuples, lists and dicts of them).
     """
     try:
-        leaves, spec = flatten_outputs(out)
+        return _layout(out)
     except TypeError:
         return None
+
+
+def _layout(out: Any) -> OutputLayout:
+    leaves, spec = flatten_outputs(out)
     return OutputLayout(tuple((t.shape, t.dtype) for t in leaves), spec)
 
 
@@ -202,8 +206,7 @@ def warm_up(
     out = None
     for _ in range(max(1, iters)):
         out = forward(*inputs)
-    leaves, spec = flatten_outputs(out)
-    return OutputLayout(tuple((t.shape, t.dtype) for t in leaves), spec)
+    return _layout(out)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from omnitrace.graphs.backends.base import (
     CaptureRequest,
     OutputLayout,
     capture_ordering,
-    flatten_outputs,
     static_copies,
     warm_up,
 )
@@ -210,22 +209,17 @@ class VllmGraphBackend(CudaDeviceQuestions):
             # when the adapter saw one, else from one eager run on the replay stream. The
             # manager's own warm-up is routed back to the replay stream by warmup_scope, and
             # its capture checks the structure again.
-            if request.seen is not None:
-                spec, shapes = request.seen.spec, list(request.seen.leaves)
-            else:
-                leaves, spec = flatten_outputs(forward(*static_inputs))
-                shapes = [(t.shape, t.dtype) for t in leaves]
-                del leaves
+            layout = request.seen if request.seen is not None else warm_up(forward, static_inputs)
             model = ExactShapeEncoder(
                 self.api,
                 forward,
                 static_inputs,
-                spec,
-                shapes,
+                layout.spec,
+                layout.leaves,
                 warmup_scope=lambda: self._stream_scope(replay_stream),
                 capturing=self._capturing,
             )
-            dtype = _encoder_dtype(static_inputs, shapes)
+            dtype = _encoder_dtype(static_inputs, layout.leaves)
             manager = self.api.manager_cls(
                 copy_vllm_config(self.vllm_config, model.token_budget), device, dtype, model
             )
