@@ -1,4 +1,5 @@
-"""Shared test configuration: GPU tests skip cleanly on machines without CUDA.
+"""Shared test configuration: GPU tests skip cleanly on machines without CUDA, and a test that
+leaves torch's default dtype changed fails without changing the tests after it.
 
 With ``OMNITRACE_FORBID_SKIPS=1`` (set by the CI tiers, which install everything their tests
 need) any skip other than a GPU test's is reported as a failure, so a tier whose set-up
@@ -7,6 +8,7 @@ step went missing fails instead of passing on skipped tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -59,3 +61,29 @@ def bus() -> Iterator[EventBus]:
     b = EventBus()
     yield b
     b.close()
+
+
+@contextlib.contextmanager
+def default_dtype_kept() -> Iterator[None]:
+    """Fail if the block leaves torch's default dtype changed, after restoring it.
+
+    vLLM 0.26's ``set_default_torch_dtype`` restores the dtype only when its block returns:
+    a test that raised inside it would leave bf16 behind, and every later test that makes
+    tensors without a dtype would fail with it, hiding which test broke.
+    """
+    before = torch.get_default_dtype()
+    try:
+        yield
+    except BaseException:
+        torch.set_default_dtype(before)
+        raise
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"the test left torch's default dtype at {after}; restored {before}")
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_kept() -> Iterator[None]:
+    with default_dtype_kept():
+        yield
