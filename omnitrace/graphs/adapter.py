@@ -797,6 +797,10 @@ class EncoderCudaGraph:
         ready = self._prep.ready.pop(due.key, None)
         layout = None if ready is None else ready[0]
         seen = None if self._seen is None else self._seen.pop(due.key, None)
+        if seen is not None and self._capture_forward() is not self._forward:
+            # The eager call ran another forward than the one captured (a compiled one):
+            # the capture's own warm-up must run it first.
+            seen = None
         graph = self._capturer.capture(
             due, layout, prepared=ready is not None, free_bytes=free_bytes, seen=seen
         )

@@ -181,3 +181,38 @@ def test_prepared_shapes_compile_before_serving_and_later_shapes_capture_plain()
     print(done.stdout[-2000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "prepared compiled graph: max rel err" in done.stdout
+
+
+@pytest.mark.parametrize("backend_name", ["vllm", "torch"])
+def test_a_capture_keeps_the_allocators_caches_and_measures_its_pool(
+    bus: EventBus, backend_name: str
+) -> None:
+    """A capture on the request path frees none of the device or pinned-host memory the
+    allocators hold cached (an engine's next steps would allocate it afresh), and its
+    bytes_reserved is what its fresh pool took from the device."""
+    from omnitrace.graphs.backends.torch import TorchGraphBackend
+
+    torch.manual_seed(0)
+    model = VisionEncoder(SMALL).cuda().eval()
+    backend = VllmGraphBackend(_vllm_config()) if backend_name == "vllm" else TorchGraphBackend()
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus, backend=backend)
+    x = torch.randn(1, 128, SMALL.hidden, device="cuda")
+    with torch.no_grad():
+        graph(x, None)
+        # 256 MiB of device memory and 64 MiB of pinned host memory, freed to the caches.
+        del_me = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        pinned = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+        del del_me, pinned
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        host_frees = torch.cuda.host_memory_stats()["num_host_free"]
+        with capture_events(bus) as events:
+            out = graph(x, None)
+        torch.cuda.synchronize()
+        assert torch.equal(out, model(x, None))
+    (captured,) = [e for e in events if isinstance(e, GraphCaptured)]
+    grown = torch.cuda.memory_reserved() - reserved
+    print(f"\n{backend_name}: pool {captured.bytes_reserved} B, reserved grew {grown} B")
+    assert grown >= 0
+    assert 0 < captured.bytes_reserved <= grown
+    assert torch.cuda.host_memory_stats()["num_host_free"] == host_frees

@@ -13,6 +13,7 @@ import importlib.metadata
 import itertools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -136,6 +137,11 @@ def _cpu_graph_capture(
     # Like torch.cuda.graph: without a stream argument, the class's default capture stream.
     if stream is None:
         stream = getattr(_cpu_graph_capture, "default_capture_stream", None)
+    # Like torch.cuda.graph: empty the device and pinned-host allocators' caches first.
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()
     graph.pool, graph.stream = pool, stream
     with _stream_scope(stream), _Tape(graph.tape):
         _capturing[0] = True
@@ -189,7 +195,7 @@ class CpuVllmBackend(VllmGraphBackend):
     def _capturing(self) -> bool:
         return _capturing[0]
 
-    def _settle(self, device: torch.device) -> int:
+    def _allocated(self, device: torch.device) -> int:
         return 0
 
     def _device_index(self, device: torch.device) -> int | None:
@@ -349,18 +355,18 @@ def test_vllm_captures_on_the_adapters_stream_and_warms_up_off_it(
     eager = [stream for stream, capturing in forward_log if not capturing]
     assert len(captured) == 2
     assert {g.stream for g in CpuGraph.instances} == set(captured)
-    # Warm-up misses and vLLM's own warm-up, all on replay; the model is sized from the
-    # misses' outputs, with no run of its own.
-    assert len(eager) == 2 + 2
+    # The warm-up misses only, on replay: the model is sized from their outputs, and
+    # vLLM's own warm-up runs no forward.
+    assert len(eager) == 2
     assert all(stream is REPLAY for stream in eager)
     assert getattr(torch.cuda.graph, "default_capture_stream", None) is None
 
 
-def test_a_capturing_call_runs_the_forward_once_before_vllms_capture(
+def test_a_capturing_call_runs_no_forward_before_vllms_capture(
     cpu_graphs: list[CpuGraph],
 ) -> None:
-    """The capturing call sizes the manager's model from the key's earlier eager call: one
-    forward (vLLM's warm-up), then the capture; a key prepared with no call before probes."""
+    """The capturing call sizes the manager's model from the key's earlier eager call and
+    runs only the capture; a key prepared with no call before probes once, then captures."""
     backend = CpuVllmBackend(_config())
     x = torch.randn(1, 4, 4)
     graph = EncoderCudaGraph(
@@ -373,18 +379,47 @@ def test_a_capturing_call_runs_the_forward_once_before_vllms_capture(
         first = graph(x, None)
         del forward_log[:]
         second = graph(x * 2, None)
-        assert [capturing for _, capturing in forward_log] == [False, True]
+        assert [capturing for _, capturing in forward_log] == [True]
         assert torch.equal(first, _encoder(x, None))
         assert torch.equal(second, _encoder(x * 2, None))
         # Without an eager call of its key, the structure comes from a run of its own.
         del forward_log[:]
         signature = signature_of((torch.randn(1, 7, 4), None))
         assert graph.prepare(signature, torch.device("cpu")) == "captured"
-        assert [capturing for _, capturing in forward_log] == [False, False, True]
+        assert [capturing for _, capturing in forward_log] == [False, True]
         y = torch.randn(1, 7, 4)
         assert torch.equal(graph(y, None), _encoder(y, None))
     stats = graph.get_cumulative_stats()
     assert (stats["num_graphs"], stats["graph_hits"], stats["graph_misses"]) == (2, 2, 1)
+
+
+def test_a_compiled_capture_runs_its_own_forward_before_vllms_capture(
+    cpu_graphs: list[CpuGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``compile``, the eager calls ran another forward than the one captured: the
+    capturing call runs the compiled forward once on replay (where it compiles), then
+    captures it, instead of sizing the model from the eager call."""
+    compiled_log: list[bool] = []
+
+    def compile_forward(forward: Callable[..., Any], **_: Any) -> Callable[..., Any]:
+        def compiled(*args: Any) -> Any:
+            compiled_log.append(_capturing[0])
+            return forward(*args)
+
+        return compiled
+
+    monkeypatch.setattr("omnitrace.graphs.adapter.compile_forward", compile_forward)
+    config = EncoderGraphConfig(min_free_bytes=0, compile=True)
+    graph = EncoderCudaGraph(
+        _logged(_encoder), name="vision", config=config, backend=CpuVllmBackend(_config())
+    )
+    x = torch.randn(1, 4, 4)
+    with torch.no_grad():
+        graph(x, None)
+        assert compiled_log == []
+        assert torch.equal(graph(x * 2, None), _encoder(x * 2, None))
+    assert compiled_log == [False, True]
+    assert graph.num_graphs == 1
 
 
 def test_the_layouts_kept_for_later_captures_are_bounded(cpu_graphs: list[CpuGraph]) -> None:
@@ -398,11 +433,79 @@ def test_the_layouts_kept_for_later_captures_are_bounded(cpu_graphs: list[CpuGra
         for x in shapes:
             graph(x, None)
         assert len(graph._seen or {}) == config.history_size
-        for x, runs in ((shapes[0], [False]), (shapes[-1], [False, True])):
+        for x, runs in ((shapes[0], [False]), (shapes[-1], [True])):
             del forward_log[:]
             assert torch.equal(graph(x, None), _encoder(x, None))
             assert [capturing for _, capturing in forward_log] == runs
     assert graph.num_graphs == 1
+
+
+def test_captures_keep_the_allocator_caches_on_their_thread_only(
+    cpu_graphs: list[CpuGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.cuda.graph's emptying of the device and pinned-host caches does nothing on the
+    capturing thread, goes through on others during the capture, and is restored after a
+    capture, also after one that failed."""
+    emptied: list[str] = []
+    device_empty = lambda: emptied.append(threading.current_thread().name)  # noqa: E731
+    host_empty = lambda: emptied.append("host")  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "empty_cache", device_empty)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", host_empty, raising=False)
+
+    def encoder(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if _capturing[0]:
+            other = threading.Thread(target=torch.cuda.empty_cache, name="other")
+            other.start()
+            other.join()
+            if x.shape[1] == 9:
+                raise RuntimeError("capture failed")
+        return _encoder(x, mask)
+
+    backend = CpuVllmBackend(_config())
+    calls = [(torch.randn(1, n, 4), None) for n in (3, 3, 5, 5)]
+    graph, outs = _run(backend, encoder, calls, EncoderGraphConfig(min_free_bytes=0))
+    assert graph.num_graphs == 2
+    assert all(torch.equal(o, _encoder(*c)) for o, c in zip(outs, calls, strict=True))
+    assert emptied == ["other", "other"]
+    assert torch.cuda.empty_cache is device_empty
+    assert torch._C._host_emptyCache is host_empty
+    failing = EncoderCudaGraph(
+        encoder,
+        name="v2",
+        config=EncoderGraphConfig(min_free_bytes=0),
+        backend=CpuVllmBackend(_config()),
+    )
+    x = torch.randn(1, 9, 4)
+    with torch.no_grad():
+        failing(x, None)
+        with pytest.raises(RuntimeError, match="capture failed"):
+            failing(x, None)
+    assert torch.cuda.empty_cache is device_empty
+    assert torch._C._host_emptyCache is host_empty
+    torch.cuda.empty_cache()
+    assert emptied == ["other", "other", "other", "MainThread"]
+
+
+def test_bytes_reserved_is_the_allocators_growth_across_the_capture(
+    cpu_graphs: list[CpuGraph],
+) -> None:
+    """A graph's bytes are what the allocator took from the device during its capture (the
+    counter's growth), and never negative when the counter was reset meanwhile."""
+
+    class Counting(CpuVllmBackend):
+        def __init__(self, readings: list[int]) -> None:
+            super().__init__(_config())
+            self.readings = readings
+
+        def _allocated(self, device: torch.device) -> int:
+            return self.readings.pop(0)
+
+    backend = Counting([1000, 1000 + 4096, 9000, 0])
+    config = EncoderGraphConfig(min_free_bytes=0)
+    graph, _ = _run(backend, _encoder, [(torch.randn(1, n, 4), None) for n in (3, 3, 5, 5)], config)
+    assert [g.bytes_reserved for g in backend._graphs] == [4096, 0]
+    assert backend.readings == []
+    assert graph.num_graphs == 2
 
 
 def test_merged_manager_stats_agree_with_the_adapter_fold(cpu_graphs: list[CpuGraph]) -> None:

@@ -53,18 +53,18 @@ class CaptureRequest:
     """``torch.cuda.graph``'s: ``"thread_local"`` lets other threads keep running CUDA work
     during the capture (background capture)."""
     quiet: bool = False
-    """Capture without settling the device first: no device synchronisation, garbage
-    collection or emptying of the allocator's cache (which frees memory with an implicit
-    device-wide sync). For background captures, so other threads' calls never stall on
-    them; ``bytes_reserved`` is then approximate."""
+    """Capture without a device-wide synchronisation first, for background captures, so
+    other threads' calls never stall on them (the torch backend honours it; vLLM's manager
+    always synchronises). No capture empties the allocators' caches."""
     layout: OutputLayout | None = None
     """The output layout of warm-ups already run for this key (a background preparation):
     the backend skips its own warm-up and sizes the static outputs from it. A backend that
     warms up on its own terms (vLLM's manager) may ignore it."""
     seen: OutputLayout | None = None
-    """The output layout an eager call of this key returned before it was due: a backend
-    whose own warm-up runs in any case (vLLM's manager) sizes its model from it instead of
-    running the forward once more for it; others ignore it."""
+    """The output layout an eager call of this key returned before it was due, from this
+    very ``forward`` on the replay stream, so its lazy initialisation has run: a backend
+    that needs the layout before capturing (vLLM's) takes it from here instead of running
+    the forward once more; others ignore it."""
 
 
 @runtime_checkable

@@ -20,7 +20,13 @@ from omnitrace.graphs.backends.base import (
     warm_up,
 )
 
-__all__ = ["CudaDeviceQuestions", "CudaEventClock", "TorchCudaGraph", "TorchGraphBackend"]
+__all__ = [
+    "CudaDeviceQuestions",
+    "CudaEventClock",
+    "TorchCudaGraph",
+    "TorchGraphBackend",
+    "allocated_total",
+]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -63,11 +69,29 @@ class TorchCudaGraph(StaticBuffers):
         return self.clone_out()
 
 
+def allocated_total(device: torch.device) -> int:
+    """Bytes the caching allocator has taken from ``device`` so far, in all.
+
+    A counter that only grows (``reserved_bytes.all.allocated``): its growth across a
+    capture is the memory the capture took from the device, whatever the allocator freed
+    meanwhile, so no capture has to empty the allocator's cache to be measured. Without that
+    statistic (another allocator backend), the bytes reserved now.
+
+    Args:
+        device: the CUDA device.
+    """
+    total = torch.cuda.memory_stats(device).get("reserved_bytes.all.allocated")
+    if total is None:
+        return int(torch.cuda.memory_reserved(device))
+    return int(total)
+
+
 @contextlib.contextmanager
 def _quiet_capture(
     graph: torch.cuda.CUDAGraph, *, pool: Any, stream: Any, capture_error_mode: str
 ) -> Iterator[None]:
-    """``torch.cuda.graph`` without its device synchronisation, gc and cache emptying."""
+    """``torch.cuda.graph`` without its device synchronisation and its emptying of the
+    device and pinned-host allocators' caches."""
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
         try:
@@ -182,18 +206,15 @@ class TorchGraphBackend(CudaDeviceQuestions):
         static_outputs = layout.empty(device)
 
         if not request.quiet:
-            # Measure pool growth only: settle the allocator first so the delta is the
-            # capture's.
             torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(device)
+        # The caches stay: emptying them would make an engine's next steps allocate afresh.
+        allocated_before = allocated_total(device)
         graph = torch.cuda.CUDAGraph()
-        capture = _quiet_capture if request.quiet else torch.cuda.graph
         original: BaseException | None = None
         try:
             with (
                 capture_ordering(replay_stream, capture_stream, torch.cuda.stream),
-                capture(
+                _quiet_capture(
                     graph,
                     pool=pool,
                     stream=capture_stream,
@@ -216,7 +237,7 @@ class TorchGraphBackend(CudaDeviceQuestions):
                 # capture; the caller must see the encoder's original exception.
                 raise original from None
             raise
-        bytes_reserved = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+        bytes_reserved = max(0, allocated_total(device) - allocated_before)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return TorchCudaGraph(
             graph, static_inputs, static_outputs, layout.spec, index, bytes_reserved

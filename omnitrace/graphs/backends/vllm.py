@@ -20,11 +20,12 @@ from omnitrace.graphs.backends.base import (
     static_copies,
     warm_up,
 )
-from omnitrace.graphs.backends.torch import CudaDeviceQuestions
+from omnitrace.graphs.backends.torch import CudaDeviceQuestions, allocated_total
 from omnitrace.graphs.backends.vllm_protocol import (
     ExactShapeEncoder,
     UnsupportedVllmError,
     VllmApi,
+    caches_kept,
     captured_budget_graph,
     copy_vllm_config,
     default_capture_stream,
@@ -145,8 +146,9 @@ class VllmGraphBackend(CudaDeviceQuestions):
     name = "vllm"
     error_modes: tuple[str, ...] = ("global",)
     simulated = False
-    #: The manager warms up before its capture anyway: a layout an eager call of the key
-    #: returned (``CaptureRequest.seen``) saves a run of the forward on the capturing call.
+    #: The manager's model is sized from the output layout before the capture: a layout an
+    #: eager call of the key returned (``CaptureRequest.seen``) saves running the forward
+    #: for it on the capturing call.
     takes_seen_layout = True
 
     def __init__(self, vllm_config: Any, *, api: VllmApi | None = None) -> None:
@@ -175,11 +177,9 @@ class VllmGraphBackend(CudaDeviceQuestions):
     def _capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
-    def _settle(self, device: torch.device) -> int:
-        """Synchronize, release cached blocks and return reserved bytes."""
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        return int(torch.cuda.memory_reserved(device))
+    def _allocated(self, device: torch.device) -> int:
+        """Bytes the allocator has taken from the device so far, in all."""
+        return allocated_total(device)
 
     def _device_index(self, device: torch.device) -> int | None:
         return device.index if device.index is not None else torch.cuda.current_device()
@@ -189,8 +189,8 @@ class VllmGraphBackend(CudaDeviceQuestions):
     def warm_up(
         self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
     ) -> OutputLayout:
-        # The manager warms up inside its own capture (request.layout is not used); this
-        # only serves the protocol: adapters refuse background preparation for this backend.
+        # Capture takes the layout from request.seen or runs the forward itself; this only
+        # serves the protocol: adapters refuse background preparation for this backend.
         return warm_up(forward, inputs)
 
     def capture(self, request: CaptureRequest) -> VllmCapturedGraph:
@@ -206,9 +206,9 @@ class VllmGraphBackend(CudaDeviceQuestions):
             replay_stream = self._current_stream(device)
             static_inputs = static_copies(inputs)
             # The output structure sizes the manager's model: from an eager call of this key
-            # when the adapter saw one, else from one eager run on the replay stream. The
-            # manager's own warm-up is routed back to the replay stream by warmup_scope, and
-            # its capture checks the structure again.
+            # when the adapter saw one, else from one eager run on the replay stream. Either
+            # way the forward has run at this signature on the replay stream, so the
+            # manager's warm-up runs nothing (warmed); its capture checks the structure.
             layout = request.seen if request.seen is not None else warm_up(forward, static_inputs)
             model = ExactShapeEncoder(
                 self.api,
@@ -218,25 +218,23 @@ class VllmGraphBackend(CudaDeviceQuestions):
                 layout.leaves,
                 warmup_scope=lambda: self._stream_scope(replay_stream),
                 capturing=self._capturing,
+                warmed=True,
             )
             dtype = _encoder_dtype(static_inputs, layout.leaves)
             manager = self.api.manager_cls(
                 copy_vllm_config(self.vllm_config, model.token_budget), device, dtype, model
             )
-            reserved_before = self._settle(device)
+            allocated_before = self._allocated(device)
             with (
                 capture_ordering(replay_stream, capture_stream, self._stream_scope),
                 default_capture_stream(capture_stream),
+                caches_kept(),
             ):
                 manager.capture(pool)
-            reserved_after = self._settle(device)
+            grown = self._allocated(device) - allocated_before
         static_bytes = sum(t.nbytes for t in static_inputs if t is not None) + model.output_bytes
         graph = VllmCapturedGraph(
-            manager,
-            model,
-            self._device_index(device),
-            max(0, reserved_after - reserved_before),
-            static_bytes,
+            manager, model, self._device_index(device), max(0, grown), static_bytes
         )
         with self._lock:
             self._graphs.append(graph)

@@ -1,6 +1,6 @@
-"""vLLM's encoder graph protocol as each release spells it, detected rather than pinned: the
-manager's API, config copies, the exact-shape model object, the captured graph's layout and
-vLLM 0.26's default capture stream (docs/vllm.md, "vLLM versions")."""
+"""vLLM's encoder graph protocol as each release spells it, detected rather than pinned: API,
+config copies, the exact-shape model, the captured graph's layout, vLLM 0.26's default capture
+stream and the allocator caches a capture keeps (docs/vllm.md, "vLLM versions")."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ __all__ = [
     "ExactShapeEncoder",
     "UnsupportedVllmError",
     "VllmApi",
+    "caches_kept",
     "captured_budget_graph",
     "copy_vllm_config",
     "default_capture_stream",
@@ -227,6 +228,9 @@ class ExactShapeEncoder:
             runs on the capture stream.
         capturing: whether the current stream is capturing (the backend passes
             ``torch.cuda.is_current_stream_capturing``).
+        warmed: the forward already ran at this signature on the replay stream, so the
+            manager's warm-up (which only sizes its output buffer from what it returns)
+            gets an unfilled buffer of the output's size instead of another run.
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
@@ -241,6 +245,7 @@ class ExactShapeEncoder:
         *,
         warmup_scope: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         capturing: Callable[[], bool] | None = None,
+        warmed: bool = False,
     ) -> None:
         self._api = api
         self._forward = forward
@@ -261,12 +266,21 @@ class ExactShapeEncoder:
             self._out_shape = self._leaves[0][0]
         self.token_budget = max(1, math.prod(self._out_shape[:-1]))
         self.out_hidden_size = int(self._out_shape[-1]) if len(self._out_shape) else 1
+        # What the manager's warm-up gets when the forward already ran: allocated now, on
+        # the current (replay) stream, before the backend measures the capture's memory.
+        device = next((x.device for x in static_inputs if x is not None), None)
+        self._unfilled: torch.Tensor | None = None
+        if warmed and device is not None:
+            self._unfilled = torch.empty(self._out_shape, dtype=self._out_dtype, device=device)
 
     @property
     def output_bytes(self) -> int:
         """Bytes of the manager's one output buffer (the packed bytes, or the one tensor)."""
-        dtype = torch.uint8 if self._packed else self._leaves[0][1]
-        return _nbytes(self._out_shape, dtype)
+        return _nbytes(self._out_shape, self._out_dtype)
+
+    @property
+    def _out_dtype(self) -> torch.dtype:
+        return torch.uint8 if self._packed else self._leaves[0][1]
 
     # -- what the manager asks about the model ---------------------------------------------
 
@@ -343,7 +357,8 @@ class ExactShapeEncoder:
         if scope is not None and not (self._capturing is not None and self._capturing()):
             # The manager's warm-up, outside capture: keep it off the capture stream.
             with scope():
-                return self._call(inputs)
+                unfilled, self._unfilled = self._unfilled, None
+                return unfilled if unfilled is not None else self._call(inputs)
         return self._call(inputs)
 
     def encoder_eager_forward(self, mm_kwargs: dict[str, Any], path: str = _PATH) -> torch.Tensor:
@@ -403,6 +418,55 @@ def captured_budget_graph(manager: Any) -> Any | None:
 
 
 _default_stream_lock = threading.Lock()
+_caches_lock = threading.Lock()
+_keeping = threading.local()
+# Where torch.cuda.graph empties the device allocator's cache (newer releases through
+# torch.accelerator) and the pinned host allocator's, as it starts a capture.
+_EMPTYING = (
+    ("torch.cuda", "empty_cache"),
+    ("torch.accelerator", "empty_cache"),
+    ("torch._C", "_host_emptyCache"),
+)
+
+
+def _unless_keeping(empty: Callable[..., Any]) -> Callable[..., Any]:
+    def maybe_empty(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_keeping, "on", False):
+            return None
+        return empty(*args, **kwargs)
+
+    return maybe_empty
+
+
+@contextlib.contextmanager
+def caches_kept() -> Iterator[None]:
+    """Keep the allocators' caches through the captures this thread makes in the block.
+
+    ``torch.cuda.graph`` synchronises the device and empties the caching allocator's cache
+    and the pinned host memory cache before it captures. vLLM's manager captures through
+    it, so in a serving engine every capture would free the blocks the engine's next steps
+    allocate again: on this thread, for the block, those two calls do nothing. Other
+    threads' calls go through; the functions are restored on exit, under a process-wide
+    lock.
+    """
+    with _caches_lock:
+        saved = []
+        for module_name, name in _EMPTYING:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            empty = getattr(module, name, None)
+            if empty is not None:
+                saved.append((module, name, empty))
+                setattr(module, name, _unless_keeping(empty))
+        _keeping.on = True
+        try:
+            yield
+        finally:
+            _keeping.on = False
+            for module, name, empty in saved:
+                setattr(module, name, empty)
 
 
 @contextlib.contextmanager
