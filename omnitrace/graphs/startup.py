@@ -144,24 +144,35 @@ def _unknown_dtype(signature: Signature) -> str | None:
 
 
 def prepare_adapters(
-    adapters: Sequence[EncoderCudaGraph], device: torch.device
+    adapters: Sequence[EncoderCudaGraph], device: torch.device, *, seconds: float | None = None
 ) -> dict[str, dict[str, int]]:
     """Capture, for each adapter with ``prepare_from``, the shapes recorded for its name,
     in :func:`capture_order` (the largest first, where the budget allows).
 
-    Stops an adapter at its first capacity or memory refusal (later shapes cannot fit
-    either). Logs a line per adapter. Run it before serving, in the engine's phase and grad
-    mode (the vLLM plugin does so inside ``torch.inference_mode``).
+    The adapters take turns, a shape each, so each gets its most replayed shapes first when
+    time runs out. Stops an adapter at its first capacity or memory refusal (later shapes
+    cannot fit either). Logs a line per shape and one per adapter. Run it before serving, in
+    the engine's phase and grad mode (the vLLM plugin does so inside
+    ``torch.inference_mode``).
+
+    Args:
+        adapters: the adapters; those without ``prepare_from`` are left alone.
+        device: the device to capture on.
+        seconds: how long the preparation may take, None for no limit. A shape is not
+            started when it would end past that, at the pace of the adapter's last capture
+            (any adapter's longest, before its first); the shapes left are counted
+            ``left: time`` and captured as while serving, when first seen.
 
     Returns:
-        Per adapter name, the outcomes counted (``captured``, ``held``, ``capacity: cap`` ...).
+        Per adapter name, the outcomes counted (``captured``, ``held``, ``capacity: cap``,
+        ``left: time`` ...).
 
     Raises:
         EncoderGraphFailedError: a capture failed (the adapter is terminal, as it would be
             for a failed capture while serving).
     """
     read: dict[str, tuple[dict[str, list[Signature]], _Costs]] = {}
-    outcomes: dict[str, dict[str, int]] = {}
+    plans: list[_Plan] = []
     for adapter in adapters:
         pattern = adapter.config.prepare_from
         if not pattern:
@@ -175,8 +186,11 @@ def prepare_adapters(
             slots=adapter.config.max_graphs - adapter.num_graphs,
             budget=adapter.config.pool_budget_bytes,
         )
-        outcomes[adapter.name] = _prepare_one(adapter, order, device)
-    return outcomes
+        plans.append(_Plan(adapter, order))
+    _take_turns(plans, device, None if seconds is None else _clock() + seconds)
+    for plan in plans:
+        _log_prepared(plan)
+    return {plan.adapter.name: plan.counts for plan in plans}
 
 
 def capture_order(
@@ -221,57 +235,122 @@ def _input_bytes(signature: Signature) -> int:
     return total
 
 
-def _left(elapsed_s: float, done: int, total: int) -> str:
-    """``"; about 2 min 05 s left"`` once ``done`` of ``total`` shapes took ``elapsed_s``,
-    at their mean pace; empty when none is left or under a second is (plain captures)."""
-    if done >= total:
-        return ""
-    seconds = round(elapsed_s / done * (total - done))
-    if seconds < 1:
-        return ""
+class _Plan:
+    """One adapter's preparation: the shapes still to capture, what each gave, how long."""
+
+    def __init__(self, adapter: EncoderCudaGraph, order: Sequence[Signature]) -> None:
+        self.adapter = adapter
+        self.todo = list(order)
+        self.total = len(self.todo)
+        self.counts: dict[str, int] = {}
+        self.took: list[float] = []  # per shape tried
+        self.captures: list[float] = []  # per shape captured: the pace (the rest take ~0)
+
+    def count(self, outcome: str, number: int = 1) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + number
+
+    def pace(self) -> float | None:
+        """Seconds a capture took on average here, None before the first."""
+        return sum(self.captures) / len(self.captures) if self.captures else None
+
+
+def _take_turns(plans: Sequence[_Plan], device: torch.device, deadline: float | None) -> None:
+    """Prepare ``plans`` a shape each in turn, until done or ``deadline`` (``_clock``)."""
+    while any(plan.todo for plan in plans):
+        for plan in plans:
+            if not plan.todo:
+                continue
+            if deadline is not None and _clock() + _next_takes(plan, plans) > deadline:
+                _out_of_time(plans)
+                return
+            _prepare_next(plan, plans, device)
+
+
+def _next_takes(plan: _Plan, plans: Sequence[_Plan]) -> float:
+    """How long ``plan``'s next shape should take: its last capture's time, else the longest
+    capture of any adapter, else 0."""
+    if plan.captures:
+        return plan.captures[-1]
+    return max((took for other in plans for took in other.captures), default=0.0)
+
+
+def _prepare_next(plan: _Plan, plans: Sequence[_Plan], device: torch.device) -> None:
+    """Capture ``plan``'s next shape and log it; a capacity or memory refusal ends the plan."""
+    signature = plan.todo.pop(0)
+    began = _clock()
+    # Checked here rather than caught around prepare(): an error of the capture itself
+    # (a ValueError too, possibly) must stop the start, not be counted as a shape.
+    unknown = _unknown_dtype(signature)
+    if unknown is None:
+        outcome = plan.adapter.prepare(signature, device)
+    else:
+        outcome = f"unusable: not a torch dtype: {unknown!r}"
+    plan.count(outcome)
+    took = _clock() - began
+    plan.took.append(took)
+    if outcome == "captured":
+        plan.captures.append(took)
+    stop = outcome.startswith(("capacity", "memory"))
+    if stop:
+        plan.todo.clear()
+    # A compiled capture takes seconds: a line per shape shows the start-up's progress,
+    # and how long the shapes still to come should take at the pace so far.
+    logger.info(
+        "omnitrace: %r shape %d of %d (%s): %s in %.1f s%s",
+        plan.adapter.name,
+        len(plan.took),
+        plan.total,
+        signature.inputs_text,
+        outcome,
+        took,
+        "" if stop else _left(plans),
+    )
+
+
+def _eta_s(plans: Sequence[_Plan]) -> float:
+    """How long the shapes still to come should take, each adapter's at its mean pace (one
+    that has none yet at the others')."""
+    paces = [pace for plan in plans if (pace := plan.pace()) is not None]
+    fallback = sum(paces) / len(paces) if paces else 0.0
+    return sum(len(plan.todo) * (plan.pace() or fallback) for plan in plans if plan.todo)
+
+
+def _duration(seconds: int) -> str:
+    """``"2 min 05 s"``, or ``"45 s"`` under a minute."""
     if seconds < 60:
-        return f"; about {seconds} s left"
-    return f"; about {seconds // 60} min {seconds % 60:02d} s left"
+        return f"{seconds} s"
+    return f"{seconds // 60} min {seconds % 60:02d} s"
 
 
-def _prepare_one(
-    adapter: EncoderCudaGraph, signatures: Iterable[Signature], device: torch.device
-) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    start = _clock()
-    signatures = list(signatures)
-    for number, signature in enumerate(signatures, 1):
-        began = _clock()
-        # Checked here rather than caught around prepare(): an error of the capture itself
-        # (a ValueError too, possibly) must stop the start, not be counted as a shape.
-        unknown = _unknown_dtype(signature)
-        if unknown is None:
-            outcome = adapter.prepare(signature, device)
-        else:
-            outcome = f"unusable: not a torch dtype: {unknown!r}"
-        counts[outcome] = counts.get(outcome, 0) + 1
-        stop = outcome.startswith(("capacity", "memory"))
-        now = _clock()
-        # A compiled capture takes seconds: a line per shape shows the start-up's progress,
-        # and how long the shapes still to come should take at the pace so far.
-        logger.info(
-            "omnitrace: %r shape %d of %d (%s): %s in %.1f s%s",
-            adapter.name,
-            number,
-            len(signatures),
-            signature.inputs_text,
-            outcome,
-            now - began,
-            "" if stop else _left(now - start, number, len(signatures)),
-        )
-        if stop:
-            break
+def _left(plans: Sequence[_Plan]) -> str:
+    """``"; about 2 min 05 s left"`` (:func:`_eta_s`); empty when under a second is left
+    (plain captures)."""
+    seconds = round(_eta_s(plans))
+    return "" if seconds < 1 else f"; about {_duration(seconds)} left"
+
+
+def _out_of_time(plans: Sequence[_Plan]) -> None:
+    """Count every shape still to come ``left: time`` and say so in one warning line."""
+    left = {plan.adapter.name: len(plan.todo) for plan in plans if plan.todo}
+    more = round(_eta_s(plans))
+    for plan in plans:
+        if plan.todo:
+            plan.count("left: time", len(plan.todo))
+            plan.todo.clear()
+    logger.warning(
+        "omnitrace: out of start-up time to prepare recorded shapes (%s left, about %s "
+        "more at the pace so far); they are captured as while serving, when first seen",
+        ", ".join(f"{name} {count}" for name, count in left.items()),
+        _duration(more),
+    )
+
+
+def _log_prepared(plan: _Plan) -> None:
     logger.info(
         "omnitrace: %r prepared %d of %d recorded shapes before serving in %.1f s (%s)",
-        adapter.name,
-        counts.get("captured", 0),
-        len(signatures),
-        _clock() - start,
-        ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "none",
+        plan.adapter.name,
+        plan.counts.get("captured", 0),
+        plan.total,
+        sum(plan.took),
+        ", ".join(f"{name} {count}" for name, count in sorted(plan.counts.items())) or "none",
     )
-    return counts

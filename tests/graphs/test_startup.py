@@ -419,3 +419,181 @@ def test_a_log_that_fails_part_way_gives_none_of_its_shapes(
     assert read == [good]
     assert list(found) == ["vision"]
     assert [s.inputs[0].shape for s in found["vision"]] == [(3, 8)]
+
+
+class PacedBackend(SimulatedGraphBackend):
+    """A simulated backend whose captures step a shared clock, as compiles take seconds."""
+
+    def __init__(self, now: list[float], seconds: float) -> None:
+        super().__init__()
+        self.now, self.seconds = now, seconds
+
+    def capture(self, request: Any) -> Any:
+        self.now[0] += self.seconds
+        return super().capture(request)
+
+
+def test_the_encoders_take_turns_so_each_gets_its_most_replayed_shapes_first(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3), (3, 3), (4, 3)], "audio": [(5, 2), (6, 2)]})
+    pattern = CFG.replace(prepare_from=str(log))
+    bus = EventBus()  # one stream of events, in the order they happened
+    vision, audio = (
+        EncoderCudaGraph(
+            Encoder(), name=name, config=pattern, bus=bus, backend=SimulatedGraphBackend()
+        )
+        for name in ("vision", "audio")
+    )
+    try:
+        with capture_events(bus) as events:
+            outcomes = prepare_adapters([vision, audio], CPU)
+        assert outcomes == {"vision": {"captured": 3}, "audio": {"captured": 2}}
+        assert [(e.adapter, e.signature.inputs[0].shape[0]) for e in events] == [
+            ("vision", 4),
+            ("audio", 6),
+            ("vision", 3),
+            ("audio", 5),
+            ("vision", 2),
+        ]
+    finally:
+        bus.close()
+
+
+def test_shapes_that_would_end_past_the_time_given_are_left_to_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3), (3, 3), (4, 3)], "audio": [(5, 2), (6, 2)]})
+    now = [0.0]
+    monkeypatch.setattr(startup, "_clock", lambda: now[0])
+    pattern = CFG.replace(prepare_from=str(log))
+    vision, model, bus = adapter(pattern, "vision", backend=PacedBackend(now, 40.0))
+    audio, _, bus2 = adapter(pattern, "audio", backend=PacedBackend(now, 40.0))
+    caplog.set_level(logging.INFO, logger="omnitrace")
+    try:
+        # 0 → 40 (vision), 40 → 80 (audio, at vision's pace); vision's next would end at 120.
+        outcomes = prepare_adapters([vision, audio], CPU, seconds=100.0)
+        assert outcomes == {
+            "vision": {"captured": 1, "left: time": 2},
+            "audio": {"captured": 1, "left: time": 1},
+        }
+        assert now[0] == 80.0
+        assert (
+            "out of start-up time to prepare recorded shapes (vision 2, audio 1 left, about "
+            "2 min 00 s more at the pace so far)" in caplog.text
+        )
+        assert "'vision' prepared 1 of 3 recorded shapes before serving in 40.0 s" in caplog.text
+        # A shape left is captured as while serving: warmed up by its first call.
+        x = torch.randn(3, 8)
+        with capture_events(bus) as events:
+            vision(x)
+            out = vision(x)
+        assert [type(e) for e in events] == [GraphMissed, GraphCaptured, GraphReplayed]
+        torch.testing.assert_close(out, model.lin(x), rtol=0, atol=0)
+        # No time left at all: nothing is started.
+        now[0] = 0.0
+        other, _, bus3 = adapter(pattern, "audio", backend=PacedBackend(now, 40.0))
+        try:
+            assert prepare_adapters([other], CPU, seconds=-1.0) == {"audio": {"left: time": 2}}
+            assert other.num_graphs == 0
+        finally:
+            bus3.close()
+    finally:
+        bus.close()
+        bus2.close()
+
+
+class _Parallel:
+    def __init__(self, servers: int) -> None:
+        self._api_process_count = servers
+
+
+class _Config:
+    def __init__(self, servers: int) -> None:
+        self.parallel_config = _Parallel(servers)
+
+
+def _fake_vllm_envs(monkeypatch: pytest.MonkeyPatch, timeout: object) -> None:
+    package = types.ModuleType("vllm")
+    envs = types.ModuleType("vllm.envs")
+    envs.VLLM_ENGINE_READY_TIMEOUT_S = timeout  # type: ignore[attr-defined]
+    package.envs = envs  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", package)
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+
+
+def test_only_several_api_servers_bound_the_preparation_by_vllms_ready_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_vllm_envs(monkeypatch, 600)
+    # One API server waits for the engine's start with no timeout.
+    assert vllm_startup._ready_timeout_s(_Config(1)) is None
+    assert vllm_startup._ready_timeout_s(_Config(4)) == 600
+    # A config that does not say counts as several servers.
+    assert vllm_startup._ready_timeout_s(None) == 600
+    _fake_vllm_envs(monkeypatch, "600")
+    assert vllm_startup._ready_timeout_s(_Config(4)) is None
+
+
+def test_the_process_age_is_read_from_proc() -> None:
+    import subprocess
+    import time
+
+    age = vllm_startup._process_age_s()
+    if not Path("/proc/self/stat").exists():
+        assert age is None
+        return
+    assert age is not None
+    # This process started before the module was imported.
+    assert age >= time.monotonic() - vllm_startup._IMPORTED - 0.1
+    code = "from omnitrace.integrations import vllm_startup; print(vllm_startup._process_age_s())"
+    began = time.monotonic()
+    child = float(subprocess.check_output([sys.executable, "-c", code], text=True))
+    assert 0.0 <= child <= time.monotonic() - began + 0.1
+
+
+def test_vllm_warm_up_with_several_api_servers_prepares_within_their_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "events.jsonl"
+    record(log, {"vision": [(2, 3), (3, 3), (4, 3)]})
+    now = [0.0]
+    monkeypatch.setattr(startup, "_clock", lambda: now[0])
+    _fake_vllm_envs(monkeypatch, 600)
+    # Started 520 s ago: 600 - 520 - 30 (the margin) = 50 s are left, a 40-s shape's worth.
+    monkeypatch.setattr(vllm_startup, "_process_age_s", lambda: 520.0)
+    graph, _, bus = adapter(CFG.replace(prepare_from=str(log)), backend=PacedBackend(now, 40.0))
+
+    class Worker:
+        device = CPU
+        vllm_config = _Config(4)
+
+        def compile_or_warm_up_model(self) -> None:
+            return None
+
+    module = types.ModuleType("vllm.v1.worker.gpu_worker")
+    module.Worker = Worker  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", module)
+    caplog.set_level(logging.INFO, logger="omnitrace")
+    try:
+        assert vllm_startup.hook_warm_up(lambda: [graph])
+        Worker().compile_or_warm_up_model()
+        assert graph.num_graphs == 1
+        assert "in the 50 s left before vLLM's API servers stop waiting" in caplog.text
+        assert "raise it to prepare every recorded shape before serving" in caplog.text
+        # With one API server there is no limit.
+        caplog.clear()
+        Worker.vllm_config = _Config(1)
+        graph2, _, bus2 = adapter(
+            CFG.replace(prepare_from=str(log)), backend=PacedBackend(now, 40.0)
+        )
+        try:
+            vllm_startup.prepare_before_serving([graph2], CPU, _Config(1))
+            assert graph2.num_graphs == 3
+            assert "stop waiting" not in caplog.text
+        finally:
+            bus2.close()
+    finally:
+        bus.close()

@@ -603,6 +603,32 @@ def test_importing_omnitrace_does_not_import_vllm() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_the_preparation_reads_vllms_api_server_count_and_ready_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Preparing before serving stops within ``VLLM_ENGINE_READY_TIMEOUT_S`` only where
+    several API servers wait for the engine: the count vLLM's ``serve`` gives the engine's
+    config and the timeout are read from this vLLM's own names."""
+    import inspect
+
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from omnitrace.integrations import vllm_startup
+
+    # The warm-up wrapper reads the worker's config.
+    assert "self.vllm_config = vllm_config" in inspect.getsource(WorkerBase.__init__)
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "123")
+    config = _config()
+    assert vllm_startup._ready_timeout_s(config) is None  # one API server: no limit
+    # `vllm serve --api-server-count 4` sets the engine arguments' count, which make the
+    # engine's parallel config with it.
+    assert EngineArgs._api_process_count == 1
+    config.parallel_config = ParallelConfig(_api_process_count=4)
+    assert vllm_startup._ready_timeout_s(config) == 123
+
+
 # -- MiniCPM-o's batch audio method ---------------------------------------------------------
 
 
