@@ -95,7 +95,10 @@ def models() -> list[str]:
 
 
 def chosen_configurations(model_kind: str) -> list[Configuration]:
-    """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by default)."""
+    """The configurations this run serves (``OMNITRACE_BENCH_ENGINE_CONFIGS``; all by default),
+    in :func:`engine_serving.configurations`' order whatever order the variable names them in:
+    eager first, the eager baseline again last, a server that prepares from the defaults'
+    logs after the defaults' server."""
     every = engine_serving.configurations(model_kind)
     names = _chosen("OMNITRACE_BENCH_ENGINE_CONFIGS", [c.name for c in every])
     return [c for c in every if c.name in names]

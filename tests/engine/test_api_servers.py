@@ -4,7 +4,9 @@ Each API server renders, processes and times the requests the kernel hands it; w
 template ``events-{rank}.jsonl`` both write ``events-api.jsonl``, one file shared through the
 JSONL sink's lock (``{pid}`` in the template gives each its own). One server start: a client
 connection to each API server (omnitrace's timing route answers the pid of the process that
-took it), requests through both, the route switched in one of them only, then SIGINT.
+took it), requests through both, the route switched in one of them only, then SIGINT. The
+engine behind them is given recorded shapes to prepare: it prepares them within the time the
+API servers wait for it (``VLLM_ENGINE_READY_TIMEOUT_S``), which its worker reads from vLLM.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier in
 from engine.engine_run import chat_messages
 from engine.support import Server, read_events, serve_checkpoint
 from omnitrace.eventlog import read_records
+from omnitrace.events import GraphCaptured
 from omnitrace.integrations.vllm_requests import TIMING_ROUTE
 from omnitrace.requests import RequestJoin
+from omnitrace.signature import Signature
+from omnitrace.sinks.jsonl import JsonlSink
 
 pytestmark = pytest.mark.engine
 
 API_SERVERS = 2
 #: The phases' timestamps the API server stamps on every request it serves.
 STAMPS = ("render_ns", "processor_ns", "processed_ns", "queued_ns", "scheduled_ns")
+#: How long the API servers wait for the engine here (vLLM's default is 600 s).
+READY_TIMEOUT_S = 900
 
 
 class ApiServer:
@@ -102,14 +109,22 @@ def _one_per_api_server(server: Server, stack: ExitStack) -> list[ApiServer]:
 @pytest.fixture
 def served(checkpoint: Path, tmp_path: Path) -> Iterator[Server]:
     """Two API servers, prefix caching off (the same prompt computes the same way each
-    time), dev mode on (the timing route), idle connections kept for 5 minutes."""
+    time), dev mode on (the timing route), idle connections kept for 5 minutes. The shapes
+    to prepare are recorded for an encoder this model lacks: the preparation starts and
+    captures nothing, on any device."""
+    recorded = tmp_path / "recorded.jsonl"
+    sink = JsonlSink(recorded)
+    capture = ("elsewhere", Signature.parse("float32[2,8]"), 1, 1, 0.0, 1, "cpu", 0, 0, 0, 0, 0)
+    sink.handle([GraphCaptured(*capture)])
+    sink.close()
     with serve_checkpoint(
         checkpoint,
         tmp_path,
-        hf_overrides={},
+        hf_overrides={"encoder_cuda_graph_prepare_from": str(recorded)},
         extra=("--api-server-count", str(API_SERVERS), "--no-enable-prefix-caching"),
         VLLM_SERVER_DEV_MODE="1",
         VLLM_HTTP_TIMEOUT_KEEP_ALIVE="300",
+        VLLM_ENGINE_READY_TIMEOUT_S=str(READY_TIMEOUT_S),
     ) as server:
         yield server
 
@@ -195,3 +210,11 @@ def test_two_api_servers_time_every_request_into_one_shared_log(served: Server) 
         assert all(view.event.engine_request_id in s.request_ids for s in view.steps)
     worker = read_events(out / "events-0.jsonl")
     assert len({e["pid"] for e in worker}) == 1
+
+    # The worker read how many API servers wait for it, and for how long.
+    waiting = "s left before vLLM's API servers stop waiting for the engine "
+    (line,) = [line for line in text.splitlines() if waiting in line]
+    assert line.endswith(f"(VLLM_ENGINE_READY_TIMEOUT_S={READY_TIMEOUT_S} s)"), line
+    left = float(line.split("preparing recorded shapes in the ", 1)[1].split(" s left", 1)[0])
+    assert 0 < left < READY_TIMEOUT_S - 30, line
+    assert "'vision' prepared 0 of 0 recorded shapes before serving" in text, served.tail()
