@@ -195,17 +195,19 @@ def _run_model(
             api_servers=api_servers,
         ) as server:
             ready_s = time.perf_counter() - started
-            # Warm-up: every shape min_capture_calls times, so the graphs are in place.
+            # Warm-up: every shape min_capture_calls times, so the graphs are in place; then
+            # the batch shapes each concurrency above one forms (its cold pass, kept apart).
             send = functools.partial(engine_serving.run_pass, server)
             for warm in range(2):
                 warmup = engine_serving.schedule(kinds, 1, warm)
                 send(warmup, seed=100 + warm, concurrency=1, tokens=1)
+            traffic = engine_serving.schedule(kinds, per_kind, 7)
+            cold = _cold_passes(server, send, traffic, concurrencies[1:], tokens)
             warmed = engine_checks.line_counts(server.events)
             passes = []
             device_s_c1: float | None = None
             for concurrency in concurrencies:
                 skip = engine_checks.line_counts(server.events)
-                traffic = engine_serving.schedule(kinds, per_kind, 7)
                 # Above c1 a pass lasts seconds and its rate swings: the median of repeats,
                 # each with new media (a repeat would hit vLLM's processor cache).
                 repeats = 1 if concurrency == 1 else ctx.pick(3, 2, 2)
@@ -226,6 +228,7 @@ def _run_model(
             share = None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
             row = {
                 "ready_s": ready_s,
+                "cold_passes": cold,
                 "kv_cache_tokens": server.kv_cache_tokens(),
                 "rows": _kind_rows(passes),
                 "requests_per_s": {f"c{p.concurrency}": median(p.rates) for p in passes},
@@ -259,6 +262,31 @@ def _run_model(
         write_partial(ctx, NAME, {**result, "models": {**result["models"], model_kind: entry}})
         ctx.log(f"  {config.name}: served in {time.perf_counter() - started:.0f} s")
     return entry
+
+
+def _cold_passes(
+    server: Server, send: Any, traffic: list[RequestKind], concurrencies: Sequence[int], tokens: int
+) -> dict[str, Any]:
+    """The traffic twice at each of ``concurrencies`` before the measured passes, so the batch
+    shapes it forms are seen ``min_capture_calls`` times: the first (cold) pass's TTFT p50 and
+    p99, requests/s and, with the plugin, its encoder hits, by ``c{N}``."""
+    cold: dict[str, Any] = {}
+    settle_s = 0.5  # the workers' event logs catch up (their buses drain every 50 ms)
+    for concurrency in concurrencies:
+        time.sleep(settle_s)
+        skip = engine_checks.line_counts(server.events)
+        first = send(traffic, seed=500 + concurrency, concurrency=concurrency, tokens=tokens)
+        time.sleep(settle_s)
+        hits = engine_checks.hits_since(server.events, skip) if server.config.plugin else None
+        send(traffic, seed=1500 + concurrency, concurrency=concurrency, tokens=tokens)
+        ttft = sorted(1e3 * c.ttft_s for c in first.completions)
+        p99 = ttft[round(0.99 * (len(ttft) - 1))]
+        rate = len(ttft) / first.wall_s
+        cold[f"c{concurrency}"] = dict(
+            ttft_p50_ms=median(ttft), ttft_p99_ms=p99, requests_per_s=rate, hits=hits
+        )
+    time.sleep(settle_s)
+    return cold
 
 
 def timing_cost_skipped(api_servers: int) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from benchmarks import served_pairs
+from benchmarks import engine_checks, served_pairs
 from benchmarks.table import Table, mib, ms
 
 
@@ -83,6 +83,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             ]
             if per_adapter and entry["graphs"]:
                 notes.append(f"{name}: " + "; ".join(per_adapter) + ".")
+            notes.append(f"{name}: {engine_checks.cold_passes_note(entry)}.")
         engines.note = " ".join(notes)
         tables += [ttft, engines, *_engine_phases(model, configs)]
         tables += [*_event_phases(model, configs), *_offline(model), *served_pairs.tables(model)]

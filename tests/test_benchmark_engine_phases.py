@@ -461,6 +461,49 @@ def test_prepared_servers_are_checked_from_their_first_call_and_compile_by_its_p
     assert len(result["targets"]) == 2
 
 
+def test_cold_passes_hold_compile_and_background_capture_to_the_defaults_cold_p99(
+    phases: Any,
+) -> None:
+    """Where both servers ran cold passes, each concurrency's cold p99 is checked against the
+    defaults' beside the warm one; the hit rate's note says what the cold passes served."""
+    from benchmarks import engine_checks
+
+    rows = {f"c{c}/a": {"concurrency": c, "kind": "a", "ttft_p99_ms": 100.0} for c in (1, 8)}
+
+    def config(cold_p99: float | None, rate: float = 0.5) -> dict[str, Any]:
+        cold = None
+        if cold_p99 is not None:
+            hits = {"calls": 10, "hits": 10 * rate, "hit_rate": rate}
+            cold = {"c8": {"ttft_p50_ms": 80.0, "ttft_p99_ms": cold_p99, "hits": hits}}
+        per_second = {"c1": 1.0, "c8": 2.0}
+        counts = {"hits": 1, "misses": 0, "graphs": 1, "pool_bytes": 1, "after_warmup": {}}
+        return {"rows": rows, "requests_per_s": per_second, "cold_passes": cold, **counts}
+
+    configs = {
+        "omnitrace": config(200.0),
+        "omnitrace-background": config(150.0),
+        "omnitrace+compile": config(None),
+        "eager": config(180.0),
+    }
+    result: dict[str, Any] = {"targets": [], "figures": []}
+    engine_checks._prepared_checks(result, "M", configs)
+    cold = [t for t in result["targets"] if "cold pass" in t["name"]]
+    assert [(t["name"], t["value"], t["met"]) for t in cold] == [
+        (
+            "M: TTFT p99 of the cold pass at concurrency 8, omnitrace-background vs omnitrace",
+            pytest.approx(-25.0),
+            True,
+        )
+    ]
+    engine_checks._load_checks(result, "M", configs)
+    (warm,) = [t for t in result["targets"] if "after the warm-up" in t["name"]]
+    assert warm["note"].endswith(
+        "cold passes (the first at each concurrency above one, in the warm-up): c8 TTFT p50 "
+        "80 ms, p99 200 ms, encoder calls served by a graph 50.0 %"
+    )
+    assert engine_checks.cold_passes_note(configs["omnitrace+compile"]).endswith(": none")
+
+
 def test_the_slowest_calls_after_the_warm_up_come_longest_first(
     phases: Any, tmp_path: Path
 ) -> None:

@@ -765,6 +765,49 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
     assert engine_checks.line_counts([rank0, rank1]) == {rank0: 5, rank1: 3}
 
 
+def test_cold_passes_send_each_concurrency_twice_and_count_the_first_ones_calls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before the measured passes, the traffic runs twice at each concurrency above one, with
+    media of their own; the first run's TTFT and the encoder calls logged during it are kept,
+    the second's calls are not counted as the first's."""
+    from benchmarks import engine
+    from benchmarks.engine_serving import Completion, Pass
+
+    monkeypatch.setattr(engine.time, "sleep", lambda seconds: None)
+    log = tmp_path / "events-0-1.jsonl"
+    log.write_text(json.dumps({"type": "GraphReplayed", "adapter": "vision"}) + "\n")
+    server = SimpleNamespace(events=[log], config=SimpleNamespace(plugin=True))
+    sent: list[tuple[int, int]] = []
+
+    def send(traffic: list[str], *, seed: int, concurrency: int, tokens: int) -> Pass:
+        sent.append((seed, concurrency))
+        first = seed < 1000
+        event = {"type": "GraphMissed", "adapter": "vision", "reason": "warmup"}
+        if not first:
+            event = {"type": "GraphReplayed", "adapter": "audio"}
+        with log.open("a") as lines:
+            lines.write(json.dumps(event) + "\n")
+        ttft = [0.1 * (i + 1) for i in range(len(traffic))]
+        done = [Completion(kind, t, t, [1]) for kind, t in zip(traffic, ttft, strict=True)]
+        return Pass(concurrency, 2.0, done)
+
+    cold = engine._cold_passes(server, send, ["a", "b", "c"], [8, 32], 4)
+    assert sent == [(508, 8), (1508, 8), (532, 32), (1532, 32)]
+    assert set(cold) == {"c8", "c32"}
+    c8 = cold["c8"]
+    assert (c8["ttft_p50_ms"], c8["ttft_p99_ms"]) == (pytest.approx(200.0), pytest.approx(300.0))
+    assert c8["requests_per_s"] == pytest.approx(1.5)
+    # The first run's one miss, not the replay logged before it nor the second run's.
+    assert c8["hits"]["calls"] == 1
+    assert c8["hits"]["encoders"]["vision"]["misses"] == {"warmup": 1}
+    assert cold["c32"]["hits"]["calls"] == 1
+    # The measured seeds (200 + c + 1000 r) are not reused: new media, no processor cache hit.
+    assert not {seed for seed, _ in sent} & {200 + c + 1000 * r for c in (8, 32) for r in range(3)}
+    server.config.plugin = False
+    assert engine._cold_passes(server, send, ["a"], [2], 1)["c2"]["hits"] is None
+
+
 @pytest.mark.parametrize(("value", "expected"), [("", 1), ("2", 2), (" 4 ", 4)])
 def test_engine_tensor_parallel_size_reads_its_variable(
     monkeypatch: pytest.MonkeyPatch, value: str, expected: int
