@@ -27,7 +27,7 @@ from omnitrace.events import (
     replayed,
 )
 from omnitrace.graphs.admission import Admission, Verdict
-from omnitrace.graphs.backends.base import CAPTURE_LOCK, GraphBackend, OutputLayout, layout_of
+from omnitrace.graphs.backends.base import CAPTURE_LOCK, GraphBackend
 from omnitrace.graphs.capture import Capturer, Due, Entry
 from omnitrace.graphs.compiling import compile_forward
 from omnitrace.graphs.eligibility import (
@@ -51,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 _INELIGIBLE = MissReason.INELIGIBLE
 _WARMUP = MissReason.WARMUP
-#: Misses whose key a later call may capture: their output layouts are kept (``_saw``).
-_MAY_CAPTURE = (MissReason.WARMUP, MissReason.MEMORY)
 
 _SERVING = Phase.SERVING
 _mono = time.monotonic_ns
@@ -227,11 +225,6 @@ class EncoderCudaGraph:
         self._compile_stopped = False
         # Keys captured by prepare() not yet called: an integration checks each first call.
         self._prepared: set[Hashable] = set()
-        # The output layout of each uncaptured key's last eager call, for a backend that
-        # sizes its capture from it (vLLM's): as many keys as admission remembers calls of.
-        self._seen: dict[Hashable, OutputLayout] | None = (
-            {} if getattr(backend, "takes_seen_layout", False) else None
-        )
         #: Called with the device before :meth:`prepare` captures: an integration readies
         #: what its forward reads and a first call would have set up (MiniCPM-o's
         #: positional table). None: nothing to ready.
@@ -685,10 +678,7 @@ class EncoderCudaGraph:
                     return out
         if miss is not None:
             # Eager work runs outside the lock: other threads' hits need not wait for it.
-            out = self._eager(inputs, *miss, device)
-            if self._seen is not None and miss[0] in _MAY_CAPTURE:
-                self._saw(key, out)
-            return out
+            return self._eager(inputs, *miss, device)
         # Captured by another thread since this call looked: a hit after all.
         assert entry is not None
         return self._replay(entry, inputs, device)
@@ -780,29 +770,12 @@ class EncoderCudaGraph:
         )
         return failure
 
-    def _saw(self, key: Hashable, out: Any) -> None:
-        """Keep the layout of an eager call of ``key``, a key that may be captured later."""
-        layout = layout_of(out)
-        seen = self._seen
-        if layout is None or seen is None:
-            return
-        with self._lock:
-            seen.pop(key, None)
-            if len(seen) >= self.config.history_size:
-                del seen[next(iter(seen))]
-            seen[key] = layout
-
     def _capture(self, due: Due, free_bytes: int | None = None) -> Any:
         # A key prepared in the background took its slot at admission and was warmed up.
         ready = self._prep.ready.pop(due.key, None)
         layout = None if ready is None else ready[0]
-        seen = None if self._seen is None else self._seen.pop(due.key, None)
-        if seen is not None and self._capture_forward() is not self._forward:
-            # The eager call ran another forward than the one captured (a compiled one):
-            # the capture's own warm-up must run it first.
-            seen = None
         graph = self._capturer.capture(
-            due, layout, prepared=ready is not None, free_bytes=free_bytes, seen=seen
+            due, layout, prepared=ready is not None, free_bytes=free_bytes
         )
         self._admission.took(graph.bytes_reserved + graph.static_bytes)
         if ready is None:

@@ -86,14 +86,12 @@ class Capturer:
         *,
         prepared: bool,
         free_bytes: int | None,
-        seen: OutputLayout | None = None,
     ) -> CapturedGraph:
         """Capture ``due``'s key, hold the graph and report it; return the graph.
 
         ``prepared``: the key was warmed up in the background (``layout`` is the warm-up's
         output layout, or None to warm up again). ``free_bytes``: the device-free memory
-        admission read for this call, reused in the report (None: read it now). ``seen``:
-        the layout an earlier eager call of the key returned (``CaptureRequest.seen``).
+        admission read for this call, reused in the report (None: read it now).
         """
         key, inputs, device, stream, signature = due
         slot = self._pools.slot_for(device, stream)
@@ -118,7 +116,6 @@ class Capturer:
                 # must not stall on a device-wide sync.
                 quiet=prepared,
                 layout=layout,
-                seen=seen,
             )
             with CAPTURE_LOCK, compile_lock(self._compiled), CAPTURES.capturing():
                 graph = self._backend.capture(request)

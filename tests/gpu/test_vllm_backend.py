@@ -183,6 +183,40 @@ def test_prepared_shapes_compile_before_serving_and_later_shapes_capture_plain()
     assert "prepared compiled graph: max rel err" in done.stdout
 
 
+class _LazilyCompiled(torch.nn.Module):
+    """A projection, then an activation torch.compile builds on its first call, with dynamic
+    shapes, as vLLM's custom ops compile their native forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(SMALL.hidden, SMALL.hidden)
+        self.act = torch.compile(lambda t: torch.nn.functional.gelu(t) * 1.5, dynamic=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.proj(x))
+
+
+def test_code_compiled_inside_the_forward_recompiles_before_vllms_capture_not_in_it() -> None:
+    """vLLM's manager captures in inference mode. Code torch.compile built inside the forward
+    guards on inference tensors: the first call in that mode recompiles, and Inductor's
+    autotuning synchronises the device, which is fatal inside a capture. The eager calls ran
+    under no_grad; the capture still succeeds, because the forward ran once in the manager's
+    mode before it, and its replays equal the eager forward."""
+    torch.manual_seed(0)
+    model = _LazilyCompiled().cuda().eval()
+    backend = VllmGraphBackend(_vllm_config())
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, backend=backend)
+    try:
+        with torch.no_grad():
+            for tokens in (48, 48, 48, 80, 80, 80):
+                x = torch.randn(1, tokens, SMALL.hidden, device="cuda")
+                assert torch.equal(graph(x), model(x))
+    finally:
+        torch._dynamo.reset()
+    stats = graph.get_cumulative_stats()
+    assert (stats["graph_hits"], stats["num_graphs"]) == (4, 2)
+
+
 @pytest.mark.parametrize("backend_name", ["vllm", "torch"])
 def test_a_capture_keeps_the_allocators_caches_and_measures_its_pool(
     bus: EventBus, backend_name: str

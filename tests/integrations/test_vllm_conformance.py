@@ -119,6 +119,8 @@ _current: list[_Stream] = [REPLAY]
 _capturing: list[bool] = [False]
 # (stream current at the call, whether a capture was recording) for every encoder forward.
 forward_log: list[tuple[_Stream, bool]] = []
+#: Whether each logged forward ran in inference mode, as vLLM's manager captures.
+inference_log: list[bool] = []
 
 
 @contextlib.contextmanager
@@ -154,6 +156,7 @@ def _cpu_graph_capture(
 def _logged(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         forward_log.append((_current[-1], _capturing[0]))
+        inference_log.append(torch.is_inference_mode_enabled())
         return forward(*args)
 
     return run
@@ -206,6 +209,7 @@ class CpuVllmBackend(VllmGraphBackend):
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[CpuGraph]:
     CpuGraph.instances = []
     forward_log.clear()
+    inference_log.clear()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", CpuGraph)
     monkeypatch.setattr(torch.cuda, "graph", _cpu_graph_capture)
     # Newer vLLM captures on vllm's current_stream(); 0.26 passes no stream at all.
@@ -355,18 +359,20 @@ def test_vllm_captures_on_the_adapters_stream_and_warms_up_off_it(
     eager = [stream for stream, capturing in forward_log if not capturing]
     assert len(captured) == 2
     assert {g.stream for g in CpuGraph.instances} == set(captured)
-    # The warm-up misses only, on replay: the model is sized from their outputs, and
-    # vLLM's own warm-up runs no forward.
-    assert len(eager) == 2
+    # The warm-up misses, then one run before each capture, on replay; vLLM's own warm-up
+    # runs no forward.
+    assert len(eager) == 4
     assert all(stream is REPLAY for stream in eager)
     assert getattr(torch.cuda.graph, "default_capture_stream", None) is None
 
 
-def test_a_capturing_call_runs_no_forward_before_vllms_capture(
+def test_a_capture_runs_the_forward_once_in_vllms_inference_mode_before_vllms_capture(
     cpu_graphs: list[CpuGraph],
 ) -> None:
-    """The capturing call sizes the manager's model from the key's earlier eager call and
-    runs only the capture; a key prepared with no call before probes once, then captures."""
+    """The capturing call runs the forward once off the capture stream, in inference mode as
+    vLLM's manager captures (code torch.compile built inside the forward recompiles for
+    inference tensors, and must not do so inside the capture), then only the capture; a key
+    prepared with no call before does the same. The eager calls keep the caller's mode."""
     backend = CpuVllmBackend(_config())
     x = torch.randn(1, 4, 4)
     graph = EncoderCudaGraph(
@@ -377,16 +383,18 @@ def test_a_capturing_call_runs_no_forward_before_vllms_capture(
     )
     with torch.no_grad():
         first = graph(x, None)
-        del forward_log[:]
+        assert inference_log == [False]
+        del forward_log[:], inference_log[:]
         second = graph(x * 2, None)
-        assert [capturing for _, capturing in forward_log] == [True]
+        assert [capturing for _, capturing in forward_log] == [False, True]
+        assert inference_log == [True, True]
         assert torch.equal(first, _encoder(x, None))
         assert torch.equal(second, _encoder(x * 2, None))
-        # Without an eager call of its key, the structure comes from a run of its own.
-        del forward_log[:]
+        del forward_log[:], inference_log[:]
         signature = signature_of((torch.randn(1, 7, 4), None))
         assert graph.prepare(signature, torch.device("cpu")) == "captured"
         assert [capturing for _, capturing in forward_log] == [False, True]
+        assert inference_log == [True, True]
         y = torch.randn(1, 7, 4)
         assert torch.equal(graph(y, None), _encoder(y, None))
     stats = graph.get_cumulative_stats()
@@ -419,24 +427,6 @@ def test_a_compiled_capture_runs_its_own_forward_before_vllms_capture(
         assert compiled_log == []
         assert torch.equal(graph(x * 2, None), _encoder(x * 2, None))
     assert compiled_log == [False, True]
-    assert graph.num_graphs == 1
-
-
-def test_the_layouts_kept_for_later_captures_are_bounded(cpu_graphs: list[CpuGraph]) -> None:
-    """Layouts are kept for as many shapes as admission remembers calls of: a shape it forgot
-    warms up again, and the newest one is captured from its kept layout."""
-    backend = CpuVllmBackend(_config())
-    config = EncoderGraphConfig(min_free_bytes=0, max_graphs=8)
-    graph = EncoderCudaGraph(_logged(_encoder), name="vision", config=config, backend=backend)
-    shapes = [torch.randn(1, n, 4) for n in range(1, config.history_size + 9)]
-    with torch.no_grad():
-        for x in shapes:
-            graph(x, None)
-        assert len(graph._seen or {}) == config.history_size
-        for x, runs in ((shapes[0], [False]), (shapes[-1], [True])):
-            del forward_log[:]
-            assert torch.equal(graph(x, None), _encoder(x, None))
-            assert [capturing for _, capturing in forward_log] == runs
     assert graph.num_graphs == 1
 
 

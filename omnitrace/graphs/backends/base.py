@@ -60,11 +60,6 @@ class CaptureRequest:
     """The output layout of warm-ups already run for this key (a background preparation):
     the backend skips its own warm-up and sizes the static outputs from it. A backend that
     warms up on its own terms (vLLM's manager) may ignore it."""
-    seen: OutputLayout | None = None
-    """The output layout an eager call of this key returned before it was due, from this
-    very ``forward`` on the replay stream, so its lazy initialisation has run: a backend
-    that needs the layout before capturing (vLLM's) takes it from here instead of running
-    the forward once more; others ignore it."""
 
 
 @runtime_checkable

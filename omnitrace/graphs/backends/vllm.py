@@ -146,10 +146,6 @@ class VllmGraphBackend(CudaDeviceQuestions):
     name = "vllm"
     error_modes: tuple[str, ...] = ("global",)
     simulated = False
-    #: The manager's model is sized from the output layout before the capture: a layout an
-    #: eager call of the key returned (``CaptureRequest.seen``) saves running the forward
-    #: for it on the capturing call.
-    takes_seen_layout = True
 
     def __init__(self, vllm_config: Any, *, api: VllmApi | None = None) -> None:
         if vllm_config is None:
@@ -189,8 +185,8 @@ class VllmGraphBackend(CudaDeviceQuestions):
     def warm_up(
         self, forward: Callable[..., Any], inputs: Sequence[torch.Tensor | None]
     ) -> OutputLayout:
-        # Capture takes the layout from request.seen or runs the forward itself; this only
-        # serves the protocol: adapters refuse background preparation for this backend.
+        # Capture runs the forward itself, in the manager's mode; this only serves the
+        # protocol: adapters refuse background preparation for this backend.
         return warm_up(forward, inputs)
 
     def capture(self, request: CaptureRequest) -> VllmCapturedGraph:
@@ -205,11 +201,14 @@ class VllmGraphBackend(CudaDeviceQuestions):
         with self._device_scope(device):
             replay_stream = self._current_stream(device)
             static_inputs = static_copies(inputs)
-            # The output structure sizes the manager's model: from an eager call of this key
-            # when the adapter saw one, else from one eager run on the replay stream. Either
-            # way the forward has run at this signature on the replay stream, so the
-            # manager's warm-up runs nothing (warmed); its capture checks the structure.
-            layout = request.seen if request.seen is not None else warm_up(forward, static_inputs)
+            # One run of the forward on the replay stream at the static inputs, in inference
+            # mode as the manager's capture: code torch.compile built inside the forward
+            # (vLLM's custom ops compile their native forwards) guards on inference tensors,
+            # and its recompile and autotuning would run inside the capture, where their
+            # device synchronisation invalidates it. Its output sizes the manager's model,
+            # and the manager's own warm-up runs nothing (warmed).
+            with torch.inference_mode():
+                layout = warm_up(forward, static_inputs)
             model = ExactShapeEncoder(
                 self.api,
                 forward,
