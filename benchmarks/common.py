@@ -166,8 +166,9 @@ def environment(command: str | None = None) -> dict[str, Any]:
 # -- statistics --------------------------------------------------------------------------
 
 
-def quantile(ordered: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``ordered`` (sorted), linear between ranks as numpy's default."""
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linear between ranks as numpy's default."""
+    ordered = sorted(values)
     pos = q * (len(ordered) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)

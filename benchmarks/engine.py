@@ -57,6 +57,12 @@ def _model_supports_vllm_encoder_graphs(model_kind: str) -> tuple[bool, str]:
     return False, f"{cls} does not implement SupportsEncoderCudaGraph in this vLLM"
 
 
+def _p99(samples: Sequence[float]) -> float:
+    """The nearest-rank 99th percentile of ``samples`` (of a few dozen, their maximum)."""
+    ordered = sorted(samples)
+    return ordered[round(0.99 * (len(ordered) - 1))]
+
+
 def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for p in passes:
@@ -64,11 +70,9 @@ def _kind_rows(passes: Sequence[Pass]) -> dict[str, dict[str, Any]]:
         for c in p.completions:
             by_kind.setdefault(c.kind, []).append(c.ttft_s)
         for kind, samples in by_kind.items():
-            ordered = sorted(samples)
-            stats = summarize(ordered, scale=1e3)
-            p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+            stats = summarize(samples, scale=1e3)
             row = rows[f"c{p.concurrency}/{kind}"] = {"concurrency": p.concurrency, "kind": kind}
-            row.update(n=stats["n"], ttft_p50_ms=stats["median"], ttft_p99_ms=p99 * 1e3)
+            row.update(n=stats["n"], ttft_p50_ms=stats["median"], ttft_p99_ms=_p99(samples) * 1e3)
             if p.concurrency == 1:
                 mine = [c.phases for c in p.completions if c.kind == kind]
                 row["phases_mean_ms"] = engine_phases.mean_phases_ms(mine)
@@ -279,11 +283,10 @@ def _cold_passes(
         time.sleep(settle_s)
         hits = engine_checks.hits_since(server.events, skip) if server.config.plugin else None
         send(traffic, seed=1500 + concurrency, concurrency=concurrency, tokens=tokens)
-        ttft = sorted(1e3 * c.ttft_s for c in first.completions)
-        p99 = ttft[round(0.99 * (len(ttft) - 1))]
+        ttft = [1e3 * c.ttft_s for c in first.completions]
         rate = len(ttft) / first.wall_s
         cold[f"c{concurrency}"] = dict(
-            ttft_p50_ms=median(ttft), ttft_p99_ms=p99, requests_per_s=rate, hits=hits
+            ttft_p50_ms=median(ttft), ttft_p99_ms=_p99(ttft), requests_per_s=rate, hits=hits
         )
     time.sleep(settle_s)
     return cold

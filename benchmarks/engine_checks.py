@@ -57,9 +57,7 @@ def event_figures(paths: Sequence[Path], skip: dict[Path, int] | None = None) ->
     figures["encoder_device_s"] = device if paths else None
     figures["workers"] = workers
     figures["adapters"] = {
-        name: entry
-        for name, entry in adapters.items()
-        if entry["graphs"] or entry["hits"] or entry["misses"]
+        name: a for name, a in adapters.items() if a["graphs"] or a["hits"] or a["misses"]
     }
     return figures
 
@@ -115,8 +113,7 @@ def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
     encoder, with the misses by reason."""
     encoders: dict[str, dict[str, Any]] = {}
     for name, adapter in event_figures(paths, skip)["adapters"].items():
-        calls = adapter["hits"] + sum(adapter["misses"].values())
-        if calls:
+        if calls := adapter["hits"] + sum(adapter["misses"].values()):
             hits, misses = adapter["hits"], adapter["misses"]
             encoders[name] = dict(calls=calls, hits=hits, misses=misses, hit_rate=hits / calls)
     calls = sum(e["calls"] for e in encoders.values())
@@ -146,14 +143,10 @@ def device_s_since(paths: Sequence[Path], skip: dict[Path, int]) -> float | None
     """Encoder device seconds in each log's events after its first ``skip`` lines: the most
     of any worker (tensor-parallel ranks run their encoders side by side); None when there
     are none: device timing needs CUDA events, so a CPU run has no figure."""
-    per_worker = [
-        [
-            float(e["device_s"])
-            for e in _events(path, skip.get(path, 0))
-            if e.get("type") == "DeviceTimed"
-        ]
-        for path in paths
-    ]
+    per_worker: list[list[float]] = []
+    for path in paths:
+        events = _events(path, skip.get(path, 0))
+        per_worker.append([float(e["device_s"]) for e in events if e.get("type") == "DeviceTimed"])
     return max((sum(timed) for timed in per_worker if timed), default=None)
 
 
@@ -176,11 +169,8 @@ def _median_change(
     kinds, chosen = {k.name: k for k in request_kinds(scale, model_kind)}, _test(modality)
 
     def p50(name: str) -> float | None:
-        rows = [
-            r.get(field)
-            for r in configs[name]["rows"].values()
-            if r["concurrency"] == 1 and chosen(kinds[r["kind"]])
-        ]
+        c1 = [r for r in configs[name]["rows"].values() if r["concurrency"] == 1]
+        rows = [r.get(field) for r in c1 if chosen(kinds[r["kind"]])]
         if not rows or any(v is None for v in rows):
             return None
         return float(np.median(rows))

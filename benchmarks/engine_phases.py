@@ -1,7 +1,6 @@
-"""Where a request's time to first token goes: from vLLM's own histograms (time to first
-token from its renderer's start, queue time, prefill time), whose sums change by exactly one
-request's figures between two scrapes of ``/metrics`` when one request is in flight; and from
-omnitrace's per-request events."""
+"""Where a request's time to first token goes: from vLLM's own histograms (TTFT from its renderer's
+start, queue and prefill time), whose sums change by exactly one request's figures between two
+scrapes of ``/metrics`` with one request in flight; and from omnitrace's per-request events."""
 
 from __future__ import annotations
 
@@ -170,14 +169,13 @@ def phase_table(
         row: dict[str, Any] = {
             "requests": len(mine),
             "client_ttft_p50_ms": statistics.median(c.ttft_s for c in mine) * 1e3,
-            "client_ttft_p99_ms": quantile(sorted(c.ttft_s for c in mine), 0.99) * 1e3,
+            "client_ttft_p99_ms": quantile((c.ttft_s for c in mine), 0.99) * 1e3,
             "event_ttft_p50_ms": statistics.median(v.ttft_s for v in found) * 1e3,
             "phases_mean_ms": view_phases_ms(found),
             "phases_p50_ms": view_phases_ms(found, statistics.median),
             "encoder_share_mean_ms": statistics.mean(v.encoder_share_s for v in found) * 1e3,
         }
-        histogram = mean_phases_ms([c.phases for c in mine])
-        if histogram is not None:
+        if (histogram := mean_phases_ms([c.phases for c in mine])) is not None:
             row["histogram_phases_mean_ms"] = histogram
             events = row["phases_mean_ms"]
             row["engine_part_ms"] = {

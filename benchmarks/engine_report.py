@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 from benchmarks import engine_checks, served_pairs
+from benchmarks.engine_phases import PHASES as HISTOGRAM_PHASES
+from benchmarks.paired import pairs_table
 from benchmarks.table import Table, mib, ms
 
 
@@ -122,8 +124,6 @@ def _event_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]
 
 def _offline(model: dict[str, Any]) -> list[Table]:
     """The offline pairs: graphs off and on inside one vllm.LLM engine, same kinds."""
-    from benchmarks.paired import pairs_table
-
     paired = model.get("offline_paired")
     if not paired:
         return []
@@ -141,11 +141,9 @@ def _offline(model: dict[str, Any]) -> list[Table]:
 
 def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table]:
     """Where each kind's TTFT went at concurrency 1, when the run measured it."""
-    from benchmarks.engine_phases import PHASES
-
     table = Table(
         f"{model['name']}: where the TTFT goes, c1 (mean ms)",
-        ["request kind", "configuration", "TTFT", *PHASES],
+        ["request kind", "configuration", "TTFT", *HISTOGRAM_PHASES],
     )
     measured = False
     for kind in model["kinds"]:
@@ -153,11 +151,11 @@ def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table
             phases = (entry["rows"].get(f"c1/{kind}") or {}).get("phases_mean_ms")
             if phases is None:
                 # A request the histograms did not count alone: shown, not left out.
-                table.rows.append([kind, name, *["n/a"] * (1 + len(PHASES))])
+                table.rows.append([kind, name, *["n/a"] * (1 + len(HISTOGRAM_PHASES))])
                 continue
             measured = True
-            total = sum(phases[p] for p in PHASES)
-            table.rows.append([kind, name, ms(total), *(ms(phases[p]) for p in PHASES)])
+            total = sum(phases[p] for p in HISTOGRAM_PHASES)
+            table.rows.append([kind, name, ms(total), *(ms(phases[p]) for p in HISTOGRAM_PHASES)])
     if not measured:
         return []
     table.note = (

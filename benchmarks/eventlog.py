@@ -55,8 +55,7 @@ _PEAK = (
 
 
 def _sizes(ctx: Context) -> list[int]:
-    given = os.environ.get("OMNITRACE_BENCH_EVENTLOG_SIZES")
-    if given:
+    if given := os.environ.get("OMNITRACE_BENCH_EVENTLOG_SIZES"):
         return [int(size) for size in given.split(",") if size.strip()]
     return ctx.pick([100_000, 1_000_000, 10_000_000], [20_000, 100_000], [1_000, 4_000])
 
@@ -186,11 +185,8 @@ def _figures(mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(runs) < 2:
             continue
         small, large = runs[0], runs[-1]
-        growth = (
-            large["peak_rss_mb"] / small["peak_rss_mb"]
-            if small["peak_rss_mb"] and large["peak_rss_mb"]
-            else None
-        )
+        small_mb, large_mb = small["peak_rss_mb"], large["peak_rss_mb"]
+        growth = large_mb / small_mb if small_mb and large_mb else None
         name = f"{tool} peak memory, {large['events']:,} over {small['events']:,} events"
         note = _GROWTH_NOTES.get(tool, "flat: about 1x while the log grows")
         out.append(figure(name, growth, "x", goal=GOAL, note=note))

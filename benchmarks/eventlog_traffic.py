@@ -37,11 +37,7 @@ CONFIG = EncoderGraphConfig(max_graphs=16, min_capture_calls=2, min_free_bytes=F
 BURST_AT = 0.85
 
 
-_REASON = {
-    Verdict.CAPACITY: MissReason.CAPACITY,
-    Verdict.WARMUP: MissReason.WARMUP,
-    Verdict.MEMORY: MissReason.MEMORY,
-}
+_REASON = {v: MissReason[v.name] for v in (Verdict.CAPACITY, Verdict.WARMUP, Verdict.MEMORY)}
 #: The adapter's details of admission misses (a warm-up miss says which call it was).
 _DETAIL = {MissReason.CAPACITY: "cap", MissReason.MEMORY: "floor"}
 

@@ -214,8 +214,7 @@ def _measure_arms(
     timings: dict[str, float] = {"build_s": time.perf_counter() - start}
     arms: dict[str, Timed] = {}
     for spec in ARMS:
-        timed = _build(spec, point, budget, row, run.ctx.log)
-        if timed is not None:
+        if (timed := _build(spec, point, budget, row, run.ctx.log)) is not None:
             arms[spec.name] = timed
     timings["arms_s"] = time.perf_counter() - start - timings["build_s"]
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import BareGraph, Context, no_op, sink_rows
+from benchmarks.observability_sinks import PRODUCTION_SINKS, SinkSet
 from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
 from omnitrace.testing import SimulatedGraphBackend
 
@@ -287,8 +288,6 @@ class Run:
 
     def _load_sinks(self) -> None:
         """Build the production sinks on one bus; record which could not be built and why."""
-        from benchmarks.observability_sinks import PRODUCTION_SINKS, SinkSet
-
         bus = EventBus(queue_size=100_000)
         sinks = SinkSet(bus, PRODUCTION_SINKS, self.workdir, "latency")
         self.sink_report = {"requested": list(PRODUCTION_SINKS), "sinks": sinks.report}

@@ -77,11 +77,9 @@ def tables(result: dict[str, Any]) -> list[Table]:
             shown = ["n/a" if r is None else f"{mine - r:+.1f}" for r in refs]
             cells.append(f"{mine:,.1f} ({' / '.join(shown)})" if shown else f"{mine:,.1f}")
         host.rows.append(cells)
-        cells = [row["label"], row["input"]]
-        for a in arms:
-            s = (m.get(a["name"]) or {}).get("latency_us")
-            cells.append(f"{s['p10']:,.0f} / {s['p90']:,.0f}" if s else "n/a")
-        spread.rows.append(cells)
+        spreads = [(m.get(a["name"]) or {}).get("latency_us") for a in arms]
+        cells = [f"{s['p10']:,.0f} / {s['p90']:,.0f}" if s else "n/a" for s in spreads]
+        spread.rows.append([row["label"], row["input"], *cells])
     process = (
         "All shapes and methods ran in one process"
         if "process" in result

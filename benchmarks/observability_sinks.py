@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from omnitrace import EventBus
+from omnitrace.testing_checkpoints.serving import free_port
 
 #: structlog level for the log sink: the library's default (at "debug" every hit is a line).
 LOG_LEVEL = "info"
@@ -156,8 +156,7 @@ class SinkSet:
         self.spans_exported = lambda: len(spans.get_finished_spans())
 
         def collect() -> None:  # as a busy scraper or exporter would
-            data = reader.get_metrics_data()
-            if data is not None:
+            if (data := reader.get_metrics_data()) is not None:
                 data.to_json()
 
         self.collector = _ActiveTimer(collect, METRIC_INTERVAL_S)
@@ -231,9 +230,7 @@ class Relay:
     """``omnitrace replay --follow`` on an event log, and a process scraping its /metrics."""
 
     def __init__(self, log: Path, stem: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNITRACE_", "OTEL_"))}
         self.out, self.err = stem.with_suffix(".relay.out"), stem.with_suffix(".relay.err")
         relay = [sys.executable, "-m", "omnitrace", "replay", "--follow", str(log)]

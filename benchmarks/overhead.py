@@ -115,10 +115,7 @@ def _rounds(
             cpu_ns, wall_ns = thread() - start_cpu, perf() - start
             wall[name].append(wall_ns / per_round / 1e9)
             cpu[name].append(cpu_ns / per_round / 1e9)
-    return (
-        {name: summarize(s) for name, s in wall.items()},
-        {name: summarize(s) for name, s in cpu.items()},
-    )
+    return {n: summarize(s) for n, s in wall.items()}, {n: summarize(s) for n, s in cpu.items()}
 
 
 def _cycle(fn: Callable[[Event], object], events: Sequence[Event]) -> Callable[[], object]:

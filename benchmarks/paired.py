@@ -1,10 +1,6 @@
 """Graphs off and on inside one offline engine: paired requests of each kind, so drift hits both.
-
-Eager and graphed back to back (``collective_rpc`` of ``pause_graphs``), then request timing's
-cost; BENCHMARKS.md says what it reports. Each request carries new content (vLLM caches encoder
-outputs by content) and asks for one token, so its wall time is its TTFT; on a CPU the graphed
-half stays eager. ``python -m benchmarks.paired --model minicpmo --size released --out DIR``.
-"""
+Each request has new content (vLLM caches encoder outputs by content) and asks for one token, so
+its wall time is its TTFT; on a CPU the graphed half stays eager. Usage, results: BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -96,10 +92,6 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
     return value
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    return quantile(sorted(values), q)
-
-
 def write_checkpoint(model: str, directory: Path, *, released: bool) -> Path:
     """Write ``model``'s checkpoint (``minicpmo`` or ``qwen2_5_omni``) to ``directory``, at the
     released model's sizes or the tiny defaults; return its path."""
@@ -125,12 +117,12 @@ def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str
     return {
         "pairs": len(diffs),
         "eager_p50_ms": statistics.median(eager) * 1e3,
-        "eager_p99_ms": _quantile(eager, 0.99) * 1e3,
+        "eager_p99_ms": quantile(eager, 0.99) * 1e3,
         "graphed_p50_ms": statistics.median(graphed) * 1e3,
-        "graphed_p99_ms": _quantile(graphed, 0.99) * 1e3,
+        "graphed_p99_ms": quantile(graphed, 0.99) * 1e3,
         "diff_median_ms": statistics.median(diffs),
-        "diff_q25_ms": _quantile(diffs, 0.25),
-        "diff_q75_ms": _quantile(diffs, 0.75),
+        "diff_q25_ms": quantile(diffs, 0.25),
+        "diff_q75_ms": quantile(diffs, 0.75),
         "diff_median_pct": statistics.median(rel) if rel else float("nan"),
         "graphed_faster": sum(d < 0 for d in diffs),
     }
@@ -268,8 +260,8 @@ def cost_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, Any]:
         "off_rps_p50": statistics.median(off),
         "on_rps_p50": statistics.median(on),
         "change_median_pct": statistics.median(change),
-        "change_q25_pct": _quantile(change, 0.25),
-        "change_q75_pct": _quantile(change, 0.75),
+        "change_q25_pct": quantile(change, 0.25),
+        "change_q75_pct": quantile(change, 0.75),
         "change_mean_pct": statistics.fmean(change),
         "change_ci95_pct": half,
     }
@@ -351,26 +343,20 @@ def cost_text(
 ) -> str:
     """A switch's rounds (:func:`cost_summary`, with ``batch``) as one sentence: ``what``, then
     the rates of the ``halves`` (switched off, on)."""
-    return (
+    text = (
         f"{what}: {cost['rounds']} rounds of a batch of {cost['batch']} "
         f"requests each way, alternating: {cost['off_rps_p50']:.2f} requests/s {halves[0]}, "
         f"{cost['on_rps_p50']:.2f} {halves[1]}; paired change {cost['change_median_pct']:+.1f} % "
         f"(IQR {cost['change_q25_pct']:+.1f} … {cost['change_q75_pct']:+.1f} %)"
-        + (
-            f", mean {cost['change_mean_pct']:+.1f} ± {cost['change_ci95_pct']:.1f} % (95 %)"
-            if cost.get("change_ci95_pct") is not None
-            else ""
-        )
-        + (
-            "; TTFT p50 / p99: "
-            + ", ".join(
-                f"{cost[key]['p50']:,.0f} / {cost[key]['p99']:,.0f} ms {half}"
-                for key, half in zip(("off_ttft_ms", "on_ttft_ms"), halves, strict=True)
-            )
-            if "off_ttft_ms" in cost
-            else ""
-        )
     )
+    if cost.get("change_ci95_pct") is not None:
+        text += f", mean {cost['change_mean_pct']:+.1f} ± {cost['change_ci95_pct']:.1f} % (95 %)"
+    if "off_ttft_ms" in cost:
+        ttft = zip((cost["off_ttft_ms"], cost["on_ttft_ms"]), halves, strict=True)
+        text += "; TTFT p50 / p99: " + ", ".join(
+            f"{t['p50']:,.0f} / {t['p99']:,.0f} ms {half}" for t, half in ttft
+        )
+    return text
 
 
 def table(result: dict[str, Any]) -> str:

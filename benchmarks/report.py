@@ -1,5 +1,4 @@
 """Render benchmark JSON results as markdown tables, and refresh ``BENCHMARKS.md`` with them.
-
 ``python -m benchmarks.report DIR [--write BENCHMARKS.md]`` replaces what lies between
 ``<!-- BEGIN bench:X -->`` and ``<!-- END bench:X -->`` for every section X it has results for."""
 

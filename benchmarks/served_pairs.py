@@ -4,12 +4,13 @@ halves of every pair (docs/vllm.md, "Switching graphs off and on in a running se
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.common import quantile
-from benchmarks.paired import COST_BATCH, cost_summary, paired_summary
+from benchmarks.paired import COST_BATCH, cost_summary, cost_text, paired_summary, pairs_table
 from benchmarks.table import Table
 
 #: What the server's command line and environment need for the switch.
@@ -132,8 +133,6 @@ def batch_rounds(
         :func:`benchmarks.paired.cost_summary` of the rounds, with each batch's rate and
         each half's TTFT p50 and p99 (``off_ttft_ms``, ``on_ttft_ms``).
     """
-    import concurrent.futures
-
     rates: dict[bool, list[float]] = {False: [], True: []}
     ttfts: dict[bool, list[float]] = {False: [], True: []}
     sent = 0
@@ -163,8 +162,6 @@ def batch_rounds(
 
 def tables(model: dict[str, Any]) -> list[Table]:
     """The served pairs of a model's configurations, as the engine report shows them."""
-    from benchmarks.paired import cost_text, pairs_table
-
     found = []
     for name, config in model.get("configurations", {}).items():
         pairs = config.get("served_pairs")
@@ -186,8 +183,7 @@ def tables(model: dict[str, Any]) -> list[Table]:
             + (f"; {missing} requests without an event" if missing else "")
             + "."
         )
-        cost = pairs.get("timing_cost")
-        if cost:
+        if cost := pairs.get("timing_cost"):
             table.note += f" {cost_text(cost)}, in the same server."
         elif pairs.get("timing_cost_skipped"):
             table.note += f" Request timing's cost not measured: {pairs['timing_cost_skipped']}."

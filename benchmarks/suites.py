@@ -1,5 +1,4 @@
 """The benchmarks and the suites that name them: what the runner runs and the report reads.
-
 One table both use, so neither imports the other for it (``benchmarks.run`` prints
 ``benchmarks.report``'s summary)."""
 
