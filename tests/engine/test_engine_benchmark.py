@@ -96,6 +96,13 @@ def test_the_engine_benchmark_serves_every_kind_and_compares_with_eager(tmp_path
             repeats = entry["requests_per_s_repeats"]
             assert [len(repeats[c]) for c in ("c1", "c2")] == [1, 2], where
             assert entry["requests_per_s"]["c2"] == statistics.median(repeats["c2"]), where
+            # The warm-up's first pass at c2, its cold pass; with the plugin, its encoder calls.
+            (cold,) = entry["cold_passes"].values()
+            assert 0 < cold["ttft_p50_ms"] <= cold["ttft_p99_ms"], where
+            assert cold["requests_per_s"] > 0, where
+            assert cold["hits"]["calls"] > 0, where
+            if not CUDA:
+                assert cold["hits"]["hits"] == 0, where
             assert all(row["ttft_p50_ms"] > 0 for row in entry["rows"].values()), where
             # One request at a time, the engine's histograms split each kind's TTFT.
             for row in entry["rows"].values():
