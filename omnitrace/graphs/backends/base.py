@@ -172,18 +172,6 @@ class OutputLayout:
             )
 
 
-def layout_of(out: Any) -> OutputLayout | None:
-    """The layout of one forward's output tree; None for a tree no graph can hold.
-
-    Args:
-        out: what the forward returned (tensors, None, and tuples, lists and dicts of them).
-    """
-    try:
-        return _layout(out)
-    except TypeError:
-        return None
-
-
 def _layout(out: Any) -> OutputLayout:
     leaves, spec = flatten_outputs(out)
     return OutputLayout(tuple((t.shape, t.dtype) for t in leaves), spec)
