@@ -3,9 +3,11 @@ under the capture lock, the graph kept for hits, and ``GraphCaptured`` or the fa
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from omnitrace.events import GraphCaptured
@@ -25,6 +27,25 @@ if TYPE_CHECKING:
 __all__ = ["Capturer", "Due", "Entry"]
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector from running during a capture.
+
+    A collection may free an unreachable CUDA graph (a dropped adapter's, a vLLM manager's):
+    destroying a graph is not permitted while a stream captures, and the capture under way
+    fails with ``cudaErrorStreamCaptureInvalidated``. ``torch.cuda.graph`` collects before
+    it captures only when ``torch.compiler.config.force_cudagraph_gc`` is set; pausing the
+    collector costs nothing. Captures hold the capture lock, so they never nest here.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Entry:
@@ -117,7 +138,12 @@ class Capturer:
                 quiet=prepared,
                 layout=layout,
             )
-            with CAPTURE_LOCK, compile_lock(self._compiled), CAPTURES.capturing():
+            with (
+                CAPTURE_LOCK,
+                compile_lock(self._compiled),
+                CAPTURES.capturing(),
+                _collector_paused(),
+            ):
                 graph = self._backend.capture(request)
         except BaseException as exc:
             self._hooks.fail(exc, signature, device, stream)

@@ -43,6 +43,53 @@ def vision(dtype: torch.dtype = torch.bfloat16) -> VisionEncoder:
     return VisionEncoder(SMALL).to("cuda", dtype).eval()
 
 
+class _DropsAGraphInCapture(torch.nn.Module):
+    """A forward that, while a stream captures it, leaves a captured CUDA graph unreachable
+    in a reference cycle: Python's cyclic collector frees it whenever a collection runs."""
+
+    def __init__(self, inner: torch.nn.Module, doomed: torch.cuda.CUDAGraph) -> None:
+        super().__init__()
+        self.inner = inner
+        self.doomed = [doomed]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.doomed and torch.cuda.is_current_stream_capturing():
+            cycle: list[object] = [self.doomed.pop()]
+            cycle.append(cycle)
+            del cycle
+            self.allocated = [[] for _ in range(8)]  # allocations a collection may follow
+        return self.inner(x)
+
+
+def test_a_graph_the_garbage_collector_frees_during_a_capture_does_not_break_it(
+    bus: EventBus,
+) -> None:
+    """Destroying a CUDA graph while a stream captures invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``). A collection that falls inside the capture
+    (here one is due at every allocation) must not free the unreachable graph there."""
+    import gc
+
+    doomed = torch.cuda.CUDAGraph()
+    counter = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(doomed):
+        counter.add_(1)
+    model = _DropsAGraphInCapture(vision(), doomed)
+    del doomed
+    graph = EncoderCudaGraph(model, name="vision", config=CFG, bus=bus)
+    y = torch.randn(1, 96, 256, device="cuda", dtype=torch.bfloat16)
+    graph(y)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        with capture_events(bus) as events:
+            out = graph(y)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert model.doomed == [], "the forward never ran in a capture"
+    assert [type(e).__name__ for e in events] == ["GraphCaptured", "GraphReplayed"]
+    torch.testing.assert_close(out, model.inner(y), rtol=1.6e-2, atol=1e-2)
+
+
 def test_outputs_match_eager_and_capture_happens_on_the_second_call(bus: EventBus) -> None:
     """Replayed bf16 outputs equal eager ones; the second call captures."""
     model = vision()

@@ -799,3 +799,31 @@ def test_without_a_budget_the_graph_count_alone_caps_the_cache() -> None:
         assert [m.detail for m in misses] == ["cap", "cap"]
     finally:
         bus.close()
+
+
+def test_the_cyclic_garbage_collector_is_paused_for_a_capture_only(bus: EventBus) -> None:
+    """A collection inside a capture could free an unreachable CUDA graph there, which
+    invalidates the capture: the collector is off while the backend captures, and on again
+    after, also when the capture fails."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Recording(SimulatedGraphBackend):
+        def capture(self, request: Any) -> Any:
+            seen.append(gc.isenabled())
+            if len(seen) == 2:
+                raise RuntimeError("capture failed")
+            return super().capture(request)
+
+    graph, _, _ = make(bus, backend=Recording())
+    assert gc.isenabled()
+    graph(torch.randn(1, 8))
+    graph(torch.randn(1, 8))
+    assert seen == [False]
+    assert gc.isenabled()
+    graph(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graph(torch.randn(2, 8))
+    assert seen == [False, False]
+    assert gc.isenabled()

@@ -31,9 +31,9 @@ __all__ = [
 
 
 #: One capture at a time in this process, whatever adapter, backend or thread asks. A capture
-#: start synchronises the device and empties the allocator's cache, which would break a
-#: capture another thread has under way; PyTorch serialises its own CUDA-graph recordings the
-#: same way.
+#: may synchronise the device first (vLLM's manager always does), which would break a capture
+#: another thread has under way; PyTorch serialises its own CUDA-graph recordings the same
+#: way.
 CAPTURE_LOCK = threading.RLock()
 
 
