@@ -125,7 +125,7 @@ class EncoderGraphConfig:
             the shapes ``prepare_from`` names are compiled at start-up, and shapes first
             seen while serving are captured from the eager forward.
         background_capture: warm up (and, with ``compile``, compile) a graph's forward on a
-            background thread and a side stream while calls of its shape keep running
+            background thread (a compile on a side stream) while calls of its shape keep running
             eagerly (``warmup`` misses, detail ``preparing``); the next call of the shape
             then captures on its own thread, skipping the eager warm-up (one compiled call
             with ``compile``), and is served by the graph. The stream capture stays on the

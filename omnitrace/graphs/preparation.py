@@ -1,5 +1,5 @@
-"""Background preparation: an adapter's thread that warms up (and compiles) admitted keys on a
-side stream, so that their next call captures without the slow part."""
+"""Background preparation: an adapter's thread that warms up (and compiles) admitted keys, so
+that their next call captures without the slow part."""
 
 from __future__ import annotations
 
@@ -163,20 +163,15 @@ class Preparation:
             if job is None or self._hooks.failed():
                 return
             self._prepare(job, side)
+            del job  # the input copies go now, not when the next job comes
 
     def _prepare(self, job: Job, side: dict[torch.device, Any]) -> None:
-        """Warm up (and compile) on a side stream, then mark the key ready for capture."""
+        """Warm up (and compile), then mark the key ready for capture."""
         try:
             with self._scope(job), _grad_scope(job):
                 if job.device.type == "cuda":
-                    with torch.cuda.device(job.device):
-                        stream = side.get(job.device)
-                        if stream is None:
-                            stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
-                        # The copies were made on the caller's stream: the side stream waits.
-                        stream.wait_stream(job.replay_stream)
-                        with torch.cuda.stream(stream):
-                            layout = self._warm_up(job.inputs)
+                    with torch.cuda.device(job.device), self._stream(job, side):
+                        layout = self._warm_up(job.inputs)
                 else:
                     layout = self._warm_up(job.inputs)
         except BaseException as exc:
@@ -197,12 +192,38 @@ class Preparation:
             # guard that differs there (a thread-local mode) recompiles outside the capture.
             self.ready[job.key] = (None if self._compiled else layout, time.monotonic())
 
+    def _stream(self, job: Job, side: dict[torch.device, Any]) -> Any:
+        """The stream a warm-up runs on: the caller's for an eager forward, a side stream
+        for a compile.
+
+        The caching allocator keeps a stream's freed blocks for that stream alone. An eager
+        warm-up on the caller's stream leaves its activations to the engine's next steps; on
+        a stream of its own they would stay reserved for it, out of the engine's reach and
+        counted against the free-memory floor (freeing them needs a device-wide
+        synchronisation, which no capture in the process may overlap). A compile stays on a
+        side stream: Inductor's autotuning times kernels on its current stream, and the
+        caller's stream is busy with the engine's work.
+        """
+        if not self._compiled:
+            return torch.cuda.stream(job.replay_stream)
+        stream = side.get(job.device)
+        if stream is None:
+            stream = side[job.device] = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
+        # The copies were made on the caller's stream: the side stream waits, and their
+        # blocks are kept until the side stream is done with them.
+        stream.wait_stream(job.replay_stream)
+        for tensor in job.inputs:
+            if tensor is not None:
+                tensor.record_stream(stream)
+        return torch.cuda.stream(stream)
+
     @contextlib.contextmanager
     def _scope(self, job: Job) -> Iterator[None]:
         """What a preparation holds while it warms up.
 
-        An eager warm-up holds nothing: its kernels and allocations on a side stream are
-        allowed beside a thread-local capture on another thread. A compiled one holds the
+        An eager warm-up holds nothing: its kernels and allocations on the caller's stream
+        are allowed beside a thread-local capture on another thread (the capture stream
+        waited for the caller's stream before its capture began). A compiled one holds the
         capture lock and torch.compile's own lock: compiling may synchronise the device
         (autotuning), which no capture may overlap. A call whose key is ready then runs
         eagerly rather than wait, and the next compile first gives fresh ready keys a

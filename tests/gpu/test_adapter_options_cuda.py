@@ -116,6 +116,42 @@ def test_background_capture_replays_correctly_under_concurrent_calls(bus: EventB
     print(f"\n{len(preparing)} calls served eagerly while their graph was prepared")
 
 
+def _held_by_other_streams() -> int:
+    """Bytes of the allocator's segments (outside graph pools) that belong to streams other
+    than the current one: memory only those streams' allocations can reuse."""
+    current = torch.cuda.current_stream().cuda_stream
+    return sum(
+        segment["total_size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment["stream"] != current and tuple(segment["segment_pool_id"]) == (0, 0)
+    )
+
+
+def test_background_preparation_keeps_no_memory_of_its_own(bus: EventBus) -> None:
+    """The caching allocator keeps a stream's freed blocks for that stream alone: an eager
+    warm-up on a stream of its own would keep its activations reserved for a stream that
+    runs nothing else. On the caller's stream they stay with the caller's work, and the next
+    call still captures and replays."""
+    model = vision()
+    graph = EncoderCudaGraph(model, name="v", config=CFG.replace(background_capture=True), bus=bus)
+    x = torch.randn(4, 2048, 256, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = _held_by_other_streams()
+    reference = model(x)
+    with capture_events(bus) as events:
+        graph(x)  # the key's first call
+        graph(x)  # admitted: served eagerly, its warm-up handed to the preparation
+        assert graph.wait_prepared(60)
+        torch.cuda.synchronize()
+        extra = _held_by_other_streams() - before
+        out = graph(x)
+    print(f"\nother streams hold {extra >> 20} MiB more after the preparation")
+    assert extra < 8 << 20
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 1
+    torch.testing.assert_close(out, reference, rtol=GRAPH_TOL, atol=GRAPH_TOL)
+
+
 # torch.compile's CUDA-graph trees capture an empty graph when they start (PyTorch's own
 # warning, which the test run's filterwarnings=error would turn into a failure).
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
