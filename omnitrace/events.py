@@ -208,6 +208,7 @@ class MemoryDeferred(_Keyed):
         adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
             and the monotonic and epoch clocks when the event was made, in that order.
         free_bytes, floor_bytes, device: then these, positional, as on the attributes.
+        cached_bytes: the allocator's cached bytes; default None (not read).
         phase: keyword-only, last; default ``Phase.SERVING``.
     """
 
@@ -217,6 +218,11 @@ class MemoryDeferred(_Keyed):
     """The floor a capture must leave free (``min_free_bytes``)."""
     device: str
     """Device whose memory was read."""
+    cached_bytes: int | None = None
+    """Memory this process's caching allocator held on the device without a tensor in it
+    (reserved, not allocated): the engine's next allocations reuse it, a new graph pool
+    cannot. None where the backend could not read it, and in logs written before the field
+    existed."""
 
 
 @dataclass(frozen=True, slots=True)

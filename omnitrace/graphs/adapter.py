@@ -726,6 +726,7 @@ class EncoderCudaGraph:
                     free,
                     self.config.min_free_bytes,
                     str(device),
+                    self._cached_bytes(device),
                     phase=self._phase,
                 )
             )
@@ -735,6 +736,12 @@ class EncoderCudaGraph:
             return None, (_WARMUP, "preparing", signature)
         # The floor's read, when admission made one, is this call's: the capture reuses it.
         return self._capture(due, decision.free_bytes), None
+
+    def _cached_bytes(self, device: torch.device) -> int | None:
+        """The allocator's cached bytes on ``device``, for a deferral; None from a backend
+        that does not answer the question (it is not part of the backend protocol)."""
+        question = getattr(self.backend, "device_cached_bytes", None)
+        return None if question is None else int(question(device))
 
     def _capture_forward(self) -> Callable[..., Any]:
         """The forward graphs are captured from: the encoder, or torch.compile of it."""

@@ -50,6 +50,7 @@ class ATTR:
     GRAPH_INDEX = "omnitrace.graph.index"
     FREE_BYTES = "omnitrace.memory.free_bytes"
     FLOOR_BYTES = "omnitrace.memory.floor_bytes"
+    CACHED_BYTES = "omnitrace.memory.cached_bytes"
     DTYPE = "omnitrace.graph.dtype"
     """Distinct dtypes of the key's tensor inputs, in input order, comma-separated."""
     SHAPES = "omnitrace.graph.shapes"

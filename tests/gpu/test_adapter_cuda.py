@@ -235,13 +235,20 @@ def test_real_memory_floor_defers_capture(bus: EventBus) -> None:
     graph = EncoderCudaGraph(model, name="vision", config=CFG.replace(min_free_bytes=huge), bus=bus)
     x = torch.randn(1, 64, 256, device="cuda", dtype=torch.bfloat16)
     with capture_events(bus) as events:
-        for _ in range(4):
+        graph(x)
+        # 256 MiB freed to the allocator's cache: reserved, with no tensor in it.
+        del_me = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        del del_me
+        for _ in range(3):
             out = graph(x)
     deferrals = [e for e in events if isinstance(e, MemoryDeferred)]
     assert len(deferrals) == 3
     _, total = torch.cuda.mem_get_info()
     assert 0 < deferrals[0].free_bytes <= total
     assert deferrals[0].floor_bytes == huge
+    cached = deferrals[0].cached_bytes
+    assert cached is not None
+    assert 256 << 20 <= cached <= torch.cuda.memory_reserved()
     assert graph.get_cumulative_stats()["memory_misses"] == 3
     assert graph.num_graphs == 0
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)

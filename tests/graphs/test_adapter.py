@@ -181,7 +181,7 @@ def test_recently_called_key_stays_in_history(bus: EventBus) -> None:
 
 def test_memory_floor_defers_then_admits(bus: EventBus) -> None:
     """Free memory under the floor gives a deferral and a memory miss; a later call captures."""
-    backend = SimulatedGraphBackend(free_bytes=100, graph_bytes=10)
+    backend = SimulatedGraphBackend(free_bytes=100, graph_bytes=10, cached_bytes=300)
     graph, _, _ = make(bus, CFG.replace(min_free_bytes=500), backend)
     x = torch.randn(2, 8)
     with capture_events(bus) as events:
@@ -202,6 +202,8 @@ def test_memory_floor_defers_then_admits(bus: EventBus) -> None:
     deferral = events[1]
     assert isinstance(deferral, MemoryDeferred)
     assert (deferral.free_bytes, deferral.floor_bytes) == (100, 500)
+    # What the allocator held cached when the floor was read: memory no new pool can use.
+    assert deferral.cached_bytes == 300
     assert backend.free_bytes == 990
     stats = graph.get_cumulative_stats()
     assert (stats["memory_misses"], stats["num_graphs"]) == (2, 1)

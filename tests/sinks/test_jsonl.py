@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -57,6 +58,7 @@ EVENTS: list[Event] = [
     CaptureFailed(
         "vision", sig("float32[1,256,64]"), 6, 16, "RuntimeError", "boom \u2603", "cuda:0", 0
     ),
+    MemoryDeferred("vision", sig("float32[2,1024,64]"), 7, 17, 100, 200, "cuda:0", 300),
 ]
 
 
@@ -92,6 +94,20 @@ def test_round_trip_restores_typed_events_and_enum(tmp_path: Path) -> None:
     back = list(read_events(path))
     assert back == EVENTS
     assert back[0].reason is MissReason.WARMUP  # type: ignore[union-attr]
+
+
+def test_a_deferral_written_before_cached_bytes_existed_reads_back_without_it(
+    tmp_path: Path,
+) -> None:
+    """Fields added to an event after a log was written take their defaults on reading."""
+    path = tmp_path / "events.jsonl"
+    _write(path, EVENTS[-1:])
+    (line,) = [json.loads(text) for text in path.read_text().splitlines()]
+    assert line["cached_bytes"] == 300
+    del line["cached_bytes"]
+    path.write_text(json.dumps(line) + "\n")
+    (back,) = read_events(path)
+    assert back == dataclasses.replace(EVENTS[-1], cached_bytes=None)  # type: ignore[type-var]
 
 
 def test_rank_falls_back_to_local_rank_then_zero() -> None:

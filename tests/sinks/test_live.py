@@ -247,6 +247,20 @@ def test_record_board_puts_workers_side_by_side() -> None:
     assert "graphs   0 / ? " in "\n".join(lines)
 
 
+def test_a_deferral_notice_names_the_allocators_cache_when_it_was_read() -> None:
+    """Free memory under the floor next to what the allocator held cached (memory the
+    engine reuses and a new pool cannot); a log without the reading shows no cache."""
+    board = RecordBoard()
+    read = MemoryDeferred("vision", sig("float32[1]"), 1, T0, 5 * MiB, GiB, "cuda:0", 700 * MiB)
+    unread = MemoryDeferred("vision", sig("float32[2]"), 2, T0, 6 * MiB, GiB, "cuda:0")
+    board.add([EventRecord(read, 100, 0), EventRecord(unread, 100, 0)])
+    (encoder,) = board.snapshot().encoders
+    assert [n.text for n in encoder.notices] == [
+        "22:13:20Z deferred float32[1]: free 5.0 MiB < floor 1.0 GiB (allocator cache 700.0 MiB)",
+        "22:13:20Z deferred float32[2]: free 6.0 MiB < floor 1.0 GiB",
+    ]
+
+
 def test_record_board_folds_interleaved_writers_apart_and_keeps_their_last_notices() -> None:
     """Two writers' records interleaved one by one in one add: each worker's stats and
     coverage are the folds of its own events, and its notices are its last five deferrals

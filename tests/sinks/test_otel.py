@@ -118,7 +118,7 @@ def run_scenario(bus: EventBus) -> Scenario:
         name="audio",
         config=AUDIO_CFG,
         bus=bus,
-        backend=SimulatedGraphBackend(free_bytes=1 << 20),
+        backend=SimulatedGraphBackend(free_bytes=1 << 20, cached_bytes=3 << 20),
     )
     broken = EncoderCudaGraph(
         _audio,
@@ -277,6 +277,7 @@ def test_memory_deferral_span_records_free_bytes_and_floor(
         ATTR.DEVICE: "cpu",
         ATTR.FREE_BYTES: 1 << 20,
         ATTR.FLOOR_BYTES: AUDIO_CFG.min_free_bytes,
+        ATTR.CACHED_BYTES: 3 << 20,
         ATTR.PHASE: "serving",
     }
     assert span.status.code == Status.StatusCode.STATUS_CODE_UNSET

@@ -87,10 +87,12 @@ class SimulatedGraphBackend:
         capture_delay: seconds each capture takes (a slow compile and capture), for tests
             of what calls do meanwhile; default 0.0.
         warmup_delay: seconds each warm-up takes; default 0.0.
+        cached_bytes: memory the simulated allocator holds cached, reported with a memory
+            deferral; a settable attribute. Default 0.
 
     Raises:
-        ConfigError: ``free_bytes`` or ``graph_bytes`` is not a nonnegative integer, or a
-            delay is not a nonnegative number of seconds.
+        ConfigError: ``free_bytes``, ``graph_bytes`` or ``cached_bytes`` is not a
+            nonnegative integer, or a delay is not a nonnegative number of seconds.
     """
 
     name = "simulated"
@@ -105,8 +107,10 @@ class SimulatedGraphBackend:
         fail_on_capture: bool | BaseException | type[BaseException] = False,
         capture_delay: float = 0.0,
         warmup_delay: float = 0.0,
+        cached_bytes: int = 0,
     ) -> None:
         self.free_bytes = check_int("free_bytes", free_bytes)
+        self.cached_bytes = check_int("cached_bytes", cached_bytes)
         self.graph_bytes = check_int("graph_bytes", graph_bytes)
         self.fail_on_capture = fail_on_capture
         self.capture_delay = check_number("capture_delay", capture_delay, positive=False)
@@ -186,6 +190,14 @@ class SimulatedGraphBackend:
             device: the call's device (any).
         """
         return self.free_bytes
+
+    def device_cached_bytes(self, device: torch.device) -> int:
+        """Return :attr:`cached_bytes`.
+
+        Args:
+            device: the call's device (any).
+        """
+        return self.cached_bytes
 
     def new_pool(self, device: torch.device) -> Any:
         """Return a new pool token, ``("simulated-pool", n)``, counting it.

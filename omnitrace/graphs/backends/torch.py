@@ -157,6 +157,18 @@ class CudaDeviceQuestions:
     def device_free_bytes(self, device: torch.device) -> int:
         return int(torch.cuda.mem_get_info(device)[0])
 
+    def device_cached_bytes(self, device: torch.device) -> int:
+        """Bytes the caching allocator holds on ``device`` without a tensor in them.
+
+        Read for a memory deferral only: the statistics are a dictionary built per call.
+
+        Args:
+            device: the CUDA device.
+        """
+        stats = torch.cuda.memory_stats(device)
+        reserved = stats.get("reserved_bytes.all.current", 0)
+        return max(0, int(reserved) - int(stats.get("allocated_bytes.all.current", 0)))
+
     def new_pool(self, device: torch.device) -> Any:
         return torch.cuda.graph_pool_handle()
 

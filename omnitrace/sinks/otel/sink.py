@@ -289,6 +289,8 @@ class OTelSink:
                     ATTR.FLOOR_BYTES: event.floor_bytes,
                     ATTR.PHASE: event.phase.value,
                 }
+                if event.cached_bytes is not None:  # OTel attributes cannot be None
+                    attributes[ATTR.CACHED_BYTES] = event.cached_bytes
                 self._emit_span(SPANS.MEMORY_DEFERRAL, event.epoch_ns, event.epoch_ns, attributes)
             case ev.CaptureFailed():
                 # The event marks the moment the capture raised; its start is not recorded,
