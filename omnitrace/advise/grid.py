@@ -414,6 +414,13 @@ def _memory_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
         f"memory: {short} of {best.calls} calls run eagerly because the device-free memory "
         f"is under the floor ({format_bytes(best.setting.min_free_bytes)})"
     )
+    cached = max(recording.deferral_cached.values(), default=0)
+    if cached:
+        # What the log's own deferrals saw cached: the engine reuses it, a new pool cannot.
+        head += (
+            f"; at its deferrals the caching allocator held up to {format_bytes(cached)} "
+            "without tensors, which the engine reuses and a new graph pool cannot"
+        )
     enough = with_more(MORE_FREE_STEPS)
     if enough is None:
         top = format_bytes(MORE_FREE_STEPS * MORE_FREE_STEP)

@@ -192,6 +192,9 @@ class Recording:
     serving_captures: tuple[float, ...] = ()
     """The host seconds of each capture logged while serving: each held up the call that
     made it (captures at start-up, before serving, are not among them)."""
+    deferral_cached: Mapping[tuple[Worker, str], int] = field(default_factory=dict)
+    """Per worker and device, the most its caching allocator held without tensors at a
+    memory deferral (``MemoryDeferred.cached_bytes``; absent where no deferral read it)."""
 
     def seldom_calls(self, min_calls: int) -> int:
         """Eligible calls, all workers, of keys their worker called fewer than ``min_calls``
@@ -326,6 +329,7 @@ class _Builder:
         # Per worker and device: bytes captured so far, and free memory + that at deferrals.
         self.captured_bytes: dict[tuple[Worker, str], int] = {}
         self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
+        self.deferral_cached: dict[tuple[Worker, str], int] = {}
         self.profiling = False
         self.ineligible: dict[str, dict[str, int]] = {}
         self.serving_captures: list[float] = []
@@ -364,6 +368,9 @@ class _Builder:
             place = (worker, item.device)
             start = item.free_bytes + self.captured_bytes.get(place, 0)
             self.deferral_starts.setdefault(place, []).append(start)
+            if item.cached_bytes is not None:
+                most = max(self.deferral_cached.get(place, 0), item.cached_bytes)
+                self.deferral_cached[place] = most
 
     def _call(self, record: EventRecord) -> None:
         item = record.item
@@ -487,6 +494,7 @@ class _Builder:
                 if (value := info.get("items")) in ("batched", "split")
             },
             serving_captures=tuple(self.serving_captures),
+            deferral_cached=self.deferral_cached,
         )
 
     def _logged(self, adapter: str) -> Setting:
