@@ -107,20 +107,53 @@ def no_op() -> None:
     pass
 
 
-def cuda_status() -> tuple[bool, str]:
-    """Return whether CUDA is usable here, and why not if it is not."""
+#: The CUDA smoke test, run in a child process (see :func:`cuda_probe`).
+_PROBE = """
+import json, torch
+x = torch.ones(4, device="cuda")
+torch.cuda.synchronize()
+assert float(x.sum()) == 4.0, "a CUDA smoke test computed a wrong result"
+props = torch.cuda.get_device_properties(0)
+print(json.dumps({"name": props.name, "total_memory": int(props.total_memory),
+                  "count": torch.cuda.device_count()}))
+"""
+
+
+@functools.cache
+def cuda_probe() -> dict[str, Any] | str:
+    """The CUDA device's name, memory and count, from a smoke test in a child process; or
+    why CUDA is not usable here.
+
+    In a child, because a CUDA context holds device memory (0.6 GiB on an H100) for as long
+    as its process lives: made here, it would sit beside every server the engine suite
+    starts, and take from the memory those servers' encoder graphs are captured in. A suite
+    that computes on the device in this process makes its own context when it runs.
+    """
     if not torch.cuda.is_available():
         build = torch.version.cuda or "none (CPU-only build)"
-        why = f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})"
-        return False, why
+        return f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})"
     try:
-        x = torch.ones(4, device="cuda")
-        torch.cuda.synchronize()
-        if float(x.sum()) != 4.0:
-            return False, "a CUDA smoke test computed a wrong result"
-    except Exception as exc:
-        return False, f"a CUDA smoke test failed: {type(exc).__name__}: {exc}"
-    return True, torch.cuda.get_device_name()
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"a CUDA smoke test could not run: {type(exc).__name__}: {exc}"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        errors = done.stderr.strip().splitlines()
+        last = errors[-1] if errors else f"exit status {done.returncode}"
+        return f"a CUDA smoke test failed: {last}"
+    found: dict[str, Any] = json.loads(lines[-1])
+    return found
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Return whether CUDA is usable here, and why not if it is not (the device's name if
+    it is); this process makes no CUDA context for it (:func:`cuda_probe`)."""
+    found = cuda_probe()
+    if isinstance(found, str):
+        return False, found
+    return True, str(found["name"])
 
 
 def _first_line(*command: str) -> str | None:
@@ -154,10 +187,9 @@ def environment(command: str | None = None) -> dict[str, Any]:
         "gpu_memory_bytes": None,
         "driver": None,
     }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory))
-        env["gpu_count"] = torch.cuda.device_count()
+    if torch.cuda.is_available() and isinstance(found := cuda_probe(), dict):
+        env.update(gpu=found["name"], gpu_memory_bytes=found["total_memory"])
+        env["gpu_count"] = found["count"]
         query = ("--query-gpu=driver_version", "--format=csv,noheader")
         env["driver"] = _first_line("nvidia-smi", *query)
     return env

@@ -199,6 +199,11 @@ def _run_model(
             api_servers=api_servers,
         ) as server:
             ready_s = time.perf_counter() - started
+            # What holds the device beside the server: its memory is the graphs' headroom.
+            on_gpu = engine_serving.gpu_processes() if ctx.cuda else None
+            harness = sum(p["used_mib"] for p in on_gpu or () if p["harness"])
+            if harness:
+                ctx.log(f"  {config.name}: this process holds {harness} MiB of GPU memory")
             # Warm-up: every shape min_capture_calls times, so the graphs are in place; then
             # the batch shapes each concurrency above one forms (its cold pass, kept apart).
             send = functools.partial(engine_serving.run_pass, server)
@@ -232,6 +237,7 @@ def _run_model(
             share = None if device_s_c1 is None or ttft_c1 <= 0 else device_s_c1 / ttft_c1
             row = {
                 "ready_s": ready_s,
+                "gpu_processes_at_ready": on_gpu,
                 "cold_passes": cold,
                 "kv_cache_tokens": server.kv_cache_tokens(),
                 "rows": _kind_rows(passes),

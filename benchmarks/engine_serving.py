@@ -312,6 +312,36 @@ def serving(
         server.stop()
 
 
+def gpu_processes(
+    query: Sequence[str] = (
+        "nvidia-smi",
+        "--query-compute-apps=pid,used_memory",
+        "--format=csv,noheader,nounits",
+    ),
+) -> list[dict[str, Any]] | None:
+    """The processes holding memory on the GPUs, as ``nvidia-smi`` lists them: each one's
+    pid, MiB and whether it is this process (the harness, which should hold none: see
+    :func:`benchmarks.common.cuda_probe`); None where ``nvidia-smi`` cannot tell.
+
+    Args:
+        query: the command that lists them, a ``pid, MiB`` line each.
+    """
+    try:
+        done = subprocess.run(list(query), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    found: list[dict[str, Any]] = []
+    for line in done.stdout.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit():
+            continue
+        pid = int(fields[0])
+        found.append({"pid": pid, "used_mib": int(fields[1]), "harness": pid == os.getpid()})
+    return found
+
+
 def _wait_ready(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

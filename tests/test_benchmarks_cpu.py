@@ -1372,3 +1372,51 @@ def test_repeated_runs_keep_every_request_and_each_run_s_rate() -> None:
     merged = repeated([run(2.0, 8), run(4.0, 8), run(1.0, 8)])
     assert (merged.concurrency, merged.wall_s, len(merged.completions)) == (8, 7.0, 24)
     assert merged.rates == [4.0, 2.0, 8.0]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the probe's failure on a machine without CUDA"
+)
+def test_the_cuda_probe_runs_in_a_child_and_reports_its_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The smoke test runs in a child process, so the harness holds no CUDA context beside
+    the servers it starts; where it fails, the child's last error line is the reason."""
+    from benchmarks import common
+
+    made_here: list[Any] = []
+    ones = torch.ones
+
+    def spied(*args: Any, **kwargs: Any) -> torch.Tensor:
+        made_here.append(kwargs.get("device"))
+        return ones(*args, **kwargs)
+
+    common.cuda_probe.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "ones", spied)
+    try:
+        ok, why = common.cuda_status()
+    finally:
+        common.cuda_probe.cache_clear()
+    assert not ok
+    assert why.startswith("a CUDA smoke test failed: ")
+    # The child's own error line (this machine has no CUDA device), not a made-up one.
+    assert "Error" in why.removeprefix("a CUDA smoke test failed: ")
+    assert made_here == []
+    assert not torch.cuda.is_initialized()
+
+
+def test_gpu_processes_reads_nvidia_smi_and_marks_this_process(tmp_path: Path) -> None:
+    """Each ``pid, MiB`` line becomes an entry, this process's flagged as the harness; lines
+    that are not such pairs are skipped; a failing or missing command gives None."""
+    from benchmarks import engine_serving
+
+    listing = tmp_path / "listing.txt"
+    listing.write_text(f"1234, 70000\n{os.getpid()}, 612\n[N/A], 5\n", encoding="utf-8")
+    found = engine_serving.gpu_processes(("cat", str(listing)))
+    assert found == [
+        {"pid": 1234, "used_mib": 70000, "harness": False},
+        {"pid": os.getpid(), "used_mib": 612, "harness": True},
+    ]
+    assert engine_serving.gpu_processes(("false",)) is None
+    assert engine_serving.gpu_processes((str(tmp_path / "no-such-command"),)) is None
