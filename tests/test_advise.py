@@ -29,6 +29,7 @@ from omnitrace.eventlog import (
     read_records,
 )
 from omnitrace.events import (
+    NO_SIGNATURE,
     DeviceTimed,
     Event,
     GraphCaptured,
@@ -36,6 +37,7 @@ from omnitrace.events import (
     GraphReplayed,
     MissReason,
     Phase,
+    ProfilingObserved,
 )
 from omnitrace.graphs.backends.base import CaptureRequest
 from omnitrace.signature import Signature
@@ -432,17 +434,28 @@ def test_the_floor_is_replayed_from_the_free_memory_the_deferrals_imply() -> Non
 
 
 def _memory_bound(
-    shapes: Sequence[tuple[int, ...]], floor: int, cached_bytes: int = 0
+    shapes: Sequence[tuple[int, ...]],
+    floor: int,
+    cached_bytes: int = 0,
+    profiling: Sequence[tuple[str, int]] = (),
 ) -> Recording:
     """A log of 30 calls of each of ``shapes`` (256 MiB a graph per 4096 input elements) on
     a device with 1 GiB free, read as a recording that knows the free memory; its
-    deferrals report ``cached_bytes`` held by the allocator."""
+    deferrals report ``cached_bytes`` held by the allocator. ``profiling``: a start-up
+    profiling run's ``ProfilingObserved`` event first, per (runner, encoder calls)."""
     logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=floor)
     calls: list[Call] = [("vision", s, Phase.SERVING) for _ in range(30) for s in shapes]
     sizes = {shape: 256 * MiB * math.prod(shape) // 4096 for shape in shapes}
     events = _run(calls, logged, free_bytes=GiB, sizes=sizes, cached_bytes=cached_bytes)
     events = _retimed(events, {s: 0.004 for s in shapes}, {s: 0.001 for s in shapes})
-    return Recording.from_records(_records(events, logged), free_bytes=GiB)
+    start = events[0].monotonic_ns - 1
+    observed = [
+        ProfilingObserved(
+            "vision", NO_SIGNATURE, start, start, runner, calls, phase=Phase.PROFILING
+        )
+        for runner, calls in profiling
+    ]
+    return Recording.from_records(_records([*observed, *events], logged), free_bytes=GiB)
 
 
 def test_the_memory_note_says_how_much_more_free_memory_would_graph_the_memory_misses() -> None:
@@ -477,6 +490,52 @@ def test_the_memory_note_says_how_much_more_free_memory_would_graph_the_memory_m
     assert capped.best is not None
     assert capped.best.encoders[0].misses[MissReason.MEMORY] == 0
     assert not [n for n in capped.notes if n.startswith("memory:")]
+
+
+RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run"
+
+
+@pytest.mark.parametrize(
+    ("profiling", "named"),
+    [
+        ([(RUNNER, 0)], True),
+        ([(RUNNER, 0), ("other.Runner.profile_run", 3)], False),
+        ([], False),
+    ],
+    ids=["no-encoder-called", "one-run-called-one", "no-profiling-logged"],
+)
+def test_the_memory_note_says_when_the_profiling_run_called_no_encoder(
+    profiling: list[tuple[str, int]], named: bool
+) -> None:
+    """Where every profiling run the log saw called no encoder, the memory note says that
+    the engine sized its memory without the encoders' activations, naming the runner."""
+    shapes = [(1, 32 << n, 128 >> n) for n in range(6)]
+    recording = _memory_bound(shapes, 256 * MiB, profiling=profiling)
+    assert recording.unprofiled_runner == (RUNNER if named else None)
+    advice = advise(recording, [Setting(8, 2, 256 * MiB)])
+    (note,) = [n for n in advice.notes if n.startswith("memory:")]
+    said = (
+        f"the engine's profiling run ({RUNNER}) called no encoder, so it sized the KV cache "
+        "without the encoders' activations"
+    )
+    assert (said in note) is named
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_a_lower_floor_says_when_the_engine_did_not_plan_for_the_encoders(
+    profiled: bool,
+) -> None:
+    """A recommendation that lowers the floor says, where every profiling run called no
+    encoder, that the engine planned no memory for the encoders' activations."""
+    shapes = [(1, 32 << n, 128 >> n) for n in range(6)]
+    recording = _memory_bound(shapes, 512 * MiB, profiling=[(RUNNER, int(profiled))])
+    advice = advise(recording, [Setting(8, 2, 512 * MiB), Setting(8, 2, 256 * MiB)])
+    assert advice.best is not None
+    assert advice.best.setting == Setting(8, 2, 256 * MiB)
+    why = advice.why()
+    assert "it lowers the memory floor from 512.0 MiB: less headroom for activations" in why
+    said = f"which the engine did not plan for: its profiling run ({RUNNER}) called no encoder"
+    assert (said in why) is not profiled
 
 
 def test_the_memory_note_names_no_figure_where_no_step_fits() -> None:

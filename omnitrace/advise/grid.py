@@ -201,8 +201,14 @@ class Advice:
         if logged is not None and best.setting.min_free_bytes < logged.setting.min_free_bytes:
             text += (
                 f" (it lowers the memory floor from "
-                f"{format_bytes(logged.setting.min_free_bytes)}: less headroom for activations)"
+                f"{format_bytes(logged.setting.min_free_bytes)}: less headroom for activations"
             )
+            if (runner := self.recording.unprofiled_runner) is not None:
+                text += (
+                    f", which the engine did not plan for: its profiling run ({runner}) "
+                    "called no encoder"
+                )
+            text += ")"
         if logged is not None:
             if logged.setting == best.setting:
                 text += "; it is the setting the log ran with"
@@ -420,6 +426,14 @@ def _memory_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
         head += (
             f"; at its deferrals the caching allocator held up to {format_bytes(cached)} "
             "without tensors, which the engine reuses and a new graph pool cannot"
+        )
+    if recording.unprofiled_runner is not None:
+        # Why memory is short inside vLLM: it left no room for the encoders' activations.
+        head += (
+            f"; the engine's profiling run ({recording.unprofiled_runner}) called no "
+            "encoder, so it sized the KV cache without the encoders' activations, which "
+            "run in the same memory as the graphs (docs/vllm.md, \"A runner that profiles "
+            "no encoder\")"
         )
     enough = with_more(MORE_FREE_STEPS)
     if enough is None:

@@ -195,6 +195,10 @@ class Recording:
     deferral_cached: Mapping[tuple[Worker, str], int] = field(default_factory=dict)
     """Per worker and device, the most its caching allocator held without tensors at a
     memory deferral (``MemoryDeferred.cached_bytes``; absent where no deferral read it)."""
+    unprofiled_runner: str | None = None
+    """The engine's start-up profiling run (``ProfilingObserved.runner``) where every one
+    the log saw called no encoder: the engine sized its memory without the encoders'
+    activations. None where one called an encoder, or none was logged."""
 
     def seldom_calls(self, min_calls: int) -> int:
         """Eligible calls, all workers, of keys their worker called fewer than ``min_calls``
@@ -330,6 +334,9 @@ class _Builder:
         self.captured_bytes: dict[tuple[Worker, str], int] = {}
         self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
         self.deferral_cached: dict[tuple[Worker, str], int] = {}
+        # Profiling runs that called no encoder, and whether any run called one.
+        self.unprofiled: set[str] = set()
+        self.profiled = False
         self.profiling = False
         self.ineligible: dict[str, dict[str, int]] = {}
         self.serving_captures: list[float] = []
@@ -364,6 +371,11 @@ class _Builder:
             self.sizes.setdefault(ident, []).append(size)
             place = (worker, item.device)
             self.captured_bytes[place] = self.captured_bytes.get(place, 0) + size
+        elif isinstance(item, ev.ProfilingObserved):
+            if item.encoder_calls:
+                self.profiled = True
+            else:
+                self.unprofiled.add(item.runner)
         elif isinstance(item, ev.MemoryDeferred):
             place = (worker, item.device)
             start = item.free_bytes + self.captured_bytes.get(place, 0)
@@ -495,6 +507,9 @@ class _Builder:
             },
             serving_captures=tuple(self.serving_captures),
             deferral_cached=self.deferral_cached,
+            unprofiled_runner=(
+                None if self.profiled or not self.unprofiled else min(self.unprofiled)
+            ),
         )
 
     def _logged(self, adapter: str) -> Setting:
