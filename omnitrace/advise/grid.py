@@ -432,8 +432,8 @@ def _memory_note(best: Result | None, recording: Recording) -> tuple[str, ...]:
         head += (
             f"; the engine's profiling run ({recording.unprofiled_runner}) called no "
             "encoder, so it sized the KV cache without the encoders' activations, which "
-            "run in the same memory as the graphs (docs/vllm.md, \"A runner that profiles "
-            "no encoder\")"
+            'run in the same memory as the graphs (docs/vllm.md, "A runner that profiles '
+            'no encoder")'
         )
     enough = with_more(MORE_FREE_STEPS)
     if enough is None:
