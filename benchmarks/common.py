@@ -156,17 +156,23 @@ def cuda_status() -> tuple[bool, str]:
     return True, str(found["name"])
 
 
-def _first_line(*command: str) -> str | None:
-    """The first line ``command`` prints, or None when it fails."""
+def output_lines(*command: str, timeout: float = 10.0) -> list[str] | None:
+    """The lines ``command`` prints (run in this directory), or None when it fails or
+    cannot run within ``timeout`` seconds."""
     here = Path(__file__).resolve().parent
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=10, check=False, cwd=here
+            command, capture_output=True, text=True, timeout=timeout, check=False, cwd=here
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
+    return done.stdout.strip().splitlines() if done.returncode == 0 else None
+
+
+def _first_line(*command: str) -> str | None:
+    """The first line ``command`` prints, or None when it fails."""
+    lines = output_lines(*command)
+    return lines[0].strip() if lines else None
 
 
 def environment(command: str | None = None) -> dict[str, Any]:
@@ -187,7 +193,7 @@ def environment(command: str | None = None) -> dict[str, Any]:
         "gpu_memory_bytes": None,
         "driver": None,
     }
-    if torch.cuda.is_available() and isinstance(found := cuda_probe(), dict):
+    if isinstance(found := cuda_probe(), dict):
         env.update(gpu=found["name"], gpu_memory_bytes=found["total_memory"])
         env["gpu_count"] = found["count"]
         query = ("--query-gpu=driver_version", "--format=csv,noheader")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import engine_phases, served_pairs
-from benchmarks.common import Context
+from benchmarks.common import Context, output_lines
 from benchmarks.paired import SAMPLING_RATE, mm_processor_kwargs, random_clip, random_image
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command, wav
 
@@ -326,14 +326,11 @@ def gpu_processes(
     Args:
         query: the command that lists them, a ``pid, MiB`` line each.
     """
-    try:
-        done = subprocess.run(list(query), capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
+    lines = output_lines(*query, timeout=30)
+    if lines is None:
         return None
     found: list[dict[str, Any]] = []
-    for line in done.stdout.splitlines():
+    for line in lines:
         fields = [f.strip() for f in line.split(",")]
         if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit():
             continue
