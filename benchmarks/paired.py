@@ -58,6 +58,14 @@ def random_clip(seed: int, seconds: float) -> np.ndarray:
 def request(model: str, kind: str, seed: int) -> dict[str, Any]:
     """One prompt of ``kind`` for ``model``, with new content for each ``seed``."""
     modality, size = KINDS[kind]
+    return media_request(model, modality, size, seed)
+
+
+def media_request(
+    model: str, modality: str, size: tuple[int, int] | float, seed: int
+) -> dict[str, Any]:
+    """One prompt for ``model`` of an image of ``size`` (width, height) or a clip of ``size``
+    seconds (``modality`` ``"image"`` or ``"audio"``), with new content for each ``seed``."""
     placeholder = _PLACEHOLDERS[model][modality]
     if modality == "image":
         assert isinstance(size, tuple)

@@ -249,3 +249,36 @@ def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) 
             assert set(row["eager_encoder_calls"]) == {"miss ineligible/paused"}, row
             assert set(row["graphed_encoder_calls"]) == {"hit"}, row
     assert "paired diff median" in (out / "paired-minicpmo.md").read_text()
+
+
+@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
+def test_the_headroom_benchmark_joins_each_burst_with_its_encoder_calls(tmp_path: Path) -> None:
+    """An engine warmed up, then bursts of large images: each burst served and found again in
+    the worker's events by time, with the vision calls that served it."""
+    out = tmp_path / "out"
+    _run_benchmark(
+        tmp_path,
+        "headroom",
+        *("--configs", "omnitrace", "--bursts", "1,2", "--repeats", "2", "--warmup", "2"),
+        *("--out", str(out)),
+    )
+    result = json.loads((out / "headroom-minicpmo.json").read_text())
+    assert list(result["configs"]) == ["omnitrace"]
+    engine = result["configs"]["omnitrace"]
+    assert [(row["requests"], row["repeat"]) for row in engine["bursts"]] == [
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    assert all(row["ok"] for row in engine["bursts"]), engine["bursts"]
+    assert engine["oom"] is None
+    assert all(isinstance(v, int) and v > 0 for v in engine["scheduler"].values()), engine
+    for row in engine["bursts"]:
+        vision = row["vision"]
+        # Each image is at least one call of its 1344x1344 slices (one overview and nine).
+        assert vision["calls"] >= 1, row
+        assert vision["largest"] >= 10, row
+        if not CUDA:
+            assert set(vision["outcomes"]) == {"eager ineligible"}, row
+    assert "the largest burst served 2" in (out / "headroom-minicpmo.md").read_text()

@@ -1,0 +1,148 @@
+"""The headroom benchmark's bookkeeping: which calls fall in a burst, what served them, the
+largest burst served, its report and its arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import headroom
+from omnitrace import events as ev
+from omnitrace.events import MissReason
+from omnitrace.signature import InputSpec, Signature
+
+MiB = 1 << 20
+
+
+def _sig(slices: int) -> Signature:
+    return Signature((InputSpec("bfloat16", (slices, 3, 14, 14336), "cuda:0"), None), 0)
+
+
+def _events() -> list[Any]:
+    """A warm-up call before the burst, then in it (t 10..20): an eager first call of 40 slices,
+    a capture of 40 and its replay, a call of 10 replayed, an audio call; one call after."""
+    return [
+        ev.GraphMissed("vision", _sig(60), 5, 5, MissReason.WARMUP, "call 1", 0.1),
+        ev.GraphMissed("vision", _sig(40), 11, 11, MissReason.WARMUP, "call 1", 0.1),
+        ev.GraphCaptured(
+            "vision", _sig(40), 12, 12, 0.2, 1, "cuda:0", 7, 8, 300 * MiB, 2 * MiB, 0, 900 * MiB
+        ),
+        ev.GraphReplayed("vision", _sig(40), 13, 13, 0.01),
+        ev.GraphReplayed("vision", _sig(10), 14, 14, 0.01),
+        ev.GraphMissed("audio", _sig(99), 15, 15, MissReason.CAPACITY, "budget", 0.1),
+        ev.MemoryDeferred("vision", _sig(50), 16, 16, 700 * MiB, 1024 * MiB, "cuda:0"),
+        ev.GraphMissed("vision", _sig(50), 16, 16, MissReason.MEMORY, "floor", 0.1),
+        ev.GraphReplayed("vision", _sig(80), 21, 21, 0.01),
+    ]
+
+
+def test_a_burst_counts_only_its_own_vision_calls() -> None:
+    calls = headroom.burst_calls(_events(), 10, 20)
+    assert calls["calls"] == 4
+    assert calls["outcomes"] == {"eager warmup": 1, "graph": 2, "eager memory": 1}
+    assert calls["largest"] == 50
+    assert calls["captured"] == 1
+    assert calls["captured_bytes"] == 302 * MiB
+    # The last free memory read in the burst: the deferral's, after the capture's.
+    assert calls["free_bytes"] == 700 * MiB
+    empty = headroom.burst_calls(_events(), 100, 200)
+    assert empty == {
+        "calls": 0,
+        "outcomes": {},
+        "largest": 0,
+        "captured": 0,
+        "captured_bytes": 0,
+        "free_bytes": None,
+    }
+
+
+def _row(n: int, repeat: int, ok: bool, error: str = "") -> dict[str, Any]:
+    row = {"requests": n, "repeat": repeat, "ok": ok, "wall_s": 1.5, "vision": {}}
+    return row | ({"error": error} if error else {})
+
+
+def test_the_largest_burst_served_needs_every_repeat() -> None:
+    bursts = [_row(1, 0, True), _row(1, 1, True), _row(4, 0, True), _row(4, 1, False, "x")]
+    assert headroom.largest_served({"bursts": bursts}) == 1
+    assert headroom.largest_served({"bursts": bursts[:3]}) == 4
+    assert headroom.largest_served({"bursts": [_row(1, 0, False, "x")]}) == 0
+
+
+def test_the_report_names_the_stop_and_keeps_text_out_of_the_table_markup() -> None:
+    stopped = _row(8, 0, False, "EngineDeadError: died | badly")
+    stopped["vision"] = headroom.burst_calls(_events(), 10, 20)
+    result = {
+        "model": "minicpmo",
+        "image": [1344, 1344],
+        "device": "NVIDIA H100 80GB HBM3",
+        "configs": {
+            "eager": {"bursts": [_row(8, 0, True)], "pool_bytes": 0, "oom": None},
+            "omnitrace": {
+                "bursts": [_row(4, 0, True), stopped],
+                "pool_bytes": 3 << 30,
+                "oom": "torch.OutOfMemoryError: CUDA out of memory. Tried | to allocate",
+            },
+        },
+    }
+    text = headroom.table(result)
+    row = next(line for line in text.splitlines() if "| 8 |" in line and "omnitrace" in line)
+    assert row.count("|") == 8  # seven cells: the error's bar did not add one
+    assert "EngineDeadError: died / badly" in row
+    assert "eager memory 1, eager warmup 1, graph 2 (1 captured)" in row
+    assert "- eager: the largest burst served 8, the graphs' memory 0.00 GiB" in text
+    assert "- omnitrace: the largest burst served 4, the graphs' memory 3.00 GiB; torch" in text
+    assert "Tried / to allocate" in text
+
+
+def test_an_engine_log_gives_its_first_out_of_memory_line(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    assert headroom._oom_line(log) is None
+    log.write_text("INFO start\nERROR torch.OutOfMemoryError: CUDA out of memory. Tried\nnext\n")
+    assert headroom._oom_line(log) == "ERROR torch.OutOfMemoryError: CUDA out of memory. Tried"
+    log.write_text("INFO fine\n")
+    assert headroom._oom_line(log) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bursts", "0,2"], "integers of 1 or more"),
+        (["--bursts", "two"], "integers separated by commas"),
+        (["--image", "1344"], "WIDTHxHEIGHT"),
+        (["--image", "10x10"], "WIDTHxHEIGHT"),
+        (["--configs", "eager,fast"], "--configs: expected names from eager, omnitrace"),
+        (["--repeats", "0"], "--repeats must be 1 or more"),
+        (["--warmup", "1"], "--warmup 2 or more"),
+    ],
+)
+def test_bad_arguments_get_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        headroom.main(["--out", str(tmp_path), *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_child_that_fails_without_a_result_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine that dies before writing its result is a failure (exit 1, its log's tail),
+    not a stop at a burst."""
+
+    class Done:
+        returncode = 3
+
+    def fake_run(argv: list[str], stdout: Any, **_: Any) -> Done:
+        stdout.write(b"Traceback: the engine could not start\n")
+        return Done()
+
+    monkeypatch.setattr(headroom.subprocess, "run", fake_run)
+    assert headroom.main(["--out", str(tmp_path), "--configs", "eager"]) == 1
+    err = capsys.readouterr().err
+    assert "eager: the engine failed (exit 3)" in err
+    assert "the engine could not start" in err
+    assert not (tmp_path / "headroom-minicpmo.json").exists()
