@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -178,16 +179,22 @@ def _run_config(args: argparse.Namespace, config: str, given: Sequence[str]) -> 
     raw.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "benchmarks.headroom", *given, "--engine", config]
     with log.open("wb") as sink:
+        # Its own process group: a timeout stops the engine's processes with it.
+        child = subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            done = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout)
+            code: int | str = child.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(
-                f"{config}: the engine ran past {args.timeout} s (log: {log})"
-            ) from None
-    if done.returncode != 0 or not raw.exists():
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            code = f"killed after {args.timeout:g} s"
+    if not raw.exists():
         tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{config}: the engine failed (exit {done.returncode}):\n{tail}")
+        raise RuntimeError(f"{config}: the engine failed ({code}):\n{tail}")
     result: dict[str, Any] = json.loads(raw.read_text())
+    # Written before the engine shut down: a shutdown that failed or hung is reported.
+    result["exit"] = code
     workers = sorted(
         p for p in folder.glob("events-*.jsonl") if not p.name.startswith("events-api")
     )
@@ -233,6 +240,8 @@ def table(result: dict[str, Any]) -> str:
     for config, engine in result["configs"].items():
         line = f"- {config}: the largest burst served {largest_served(engine)}, the graphs' "
         line += f"memory {engine['pool_bytes'] / 2**30:.2f} GiB"
+        if engine.get("exit", 0) != 0:
+            line += f", engine exit: {engine['exit']}"
         lines.append(line + (f"; {_cell(engine['oom'])}" if engine["oom"] else ""))
     return "\n".join(lines)
 

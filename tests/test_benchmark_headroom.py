@@ -3,6 +3,9 @@ largest burst served, its report and its arguments."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -133,16 +136,51 @@ def test_a_child_that_fails_without_a_result_fails_the_run(
     """An engine that dies before writing its result is a failure (exit 1, its log's tail),
     not a stop at a burst."""
 
-    class Done:
-        returncode = 3
+    class Child:
+        pid = 0
 
-    def fake_run(argv: list[str], stdout: Any, **_: Any) -> Done:
-        stdout.write(b"Traceback: the engine could not start\n")
-        return Done()
+        def __init__(self, argv: list[str], stdout: Any, **_: Any) -> None:
+            stdout.write(b"Traceback: the engine could not start\n")
 
-    monkeypatch.setattr(headroom.subprocess, "run", fake_run)
+        def wait(self, timeout: float | None = None) -> int:
+            return 3
+
+    monkeypatch.setattr(headroom.subprocess, "Popen", Child)
     assert headroom.main(["--out", str(tmp_path), "--configs", "eager"]) == 1
     err = capsys.readouterr().err
-    assert "eager: the engine failed (exit 3)" in err
+    assert "eager: the engine failed (3)" in err
     assert "the engine could not start" in err
     assert not (tmp_path / "headroom-minicpmo.json").exists()
+
+
+def test_an_engine_that_hangs_after_its_result_is_stopped_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A child that wrote its result but did not exit within --timeout is killed with its
+    process group; the result stands, and the report says how the engine ended."""
+    killed: list[tuple[int, int]] = []
+
+    class Child:
+        pid = 4321
+
+        def __init__(self, argv: list[str], stdout: Any, **kwargs: Any) -> None:
+            assert kwargs["start_new_session"] is True
+            config = argv[argv.index("--engine") + 1]
+            raw = {"config": config, "init_s": 1.0, "scheduler": {}, "bursts": []}
+            (tmp_path / config / "raw.json").write_text(json.dumps(raw))
+            self.waits = 0
+
+        def wait(self, timeout: float | None = None) -> int:
+            self.waits += 1
+            if self.waits == 1:
+                raise subprocess.TimeoutExpired("engine", timeout or 0)
+            return -9
+
+    monkeypatch.setattr(headroom.subprocess, "Popen", Child)
+    monkeypatch.setattr(headroom.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    argv = ["--out", str(tmp_path), "--configs", "omnitrace", "--timeout", "5"]
+    assert headroom.main(argv) == 0
+    assert killed == [(4321, signal.SIGKILL)]
+    result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
+    assert result["configs"]["omnitrace"]["exit"] == "killed after 5 s"
+    assert "engine exit: killed after 5 s" in capsys.readouterr().out
