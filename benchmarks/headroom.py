@@ -92,9 +92,10 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
         for repeat in range(args.repeats):
             row: dict[str, Any] = {"requests": n, "repeat": repeat, "start_ns": time.monotonic_ns()}
             result["bursts"].append(row)
+            prompts = big(n)
             t0 = time.perf_counter()
             try:
-                llm.generate(big(n), one_token, use_tqdm=False)
+                llm.generate(prompts, one_token, use_tqdm=False)
             except Exception as exc:  # the engine stopped: the measured outcome
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}".splitlines()[0][:400])
             else:
@@ -247,9 +248,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _device_name() -> str:
-    import torch
+    """The GPU's name, read in a child: a CUDA context here would hold device memory beside
+    the engines this process starts."""
+    from benchmarks.common import cuda_probe
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    probe = cuda_probe()
+    return str(probe["name"]) if isinstance(probe, dict) else "cpu"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -297,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / args.engine / "raw.json").write_text(json.dumps(_engine(args)))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    given = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+    given = sys.argv[1:] if argv is None else list(argv)
     result: dict[str, Any] = {
         "model": args.model,
         "size": args.size,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import headroom
+from benchmarks import common, headroom
 from omnitrace import events as ev
 from omnitrace.events import MissReason
 from omnitrace.signature import InputSpec, Signature
@@ -178,9 +178,12 @@ def test_an_engine_that_hangs_after_its_result_is_stopped_and_reported(
 
     monkeypatch.setattr(headroom.subprocess, "Popen", Child)
     monkeypatch.setattr(headroom.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    # The device's name comes from the child probe: no CUDA context beside the engines.
+    monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
     argv = ["--out", str(tmp_path), "--configs", "omnitrace", "--timeout", "5"]
     assert headroom.main(argv) == 0
     assert killed == [(4321, signal.SIGKILL)]
     result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
     assert result["configs"]["omnitrace"]["exit"] == "killed after 5 s"
+    assert result["device"] == "NVIDIA H100 80GB HBM3"
     assert "engine exit: killed after 5 s" in capsys.readouterr().out
