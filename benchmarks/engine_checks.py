@@ -73,7 +73,7 @@ def _fold_log(
     for event in _events(path, skip):
         kind = event.get("type")
         mine = adapters.setdefault(
-            str(event.get("adapter")), {"graphs": 0, "hits": 0, "misses": {}}
+            str(event.get("adapter")), {"graphs": 0, "hits": 0, "misses": {}, "miss_details": {}}
         )
         if kind == "GraphCaptured":
             pool = int(event["bytes_reserved"]) + int(event["static_bytes"])
@@ -88,6 +88,9 @@ def _fold_log(
             figures["misses"] += 1
             reason = str(event.get("reason"))
             mine["misses"][reason] = mine["misses"].get(reason, 0) + 1
+            # The finer cause: a capacity miss of the graph count or of the pool budget.
+            finer = f"{reason}/{event['detail']}" if event.get("detail") else reason
+            mine["miss_details"][finer] = mine["miss_details"].get(finer, 0) + 1
         elif kind == "DeviceTimed":
             name = event["adapter"]
             device[name] = device.get(name, 0.0) + float(event["device_s"])
@@ -110,12 +113,13 @@ def line_counts(paths: Sequence[Path]) -> dict[Path, int]:
 def hits_since(paths: Sequence[Path], skip: dict[Path, int]) -> dict[str, Any]:
     """The encoder calls in each log after its first ``skip`` lines (the measured passes,
     once the warm-up captured what it would): calls, hits and the hit rate, in all and per
-    encoder, with the misses by reason."""
+    encoder, with the misses by reason and by reason and detail (``capacity/budget``)."""
     encoders: dict[str, dict[str, Any]] = {}
     for name, adapter in event_figures(paths, skip)["adapters"].items():
         if calls := adapter["hits"] + sum(adapter["misses"].values()):
             hits, misses = adapter["hits"], adapter["misses"]
             encoders[name] = dict(calls=calls, hits=hits, misses=misses, hit_rate=hits / calls)
+            encoders[name]["miss_details"] = adapter["miss_details"]
     calls = sum(e["calls"] for e in encoders.values())
     hits = sum(e["hits"] for e in encoders.values())
     return dict(calls=calls, hits=hits, hit_rate=hits / calls if calls else None, encoders=encoders)

@@ -80,7 +80,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
         for name, entry in configs.items():
             per_adapter = [
                 f"{adapter} {a['graphs']} graphs, {a['hits']} hits, misses "
-                + (", ".join(f"{r} {n}" for r, n in sorted(a["misses"].items())) or "none")
+                + (", ".join(f"{r} {n}" for r, n in sorted(_misses(a).items())) or "none")
                 for adapter, a in sorted((entry.get("adapters") or {}).items())
             ]
             if per_adapter and entry["graphs"]:
@@ -168,3 +168,9 @@ def _engine_phases(model: dict[str, Any], configs: dict[str, Any]) -> list[Table
         "request handling). Means, so the phases add up to the mean TTFT."
     )
     return [table]
+
+
+def _misses(adapter: dict[str, Any]) -> dict[str, int]:
+    """An adapter's misses by reason and detail (``capacity/budget``), or by reason alone in
+    results written before details were counted."""
+    return dict(adapter.get("miss_details") or adapter["misses"])

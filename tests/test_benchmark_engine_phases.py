@@ -574,3 +574,31 @@ def test_the_engines_table_says_how_each_configurations_tokens_agree_with_eagers
         "omnitrace-4": "NO, 3 of 4",
         "omnitrace-split": "1 of 2, 3 of 4",
     }
+
+
+def test_the_report_names_each_adapters_misses_by_their_detail() -> None:
+    """A capacity miss of the pool budget reads ``capacity/budget``; results written before
+    details were counted keep their reasons."""
+    from benchmarks import engine_report
+
+    def config(adapters: dict[str, Any]) -> dict[str, Any]:
+        row = {"concurrency": 1, "kind": "image-1", "n": 8, "ttft_p50_ms": 9.0, "ttft_p99_ms": 9.5}
+        return {
+            **{"rows": {"c1/image-1": row}, "ready_s": 80.0, "kv_cache_tokens": 1000},
+            **{"requests_per_s": {"c1": 3.0}, "encoder_share_of_ttft_c1": 0.1},
+            **{"graphs": 3, "hits": 5, "misses": 2, "pool_bytes": 1 << 20, "adapters": adapters},
+        }
+
+    vision = {"graphs": 3, "hits": 5, "misses": {"capacity": 2, "warmup": 1}}
+    detailed = {**vision, "miss_details": {"capacity/budget": 2, "warmup/call 1 of 2": 1}}
+    model = {
+        "name": "Model",
+        "kinds": ["image-1"],
+        "per_kind": 8,
+        "max_tokens": 8,
+        "configurations": {"new": config({"vision": detailed}), "old": config({"vision": vision})},
+    }
+    payload = {"sizes": "released", "models": {"m": model}}
+    notes = " ".join(t.note for t in engine_report.tables(payload))
+    assert "new: vision 3 graphs, 5 hits, misses capacity/budget 2, warmup/call 1 of 2 1." in notes
+    assert "old: vision 3 graphs, 5 hits, misses capacity 2, warmup 1." in notes

@@ -735,7 +735,7 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
         [
             {**captured, "static_bytes": 10},
             {"type": "GraphReplayed", "adapter": "vision"},
-            {"type": "GraphMissed", "adapter": "audio", "reason": "capacity"},
+            {"type": "GraphMissed", "adapter": "audio", "reason": "capacity", "detail": "budget"},
             {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.5},
             {"type": "DeviceTimed", "adapter": "vision", "device_s": 0.25},
         ],
@@ -756,6 +756,10 @@ def test_engine_figures_add_up_the_ranks_logs_and_take_the_slowest_ranks_device_
         "events-1-12": {"graphs": 1, "pool_bytes": 120},
     }
     assert figures["adapters"]["audio"]["misses"] == {"capacity": 1, "warmup": 1}
+    # By reason and detail where the event has one: a capacity miss of the pool budget.
+    assert figures["adapters"]["audio"]["miss_details"] == {"capacity/budget": 1, "warmup": 1}
+    since = engine_checks.hits_since([rank0, rank1], {})
+    assert since["encoders"]["audio"]["miss_details"] == {"capacity/budget": 1, "warmup": 1}
     assert figures["encoder_device_s"] == {"vision": 1.25}
     # The slowest rank after the lines already read: rank 0 has 0.75 s in all, 0.25 s after
     # its first four lines; rank 1 has 0.5 s.
