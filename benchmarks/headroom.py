@@ -10,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paired import KINDS, media_request, mm_processor_kwargs, request, write_checkpoint
+from benchmarks.paired import KINDS, media_request, offline_engine, request
 from benchmarks.table import Table, markdown
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MemoryDeferred
 
@@ -49,33 +48,16 @@ def _size(text: str) -> tuple[int, int]:
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     """Start one engine of ``args.engine``'s configuration, warm it up, send the bursts; an
     exception from a burst ends the bursts and is recorded, not raised."""
-    out = Path(args.out) / args.engine
-    os.environ["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}.jsonl")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    import torch
+    from vllm import SamplingParams
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    checkpoint = Path(tempfile.mkdtemp(prefix=f"headroom-{args.model}-")) / "model"
-    write_checkpoint(args.model, checkpoint, released=args.size == "released")
-    from vllm import LLM, SamplingParams
-
-    started = time.monotonic()
-    llm = LLM(
-        model=str(checkpoint),
-        load_format="dummy",
-        seed=0,
-        dtype="bfloat16" if cuda else "float32",
-        max_model_len=8192 if cuda else 4096,
+    llm, _, init_s = offline_engine(
+        args.model,
+        args.size,
+        Path(args.out) / args.engine,
         max_num_seqs=max(args.bursts),
-        limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
         hf_overrides=CONFIGS[args.engine],
-        mm_processor_kwargs=mm_processor_kwargs(),
-        **({"trust_remote_code": True} if args.model == "minicpmo" else {}),
     )
-    result: dict[str, Any] = {"config": args.engine, "init_s": time.monotonic() - started}
+    result: dict[str, Any] = {"config": args.engine, "init_s": init_s}
     result["scheduler"] = _scheduler_limits(llm)
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
     seeds = iter(range(1, 1 << 30))
@@ -196,9 +178,8 @@ def _run_config(args: argparse.Namespace, config: str, given: Sequence[str]) -> 
     result: dict[str, Any] = json.loads(raw.read_text())
     # Written before the engine shut down: a shutdown that failed or hung is reported.
     result["exit"] = code
-    workers = sorted(
-        p for p in folder.glob("events-*.jsonl") if not p.name.startswith("events-api")
-    )
+    # An offline engine's logs are its workers': no API server writes one.
+    workers = sorted(folder.glob("events-*.jsonl"))
     events = [event for path in workers for event in read_events(path)]
     for row in result["bursts"]:
         row["vision"] = burst_calls(events, row["start_ns"], row["end_ns"])
@@ -250,10 +231,10 @@ def table(result: dict[str, Any]) -> str:
 def _device_name() -> str:
     """The GPU's name, read in a child: a CUDA context here would hold device memory beside
     the engines this process starts."""
-    from benchmarks.common import cuda_probe
+    from benchmarks.common import cuda_status
 
-    probe = cuda_probe()
-    return str(probe["name"]) if isinstance(probe, dict) else "cpu"
+    usable, name = cuda_status()
+    return name if usable else "cpu"
 
 
 def _parser() -> argparse.ArgumentParser:

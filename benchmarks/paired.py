@@ -136,16 +136,31 @@ def paired_summary(eager: Sequence[float], graphed: Sequence[float]) -> dict[str
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the engine, serve the warm-up and the pairs (in the engine's own process)."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("events-*.jsonl"):
-        stale.unlink()
-    os.environ["OMNITRACE_EVENTS_LOG"] = str(out / "events-{rank}.jsonl")
+def offline_engine(
+    model: str,
+    size: str,
+    logs: Path,
+    *,
+    max_num_seqs: int,
+    hf_overrides: dict[str, Any],
+    lm_graph_tokens: int = 0,
+) -> tuple[Any, bool, float]:
+    """Start a ``vllm.LLM`` on a new checkpoint of ``model`` (``size`` ``"released"`` or
+    ``"tiny"``) with dummy weights, its workers' event logs in ``logs``.
+
+    Args:
+        model: ``minicpmo`` or ``qwen2_5_omni``.
+        size: the checkpoint's sizes, ``released`` or ``tiny``.
+        logs: the folder of the workers' ``events-{rank}.jsonl``.
+        max_num_seqs: vLLM's limit of requests a step.
+        hf_overrides: omnitrace's settings (``encoder_cuda_graph_*``).
+        lm_graph_tokens: on CUDA, the language model's largest CUDA graph; 0: vLLM's choice.
+
+    Returns:
+        The engine, whether it runs on CUDA, and its start-up seconds.
+    """
+    os.environ["OMNITRACE_EVENTS_LOG"] = str(logs / "events-{rank}.jsonl")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # collective_rpc sends pause_graphs to the engine core by pickle: vLLM must allow it.
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # This process reads the device before the engine starts; its children must not fork it.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import torch
@@ -154,30 +169,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not cuda:
         # vLLM's CPU engine otherwise takes most of the machine's memory for its KV cache.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    checkpoint = Path(tempfile.mkdtemp(prefix=f"paired-{args.model}-"))
-    write_checkpoint(args.model, checkpoint / "model", released=args.size == "released")
+    checkpoint = Path(tempfile.mkdtemp(prefix=f"offline-{model}-")) / "model"
+    write_checkpoint(model, checkpoint, released=size == "released")
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    from omnitrace.integrations.vllm_plugin import pause_graphs
-
-    lm_graphs = {"max_cudagraph_capture_size": args.lm_graph_tokens}
+    lm_graphs = {"max_cudagraph_capture_size": lm_graph_tokens}
     started = time.monotonic()
     llm = LLM(
-        model=str(checkpoint / "model"),
+        model=str(checkpoint),
         load_format="dummy",
         seed=0,
         dtype="bfloat16" if cuda else "float32",
         max_model_len=8192 if cuda else 4096,
-        max_num_seqs=4,
+        max_num_seqs=max_num_seqs,
         # vLLM's own limit with its default max_num_seqs on an H200 (with 4 it would be 8).
-        compilation_config=lm_graphs if cuda and args.lm_graph_tokens else None,
+        compilation_config=lm_graphs if cuda and lm_graph_tokens else None,
         limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
-        hf_overrides=json.loads(args.overrides),
+        hf_overrides=hf_overrides,
         mm_processor_kwargs=mm_processor_kwargs(),
-        **({"trust_remote_code": True} if args.model == "minicpmo" else {}),
+        **({"trust_remote_code": True} if model == "minicpmo" else {}),
     )
-    init_s = time.monotonic() - started
+    return llm, cuda, time.monotonic() - started
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the engine, serve the warm-up and the pairs (in the engine's own process)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("events-*.jsonl"):
+        stale.unlink()
+    # collective_rpc sends pause_graphs to the engine core by pickle: vLLM must allow it.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import SamplingParams
+
+    from omnitrace.integrations.vllm_plugin import pause_graphs
+
+    llm, cuda, init_s = offline_engine(
+        args.model,
+        args.size,
+        out,
+        max_num_seqs=4,
+        hf_overrides=json.loads(args.overrides),
+        lm_graph_tokens=args.lm_graph_tokens,
+    )
+    started = time.monotonic() - init_s  # when the engine's start began
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
     seed = 0
 
