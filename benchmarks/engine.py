@@ -130,6 +130,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "api_server_count": api_servers,
         "mm_processor_kwargs": processor,
+        "graph_overrides": engine_serving.graph_overrides() or None,
         "lm_graph_tokens": graph_tokens if ctx.cuda else None,
         "anchors": list(ANCHORS),
         "models": {},

@@ -31,6 +31,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
         setup.append(f"language model's CUDA graphs to {result['lm_graph_tokens']} tokens")
     if result.get("mm_processor_kwargs"):
         setup.append(f"--mm-processor-kwargs {json.dumps(result['mm_processor_kwargs'])}")
+    if result.get("graph_overrides"):
+        setup.append(f"omnitrace's graphs with {json.dumps(result['graph_overrides'])}")
     for model in result.get("models", {}).values():
         configs: dict[str, Any] = model["configurations"]
         if not configs:

@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def configurations(model_kind: str) -> list[Configuration]:
     graphs: dict[str, Any] = {"encoder_cuda_graph_device_timing": True}
     if model_kind == "qwen2_5_omni":
         graphs["encoder_cuda_graph_audio_attention"] = "masked"
-    return [
+    every = [
         Configuration("eager", {**graphs, "encoder_cuda_graph": False}),
         Configuration("omnitrace", dict(graphs), paired=True),
         # Compiled at start-up only, for the shapes the defaults' server captured.
@@ -86,6 +86,36 @@ def configurations(model_kind: str) -> list[Configuration]:
         # The baseline once more at the end (A/B/A): how far the machine drifted meanwhile.
         Configuration(AGAIN, {**graphs, "encoder_cuda_graph": False}),
     ]
+    if not (extra := graph_overrides()):
+        return every
+    return [replace(c, overrides={**c.overrides, **extra}) if _graphs(c) else c for c in every]
+
+
+def _graphs(config: Configuration) -> bool:
+    """Whether ``config`` runs omnitrace's graphs (not eager, not vLLM's own)."""
+    return config.plugin and config.overrides.get("encoder_cuda_graph", True) is not False
+
+
+def graph_overrides() -> dict[str, Any]:
+    """``OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES``: a JSON object of ``encoder_cuda_graph_*``
+    settings every configuration that runs omnitrace's graphs gets on top of its own (the
+    eager ones do not), e.g. ``{"encoder_cuda_graph_pool_budget_bytes": 4294967296}``;
+    default none.
+
+    Raises:
+        ValueError: the value is not a JSON object of ``encoder_cuda_graph_*`` keys.
+    """
+    name = "OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES"
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        value = raw
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
+    if stray := sorted(k for k in value if not k.startswith("encoder_cuda_graph_")):
+        raise ValueError(f"{name}: expected encoder_cuda_graph_* keys only, got {stray[0]!r}")
+    return value
 
 
 # -- traffic -----------------------------------------------------------------------------------

@@ -194,6 +194,9 @@ def test_the_report_shows_where_each_kinds_ttft_goes(phases: Any) -> None:
     assert tables[0].title == ttft.format("")
     several = engine_report.tables({**payload, "api_server_count": 2})
     assert several[0].title == ttft.format(", 2 API servers")
+    budget = {"encoder_cuda_graph_pool_budget_bytes": 4294967296}
+    overridden = engine_report.tables({**payload, "graph_overrides": budget})
+    assert overridden[0].title == ttft.format(f", omnitrace's graphs with {json.dumps(budget)}")
     where = [t for t in tables if "where the TTFT goes" in t.title]
     assert len(where) == 1
     rows = {(r[0], r[1]): r[2:] for r in where[0].rows}

@@ -977,6 +977,7 @@ def _refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: 
 _MM = "OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS"
 _LM = "OMNITRACE_BENCH_ENGINE_LM_GRAPH_TOKENS"
 _SERVERS = "OMNITRACE_BENCH_ENGINE_API_SERVERS"
+_GRAPHS = "OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES"
 
 
 @pytest.mark.parametrize(
@@ -985,6 +986,7 @@ _SERVERS = "OMNITRACE_BENCH_ENGINE_API_SERVERS"
         (_SERVERS, "many", "expected a whole number 1 to 16"),
         *((_MM, value, "expected a JSON object") for value in ("[1]", "480000", "{audio", '"x"')),
         *((_LM, value, "expected a whole number 1 to 8192") for value in ("0", "8193", "auto")),
+        *((_GRAPHS, value, "expected a JSON object") for value in ("[1]", "{pool", "2")),
     ],
 )
 def test_engine_refuses_a_bad_setting_before_any_server_starts(
@@ -992,6 +994,53 @@ def test_engine_refuses_a_bad_setting_before_any_server_starts(
 ) -> None:
     message = _refused(monkeypatch, tmp_path, name, value)
     assert message == f"{name}: {expected}, got {value!r}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "stray"),
+    [({"encoder_cuda_graph": False}, "encoder_cuda_graph"), ({"max_graphs": 8}, "max_graphs")],
+)
+def test_engine_refuses_graph_overrides_that_are_not_omnitrace_s_graph_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, overrides: dict[str, Any], stray: str
+) -> None:
+    """Only ``encoder_cuda_graph_*`` settings: switching the graphs off, or a key omnitrace
+    does not read, would make the graphed configurations something other than their names."""
+    message = _refused(monkeypatch, tmp_path, _GRAPHS, json.dumps(overrides))
+    assert message == f"{_GRAPHS}: expected encoder_cuda_graph_* keys only, got {stray!r}"
+
+
+def test_graph_overrides_reach_every_graphed_server_and_no_eager_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES`` lands on top of each graphed configuration's
+    own settings in its ``--hf-overrides``; eager and vLLM's own encoder graphs keep theirs."""
+    from benchmarks import engine_serving
+    from benchmarks.common import Context
+
+    budget = {"encoder_cuda_graph_pool_budget_bytes": 4 << 30, "encoder_cuda_graph_max_graphs": 64}
+    before = {c.name: c.overrides for c in engine_serving.configurations("minicpmo")}
+    monkeypatch.setenv(_GRAPHS, json.dumps(budget))
+    started = _serve_commands(monkeypatch)
+    ctx = Context(scale="tiny", out_dir=tmp_path, log=lambda message: None)
+    configs = engine_serving.configurations("minicpmo")
+    for config in configs:
+        with engine_serving.serving(config, tmp_path / "model", tmp_path, ctx, max_num_seqs=2):
+            pass
+    served = {
+        c.name: json.loads(command[command.index("--hf-overrides") + 1])
+        for c, command in zip(configs, started, strict=True)
+    }
+    assert served["omnitrace-4"] == {**before["omnitrace-4"], **budget}
+    assert served["omnitrace-background"]["encoder_cuda_graph_background_capture"] is True
+    for name in ("eager", "eager-again", "vllm-encoder-graphs"):
+        assert served[name] == before[name]
+    graphed = [n for n in served if n not in ("eager", "eager-again", "vllm-encoder-graphs")]
+    assert len(graphed) == 6
+    for name in graphed:
+        # The restarts also name the logs they prepare from.
+        served[name].pop("encoder_cuda_graph_prepare_from", None)
+        assert served[name] == {**before[name], **budget}
+        assert served[name]["encoder_cuda_graph_pool_budget_bytes"] == 4 << 30
 
 
 def _serve_commands(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
