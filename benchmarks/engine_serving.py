@@ -22,7 +22,13 @@ import numpy as np
 
 from benchmarks import engine_phases, served_pairs
 from benchmarks.common import Context, output_lines
-from benchmarks.paired import SAMPLING_RATE, mm_processor_kwargs, random_clip, random_image
+from benchmarks.paired import (
+    SAMPLING_RATE,
+    graph_settings,
+    mm_processor_kwargs,
+    random_clip,
+    random_image,
+)
 from omnitrace.testing_checkpoints.serving import data_url, free_port, png, serve_command, wav
 
 #: The models compared, in the order they are served, and their names in the report.
@@ -106,16 +112,7 @@ def graph_overrides() -> dict[str, Any]:
         ValueError: the value is not a JSON object of ``encoder_cuda_graph_*`` keys.
     """
     name = "OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES"
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        value = raw
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
-    if stray := sorted(k for k in value if not k.startswith("encoder_cuda_graph_")):
-        raise ValueError(f"{name}: expected encoder_cuda_graph_* keys only, got {stray[0]!r}")
-    return value
+    return graph_settings(name, os.environ.get(name, ""))
 
 
 # -- traffic -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paired import KINDS, media_request, offline_engine, request
+from benchmarks.paired import KINDS, graph_settings, media_request, offline_engine, request
 from benchmarks.table import Table, markdown
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MemoryDeferred
 
@@ -55,7 +55,7 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
         args.size,
         Path(args.out) / args.engine,
         max_num_seqs=max(args.bursts),
-        hf_overrides=CONFIGS[args.engine],
+        hf_overrides=_hf_overrides(args.engine, args.overrides),
     )
     result: dict[str, Any] = {"config": args.engine, "init_s": init_s}
     result["scheduler"] = _scheduler_limits(llm)
@@ -86,6 +86,19 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
             if not row["ok"]:
                 return result
     return result
+
+
+def _hf_overrides(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config``'s ``hf_overrides``: ``--overrides`` on top where it runs graphs."""
+    own = CONFIGS[config]
+    return own if own.get("encoder_cuda_graph") is False else {**own, **overrides}
+
+
+def _overrides(text: str) -> dict[str, Any]:
+    try:
+        return graph_settings("--overrides", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--overrides: ")) from None
 
 
 def _scheduler_limits(llm: Any) -> dict[str, Any]:
@@ -218,6 +231,8 @@ def table(result: dict[str, Any]) -> str:
     headers = ["config", "burst", "repeat", "served", "wall s", "largest call", "vision calls"]
     width, height = result["image"]
     title = f"Bursts of {width}x{height} images, {result['model']} ({result['device']})"
+    if result.get("overrides"):
+        title += f", omnitrace's graphs with {json.dumps(result['overrides'])}"
     lines = [markdown(Table(title, headers, rows)), ""]
     for config, engine in result["configs"].items():
         line = f"- {config}: the largest burst served {largest_served(engine)}, the graphs' "
@@ -262,6 +277,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds an engine may run (default 900)"
     )
+    parser.add_argument(
+        "--overrides",
+        type=_overrides,
+        default={},
+        help="omnitrace's settings for the graphed engine, as JSON of encoder_cuda_graph_* keys "
+        '(the eager engine keeps its own), e.g. \'{"encoder_cuda_graph_pool_budget_bytes": '
+        "4294967296}'",
+    )
     parser.add_argument("--engine", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     return parser
 
@@ -290,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": _device_name(),
         "bursts": list(args.bursts),
         "repeats": args.repeats,
+        "overrides": args.overrides,
         "configs": {},
     }
     try:

@@ -100,6 +100,25 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
     return value
 
 
+def graph_settings(name: str, raw: str) -> dict[str, Any]:
+    """``raw``, the value of ``name``: a JSON object of omnitrace's ``encoder_cuda_graph_*``
+    settings (empty: none).
+
+    Raises:
+        ValueError: the value is not a JSON object of ``encoder_cuda_graph_*`` keys.
+    """
+    raw = raw.strip()
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        value = raw
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
+    if stray := sorted(k for k in value if not k.startswith("encoder_cuda_graph_")):
+        raise ValueError(f"{name}: expected encoder_cuda_graph_* keys only, got {stray[0]!r}")
+    return value
+
+
 def write_checkpoint(model: str, directory: Path, *, released: bool) -> Path:
     """Write ``model``'s checkpoint (``minicpmo`` or ``qwen2_5_omni``) to ``directory``, at the
     released model's sizes or the tiny defaults; return its path."""

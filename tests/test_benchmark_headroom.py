@@ -118,6 +118,8 @@ def test_an_engine_log_gives_its_first_out_of_memory_line(tmp_path: Path) -> Non
         (["--configs", "eager,fast"], "--configs: expected names from eager, omnitrace"),
         (["--repeats", "0"], "--repeats must be 1 or more"),
         (["--warmup", "1"], "--warmup 2 or more"),
+        (["--overrides", "[1]"], "--overrides: expected a JSON object, got '[1]'"),
+        (["--overrides", '{"max_graphs": 4}'], "encoder_cuda_graph_* keys only, got 'max_graphs'"),
     ],
 )
 def test_bad_arguments_get_one_line(
@@ -187,3 +189,38 @@ def test_an_engine_that_hangs_after_its_result_is_stopped_and_reported(
     assert result["configs"]["omnitrace"]["exit"] == "killed after 5 s"
     assert result["device"] == "NVIDIA H100 80GB HBM3"
     assert "engine exit: killed after 5 s" in capsys.readouterr().out
+
+
+def test_overrides_reach_the_graphed_engine_only_and_name_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--overrides`` goes on top of the graphed configuration's settings, every child gets
+    it on its command line, and the result and the report's title record it; the eager engine
+    keeps its own."""
+    budget = {"encoder_cuda_graph_pool_budget_bytes": 4 << 30}
+    assert headroom._hf_overrides("omnitrace", budget) == budget
+    assert headroom._hf_overrides("eager", budget) == {"encoder_cuda_graph": False}
+    children: list[list[str]] = []
+
+    class Child:
+        pid = 4321
+
+        def __init__(self, argv: list[str], stdout: Any, **kwargs: Any) -> None:
+            children.append(argv)
+            config = argv[argv.index("--engine") + 1]
+            burst = _row(2, 0, True) | {"start_ns": 0, "end_ns": 1}
+            raw = {"config": config, "init_s": 1.0, "scheduler": {}, "bursts": [burst]}
+            (tmp_path / config / "raw.json").write_text(json.dumps(raw))
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setattr(headroom.subprocess, "Popen", Child)
+    monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
+    argv = ["--out", str(tmp_path), "--overrides", json.dumps(budget)]
+    assert headroom.main(argv) == 0
+    assert [json.loads(c[c.index("--overrides") + 1]) for c in children] == [budget, budget]
+    result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
+    assert result["overrides"] == budget
+    title = f"NVIDIA H100 80GB HBM3), omnitrace's graphs with {json.dumps(budget)}"
+    assert title in capsys.readouterr().out

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (the engine CI tier installs it)")
 
 from engine.support import CUDA, ENGINE_TIMEOUT_S
+from omnitrace.eventlog import AdapterInfo, read_records
 
 pytestmark = pytest.mark.engine
 
@@ -251,6 +252,9 @@ def test_the_paired_benchmark_finds_every_request_in_its_events(tmp_path: Path) 
     assert "paired diff median" in (out / "paired-minicpmo.md").read_text()
 
 
+_BUDGET = {"encoder_cuda_graph_pool_budget_bytes": 3 << 30}
+
+
 @pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
 def test_the_headroom_benchmark_joins_each_burst_with_its_encoder_calls(tmp_path: Path) -> None:
     """An engine warmed up, then bursts of large images: each burst served and found again in
@@ -260,11 +264,20 @@ def test_the_headroom_benchmark_joins_each_burst_with_its_encoder_calls(tmp_path
         tmp_path,
         "headroom",
         *("--configs", "omnitrace", "--bursts", "1,2", "--repeats", "2", "--warmup", "2"),
-        *("--out", str(out)),
+        *("--out", str(out), "--overrides", json.dumps(_BUDGET)),
     )
     result = json.loads((out / "headroom-minicpmo.json").read_text())
     assert list(result["configs"]) == ["omnitrace"]
+    assert result["overrides"] == _BUDGET
     engine = result["configs"]["omnitrace"]
+    # The override reached the engine's adapters: each logged the budget it runs with.
+    infos = [
+        record.item.info
+        for log in engine["logs"]
+        for record in read_records(out / "omnitrace" / log)
+        if isinstance(record.item, AdapterInfo)
+    ]
+    assert {info["pool_budget_bytes"] for info in infos} == {3 << 30}, infos
     assert [(row["requests"], row["repeat"]) for row in engine["bursts"]] == [
         (1, 0),
         (1, 1),
