@@ -88,15 +88,23 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
     Raises:
         ValueError: the value is not a JSON object.
     """
-    raw = os.environ.get("OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS", "").strip()
+    name = "OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS"
+    return _json_object(name, os.environ.get(name, ""))
+
+
+def _json_object(name: str, raw: str) -> dict[str, Any] | None:
+    """``raw``, the value of ``name``, as a JSON object; None when it is empty.
+
+    Raises:
+        ValueError: the value is not a JSON object.
+    """
+    raw = raw.strip()
     try:
         value = json.loads(raw) if raw else None
     except ValueError:
         value = raw
     if value is not None and not isinstance(value, dict):
-        raise ValueError(
-            f"OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS: expected a JSON object, got {raw!r}"
-        )
+        raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
     return value
 
 
@@ -107,13 +115,7 @@ def graph_settings(name: str, raw: str) -> dict[str, Any]:
     Raises:
         ValueError: the value is not a JSON object of ``encoder_cuda_graph_*`` keys.
     """
-    raw = raw.strip()
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        value = raw
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
+    value = _json_object(name, raw) or {}
     if stray := sorted(k for k in value if not k.startswith("encoder_cuda_graph_")):
         raise ValueError(f"{name}: expected encoder_cuda_graph_* keys only, got {stray[0]!r}")
     return value
