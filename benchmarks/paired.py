@@ -89,11 +89,12 @@ def mm_processor_kwargs() -> dict[str, Any] | None:
         ValueError: the value is not a JSON object.
     """
     name = "OMNITRACE_BENCH_ENGINE_MM_PROCESSOR_KWARGS"
-    return _json_object(name, os.environ.get(name, ""))
+    return _json_object(name, os.environ.get(name, ""), null=True)
 
 
-def _json_object(name: str, raw: str) -> dict[str, Any] | None:
-    """``raw``, the value of ``name``, as a JSON object; None when it is empty.
+def _json_object(name: str, raw: str, *, null: bool) -> dict[str, Any] | None:
+    """``raw``, the value of ``name``, as a JSON object; None when it is empty (or JSON
+    ``null`` where ``null`` allows it).
 
     Raises:
         ValueError: the value is not a JSON object.
@@ -103,7 +104,7 @@ def _json_object(name: str, raw: str) -> dict[str, Any] | None:
         value = json.loads(raw) if raw else None
     except ValueError:
         value = raw
-    if value is not None and not isinstance(value, dict):
+    if not (isinstance(value, dict) or (value is None and (null or not raw))):
         raise ValueError(f"{name}: expected a JSON object, got {raw!r}")
     return value
 
@@ -115,7 +116,7 @@ def graph_settings(name: str, raw: str) -> dict[str, Any]:
     Raises:
         ValueError: the value is not a JSON object of ``encoder_cuda_graph_*`` keys.
     """
-    value = _json_object(name, raw) or {}
+    value = _json_object(name, raw, null=False) or {}
     if stray := sorted(k for k in value if not k.startswith("encoder_cuda_graph_")):
         raise ValueError(f"{name}: expected encoder_cuda_graph_* keys only, got {stray[0]!r}")
     return value

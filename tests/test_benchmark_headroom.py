@@ -119,6 +119,7 @@ def test_an_engine_log_gives_its_first_out_of_memory_line(tmp_path: Path) -> Non
         (["--repeats", "0"], "--repeats must be 1 or more"),
         (["--warmup", "1"], "--warmup 2 or more"),
         (["--overrides", "[1]"], "--overrides: expected a JSON object, got '[1]'"),
+        (["--overrides", "null"], "--overrides: expected a JSON object, got 'null'"),
         (["--overrides", '{"max_graphs": 4}'], "encoder_cuda_graph_* keys only, got 'max_graphs'"),
     ],
 )

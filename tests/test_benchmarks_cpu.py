@@ -986,7 +986,7 @@ _GRAPHS = "OMNITRACE_BENCH_ENGINE_GRAPH_OVERRIDES"
         (_SERVERS, "many", "expected a whole number 1 to 16"),
         *((_MM, value, "expected a JSON object") for value in ("[1]", "480000", "{audio", '"x"')),
         *((_LM, value, "expected a whole number 1 to 8192") for value in ("0", "8193", "auto")),
-        *((_GRAPHS, value, "expected a JSON object") for value in ("[1]", "{pool", "2")),
+        *((_GRAPHS, value, "expected a JSON object") for value in ("[1]", "{pool", "2", "null")),
     ],
 )
 def test_engine_refuses_a_bad_setting_before_any_server_starts(
