@@ -11,10 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import write_json
 from benchmarks.paired import KINDS, graph_settings, media_request, offline_engine, request
 from benchmarks.table import Table, markdown
 from omnitrace.events import GraphCaptured, GraphMissed, GraphReplayed, MemoryDeferred
@@ -45,9 +46,10 @@ def _size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def _engine(args: argparse.Namespace) -> dict[str, Any]:
+def _engine(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Start one engine of ``args.engine``'s configuration, warm it up, send the bursts; an
-    exception from a burst ends the bursts and is recorded, not raised."""
+    exception from a burst ends the bursts and is recorded, not raised. ``save`` gets the result
+    before and after each burst: a burst that never returns is still on record, unanswered."""
     from vllm import SamplingParams
 
     llm, _, init_s = offline_engine(
@@ -72,9 +74,10 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
     result["bursts"] = []
     for n in args.bursts:
         for repeat in range(args.repeats):
+            prompts = big(n)
             row: dict[str, Any] = {"requests": n, "repeat": repeat, "start_ns": time.monotonic_ns()}
             result["bursts"].append(row)
-            prompts = big(n)
+            save(result)
             t0 = time.perf_counter()
             try:
                 llm.generate(prompts, one_token, use_tqdm=False)
@@ -83,6 +86,7 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 row["ok"] = True
             row.update(wall_s=time.perf_counter() - t0, end_ns=time.monotonic_ns())
+            save(result)
             if not row["ok"]:
                 return result
     return result
@@ -182,9 +186,12 @@ def _run_config(args: argparse.Namespace, config: str, given: Sequence[str]) -> 
         try:
             code: int | str = child.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
             code = f"killed after {args.timeout:g} s"
+        finally:
+            # Also on Ctrl-C or SIGTERM here: no engine outlives the run, holding the GPU.
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
     if not raw.exists():
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{config}: the engine failed ({code}):\n{tail}")
@@ -194,7 +201,11 @@ def _run_config(args: argparse.Namespace, config: str, given: Sequence[str]) -> 
     # An offline engine's logs are its workers': no API server writes one.
     workers = sorted(folder.glob("events-*.jsonl"))
     events = [event for path in workers for event in read_events(path)]
+    last_ns = max((event.monotonic_ns for event in events), default=0)
     for row in result["bursts"]:
+        if "ok" not in row:  # sent, and the engine ended before it returned
+            error = f"no answer: the engine ended ({code})"
+            row.update(ok=False, error=error, wall_s=None, end_ns=max(last_ns, row["start_ns"]))
         row["vision"] = burst_calls(events, row["start_ns"], row["end_ns"])
     result["pool_bytes"] = sum(
         e.bytes_reserved + e.static_bytes for e in events if isinstance(e, GraphCaptured)
@@ -227,7 +238,8 @@ def table(result: dict[str, Any]) -> str:
                 how += f" ({vision['captured']} captured)"
             served = "yes" if row["ok"] else "no: " + _cell(row.get("error", ""))[:120]
             cells = [config, str(row["requests"]), str(row["repeat"] + 1), served]
-            rows.append([*cells, f"{row['wall_s']:.2f}", str(vision.get("largest", 0)), how or "-"])
+            wall = "-" if row["wall_s"] is None else f"{row['wall_s']:.2f}"
+            rows.append([*cells, wall, str(vision.get("largest", 0)), how or "-"])
     headers = ["config", "burst", "repeat", "served", "wall s", "largest call", "vision calls"]
     width, height = result["image"]
     title = f"Bursts of {width}x{height} images, {result['model']} ({result['device']})"
@@ -240,6 +252,8 @@ def table(result: dict[str, Any]) -> str:
         if engine.get("exit", 0) != 0:
             line += f", engine exit: {engine['exit']}"
         lines.append(line + (f"; {_cell(engine['oom'])}" if engine["oom"] else ""))
+    if failed := result.get("failed"):
+        lines.append(f"- {failed['config']}: no result, {_cell(failed['error'].splitlines()[0])}")
     return "\n".join(lines)
 
 
@@ -291,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the configurations; exit 0 when every engine served every burst, 2 when one stopped
-    at a burst (reported), 1 when an engine failed otherwise."""
+    at a burst (reported), 1 when an engine failed otherwise, 143 on SIGTERM, 130 on Ctrl-C."""
     parser = _parser()
     args = parser.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -302,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--repeats must be 1 or more, --warmup 2 or more, --timeout positive")
     out = Path(args.out)
     if args.engine:
-        (out / args.engine / "raw.json").write_text(json.dumps(_engine(args)))
+        _engine(args, lambda result: write_json(out / args.engine / "raw.json", result))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
@@ -316,19 +330,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overrides": args.overrides,
         "configs": {},
     }
+    status = _run_configs(args, configs, given, result)
+    print(_save(out, result))
+    if status:
+        print(f"benchmarks.headroom: {result['failed']['error']}", file=sys.stderr)
+        return status
+    stopped = any(not row["ok"] for e in result["configs"].values() for row in e["bursts"])
+    return STOPPED if stopped else 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: the run ends as on Ctrl-C, its engine stopped, its results kept."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _run_configs(
+    args: argparse.Namespace, configs: Sequence[str], given: Sequence[str], result: dict[str, Any]
+) -> int:
+    """Each configuration in turn into ``result``, which is saved after each: its exit status,
+    0 when every engine gave a result; else ``result["failed"]`` says which did not and why."""
+    out = Path(args.out)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    config = configs[0]
     try:
         for config in configs:
             print(f"headroom: {config} ...", flush=True)
             result["configs"][config] = _run_config(args, config, given)
+            _save(out, result)
     except RuntimeError as exc:
-        print(f"benchmarks.headroom: {exc}", file=sys.stderr)
+        result["failed"] = {"config": config, "error": str(exc)}
         return 1
-    (out / f"headroom-{args.model}.json").write_text(json.dumps(result, indent=1))
+    except (KeyboardInterrupt, _Terminated) as exc:
+        name = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+        result["failed"] = {"config": config, "error": f"{config}: stopped by {name}"}
+        return 130 if isinstance(exc, KeyboardInterrupt) else 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _save(out: Path, result: dict[str, Any]) -> str:
+    """Write the result and its report; the report's text."""
+    write_json(out / f"headroom-{result['model']}.json", result)
     text = table(result)
-    (out / f"headroom-{args.model}.md").write_text(text + "\n")
-    print(text)
-    stopped = any(not row["ok"] for e in result["configs"].values() for row in e["bursts"])
-    return STOPPED if stopped else 0
+    (out / f"headroom-{result['model']}.md").write_text(text + "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ largest burst served, its report and its arguments."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -133,27 +136,135 @@ def test_bad_arguments_get_one_line(
     assert not list(tmp_path.iterdir())
 
 
-def test_a_child_that_fails_without_a_result_fails_the_run(
+def test_a_child_that_fails_without_a_result_fails_the_run_and_keeps_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An engine that dies before writing its result is a failure (exit 1, its log's tail),
-    not a stop at a burst."""
+    not a stop at a burst; the engine before it keeps its result, in the file and the report."""
 
     class Child:
         pid = 0
 
         def __init__(self, argv: list[str], stdout: Any, **_: Any) -> None:
-            stdout.write(b"Traceback: the engine could not start\n")
+            self.config = argv[argv.index("--engine") + 1]
+            if self.config == "eager":
+                raw = {"config": "eager", "init_s": 1.0, "scheduler": {}, "bursts": [_sent(2)]}
+                raw["bursts"][0].update(ok=True, wall_s=1.0, end_ns=2)
+                (tmp_path / "eager" / "raw.json").write_text(json.dumps(raw))
+            else:
+                stdout.write(b"Traceback: the engine could not start\n")
 
         def wait(self, timeout: float | None = None) -> int:
-            return 3
+            return 0 if self.config == "eager" else 3
+
+        def poll(self) -> int:
+            return self.wait()
 
     monkeypatch.setattr(headroom.subprocess, "Popen", Child)
-    assert headroom.main(["--out", str(tmp_path), "--configs", "eager"]) == 1
-    err = capsys.readouterr().err
-    assert "eager: the engine failed (3)" in err
-    assert "the engine could not start" in err
-    assert not (tmp_path / "headroom-minicpmo.json").exists()
+    monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
+    assert headroom.main(["--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "omnitrace: the engine failed (3)" in captured.err
+    assert "the engine could not start" in captured.err
+    result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
+    assert list(result["configs"]) == ["eager"]
+    assert result["failed"]["config"] == "omnitrace"
+    assert "- eager: the largest burst served 2" in captured.out
+    assert "- omnitrace: no result, omnitrace: the engine failed (3):" in captured.out
+    assert "no result" in (tmp_path / "headroom-minicpmo.md").read_text()
+
+
+def _sent(n: int) -> dict[str, Any]:
+    """A burst as the engine saves it when sending it: no outcome yet."""
+    return {"requests": n, "repeat": 0, "start_ns": 1}
+
+
+def test_a_burst_the_engine_never_answers_is_on_record_as_not_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine saves each burst as it sends it: one killed at --timeout while a burst was
+    out has that burst recorded as not served (a stop, exit 2), the bursts before it kept."""
+
+    class Child:
+        pid = 4321
+
+        def __init__(self, argv: list[str], stdout: Any, **kwargs: Any) -> None:
+            served = _sent(1) | {"ok": True, "wall_s": 0.5, "end_ns": 1}
+            raw = {"config": "omnitrace", "init_s": 1.0, "scheduler": {}}
+            raw["bursts"] = [served, _sent(2) | {"start_ns": 2}]
+            (tmp_path / "omnitrace" / "raw.json").write_text(json.dumps(raw))
+
+        def wait(self, timeout: float | None = None) -> int:
+            if not killed:
+                raise subprocess.TimeoutExpired("engine", timeout or 0)
+            return -9
+
+        def poll(self) -> int | None:
+            return -9 if killed else None
+
+    killed: list[int] = []
+    monkeypatch.setattr(headroom.subprocess, "Popen", Child)
+    monkeypatch.setattr(headroom.os, "killpg", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
+    argv = ["--out", str(tmp_path), "--configs", "omnitrace", "--timeout", "5"]
+    assert headroom.main(argv) == headroom.STOPPED
+    assert killed == [4321]
+    result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
+    first, second = result["configs"]["omnitrace"]["bursts"]
+    assert first["ok"] is True
+    assert second["ok"] is False
+    assert second["error"] == "no answer: the engine ended (killed after 5 s)"
+    assert second["wall_s"] is None
+    assert headroom.largest_served(result["configs"]["omnitrace"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if "| 2 |" in line)
+    assert "| no: no answer: the engine ended (killed after 5 s) | - |" in row
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "name"),
+    [
+        (lambda: os.kill(os.getpid(), signal.SIGTERM), 143, "SIGTERM"),
+        (lambda: (_ for _ in ()).throw(KeyboardInterrupt), 130, "Ctrl-C"),
+    ],
+)
+def test_a_run_stopped_by_sigterm_or_ctrl_c_stops_its_engine_and_keeps_the_results(
+    stop: Any,
+    status: int,
+    name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM or Ctrl-C while an engine runs kills the engine's process group (it runs in its
+    own session, which neither signal reaches) and saves what the engines before it gave."""
+    killed: list[tuple[int, int]] = []
+
+    class Child:
+        def __init__(self, argv: list[str], stdout: Any, **kwargs: Any) -> None:
+            self.config = argv[argv.index("--engine") + 1]
+            self.pid = 100 if self.config == "eager" else 200
+            raw = {"config": self.config, "init_s": 1.0, "scheduler": {}, "bursts": []}
+            (tmp_path / self.config / "raw.json").write_text(json.dumps(raw))
+
+        def wait(self, timeout: float | None = None) -> int:
+            if self.config == "omnitrace" and not killed:
+                stop()
+            return 0 if self.config == "eager" else -9
+
+        def poll(self) -> int | None:
+            return None if self.config == "omnitrace" and not killed else 0
+
+    monkeypatch.setattr(headroom.subprocess, "Popen", Child)
+    monkeypatch.setattr(headroom.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
+    before = signal.getsignal(signal.SIGTERM)
+    assert headroom.main(["--out", str(tmp_path)]) == status
+    assert killed == [(200, signal.SIGKILL)]
+    assert signal.getsignal(signal.SIGTERM) is before
+    result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
+    assert list(result["configs"]) == ["eager"]
+    assert result["failed"] == {"config": "omnitrace", "error": f"omnitrace: stopped by {name}"}
+    assert f"omnitrace: stopped by {name}" in capsys.readouterr().err
 
 
 def test_an_engine_that_hangs_after_its_result_is_stopped_and_reported(
@@ -178,6 +289,9 @@ def test_an_engine_that_hangs_after_its_result_is_stopped_and_reported(
             if self.waits == 1:
                 raise subprocess.TimeoutExpired("engine", timeout or 0)
             return -9
+
+        def poll(self) -> int | None:
+            return None if self.waits == 1 else -9
 
     monkeypatch.setattr(headroom.subprocess, "Popen", Child)
     monkeypatch.setattr(headroom.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
@@ -216,6 +330,9 @@ def test_overrides_reach_the_graphed_engine_only_and_name_the_report(
         def wait(self, timeout: float | None = None) -> int:
             return 0
 
+        def poll(self) -> int:
+            return 0
+
     monkeypatch.setattr(headroom.subprocess, "Popen", Child)
     monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
     argv = ["--out", str(tmp_path), "--overrides", json.dumps(budget)]
@@ -225,3 +342,36 @@ def test_overrides_reach_the_graphed_engine_only_and_name_the_report(
     assert result["overrides"] == budget
     title = f"NVIDIA H100 80GB HBM3), omnitrace's graphs with {json.dumps(budget)}"
     assert title in capsys.readouterr().out
+
+
+def test_the_engine_saves_each_burst_before_sending_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the child saves while a burst is out names that burst without an outcome, so a
+    burst that never returns is on record; a burst that raises ends the bursts, recorded."""
+    saved: list[dict[str, Any]] = []
+
+    class Engine:
+        def generate(self, prompts: list[Any], params: Any, use_tqdm: bool) -> None:
+            if len(prompts) == 2:
+                assert "ok" not in saved[-1]["bursts"][-1]
+                assert saved[-1]["bursts"][-1]["requests"] == 2
+                raise RuntimeError("EngineDeadError\nsecond line")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=dict))
+    monkeypatch.setattr(headroom, "offline_engine", lambda *a, **k: (Engine(), False, 0.5))
+    monkeypatch.setattr(headroom, "request", lambda *a: {"prompt": a})
+    monkeypatch.setattr(headroom, "media_request", lambda *a: {"prompt": a})
+    args = headroom._parser().parse_args(
+        ["--out", str(tmp_path), "--engine", "omnitrace", "--bursts", "1,2,4", "--repeats", "1"]
+    )
+    result = headroom._engine(args, lambda r: saved.append(json.loads(json.dumps(r))))
+    assert [(b["requests"], b["ok"]) for b in result["bursts"]] == [(1, True), (2, False)]
+    assert result["bursts"][1]["error"] == "RuntimeError: EngineDeadError"
+    # Before and after each burst sent: the burst of 4 was never sent.
+    assert [[b.get("ok") for b in r["bursts"]] for r in saved] == [
+        [None],
+        [True],
+        [True, None],
+        [True, False],
+    ]
