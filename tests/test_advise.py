@@ -35,6 +35,7 @@ from omnitrace.events import (
     GraphCaptured,
     GraphMissed,
     GraphReplayed,
+    MemoryDeferred,
     MissReason,
     Phase,
     ProfilingObserved,
@@ -76,8 +77,11 @@ def _run(
     sizes: dict[tuple[int, ...], int] | None = None,
     graph_bytes: int = 64 * MiB,
     cached_bytes: int = 0,
+    taken: dict[int, int] | None = None,
 ) -> list[Event]:
-    """Run ``calls`` through real adapters (one per encoder) on one simulated device."""
+    """Run ``calls`` through real adapters (one per encoder) on one simulated device;
+    ``taken``: bytes the rest of the process takes from the device's free memory before the
+    call of that index (an engine's allocator cache growing, say)."""
     backend = _SizedBackend(free_bytes, sizes or {}, graph_bytes)
     backend.cached_bytes = cached_bytes
     bus = EventBus()
@@ -85,7 +89,8 @@ def _run(
     tensors: dict[tuple[int, ...], torch.Tensor] = {}
     try:
         with capture_events(bus) as events, torch.no_grad():
-            for name, shape, phase in calls:
+            for index, (name, shape, phase) in enumerate(calls):
+                backend.free_bytes -= (taken or {}).get(index, 0)
                 adapter = adapters.get(name)
                 if adapter is None:
                     adapter = adapters[name] = EncoderCudaGraph(
@@ -408,7 +413,12 @@ def test_the_floor_is_replayed_from_the_free_memory_the_deferrals_imply() -> Non
     recording = Recording.from_records(_records(events, logged))
     static = sum(e.static_bytes for e in events if isinstance(e, GraphCaptured)) // 3
     assert recording.free_source == "estimated"
-    assert recording.free_bytes == {(WORKER, "cpu"): start + 3 * static}
+    # Read at the first capture; the simulated device leaves the static buffers out of its
+    # free memory, so each later reading adds back one capture's static bytes.
+    assert recording.free_bytes == {(WORKER, "cpu"): start}
+    steps = recording.free_changes[(WORKER, "cpu")]
+    assert [delta for _, delta in steps] == [0, static, 2 * static, 3 * static]
+    assert recording.free_at(WORKER, "cpu", steps[-1][0]) == start + 3 * static
 
     advice = advise(recording)
     assert advice.best is not None
@@ -431,6 +441,38 @@ def test_the_floor_is_replayed_from_the_free_memory_the_deferrals_imply() -> Non
     for setting, real in truth.items():
         assert by_setting[setting].graphs == real.graphs, setting
         assert by_setting[setting].hits == real.hits, setting
+
+
+def test_free_memory_the_engine_takes_mid_run_is_replayed_where_it_was_read() -> None:
+    """Two shapes captured with 3 GiB free; then the engine takes 2 GiB (its allocator's
+    cache, say) and a 1 GiB floor defers the next shapes. The replay reads the free memory
+    as it was at each call: the logged setting gives what the log did, not a device that
+    had the deferrals' little memory from the start (which would capture nothing)."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=GiB)
+    shapes = [(1, 32 << n, 128 >> n) for n in range(5)]  # as many input elements each
+    sizes = {shape: 256 * MiB for shape in shapes}
+    calls: list[Call] = [("vision", s, Phase.SERVING) for _ in range(10) for s in shapes[:2]]
+    calls += [("vision", s, Phase.SERVING) for _ in range(10) for s in shapes]
+    events = _run(calls, logged, free_bytes=3 * GiB, sizes=sizes, taken={20: 2 * GiB})
+    events = _retimed(events, {s: 0.004 for s in shapes}, {s: 0.001 for s in shapes})
+    graphs = sum(isinstance(e, GraphCaptured) for e in events)
+    hits = sum(isinstance(e, GraphReplayed) for e in events)
+    deferred = sum(isinstance(e, MemoryDeferred) for e in events)
+    # Under the floor after the 2 GiB went: the other shapes, past their warm-up call.
+    assert (graphs, deferred) == (2, 3 * 9)
+    recording = Recording.from_records(_records(events, logged))
+    assert recording.free_source == "estimated"
+    assert recording.free_bytes == {(WORKER, "cpu"): 3 * GiB}
+    result = replay(recording, Setting(8, 2, GiB))
+    assert (result.graphs, result.hits) == (graphs, hits)
+    assert result.encoders[0].misses[MissReason.MEMORY] == deferred
+    # A lower floor would have captured a third shape while the memory was there.
+    lower = replay(recording, Setting(8, 2, GiB // 2))
+    assert lower.graphs == 3
+    notes = advise(recording, [Setting(8, 2, GiB)]).notes
+    assert "device-free memory at start: 3.0 GiB, over the run 1.0 GiB to 3.0 GiB besides" in (
+        " ".join(notes)
+    )
 
 
 def _memory_bound(

@@ -4,7 +4,8 @@
 history counts across ``min_capture_calls``; :func:`~omnitrace.advise.replay` runs every
 call through the adapter's own admission policy. On random traffic (several workers and
 encoders, ineligible and profiling calls, calls kept out of admission as profiling, free
-memory known, estimated or unknown, pool budgets) the two must agree setting by setting.
+memory known, estimated (moving over the run) or unknown, pool budgets) the two must agree
+setting by setting.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ def _records(calls: list[tuple[int, str, int, str]], deferrals: bool) -> list[Ev
         event: ev.Event
         if kind == "capture":
             size = (key + 1) * 50 * MiB
+            # Free memory read at some captures; it falls and rises over the run, as an
+            # engine's own allocations (its allocator's cache) take and give back memory.
+            read = (1500 - 37 * n % 1100) * MiB if n % 2 else None
             captured = ev.GraphCaptured(
-                adapter, signature, n, n, 0.5, 1, "cuda:0", 7, 8, size, MiB, 0, None
+                adapter, signature, n, n, 0.5, 1, "cuda:0", 7, 8, size, MiB, 0, read
             )
             records.append(EventRecord(captured, source[1], source[0]))
             if deferrals and n % 3 == 0:
-                deferred = ev.MemoryDeferred(adapter, signature, n, n, 900 * MiB, GIB, "cuda:0")
+                free = (900 - 23 * n % 700) * MiB
+                deferred = ev.MemoryDeferred(adapter, signature, n, n, free, GIB, "cuda:0")
                 records.append(EventRecord(deferred, source[1], source[0]))
         if kind in ("hit", "capture"):
             event = ev.GraphReplayed(adapter, signature, n, n, 0.001 + key * 1e-4)

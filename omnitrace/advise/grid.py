@@ -506,7 +506,20 @@ def _notes(recording: Recording) -> tuple[str, ...]:
     else:
         low = min(recording.free_bytes.values())
         how = "given" if recording.free_source == "given" else "estimated from memory deferrals"
-        notes.append(f"device-free memory at start: {format_bytes(low)} ({how})")
+        if not recording.free_changes:
+            notes.append(f"device-free memory at start: {format_bytes(low)} ({how})")
+        else:
+            moved = [
+                recording.free_bytes[place] + delta
+                for place, steps in recording.free_changes.items()
+                for _, delta in steps
+            ]
+            notes.append(
+                f"device-free memory at start: {format_bytes(low)}, over the run "
+                f"{format_bytes(min(moved))} to {format_bytes(max(moved))} besides the graphs' "
+                "pools (estimated from the free memory read at captures and memory deferrals, "
+                "and replayed as it moved)"
+            )
     return tuple(notes)
 
 

@@ -3,6 +3,7 @@ each key's costs summed exactly as a list of every value would sum them."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -192,6 +193,14 @@ class Recording:
     serving_captures: tuple[float, ...] = ()
     """The host seconds of each capture logged while serving: each held up the call that
     made it (captures at start-up, before serving, are not among them)."""
+    free_changes: Mapping[tuple[Worker, str], tuple[tuple[int, int], ...]] = field(
+        default_factory=dict
+    )
+    """Per worker and device where free memory was estimated: how the estimate moved over the
+    run, as ``(call, bytes)`` steps, each from the worker's ``call``-th call (0-based) on,
+    added to ``free_bytes``. Each is a reading (at a capture or a deferral) plus the pools
+    logged before it, so memory the engine itself took or gave back meanwhile, such as its
+    caching allocator's, counts from where it was read."""
     deferral_cached: Mapping[tuple[Worker, str], int] = field(default_factory=dict)
     """Per worker and device, the most its caching allocator held without tensors at a
     memory deferral (``MemoryDeferred.cached_bytes``; absent where no deferral read it)."""
@@ -225,6 +234,22 @@ class Recording:
             ranked = sorted(details.items(), key=lambda item: (-item[1], item[0]))
             parts.append(f"{adapter}: " + ", ".join(f"{d} {n}" for d, n in ranked))
         return "; ".join(parts)
+
+    def free_at(self, worker: Worker, device: str, call: int) -> int | None:
+        """Device-free memory estimated before any capture at ``worker``'s ``call``-th call
+        on ``device`` (None: unknown).
+
+        Args:
+            worker: the worker.
+            device: the device, as the call names it.
+            call: the call's place among the worker's calls, from 0.
+        """
+        start = self.free_bytes.get((worker, device))
+        steps = self.free_changes.get((worker, device))
+        if start is None or not steps:
+            return start
+        found = bisect.bisect_right([at for at, _ in steps], call)
+        return start + (steps[found - 1][1] if found else 0)
 
     @property
     def calls(self) -> dict[Worker, tuple[_Call, ...]]:
@@ -274,7 +299,8 @@ class Recording:
             records: the records of one or more logs, each worker's in the order written;
                 read once, as they come.
             free_bytes: device-free memory at each worker's start, when known; default
-                None: it is estimated from memory deferrals, if the log has any.
+                None: where the log has memory deferrals, it is estimated from the free
+                memory read at captures and deferrals, as it moved over the run.
 
         Returns:
             The recording.
@@ -284,6 +310,28 @@ class Recording:
         for record in records:
             add(record)
         return builder.build(free_bytes)
+
+
+def _estimated_free(
+    readings: Mapping[tuple[Worker, str], list[tuple[int, int]]],
+    deferral_starts: Mapping[tuple[Worker, str], list[int]],
+) -> tuple[dict[tuple[Worker, str], int], dict[tuple[Worker, str], tuple[tuple[int, int], ...]]]:
+    """Free memory at each place's start, and its changes, from the readings: the first
+    reading's start, then each later reading's from its call on (the last of a call's
+    readings stands). A place with deferrals but no readings cannot occur: a deferral is one."""
+    free: dict[tuple[Worker, str], int] = {}
+    changes: dict[tuple[Worker, str], tuple[tuple[int, int], ...]] = {}
+    for place in deferral_starts:
+        steps = dict(readings[place])  # by call: the last reading before it stands
+        base = readings[place][0][1]
+        free[place] = base
+        moved: list[tuple[int, int]] = []
+        for call, start in steps.items():
+            if not moved or start - base != moved[-1][1]:  # a step where the estimate moved
+                moved.append((call, start - base))
+        if any(delta for _, delta in moved):
+            changes[place] = tuple(moved)
+    return free, changes
 
 
 _SKIPPED = 4
@@ -330,9 +378,11 @@ class _Builder:
         self.device_timed: set[str] = set()
         self.skipped_profiling: set[str] = set()
         self.streams: dict[tuple[str, str | None], dict[int, int]] = {}
-        # Per worker and device: bytes captured so far, and free memory + that at deferrals.
+        # Per worker and device: bytes captured so far, and free memory + that at deferrals
+        # and at every reading (captures too), with the worker's calls so far.
         self.captured_bytes: dict[tuple[Worker, str], int] = {}
         self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
+        self.readings: dict[tuple[Worker, str], list[tuple[int, int]]] = {}
         self.deferral_cached: dict[tuple[Worker, str], int] = {}
         # Profiling runs that called no encoder, and whether any run called one.
         self.unprofiled: set[str] = set()
@@ -370,6 +420,8 @@ class _Builder:
             size = item.bytes_reserved + item.static_bytes
             self.sizes.setdefault(ident, []).append(size)
             place = (worker, item.device)
+            if item.free_bytes is not None:  # read before the capture, as a deferral's is
+                self._reading(worker, place, item.free_bytes)
             self.captured_bytes[place] = self.captured_bytes.get(place, 0) + size
         elif isinstance(item, ev.ProfilingObserved):
             if item.encoder_calls:
@@ -378,11 +430,19 @@ class _Builder:
                 self.unprofiled.add(item.runner)
         elif isinstance(item, ev.MemoryDeferred):
             place = (worker, item.device)
-            start = item.free_bytes + self.captured_bytes.get(place, 0)
+            start = self._reading(worker, place, item.free_bytes)
             self.deferral_starts.setdefault(place, []).append(start)
             if item.cached_bytes is not None:
                 most = max(self.deferral_cached.get(place, 0), item.cached_bytes)
                 self.deferral_cached[place] = most
+
+    def _reading(self, worker: Worker, place: tuple[Worker, str], free: int) -> int:
+        """Record free memory read on ``place`` before the worker's next call: the start it
+        implies (the reading plus the pools logged before it)."""
+        start = free + self.captured_bytes.get(place, 0)
+        calls = self.workers.get(worker)
+        self.readings.setdefault(place, []).append((0 if calls is None else len(calls.ids), start))
+        return start
 
     def _call(self, record: EventRecord) -> None:
         item = record.item
@@ -477,6 +537,7 @@ class _Builder:
             adapter: self._costs(adapter, tuple(adapter_keys), time_source[adapter])
             for adapter, adapter_keys in keys.items()
         }
+        changes: dict[tuple[Worker, str], tuple[tuple[int, int], ...]] = {}
         if free_bytes is not None:
             free = {
                 (worker, device): free_bytes
@@ -485,8 +546,8 @@ class _Builder:
             }
             free_source = "given"
         elif self.deferral_starts:
-            # The lowest start any deferral implies: the floor bites at least where it did.
-            free = {place: min(starts) for place, starts in self.deferral_starts.items()}
+            # The floor bit: where it did, and as the memory read moved over the run.
+            free, changes = _estimated_free(self.readings, self.deferral_starts)
             free_source = "estimated"
         else:
             free, free_source = {}, "unknown"
@@ -495,6 +556,7 @@ class _Builder:
             costs=costs,
             logged={adapter: self._logged(adapter) for adapter in keys},
             free_bytes=free,
+            free_changes=changes if free_source == "estimated" else {},
             free_source=free_source,
             time_source=time_source,
             simulated=any(bool(info.get("simulated")) for info in self.infos.values()),

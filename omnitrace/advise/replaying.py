@@ -156,7 +156,7 @@ def replay(recording: Recording, setting: Setting) -> Result:
     for worker, calls in recording.calls.items():
         states: dict[str, _EncoderState] = {}
         used: dict[str | None, int] = {}
-        for call in calls:
+        for index, call in enumerate(calls):
             state = states.get(call.adapter)
             if state is None:
                 state = states[call.adapter] = _EncoderState(config)
@@ -168,7 +168,7 @@ def replay(recording: Recording, setting: Setting) -> Result:
                 captured[call.key] += 1
                 state.hits += 1
                 continue
-            start = recording.free_bytes.get((worker, call.device or ""))
+            start = recording.free_at(worker, call.device or "", index)
             # Unknown free memory never bites: the floor itself is what admission reads.
             free_now = floor if start is None else start - used.get(call.device, 0)
             decision = state.admission.decide(call.key, read_free)
@@ -304,6 +304,8 @@ class _Calls:
         if skip_profiling:
             eligible &= (flags & PROFILING) == 0
         self.ids: npt.NDArray[np.int32] = sequence.ids[eligible]
+        self.where = np.flatnonzero(eligible)
+        """Each admission call's place among the worker's calls."""
         size = len(sequence.keys)
         self.per_key = np.bincount(self.ids, minlength=size)
         self.ineligible = np.bincount(sequence.ids[~eligible], minlength=size)
@@ -345,6 +347,18 @@ class _WorkerReplay:
         self.start_of = [
             recording.free_bytes.get((worker, device or "")) for device in self.device_of
         ]
+        # Where the estimate of free memory moved over the run: per device, its steps.
+        self.changes = {
+            device: recording.free_changes[(worker, device or "")]
+            for device in set(self.device_of)
+            if (worker, device or "") in recording.free_changes
+        }
+        # The most any call's start rises over the first: what _frozen must clear.
+        self.peak_of = [
+            max((delta for _, delta in self.changes.get(device, ())), default=0)
+            for device in self.device_of
+        ]
+        self._shifts: dict[bool, dict[str | None, list[int]]] = {}
         costs = recording.costs
         self.size_of = [
             costs[adapter][key].capture_bytes if key in costs.get(adapter, {}) else 0
@@ -362,6 +376,19 @@ class _WorkerReplay:
         if calls is None:
             calls = self._calls[skip_profiling] = _Calls(self.sequence, skip_profiling)
         return calls
+
+    def shifts(self, skip_profiling: bool) -> dict[str | None, list[int]]:
+        """Per device with changes: each admission call's change of free memory over the
+        start (:attr:`Recording.free_changes`), by its place among the admission calls."""
+        shifts = self._shifts.get(skip_profiling)
+        if shifts is None:
+            where = self.calls(skip_profiling).where
+            shifts = self._shifts[skip_profiling] = {}
+            for device, steps in self.changes.items():
+                at = np.array([call for call, _ in steps], dtype=np.int64)
+                delta = np.array([0, *(d for _, d in steps)], dtype=np.int64)
+                shifts[device] = delta[np.searchsorted(at, where, side="right")].tolist()
+        return shifts
 
     def run(self, setting: Setting) -> _Run:
         g, c, floor, skip, budget = (
@@ -396,7 +423,7 @@ class _WorkerReplay:
         calls = self.calls(skip)
         used = np.flatnonzero(calls.per_key)
         return all(
-            self.start_of[key_id] is not None and self.start_of[key_id] < floor
+            (start := self.start_of[key_id]) is not None and start + self.peak_of[key_id] < floor
             for key_id in used.tolist()
         )
 
@@ -438,6 +465,7 @@ class _WorkerReplay:
         lowest: int | None = None
         reached: int | None = None
         every = calls.ids
+        shifts = self.shifts(skip)
         for begin in range(0, len(every), _BLOCK):
             # The calls of this block whose key is neither captured nor full, as of its
             # start: a key captured within the block is skipped by ``live``.
@@ -459,6 +487,8 @@ class _WorkerReplay:
                     continue
                 start = start_of[key_id]
                 device = device_of[key_id]
+                if start is not None and shifts and device in shifts:
+                    start += shifts[device][position]
                 # Unknown free memory never bites: admission reads the floor itself.
                 free_now = floor if start is None else start - used.get(device, 0)
                 if floor > 0 and free_now < floor:
