@@ -248,7 +248,7 @@ class Recording:
         steps = self.free_changes.get((worker, device))
         if start is None or not steps:
             return start
-        found = bisect.bisect_right([at for at, _ in steps], call)
+        found = bisect.bisect_right(steps, call, key=lambda step: step[0])
         return start + (steps[found - 1][1] if found else 0)
 
     @property

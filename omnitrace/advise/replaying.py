@@ -358,7 +358,7 @@ class _WorkerReplay:
             max((delta for _, delta in self.changes.get(device, ())), default=0)
             for device in self.device_of
         ]
-        self._shifts: dict[bool, dict[str | None, list[int]]] = {}
+        self._shifts: dict[bool, dict[str | None, npt.NDArray[np.int64]]] = {}
         costs = recording.costs
         self.size_of = [
             costs[adapter][key].capture_bytes if key in costs.get(adapter, {}) else 0
@@ -377,9 +377,10 @@ class _WorkerReplay:
             calls = self._calls[skip_profiling] = _Calls(self.sequence, skip_profiling)
         return calls
 
-    def shifts(self, skip_profiling: bool) -> dict[str | None, list[int]]:
+    def shifts(self, skip_profiling: bool) -> dict[str | None, npt.NDArray[np.int64]]:
         """Per device with changes: each admission call's change of free memory over the
-        start (:attr:`Recording.free_changes`), by its place among the admission calls."""
+        start (:attr:`Recording.free_changes`), by its place among the admission calls (an
+        array, 8 bytes a call: read only where a capture is decided)."""
         shifts = self._shifts.get(skip_profiling)
         if shifts is None:
             where = self.calls(skip_profiling).where
@@ -387,7 +388,7 @@ class _WorkerReplay:
             for device, steps in self.changes.items():
                 at = np.array([call for call, _ in steps], dtype=np.int64)
                 delta = np.array([0, *(d for _, d in steps)], dtype=np.int64)
-                shifts[device] = delta[np.searchsorted(at, where, side="right")].tolist()
+                shifts[device] = delta[np.searchsorted(at, where, side="right")]
         return shifts
 
     def run(self, setting: Setting) -> _Run:
@@ -488,7 +489,7 @@ class _WorkerReplay:
                 start = start_of[key_id]
                 device = device_of[key_id]
                 if start is not None and shifts and device in shifts:
-                    start += shifts[device][position]
+                    start += int(shifts[device][position])
                 # Unknown free memory never bites: admission reads the floor itself.
                 free_now = floor if start is None else start - used.get(device, 0)
                 if floor > 0 and free_now < floor:
