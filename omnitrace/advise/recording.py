@@ -314,16 +314,16 @@ class Recording:
 
 def _estimated_free(
     readings: Mapping[tuple[Worker, str], list[tuple[int, int]]],
-    deferral_starts: Mapping[tuple[Worker, str], list[int]],
+    deferred: Iterable[tuple[Worker, str]],
 ) -> tuple[dict[tuple[Worker, str], int], dict[tuple[Worker, str], tuple[tuple[int, int], ...]]]:
-    """Free memory at each place's start, and its changes, from the readings: the first
-    reading's start, then each later reading's from its call on (the last of a call's
-    readings stands). A place with deferrals but no readings cannot occur: a deferral is one."""
+    """Free memory at the start of each place in ``deferred``, and its changes, from the
+    readings: the first call's, then each later call's from that call on (the last of a
+    call's readings stands). Every deferred place has readings: a deferral is one."""
     free: dict[tuple[Worker, str], int] = {}
     changes: dict[tuple[Worker, str], tuple[tuple[int, int], ...]] = {}
-    for place in deferral_starts:
+    for place in deferred:
         steps = dict(readings[place])  # by call: the last reading before it stands
-        base = readings[place][0][1]
+        base = next(iter(steps.values()))
         free[place] = base
         moved: list[tuple[int, int]] = []
         for call, start in steps.items():
@@ -378,10 +378,11 @@ class _Builder:
         self.device_timed: set[str] = set()
         self.skipped_profiling: set[str] = set()
         self.streams: dict[tuple[str, str | None], dict[int, int]] = {}
-        # Per worker and device: bytes captured so far, and free memory + that at deferrals
-        # and at every reading (captures too), with the worker's calls so far.
+        # Per worker and device: bytes captured so far, the places that deferred a capture,
+        # and free memory + those bytes at every reading (captures' and deferrals'), with
+        # the worker's calls so far.
         self.captured_bytes: dict[tuple[Worker, str], int] = {}
-        self.deferral_starts: dict[tuple[Worker, str], list[int]] = {}
+        self.deferred: dict[tuple[Worker, str], None] = {}  # in the order they deferred
         self.readings: dict[tuple[Worker, str], list[tuple[int, int]]] = {}
         self.deferral_cached: dict[tuple[Worker, str], int] = {}
         # Profiling runs that called no encoder, and whether any run called one.
@@ -430,19 +431,18 @@ class _Builder:
                 self.unprofiled.add(item.runner)
         elif isinstance(item, ev.MemoryDeferred):
             place = (worker, item.device)
-            start = self._reading(worker, place, item.free_bytes)
-            self.deferral_starts.setdefault(place, []).append(start)
+            self._reading(worker, place, item.free_bytes)
+            self.deferred.setdefault(place)
             if item.cached_bytes is not None:
                 most = max(self.deferral_cached.get(place, 0), item.cached_bytes)
                 self.deferral_cached[place] = most
 
-    def _reading(self, worker: Worker, place: tuple[Worker, str], free: int) -> int:
-        """Record free memory read on ``place`` before the worker's next call: the start it
-        implies (the reading plus the pools logged before it)."""
+    def _reading(self, worker: Worker, place: tuple[Worker, str], free: int) -> None:
+        """Record free memory read on ``place`` before the worker's next call, as the start
+        it implies (the reading plus the pools logged before it)."""
         start = free + self.captured_bytes.get(place, 0)
         calls = self.workers.get(worker)
         self.readings.setdefault(place, []).append((0 if calls is None else len(calls.ids), start))
-        return start
 
     def _call(self, record: EventRecord) -> None:
         item = record.item
@@ -545,9 +545,9 @@ class _Builder:
                 for device in _devices(sequence)
             }
             free_source = "given"
-        elif self.deferral_starts:
+        elif self.deferred:
             # The floor bit: where it did, and as the memory read moved over the run.
-            free, changes = _estimated_free(self.readings, self.deferral_starts)
+            free, changes = _estimated_free(self.readings, self.deferred)
             free_source = "estimated"
         else:
             free, free_source = {}, "unknown"
@@ -556,7 +556,7 @@ class _Builder:
             costs=costs,
             logged={adapter: self._logged(adapter) for adapter in keys},
             free_bytes=free,
-            free_changes=changes if free_source == "estimated" else {},
+            free_changes=changes,
             free_source=free_source,
             time_source=time_source,
             simulated=any(bool(info.get("simulated")) for info in self.infos.values()),

@@ -488,7 +488,7 @@ class _WorkerReplay:
                     continue
                 start = start_of[key_id]
                 device = device_of[key_id]
-                if start is not None and shifts and device in shifts:
+                if start is not None and device in shifts:
                     start += int(shifts[device][position])
                 # Unknown free memory never bites: admission reads the floor itself.
                 free_now = floor if start is None else start - used.get(device, 0)
