@@ -331,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "configs": {},
     }
     status = _run_configs(args, configs, given, result)
-    print(_save(out, result))
+    # Saved after each engine: only a failure adds to it since.
+    print(_save(out, result) if status else table(result))
     if status:
         print(f"benchmarks.headroom: {result['failed']['error']}", file=sys.stderr)
         return status

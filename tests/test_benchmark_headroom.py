@@ -335,8 +335,16 @@ def test_overrides_reach_the_graphed_engine_only_and_name_the_report(
 
     monkeypatch.setattr(headroom.subprocess, "Popen", Child)
     monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
+    saved: list[list[str]] = []
+    save = headroom._save
+    monkeypatch.setattr(
+        headroom,
+        "_save",
+        lambda out, result: saved.append(list(result["configs"])) or save(out, result),
+    )
     argv = ["--out", str(tmp_path), "--overrides", json.dumps(budget)]
     assert headroom.main(argv) == 0
+    assert saved == [["eager"], ["eager", "omnitrace"]]  # once after each engine, not again
     assert [json.loads(c[c.index("--overrides") + 1]) for c in children] == [budget, budget]
     result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
     assert result["overrides"] == budget
