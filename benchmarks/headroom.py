@@ -58,6 +58,7 @@ def _engine(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         Path(args.out) / args.engine,
         max_num_seqs=max(args.bursts),
         hf_overrides=_hf_overrides(args.engine, args.overrides),
+        images_per_prompt=args.images,
     )
     result: dict[str, Any] = {"config": args.engine, "init_s": init_s}
     result["scheduler"] = _scheduler_limits(llm)
@@ -65,7 +66,13 @@ def _engine(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     seeds = iter(range(1, 1 << 30))
 
     def big(n: int) -> list[dict[str, Any]]:
-        return [media_request(args.model, "image", args.image, next(seeds)) for _ in range(n)]
+        prompts = []
+        for _ in range(n):
+            seed = next(seeds)
+            for _ in range(args.images - 1):
+                next(seeds)  # the prompt's other images take the seeds after its first
+            prompts.append(media_request(args.model, "image", args.image, seed, args.images))
+        return prompts
 
     for _ in range(args.warmup):
         for kind in KINDS:
@@ -242,7 +249,9 @@ def table(result: dict[str, Any]) -> str:
             rows.append([*cells, wall, str(vision.get("largest", 0)), how or "-"])
     headers = ["config", "burst", "repeat", "served", "wall s", "largest call", "vision calls"]
     width, height = result["image"]
-    title = f"Bursts of {width}x{height} images, {result['model']} ({result['device']})"
+    each = result.get("images", 1)
+    title = f"Bursts of {width}x{height} images" + (f", {each} a request" if each > 1 else "")
+    title += f", {result['model']} ({result['device']})"
     if result.get("overrides"):
         title += f", omnitrace's graphs with {json.dumps(result['overrides'])}"
     lines = [markdown(Table(title, headers, rows)), ""]
@@ -289,6 +298,12 @@ def _parser() -> argparse.ArgumentParser:
         "--image", type=_size, default=(1344, 1344), help="image size (default 1344x1344)"
     )
     parser.add_argument(
+        "--images",
+        type=int,
+        default=1,
+        help="images a request (default 1): several make one request's images one vision call",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds an engine may run (default 900)"
     )
     parser.add_argument(
@@ -312,8 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown or not configs:
         parser.error(f"--configs: expected names from {', '.join(CONFIGS)}, got {args.configs!r}")
-    if args.repeats < 1 or args.warmup < 2 or args.timeout <= 0:
-        parser.error("--repeats must be 1 or more, --warmup 2 or more, --timeout positive")
+    if args.repeats < 1 or args.warmup < 2 or args.timeout <= 0 or not 1 <= args.images <= 64:
+        parser.error(
+            "--repeats must be 1 or more, --warmup 2 or more, --timeout positive, "
+            "--images from 1 to 64"
+        )
     out = Path(args.out)
     if args.engine:
         _engine(args, lambda result: write_json(out / args.engine / "raw.json", result))
@@ -324,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "size": args.size,
         "image": list(args.image),
+        "images": args.images,
         "device": _device_name(),
         "bursts": list(args.bursts),
         "repeats": args.repeats,

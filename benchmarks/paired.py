@@ -62,11 +62,19 @@ def request(model: str, kind: str, seed: int) -> dict[str, Any]:
 
 
 def media_request(
-    model: str, modality: str, size: tuple[int, int] | float, seed: int
+    model: str, modality: str, size: tuple[int, int] | float, seed: int, images: int = 1
 ) -> dict[str, Any]:
     """One prompt for ``model`` of an image of ``size`` (width, height) or a clip of ``size``
-    seconds (``modality`` ``"image"`` or ``"audio"``), with new content for each ``seed``."""
+    seconds (``modality`` ``"image"`` or ``"audio"``), with new content for each ``seed``;
+    ``images`` images of that size where it is more than 1 (seeds ``seed`` onwards)."""
     placeholder = _PLACEHOLDERS[model][modality]
+    if modality == "image" and images > 1:
+        assert isinstance(size, tuple)
+        pictures = [random_image(seed + i, *size) for i in range(images)]
+        return {
+            "prompt": f"{_USER}{placeholder * images}\nDescribe the images.{_ASSISTANT}",
+            "multi_modal_data": {"image": pictures},
+        }
     if modality == "image":
         assert isinstance(size, tuple)
         data: Any = random_image(seed, *size)
@@ -166,6 +174,7 @@ def offline_engine(
     max_num_seqs: int,
     hf_overrides: dict[str, Any],
     lm_graph_tokens: int = 0,
+    images_per_prompt: int = 1,
 ) -> tuple[Any, bool, float]:
     """Start a ``vllm.LLM`` on a new checkpoint of ``model`` (``size`` ``"released"`` or
     ``"tiny"``) with dummy weights, its workers' event logs in ``logs``.
@@ -177,6 +186,7 @@ def offline_engine(
         max_num_seqs: vLLM's limit of requests a step.
         hf_overrides: omnitrace's settings (``encoder_cuda_graph_*``).
         lm_graph_tokens: on CUDA, the language model's largest CUDA graph; 0: vLLM's choice.
+        images_per_prompt: the most images a prompt may carry.
 
     Returns:
         The engine, whether it runs on CUDA, and its start-up seconds.
@@ -207,7 +217,7 @@ def offline_engine(
         max_num_seqs=max_num_seqs,
         # vLLM's own limit with its default max_num_seqs on an H200 (with 4 it would be 8).
         compilation_config=lm_graphs if cuda and lm_graph_tokens else None,
-        limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
+        limit_mm_per_prompt={"image": images_per_prompt, "audio": 1, "video": 0},
         hf_overrides=hf_overrides,
         mm_processor_kwargs=mm_processor_kwargs(),
         **({"trust_remote_code": True} if model == "minicpmo" else {}),

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import common, headroom
+from benchmarks import common, headroom, paired
 from omnitrace import events as ev
 from omnitrace.events import MissReason
 from omnitrace.signature import InputSpec, Signature
@@ -124,6 +124,9 @@ def test_an_engine_log_gives_its_first_out_of_memory_line(tmp_path: Path) -> Non
         (["--overrides", "[1]"], "--overrides: expected a JSON object, got '[1]'"),
         (["--overrides", "null"], "--overrides: expected a JSON object, got 'null'"),
         (["--overrides", '{"max_graphs": 4}'], "encoder_cuda_graph_* keys only, got 'max_graphs'"),
+        (["--images", "0"], "--images from 1 to 64"),
+        (["--images", "65"], "--images from 1 to 64"),
+        (["--images", "two"], "--images: invalid int value: 'two'"),
     ],
 )
 def test_bad_arguments_get_one_line(
@@ -383,3 +386,70 @@ def test_the_engine_saves_each_burst_before_sending_it(
         [True, None],
         [True, False],
     ]
+
+
+def test_a_request_of_several_images_carries_each_with_its_own_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--images 3``: each request has three placeholders and three images, no two alike in
+    the run, and the engine accepts three images a prompt."""
+
+    class Picture:
+        def __init__(self, seed: int) -> None:
+            self.seed = seed
+
+        def tobytes(self) -> bytes:
+            return str(self.seed).encode()
+
+    sent: list[list[Any]] = []
+    limits: list[int] = []
+
+    class Engine:
+        def generate(self, prompts: list[Any], params: Any, use_tqdm: bool) -> None:
+            sent.append(prompts)
+
+    def engine(*args: Any, images_per_prompt: int, **kwargs: Any) -> tuple[Any, bool, float]:
+        limits.append(images_per_prompt)
+        return Engine(), False, 0.5
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=dict))
+    monkeypatch.setattr(headroom, "offline_engine", engine)
+    monkeypatch.setattr(headroom, "request", lambda *a: {"prompt": "warm-up"})
+    # An image's content is its seed's (random_image), here without PIL.
+    monkeypatch.setattr(paired, "random_image", lambda seed, w, h: Picture(seed))
+    argv = ["--out", str(tmp_path), "--engine", "omnitrace", "--bursts", "2", "--repeats", "1"]
+    args = headroom._parser().parse_args([*argv, "--images", "3", "--warmup", "2"])
+    result = headroom._engine(args, lambda r: None)
+    assert limits == [3]
+    assert [b["ok"] for b in result["bursts"]] == [True]
+    burst = sent[-1]
+    assert len(burst) == 2
+    pictures = []
+    for prompt in burst:
+        assert prompt["prompt"].count("(<image>./</image>)") == 3
+        assert len(prompt["multi_modal_data"]["image"]) == 3
+        pictures += [p.tobytes() for p in prompt["multi_modal_data"]["image"]]
+    warmups = [
+        p
+        for prompts in sent[:-1]
+        for p in prompts
+        if isinstance(p, dict) and "multi_modal_data" in p
+    ]
+    pictures += [p.tobytes() for prompt in warmups for p in prompt["multi_modal_data"]["image"]]
+    assert len(pictures) == 12  # 2 warm-up and 2 burst requests
+    assert len(set(pictures)) == 12
+
+
+def test_the_report_names_the_images_a_request() -> None:
+    result = {
+        "model": "minicpmo",
+        "image": [1344, 1344],
+        "images": 6,
+        "device": "NVIDIA H100 80GB HBM3",
+        "configs": {},
+    }
+    assert "Bursts of 1344x1344 images, 6 a request, minicpmo (NVIDIA H100" in headroom.table(
+        result
+    )
+    result["images"] = 1
+    assert "Bursts of 1344x1344 images, minicpmo (" in headroom.table(result)
