@@ -68,17 +68,12 @@ def media_request(
     seconds (``modality`` ``"image"`` or ``"audio"``), with new content for each ``seed``;
     ``images`` images of that size where it is more than 1 (seeds ``seed`` onwards)."""
     placeholder = _PLACEHOLDERS[model][modality]
-    if modality == "image" and images > 1:
-        assert isinstance(size, tuple)
-        pictures = [random_image(seed + i, *size) for i in range(images)]
-        return {
-            "prompt": f"{_USER}{placeholder * images}\nDescribe the images.{_ASSISTANT}",
-            "multi_modal_data": {"image": pictures},
-        }
     if modality == "image":
         assert isinstance(size, tuple)
-        data: Any = random_image(seed, *size)
-        text = "Describe the image."
+        pictures = [random_image(seed + i, *size) for i in range(images)]
+        data: Any = pictures if images > 1 else pictures[0]
+        text = "Describe the images." if images > 1 else "Describe the image."
+        placeholder *= images
     else:
         assert isinstance(size, float)
         data = random_clip(seed, size).astype(np.float32), SAMPLING_RATE
