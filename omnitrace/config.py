@@ -113,7 +113,11 @@ class EncoderGraphConfig:
             is admitted (a ``capacity`` miss, detail ``budget``). ``max_graphs`` stays the
             ceiling: raise it too (say to 64) to let the budget decide how many shapes fit.
             The last graph admitted may take the total past the budget by its own size (a
-            capture's memory is known only after it). 0: no budget. Not set (default):
+            capture's memory is known only after it). With a budget, a capture is also
+            deferred while device-free memory holds less than the key's eager calls took
+            at their peak and an eighth more (a ``memory`` miss, detail ``need``): a
+            capture cannot use the allocator's cache that served them, and an allocation
+            failing inside it is fatal. 0: no budget. Not set (default):
             ``DEFAULT_POOL_BUDGET_BYTES`` (2 GiB) when ``max_graphs`` is not set either,
             and no budget when it is, so an explicit ``max_graphs`` alone is a plain
             graph count.

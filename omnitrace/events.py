@@ -202,13 +202,15 @@ class GraphMissed(_Keyed):
 
 @dataclass(frozen=True, slots=True)
 class MemoryDeferred(_Keyed):
-    """Admission wanted to capture its signature but device-free memory was under the floor.
+    """Admission wanted to capture its signature but device-free memory was under the floor,
+    or (with a pool budget) could not hold what the signature's eager calls took.
 
     Args:
         adapter, signature, monotonic_ns, epoch_ns: the adapter's name, the call's signature
             and the monotonic and epoch clocks when the event was made, in that order.
         free_bytes, floor_bytes, device: then these, positional, as on the attributes.
         cached_bytes: the allocator's cached bytes; default None (not read).
+        need_bytes: what the eager calls took, when that deferred it; default None.
         phase: keyword-only, last; default ``Phase.SERVING``.
     """
 
@@ -223,6 +225,11 @@ class MemoryDeferred(_Keyed):
     (reserved, not allocated): the engine's next allocations reuse it, a new graph pool
     cannot. None where the backend could not read it, and in logs written before the field
     existed."""
+    need_bytes: int | None = None
+    """What the signature's eager calls allocated at their peak (an upper bound where a call
+    did not raise the allocator's peak), when that, more than device-free memory holds with
+    an eighth to spare, deferred the capture (the miss detail ``need``); None when the
+    floor deferred it, and in logs written before the field existed."""
 
 
 @dataclass(frozen=True, slots=True)

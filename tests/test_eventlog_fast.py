@@ -43,6 +43,7 @@ EVENTS: list[ev.Event] = [
     ev.CaptureFailed("vision", SIG, 9, 10, "RuntimeError", "boom", "cuda:0", 94),
     ev.DeviceTimed("vision", SIG, 11, 12, "replay", 0.0009),
     ev.ProfilingObserved("vision", ev.NO_SIGNATURE, 13, 14, "runner", 2, phase=Phase.PROFILING),
+    ev.MemoryDeferred("vision", SIG, 7, 8, 100, 200, "cuda:0", 50, 900),
 ]
 
 

@@ -426,7 +426,7 @@ class EncoderCudaGraph:
             if decision.verdict is Verdict.CAPACITY:
                 return "capacity: budget" if decision.budget else "capacity: cap"
             if decision.verdict is Verdict.MEMORY:
-                return "memory: floor"
+                return "memory: floor" if decision.need is None else "memory: need"
             if self.prepare_hook is not None:
                 self.prepare_hook(where)
             due = Due(key, inputs, where, stream, signature_of(inputs, stream))
@@ -678,10 +678,33 @@ class EncoderCudaGraph:
                     return out
         if miss is not None:
             # Eager work runs outside the lock: other threads' hits need not wait for it.
-            return self._eager(inputs, *miss, device)
+            if miss[0] is MissReason.CAPACITY or miss[1] == "preparing":
+                return self._eager(inputs, *miss, device)
+            return self._eager_measured(inputs, miss, device, key)
         # Captured by another thread since this call looked: a hit after all.
         assert entry is not None
         return self._replay(entry, inputs, device)
+
+    def _eager_measured(
+        self,
+        inputs: tuple[Any, ...],
+        miss: tuple[MissReason, str, Signature],
+        device: torch.device,
+        key: Hashable,
+    ) -> Any:
+        """An eager call of a key admission remembers; under a pool budget, what it
+        allocated at its peak goes to admission, which defers a capture that device-free
+        memory could not hold. The peak read is the allocator's since it last rose: when
+        this call did not raise it, the figure is an upper bound."""
+        read = getattr(self.backend, "device_allocated_bytes", None)
+        if read is None or self.config.pool_budget_bytes <= 0:
+            return self._eager(inputs, *miss, device)
+        before, _ = read(device)
+        out = self._eager(inputs, *miss, device)
+        _, peak = read(device)
+        with self._lock:
+            self._admission.took_eagerly(key, peak - before)
+        return out
 
     def _admit(
         self,
@@ -727,10 +750,12 @@ class EncoderCudaGraph:
                     self.config.min_free_bytes,
                     str(device),
                     self._cached_bytes(device),
+                    decision.need,
                     phase=self._phase,
                 )
             )
-            return None, (MissReason.MEMORY, "floor", signature)
+            detail = "floor" if decision.need is None else "need"
+            return None, (MissReason.MEMORY, detail, signature)
         if self.config.background_capture and not self._closed:
             self._submit(due)
             return None, (_WARMUP, "preparing", signature)

@@ -31,6 +31,9 @@ class Decision:
     """Device-free bytes read for the memory check, when it ran."""
     budget: bool = False
     """For capacity: the byte budget, not the graph count, is what is full."""
+    need: int | None = None
+    """For memory: what the key's eager calls took, which device-free memory could not
+    hold; None when the floor deferred it."""
 
 
 class Admission:
@@ -38,7 +41,9 @@ class Admission:
 
     Args:
         config: supplies ``max_graphs``, ``min_capture_calls``, ``min_free_bytes`` and
-            ``pool_budget_bytes``.
+            ``pool_budget_bytes``; with a pool budget, a key whose eager calls took more
+            memory (:meth:`took_eagerly`) than device-free memory holds with an eighth to
+            spare is deferred too.
     """
 
     __slots__ = (
@@ -48,6 +53,7 @@ class Admission:
         "_limit",
         "_max_graphs",
         "_min_calls",
+        "_need",
         "num_graphs",
         "pool_bytes",
     )
@@ -61,6 +67,8 @@ class Admission:
         self._floor = config.min_free_bytes
         self._limit = config.history_size
         self._history: OrderedDict[Hashable, int] = OrderedDict()
+        #: With a budget: per remembered key, the most its eager calls took.
+        self._need: dict[Hashable, int] | None = {} if self._budget > 0 else None
         self.num_graphs = 0
 
     @property
@@ -92,15 +100,37 @@ class Admission:
         calls = history.pop(key, 0) + 1
         history[key] = calls
         if len(history) > self._limit:
-            history.popitem(last=False)
+            forgotten, _ = history.popitem(last=False)
+            if self._need is not None:
+                self._need.pop(forgotten, None)
         if calls < self._min_calls and not recorded:
             return Decision(Verdict.WARMUP, calls)
-        if self._floor > 0:
+        need = None if self._need is None else self._need.get(key)
+        if self._floor > 0 or need is not None:
             free = free_bytes()
             if free < self._floor:
                 return Decision(Verdict.MEMORY, calls, free)
+            # A capture allocates in its own pool, from device-free memory: the allocator's
+            # cache, which served the eager calls, cannot serve it, and an allocation that
+            # fails during a capture is fatal. So a key whose eager calls took more than the
+            # device holds free (with an eighth to spare) waits, as under the floor.
+            if need is not None and need + need // 8 > free:
+                return Decision(Verdict.MEMORY, calls, free, need=need)
             return Decision(Verdict.CAPTURE, calls, free)
         return Decision(Verdict.CAPTURE, calls)
+
+    def took_eagerly(self, key: Hashable, nbytes: int) -> None:
+        """Record what an eager call of the remembered ``key`` took at its peak (the most
+        of its calls is kept); ignored without a pool budget, or for a forgotten key.
+
+        Args:
+            key: the call's key.
+            nbytes: the device memory the call allocated at its peak beyond what was
+                allocated before it (an upper bound is fine: it only defers).
+        """
+        need = self._need
+        if need is not None and nbytes > 0 and key in self._history:
+            need[key] = max(need.get(key, 0), int(nbytes))
 
     def took(self, nbytes: int) -> None:
         """Record the memory a captured graph took (counted against the budget)."""
@@ -109,4 +139,6 @@ class Admission:
     def captured(self, key: Hashable) -> None:
         """Record that ``key`` now has a graph: it leaves the history and takes a slot."""
         self._history.pop(key, None)
+        if self._need is not None:
+            self._need.pop(key, None)
         self.num_graphs += 1

@@ -51,6 +51,7 @@ class ATTR:
     FREE_BYTES = "omnitrace.memory.free_bytes"
     FLOOR_BYTES = "omnitrace.memory.floor_bytes"
     CACHED_BYTES = "omnitrace.memory.cached_bytes"
+    NEED_BYTES = "omnitrace.memory.need_bytes"
     DTYPE = "omnitrace.graph.dtype"
     """Distinct dtypes of the key's tensor inputs, in input order, comma-separated."""
     SHAPES = "omnitrace.graph.shapes"

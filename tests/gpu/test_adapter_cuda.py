@@ -340,6 +340,125 @@ def test_real_capture_failure_makes_the_adapter_terminal() -> None:
     assert result["stats"]["capture_failures"] == 1
 
 
+#: An eager call whose transient the allocator's cache serves, then a capture of its shape
+#: while device-free memory is short of that transient: argv[1] is "defaults" (omnitrace's
+#: defaults, with their pool budget) or "count" (an explicit max_graphs alone: the floor
+#: only). Each runs in its own process: a failed capture may leave the context unusable.
+CACHE_SERVED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+    from omnitrace.testing import capture_events
+
+    GiB = 1 << 30
+    torch.manual_seed(0)
+    w1 = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 16
+    w2 = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16) / 90
+
+    def forward(x):
+        # A 4 GiB transient at (256, 1024, 8192) bf16, the output small.
+        return torch.nn.functional.gelu(x @ w1) @ w2
+
+    config = EncoderGraphConfig() if sys.argv[1] == "defaults" else EncoderGraphConfig(max_graphs=4)
+    bus = EventBus()
+    graph = EncoderCudaGraph(forward, name="vision", config=config, bus=bus)
+    x = torch.randn(256, 1024, 256, device="cuda", dtype=torch.bfloat16)
+    result = {"budget": config.pool_budget_bytes, "floor": config.min_free_bytes}
+    with torch.no_grad(), capture_events(bus) as events:
+        expected = forward(x)
+        torch.cuda.synchronize()
+        first = graph(x)
+        torch.cuda.synchronize()
+        # Leave 2 GiB free, above the 1 GiB floor and short of the transient, which the
+        # allocator still holds cached.
+        free = torch.cuda.mem_get_info()[0]
+        filler = torch.empty(free - 2 * GiB, dtype=torch.uint8, device="cuda")
+        result["free_before"] = torch.cuda.mem_get_info()[0]
+        result["cached"] = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        outs = []
+        try:
+            outs.append(graph(x))
+            outs.append(graph(x))
+        except Exception as exc:
+            result["error"] = type(exc).__name__
+        if "error" not in result:
+            del filler
+            torch.cuda.empty_cache()
+            outs.append(graph(x))  # room now: captured
+            outs.append(graph(x))  # and replayed
+            result["match"] = all(torch.equal(o, expected) for o in [first] + outs[:2])
+            result["close"] = all(
+                torch.allclose(o.float(), expected.float(), rtol=2e-2, atol=2e-2) for o in outs
+            )
+    result["events"] = [
+        [type(e).__name__, e.reason.value, e.detail] if hasattr(e, "reason") else
+        [type(e).__name__, None, None]
+        for e in events
+    ]
+    result["need"] = [e.need_bytes for e in events if type(e).__name__ == "MemoryDeferred"]
+    result["failed"] = [e.error_type for e in events if type(e).__name__ == "CaptureFailed"]
+    result["stats"] = graph.get_cumulative_stats()
+    bus.close()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+def _cache_served(config: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CACHE_SERVED_SCRIPT, config],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr[-4000:]
+    import json
+
+    result: dict[str, object] = json.loads(lines[0][len("RESULT ") :])
+    print("\n" + config + " " + json.dumps(result, indent=1))
+    return result
+
+
+def test_a_capture_that_the_allocators_cache_alone_could_hold_waits() -> None:
+    """With the defaults, a shape whose eager call the allocator's cache served is not
+    captured while device-free memory is short of what that call took (a capture cannot use
+    the cache, and an allocation failing in it is fatal): it runs eagerly as a ``memory``
+    miss (detail ``need``) and is captured once there is room. With an explicit graph count
+    alone, the same capture fails, as the floor does not predict it."""
+    defaults = _cache_served("defaults")
+    assert defaults["failed"] == []
+    assert "error" not in defaults
+    free, cached = defaults["free_before"], defaults["cached"]
+    assert isinstance(free, int)
+    assert isinstance(cached, int)
+    assert 1 << 30 < free < 3 << 30
+    assert cached >= 4 << 30
+    events = defaults["events"]
+    assert isinstance(events, list)
+    assert events[:3] == [
+        ["GraphMissed", "warmup", "call 1 of 2"],
+        ["MemoryDeferred", None, None],
+        ["GraphMissed", "memory", "need"],
+    ]
+    assert ["GraphCaptured", None, None] in events
+    need = defaults["need"]
+    assert isinstance(need, list)
+    assert len(need) == 2
+    assert min(need) >= 4 << 30
+    assert defaults["match"] is True
+    assert defaults["close"] is True
+    stats = defaults["stats"]
+    assert isinstance(stats, dict)
+    assert (stats["memory_misses"], stats["num_graphs"], stats["capture_failures"]) == (2, 1, 0)
+
+    count = _cache_served("count")
+    assert count["budget"] == 0
+    assert count["failed"] == ["OutOfMemoryError"]
+    assert count["error"] == "OutOfMemoryError"
+
+
 def test_stats_fold_matches_derived_stats_on_cuda(bus: EventBus) -> None:
     """On the device too, the adapter's stats are exactly derive_stats of its events."""
     model = vision()

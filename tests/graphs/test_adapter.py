@@ -671,6 +671,8 @@ def test_events_carry_plain_data_only(bus: EventBus) -> None:
                 assert spec == InputSpec("float32", (2, 8), "cpu")
                 assert isinstance(value.stream, int)
                 continue
+            if value is None and name == "need_bytes":
+                continue  # a floor's deferral: no eager need deferred it
             assert isinstance(value, int | float | str), (type(event).__name__, name, type(value))
         assert event.key.startswith("float32[2,8] @cpu s=0")
 
@@ -829,3 +831,92 @@ def test_the_cyclic_garbage_collector_is_paused_for_a_capture_only(bus: EventBus
         graph(torch.randn(2, 8))
     assert seen == [False, False]
     assert gc.isenabled()
+
+
+def _needing(backend: SimulatedGraphBackend, nbytes: int) -> Callable[[torch.Tensor], Any]:
+    """A forward that takes ``nbytes`` at its peak, as the simulated allocator reports it."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        backend.peak_bytes = max(backend.peak_bytes, backend.allocated_bytes + nbytes)
+        return x + 1
+
+    return forward
+
+
+def test_a_shape_whose_eager_calls_took_more_than_free_memory_waits(bus: EventBus) -> None:
+    """With a pool budget (the default), a capture waits while device-free memory holds less
+    than the shape's eager calls took and an eighth more: the capture cannot use the
+    allocator's cache that served them, and an allocation failing inside it is fatal."""
+    backend = SimulatedGraphBackend(free_bytes=1000)
+    backend.allocated_bytes = 5000
+    config = EncoderGraphConfig(min_free_bytes=0)
+    assert config.pool_budget_bytes > 0
+    graph = EncoderCudaGraph(
+        _needing(backend, 900), name="vision", config=config, bus=bus, backend=backend
+    )
+    x = torch.ones(2, 3)
+    with capture_events(bus) as events:
+        graph(x)  # the warm-up: eager, and it took 900 bytes
+        graph(x)  # due, but 900 + 900 // 8 > 1000: deferred
+        backend.free_bytes = 1012  # exactly 900 + 112: captured
+        out = graph(x)
+    torch.testing.assert_close(out, x + 1)
+    misses = [(e.reason, e.detail) for e in events if isinstance(e, GraphMissed)]
+    assert misses == [(MissReason.WARMUP, "call 1 of 2"), (MissReason.MEMORY, "need")]
+    (deferred,) = (e for e in events if isinstance(e, MemoryDeferred))
+    assert (deferred.free_bytes, deferred.need_bytes, deferred.floor_bytes) == (1000, 900, 0)
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 1
+    stats = graph.get_cumulative_stats()
+    assert (stats["memory_misses"], stats["num_graphs"]) == (1, 1)
+
+
+def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> None:
+    """A call that does not raise the allocator's peak is bounded by it: the bound defers."""
+    backend = SimulatedGraphBackend(free_bytes=1000)
+    backend.peak_bytes = 3000  # an earlier, larger call
+    graph = EncoderCudaGraph(
+        _needing(backend, 10),
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=0),
+        bus=bus,
+        backend=backend,
+    )
+    x = torch.ones(2, 3)
+    with capture_events(bus) as events:
+        graph(x)
+        graph(x)
+    (deferred,) = (e for e in events if isinstance(e, MemoryDeferred))
+    assert deferred.need_bytes == 3000
+
+
+def test_an_explicit_graph_count_keeps_the_floor_alone(bus: EventBus) -> None:
+    """Without a pool budget (an explicit ``max_graphs`` alone) only the floor defers."""
+    backend = SimulatedGraphBackend(free_bytes=1000)
+    config = EncoderGraphConfig(max_graphs=4, min_free_bytes=0)
+    assert config.pool_budget_bytes == 0
+    graph = EncoderCudaGraph(
+        _needing(backend, 900_000), name="vision", config=config, bus=bus, backend=backend
+    )
+    with capture_events(bus) as events:
+        graph(torch.ones(2, 3))
+        graph(torch.ones(2, 3))
+    assert not any(isinstance(e, MemoryDeferred) for e in events)
+    assert graph.get_cumulative_stats()["num_graphs"] == 1
+
+
+def test_a_full_cache_does_not_read_the_allocator(bus: EventBus) -> None:
+    """Capacity misses run eagerly without reading the allocator's statistics."""
+    backend = SimulatedGraphBackend()
+    reads: list[str] = []
+    backend.device_allocated_bytes = lambda device: reads.append(str(device)) or (0, 0)  # type: ignore[method-assign]
+    graph = EncoderCudaGraph(
+        lambda x: x + 1,
+        name="vision",
+        config=EncoderGraphConfig(max_graphs=0, pool_budget_bytes=1 << 30),
+        bus=bus,
+        backend=backend,
+    )
+    graph(torch.ones(2, 3))
+    graph(torch.ones(2, 3))
+    assert reads == []
+    assert graph.get_cumulative_stats()["capacity_misses"] == 2

@@ -59,6 +59,7 @@ EVENTS: list[Event] = [
         "vision", sig("float32[1,256,64]"), 6, 16, "RuntimeError", "boom \u2603", "cuda:0", 0
     ),
     MemoryDeferred("vision", sig("float32[2,1024,64]"), 7, 17, 100, 200, "cuda:0", 300),
+    MemoryDeferred("vision", sig("float32[3,1024,64]"), 8, 18, 100, 200, "cuda:0", 300, 900),
 ]
 
 

@@ -253,11 +253,13 @@ def test_a_deferral_notice_names_the_allocators_cache_when_it_was_read() -> None
     board = RecordBoard()
     read = MemoryDeferred("vision", sig("float32[1]"), 1, T0, 5 * MiB, GiB, "cuda:0", 700 * MiB)
     unread = MemoryDeferred("vision", sig("float32[2]"), 2, T0, 6 * MiB, GiB, "cuda:0")
-    board.add([EventRecord(read, 100, 0), EventRecord(unread, 100, 0)])
+    need = MemoryDeferred("vision", sig("float32[3]"), 3, T0, 2 * GiB, GiB, "cuda:0", 0, 3 * GiB)
+    board.add([EventRecord(e, 100, 0) for e in (read, unread, need)])
     (encoder,) = board.snapshot().encoders
     assert [n.text for n in encoder.notices] == [
         "22:13:20Z deferred float32[1]: free 5.0 MiB < floor 1.0 GiB (allocator cache 700.0 MiB)",
         "22:13:20Z deferred float32[2]: free 6.0 MiB < floor 1.0 GiB",
+        "22:13:20Z deferred float32[3]: free 2.0 GiB < eager need 3.0 GiB (allocator cache 0 B)",
     ]
 
 

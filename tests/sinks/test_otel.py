@@ -674,6 +674,11 @@ def test_a_signature_without_tensors_keeps_its_key_and_has_no_dtype(
             ATTR.PHASE: "serving",
         }
         assert (span.start_time, span.end_time) == (2_000, 2_000)
+        needed = MemoryDeferred("custom", Signature((None,), 3), 3, 4_000, 10, 20, "cuda:1", 5, 70)
+        sink.handle([needed])
+        attributes = spans.get_finished_spans()[-1].attributes
+        assert attributes is not None
+        assert (attributes[ATTR.CACHED_BYTES], attributes[ATTR.NEED_BYTES]) == (5, 70)
     finally:
         bus.close()
 

@@ -90,6 +90,10 @@ class SimulatedGraphBackend:
         cached_bytes: memory the simulated allocator holds cached, reported with a memory
             deferral; a settable attribute. Default 0.
 
+    :attr:`allocated_bytes` and :attr:`peak_bytes` are the simulated allocator's allocated
+    memory now and at its peak (both 0 at first): a test's forward raises ``peak_bytes``
+    to simulate what an eager call allocates.
+
     Raises:
         ConfigError: ``free_bytes``, ``graph_bytes`` or ``cached_bytes`` is not a
             nonnegative integer, or a delay is not a nonnegative number of seconds.
@@ -111,6 +115,8 @@ class SimulatedGraphBackend:
     ) -> None:
         self.free_bytes = check_int("free_bytes", free_bytes)
         self.cached_bytes = check_int("cached_bytes", cached_bytes)
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
         self.graph_bytes = check_int("graph_bytes", graph_bytes)
         self.fail_on_capture = fail_on_capture
         self.capture_delay = check_number("capture_delay", capture_delay, positive=False)
@@ -198,6 +204,14 @@ class SimulatedGraphBackend:
             device: the call's device (any).
         """
         return self.cached_bytes
+
+    def device_allocated_bytes(self, device: torch.device) -> tuple[int, int]:
+        """Return :attr:`allocated_bytes` and :attr:`peak_bytes`.
+
+        Args:
+            device: the call's device (any).
+        """
+        return self.allocated_bytes, self.peak_bytes
 
     def new_pool(self, device: torch.device) -> Any:
         """Return a new pool token, ``("simulated-pool", n)``, counting it.

@@ -169,6 +169,22 @@ class CudaDeviceQuestions:
         reserved = stats.get("reserved_bytes.all.current", 0)
         return max(0, int(reserved) - int(stats.get("allocated_bytes.all.current", 0)))
 
+    def device_allocated_bytes(self, device: torch.device) -> tuple[int, int]:
+        """The caching allocator's allocated bytes on ``device``: now, and the peak since
+        the process started or its peak statistics were last reset (never by omnitrace).
+
+        Read around the eager calls of a key that has no graph yet, to bound what its
+        capture will allocate: the statistics are a dictionary built per call.
+
+        Args:
+            device: the CUDA device.
+        """
+        stats = torch.cuda.memory_stats(device)
+        return (
+            int(stats.get("allocated_bytes.all.current", 0)),
+            int(stats.get("allocated_bytes.all.peak", 0)),
+        )
+
     def new_pool(self, device: torch.device) -> Any:
         return torch.cuda.graph_pool_handle()
 

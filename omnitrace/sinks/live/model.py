@@ -164,7 +164,12 @@ def _notice(event: Event) -> Notice | None:
                 event.epoch_ns,
                 False,
                 f"{clock(event.epoch_ns)} deferred {key}: free "
-                f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}"
+                + (
+                    f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}"
+                    if event.need_bytes is None
+                    else f"{format_bytes(event.free_bytes)} < eager need "
+                    f"{format_bytes(event.need_bytes)}"
+                )
                 + (
                     ""
                     if event.cached_bytes is None

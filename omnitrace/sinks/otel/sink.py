@@ -291,6 +291,8 @@ class OTelSink:
                 }
                 if event.cached_bytes is not None:  # OTel attributes cannot be None
                     attributes[ATTR.CACHED_BYTES] = event.cached_bytes
+                if event.need_bytes is not None:
+                    attributes[ATTR.NEED_BYTES] = event.need_bytes
                 self._emit_span(SPANS.MEMORY_DEFERRAL, event.epoch_ns, event.epoch_ns, attributes)
             case ev.CaptureFailed():
                 # The event marks the moment the capture raised; its start is not recorded,
