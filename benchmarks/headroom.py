@@ -200,8 +200,11 @@ def _run_config(args: argparse.Namespace, config: str, given: Sequence[str]) -> 
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
     if not raw.exists():
+        # The first line names the cause where the output holds one: the report keeps it.
+        oom = _oom_line(log)
         tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{config}: the engine failed ({code}):\n{tail}")
+        cause = f": {oom}" if oom else ":"
+        raise RuntimeError(f"{config}: the engine failed ({code}) before a burst{cause}\n{tail}")
     result: dict[str, Any] = json.loads(raw.read_text())
     # Written before the engine shut down: a shutdown that failed or hung is reported.
     result["exit"] = code

@@ -156,6 +156,10 @@ def test_a_child_that_fails_without_a_result_fails_the_run_and_keeps_the_others(
                 (tmp_path / "eager" / "raw.json").write_text(json.dumps(raw))
             else:
                 stdout.write(b"Traceback: the engine could not start\n")
+                stdout.write(
+                    b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 MiB\n"
+                )
+                stdout.write(b"the rest of its output\n")
 
         def wait(self, timeout: float | None = None) -> int:
             return 0 if self.config == "eager" else 3
@@ -167,13 +171,16 @@ def test_a_child_that_fails_without_a_result_fails_the_run_and_keeps_the_others(
     monkeypatch.setattr(common, "cuda_probe", lambda: {"name": "NVIDIA H100 80GB HBM3"})
     assert headroom.main(["--out", str(tmp_path)]) == 1
     captured = capsys.readouterr()
-    assert "omnitrace: the engine failed (3)" in captured.err
+    assert "omnitrace: the engine failed (3) before a burst" in captured.err
     assert "the engine could not start" in captured.err
     result = json.loads((tmp_path / "headroom-minicpmo.json").read_text())
     assert list(result["configs"]) == ["eager"]
     assert result["failed"]["config"] == "omnitrace"
     assert "- eager: the largest burst served 2" in captured.out
-    assert "- omnitrace: no result, omnitrace: the engine failed (3):" in captured.out
+    assert (
+        "- omnitrace: no result, omnitrace: the engine failed (3) before a burst: "
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 MiB\n"
+    ) in captured.out
     assert "no result" in (tmp_path / "headroom-minicpmo.md").read_text()
 
 
