@@ -259,7 +259,8 @@ def test_a_deferral_notice_names_the_allocators_cache_when_it_was_read() -> None
     assert [n.text for n in encoder.notices] == [
         "22:13:20Z deferred float32[1]: free 5.0 MiB < floor 1.0 GiB (allocator cache 700.0 MiB)",
         "22:13:20Z deferred float32[2]: free 6.0 MiB < floor 1.0 GiB",
-        "22:13:20Z deferred float32[3]: free 2.0 GiB < eager need 3.0 GiB (allocator cache 0 B)",
+        "22:13:20Z deferred float32[3]: free 2.0 GiB < 3.4 GiB (eager need 3.0 GiB and an eighth)"
+        " (allocator cache 0 B)",
     ]
 
 

@@ -167,8 +167,9 @@ def _notice(event: Event) -> Notice | None:
                 + (
                     f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}"
                     if event.need_bytes is None
-                    else f"{format_bytes(event.free_bytes)} < eager need "
-                    f"{format_bytes(event.need_bytes)}"
+                    else f"{format_bytes(event.free_bytes)} < "
+                    f"{format_bytes(event.need_bytes + event.need_bytes // 8)} (eager need "
+                    f"{format_bytes(event.need_bytes)} and an eighth)"
                 )
                 + (
                     ""
