@@ -33,6 +33,7 @@ __all__ = [
     "EncoderGraphFailedError",
     "OmnitraceError",
     "misspelt_key",
+    "needed_free_bytes",
     "parse_hf_overrides",
     "spelt_like_a_key",
 ]
@@ -48,6 +49,17 @@ DEFAULT_POOL_BUDGET_BYTES = 2 * GiB
 #: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
 #: admission history keeps four keys per graph; no deployment needs more.
 MAX_GRAPHS_CAP = 1024
+
+
+def needed_free_bytes(need: int) -> int:
+    """Device-free memory a capture waits for, under a pool budget, when its key's eager
+    calls took ``need`` bytes at their peak: the need and an eighth more.
+
+    Args:
+        need: what the key's eager calls allocated at their peak.
+    """
+    return need + need // 8
+
 
 _PREFIX = "encoder_cuda_graph"
 

@@ -392,7 +392,7 @@ class EncoderCudaGraph:
         Returns:
             ``"captured"``; ``"held"`` when a graph of the key exists; else why not, as
             the miss a call would have been: ``"ineligible: DETAIL"``, ``"capacity: cap"``,
-            ``"capacity: budget"`` or ``"memory: floor"``.
+            ``"capacity: budget"``, ``"memory: floor"`` or ``"memory: need"``.
 
         Raises:
             ValueError: a dtype of ``signature`` that torch does not have.
@@ -423,10 +423,8 @@ class EncoderCudaGraph:
             decision = self._admission.decide(
                 key, lambda: self.backend.device_free_bytes(where), recorded=True
             )
-            if decision.verdict is Verdict.CAPACITY:
-                return "capacity: budget" if decision.budget else "capacity: cap"
-            if decision.verdict is Verdict.MEMORY:
-                return "memory: floor" if decision.need is None else "memory: need"
+            if decision.verdict in (Verdict.CAPACITY, Verdict.MEMORY):
+                return f"{decision.verdict.value}: {decision.detail}"
             if self.prepare_hook is not None:
                 self.prepare_hook(where)
             due = Due(key, inputs, where, stream, signature_of(inputs, stream))
@@ -697,7 +695,7 @@ class EncoderCudaGraph:
         memory could not hold. The peak read is the allocator's since it last rose: when
         this call did not raise it, the figure is an upper bound."""
         read = getattr(self.backend, "device_allocated_bytes", None)
-        if read is None or self.config.pool_budget_bytes <= 0:
+        if read is None or not self._admission.measures_need:
             return self._eager(inputs, *miss, device)
         before, _ = read(device)
         out = self._eager(inputs, *miss, device)
@@ -734,7 +732,7 @@ class EncoderCudaGraph:
         decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
-            return None, (MissReason.CAPACITY, "budget" if decision.budget else "cap", signature)
+            return None, (MissReason.CAPACITY, decision.detail, signature)
         if verdict is Verdict.WARMUP:
             detail = f"call {decision.calls} of {self.config.min_capture_calls}"
             return None, (_WARMUP, detail, signature)
@@ -754,8 +752,7 @@ class EncoderCudaGraph:
                     phase=self._phase,
                 )
             )
-            detail = "floor" if decision.need is None else "need"
-            return None, (MissReason.MEMORY, detail, signature)
+            return None, (MissReason.MEMORY, decision.detail, signature)
         if self.config.background_capture and not self._closed:
             self._submit(due)
             return None, (_WARMUP, "preparing", signature)

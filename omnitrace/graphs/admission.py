@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from omnitrace.config import EncoderGraphConfig
+from omnitrace.config import EncoderGraphConfig, needed_free_bytes
 
 __all__ = ["Admission", "Decision", "Verdict"]
 
@@ -34,6 +34,16 @@ class Decision:
     need: int | None = None
     """For memory: what the key's eager calls took, which device-free memory could not
     hold; None when the floor deferred it."""
+
+    @property
+    def detail(self) -> str:
+        """The miss detail of a capacity or memory verdict: ``budget`` or ``cap``,
+        ``need`` or ``floor``; empty for the others."""
+        if self.verdict is Verdict.CAPACITY:
+            return "budget" if self.budget else "cap"
+        if self.verdict is Verdict.MEMORY:
+            return "floor" if self.need is None else "need"
+        return ""
 
 
 class Admission:
@@ -70,6 +80,11 @@ class Admission:
         #: With a budget: per remembered key, the most its eager calls took.
         self._need: dict[Hashable, int] | None = {} if self._budget > 0 else None
         self.num_graphs = 0
+
+    @property
+    def measures_need(self) -> bool:
+        """Whether eager calls' peaks count (:meth:`took_eagerly`): with a pool budget."""
+        return self._need is not None
 
     @property
     def full(self) -> bool:
@@ -114,7 +129,7 @@ class Admission:
             # cache, which served the eager calls, cannot serve it, and an allocation that
             # fails during a capture is fatal. So a key whose eager calls took more than the
             # device holds free (with an eighth to spare) waits, as under the floor.
-            if need is not None and need + need // 8 > free:
+            if need is not None and needed_free_bytes(need) > free:
                 return Decision(Verdict.MEMORY, calls, free, need=need)
             return Decision(Verdict.CAPTURE, calls, free)
         return Decision(Verdict.CAPTURE, calls)

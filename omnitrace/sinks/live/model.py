@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omnitrace._display import safe
 from omnitrace._units import format_bytes
+from omnitrace.config import needed_free_bytes
 from omnitrace.coverage import AdapterCoverage, CoverageFold
 from omnitrace.eventlog import AdapterInfo, EventRecord
 from omnitrace.events import (
@@ -164,11 +165,11 @@ def _notice(event: Event) -> Notice | None:
                 event.epoch_ns,
                 False,
                 f"{clock(event.epoch_ns)} deferred {key}: free "
+                f"{format_bytes(event.free_bytes)} < "
                 + (
-                    f"{format_bytes(event.free_bytes)} < floor {format_bytes(event.floor_bytes)}"
+                    f"floor {format_bytes(event.floor_bytes)}"
                     if event.need_bytes is None
-                    else f"{format_bytes(event.free_bytes)} < "
-                    f"{format_bytes(event.need_bytes + event.need_bytes // 8)} (eager need "
+                    else f"{format_bytes(needed_free_bytes(event.need_bytes))} (eager need "
                     f"{format_bytes(event.need_bytes)} and an eighth)"
                 )
                 + (
