@@ -226,10 +226,11 @@ class MemoryDeferred(_Keyed):
     cannot. None where the backend could not read it, and in logs written before the field
     existed."""
     need_bytes: int | None = None
-    """What the signature's eager calls allocated at their peak (an upper bound where a call
-    did not raise the allocator's peak), when that, more than device-free memory holds with
-    an eighth to spare, deferred the capture (the miss detail ``need``); None when the
-    floor deferred it, and in logs written before the field existed."""
+    """What the signature's eager calls allocated at their peak (the least of their figures;
+    an upper bound where a call did not raise the allocator's peak), when that, more than
+    device-free memory holds with an eighth to spare, deferred the capture (the miss detail
+    ``need``); None when the floor deferred it, and in logs written before the field
+    existed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ class Admission:
         self._floor = config.min_free_bytes
         self._limit = config.history_size
         self._history: OrderedDict[Hashable, int] = OrderedDict()
-        #: With a budget: per remembered key, the most its eager calls took.
+        #: With a budget: per remembered key, the least bound its eager calls gave.
         self._need: dict[Hashable, int] | None = {} if self._budget > 0 else None
         self.num_graphs = 0
 
@@ -135,8 +135,12 @@ class Admission:
         return Decision(Verdict.CAPTURE, calls)
 
     def took_eagerly(self, key: Hashable, nbytes: int) -> None:
-        """Record what an eager call of the remembered ``key`` took at its peak (the most
-        of its calls is kept); ignored without a pool budget, or for a forgotten key.
+        """Record what an eager call of the remembered ``key`` took at its peak; ignored
+        without a pool budget, or for a forgotten key.
+
+        Each figure bounds the same need from above (calls of one key allocate alike, and a
+        call under an earlier, higher peak reads that peak), so the least of a key's
+        figures is kept: the tightest bound.
 
         Args:
             key: the call's key.
@@ -145,7 +149,8 @@ class Admission:
         """
         need = self._need
         if need is not None and nbytes > 0 and key in self._history:
-            need[key] = max(need.get(key, 0), int(nbytes))
+            nbytes = int(nbytes)
+            need[key] = min(need.get(key, nbytes), nbytes)
 
     def took(self, nbytes: int) -> None:
         """Record the memory a captured graph took (counted against the budget)."""

@@ -889,6 +889,31 @@ def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> 
     assert deferred.need_bytes == 3000
 
 
+def test_a_later_tighter_bound_replaces_a_looser_one(bus: EventBus) -> None:
+    """Every call's figure bounds the same need: the least one decides. A call made with
+    more allocated before it reads less under the same earlier peak, and that lets the
+    capture go ahead."""
+    backend = SimulatedGraphBackend(free_bytes=1000)
+    backend.peak_bytes = 3000  # an earlier, larger call
+    graph = EncoderCudaGraph(
+        _needing(backend, 10),
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=0),
+        bus=bus,
+        backend=backend,
+    )
+    x = torch.ones(2, 3)
+    with capture_events(bus) as events:
+        graph(x)  # warm-up: reads 3000 - 0
+        backend.allocated_bytes = 2500
+        graph(x)  # deferred on 3000; reads 3000 - 2500
+        graph(x)  # 500 + 62 fits in 1000: captured
+    needs = [e.need_bytes for e in events if isinstance(e, MemoryDeferred)]
+    assert needs == [3000]
+    assert sum(isinstance(e, GraphCaptured) for e in events) == 1
+    assert graph.get_cumulative_stats()["num_graphs"] == 1
+
+
 def test_an_explicit_graph_count_keeps_the_floor_alone(bus: EventBus) -> None:
     """Without a pool budget (an explicit ``max_graphs`` alone) only the floor defers."""
     backend = SimulatedGraphBackend(free_bytes=1000)

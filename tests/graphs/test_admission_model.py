@@ -34,13 +34,13 @@ class Reference:
     pool: int = 0  # what the captured graphs took: pool growth plus static buffers
     graphs: list[tuple[int, int]] = field(default_factory=list)
     history: list[list[object]] = field(default_factory=list)  # [key, calls], oldest first
-    # With a budget: per remembered key, the most its eager calls took (the test's forward
+    # With a budget: per remembered key, the least its eager calls took (the test's forward
     # takes as many bytes as its input has rows).
     need: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def _eager(self, key: tuple[int, int], verdict: list[str]) -> list[str]:
         if self.budget > 0 and key[0] > 0:
-            self.need[key] = max(self.need.get(key, 0), key[0])
+            self.need[key] = min(self.need.get(key, key[0]), key[0])
         return verdict
 
     def call(self, key: tuple[int, int]) -> list[str]:
