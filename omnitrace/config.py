@@ -71,6 +71,7 @@ HF_OVERRIDE_KEYS: Mapping[str, str] = {
     "encoder_cuda_graph_min_free_bytes": "min_free_bytes",
     "encoder_cuda_graph_pool_budget_bytes": "pool_budget_bytes",
     "encoder_cuda_graph_share_pools": "share_pools",
+    "encoder_cuda_graph_expandable_pools": "expandable_pools",
     "encoder_cuda_graph_compile": "compile",
     "encoder_cuda_graph_background_capture": "background_capture",
     "encoder_cuda_graph_device_timing": "device_timing",
@@ -135,6 +136,14 @@ class EncoderGraphConfig:
             graph count.
         share_pools: share one memory pool and capture stream per encoder, device and
             replay stream (false gives every graph its own, for an A/B comparison).
+        expandable_pools: captures allocate in PyTorch's expandable segments (the caching
+            allocator's ``expandable_segments``, switched on for the capture alone, and
+            left as it is where the process configured it): a pool is then one growing
+            range, so a larger shape's capture reuses what a smaller one freed in it and
+            the pool grows by the difference, where fixed segments sized for the smaller
+            shape's tensors cannot hold the larger's and the pool grows by the larger
+            capture's whole size. Off by default. Native allocator only (not
+            ``cudaMallocAsync``); elsewhere it changes nothing.
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
             per exact shape instead of the eager forward; misses still run the eager
             forward. Off by default. Inside vLLM a compile never runs on a request's path:
@@ -196,6 +205,7 @@ class EncoderGraphConfig:
     min_free_bytes: int = GiB
     pool_budget_bytes: int = _UNSET
     share_pools: bool = True
+    expandable_pools: bool = False
     compile: bool = False
     background_capture: bool = False
     device_timing: bool = False
@@ -236,6 +246,7 @@ class EncoderGraphConfig:
         )
         for name in (
             "share_pools",
+            "expandable_pools",
             "compile",
             "background_capture",
             "device_timing",

@@ -13,6 +13,7 @@ MAX = "encoder_cuda_graph_max_graphs"
 CALLS = "encoder_cuda_graph_min_capture_calls"
 FREE = "encoder_cuda_graph_min_free_bytes"
 SHARE = "encoder_cuda_graph_share_pools"
+EXPANDABLE = "encoder_cuda_graph_expandable_pools"
 ON = "encoder_cuda_graph"
 AUDIO = "encoder_cuda_graph_audio_attention"
 
@@ -26,6 +27,7 @@ def test_defaults_capture_on_the_second_call_under_a_pool_budget() -> None:
     assert cfg.by_default_budget
     assert cfg.min_free_bytes == 1073741824
     assert cfg.share_pools is True
+    assert cfg.expandable_pools is False
     assert cfg.history_size == 64
     assert cfg.audio_attention == "native"
 
@@ -62,9 +64,16 @@ def test_a_budget_set_alone_keeps_the_default_ceiling_and_a_later_cap_drops_it()
 
 def test_from_hf_overrides_reads_every_key() -> None:
     """Every documented key sets its field."""
-    cfg = EncoderGraphConfig.from_hf_overrides({ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False})
+    cfg = EncoderGraphConfig.from_hf_overrides(
+        {ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False, EXPANDABLE: True}
+    )
     assert cfg == EncoderGraphConfig(
-        enabled=True, max_graphs=7, min_capture_calls=3, min_free_bytes=0, share_pools=False
+        enabled=True,
+        max_graphs=7,
+        min_capture_calls=3,
+        min_free_bytes=0,
+        share_pools=False,
+        expandable_pools=True,
     )
 
 
@@ -141,6 +150,7 @@ ROUTES = "'native' or 'masked'"
         (FREE, 2**63, f"{FREE}: expected {FREE_RANGE}, got 9223372036854775808 (int)"),
         (SHARE, 1, f"{SHARE}: expected true or false, got 1 (int)"),
         (SHARE, "false", f"{SHARE}: expected true or false, got 'false' (str)"),
+        (EXPANDABLE, "on", f"{EXPANDABLE}: expected true or false, got 'on' (str)"),
         (ON, 0, f"{ON}: expected true or false, got 0 (int)"),
         (ON, "yes", f"{ON}: expected true or false, got 'yes' (str)"),
         (AUDIO, "flash", f"{AUDIO}: expected {ROUTES}, got 'flash' (str)"),

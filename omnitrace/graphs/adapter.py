@@ -132,6 +132,7 @@ def _registered_settings(config: EncoderGraphConfig, backend: GraphBackend) -> d
         "min_free_bytes": config.min_free_bytes,
         "pool_budget_bytes": config.pool_budget_bytes,
         "share_pools": config.share_pools,
+        "expandable_pools": config.expandable_pools,
         "compile": config.compile,
         "background_capture": config.background_capture,
         "device_timing": config.device_timing,

@@ -75,8 +75,8 @@ class Capturer:
         hooks: the adapter's name, lock and callbacks (a failed capture goes to its
             ``fail`` before the error propagates).
         backend: the adapter's graph backend.
-        config: the adapter's settings (``share_pools``; ``compile``: torch.compile's lock
-            is held too).
+        config: the adapter's settings (``share_pools``, ``expandable_pools``; ``compile``:
+            torch.compile's lock is held too).
         error_mode: the CUDA capture error mode the backend is asked for.
         forward: returns the forward to capture (the encoder, or torch.compile of it).
     """
@@ -95,6 +95,7 @@ class Capturer:
         self._pools = PoolRegistry(backend, share=config.share_pools)
         self._error_mode = error_mode
         self._compiled = config.compile
+        self._expandable = config.expandable_pools
         self._forward = forward
         #: The held graphs by key, in capture order; never removed, so the call path may
         #: read an entry without the adapter's lock.
@@ -136,6 +137,7 @@ class Capturer:
                 # A prepared key: the device was settled by the preparation, and a call
                 # must not stall on a device-wide sync.
                 quiet=prepared,
+                expandable=self._expandable,
                 layout=layout,
             )
             with (

@@ -404,9 +404,9 @@ CACHE_SERVED_SCRIPT = textwrap.dedent(
 )
 
 
-def _cache_served(config: str) -> dict[str, object]:
+def _run_script(script: str, arg: str) -> dict[str, object]:
     proc = subprocess.run(
-        [sys.executable, "-c", CACHE_SERVED_SCRIPT, config],
+        [sys.executable, "-c", script, arg],
         capture_output=True,
         text=True,
         timeout=300,
@@ -417,8 +417,12 @@ def _cache_served(config: str) -> dict[str, object]:
     import json
 
     result: dict[str, object] = json.loads(lines[0][len("RESULT ") :])
-    print("\n" + config + " " + json.dumps(result, indent=1))
+    print("\n" + arg + " " + json.dumps(result))
     return result
+
+
+def _cache_served(config: str) -> dict[str, object]:
+    return _run_script(CACHE_SERVED_SCRIPT, config)
 
 
 def test_a_capture_that_the_allocators_cache_alone_could_hold_waits() -> None:
@@ -457,6 +461,67 @@ def test_a_capture_that_the_allocators_cache_alone_could_hold_waits() -> None:
     assert count["budget"] == 0
     assert count["failed"] == ["OutOfMemoryError"]
     assert count["error"] == "OutOfMemoryError"
+
+
+EXPANDABLE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+    from omnitrace.testing import capture_events
+
+    torch.manual_seed(0)
+    w1 = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16) / 32
+    w2 = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) / 64
+
+    def forward(x):
+        h = torch.nn.functional.gelu(x @ w1) * 2 + 1
+        return torch.softmax(h.float(), -1).to(x.dtype) @ w2 + x
+
+    config = EncoderGraphConfig(min_free_bytes=0, expandable_pools=sys.argv[1] == "on")
+    bus = EventBus()
+    graph = EncoderCudaGraph(forward, name="vision", config=config, bus=bus)
+    rows = [1024, 2048, 4096, 8192, 16384]  # each shape larger than the one before
+    with torch.no_grad(), capture_events(bus) as events:
+        for n in rows:
+            x = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
+            graph(x)  # warm-up
+            graph(x)  # captured
+        # Every graph again, after all the captures, against the eager forward.
+        match = []
+        for n in reversed(rows):
+            x = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
+            match.append(torch.equal(graph(x), forward(x)))
+    result = {
+        "grew": [e.bytes_reserved for e in events if type(e).__name__ == "GraphCaptured"],
+        "pools": sorted({e.pool_id for e in events if type(e).__name__ == "GraphCaptured"}),
+        "match": match,
+        "stats": graph.get_cumulative_stats(),
+    }
+    bus.close()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+def test_expandable_pools_let_a_larger_capture_reuse_a_smaller_ones_memory() -> None:
+    """Shapes captured smallest first into one shared pool: with fixed segments each larger
+    capture finds no block big enough among those the smaller ones freed and the pool grows
+    by about its whole size; with ``expandable_pools`` the freed blocks merge, the pool
+    grows by the difference, and every graph still replays its shape's result."""
+    off = _run_script(EXPANDABLE_SCRIPT, "off")
+    on = _run_script(EXPANDABLE_SCRIPT, "on")
+    for result in (off, on):
+        assert result["match"] == [True] * 5
+        assert len(result["pools"]) == 1  # type: ignore[arg-type]
+        stats = result["stats"]
+        assert isinstance(stats, dict)
+        assert (stats["num_graphs"], stats["capture_failures"]) == (5, 0)
+    grew_off, grew_on = off["grew"], on["grew"]
+    assert isinstance(grew_off, list)
+    assert isinstance(grew_on, list)
+    # The largest capture alone needs about half of what the five take one after another.
+    assert sum(grew_off) > 1.6 * grew_off[-1] > 0
+    assert sum(grew_on) < 0.75 * sum(grew_off)
 
 
 def test_stats_fold_matches_derived_stats_on_cuda(bus: EventBus) -> None:

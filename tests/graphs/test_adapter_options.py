@@ -782,3 +782,86 @@ def test_a_name_the_event_log_cannot_carry_is_refused(name: str) -> None:
         "name: expected no control characters or lone surrogates (the event log cannot "
         f"carry them), got {name!r} (str)"
     )
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_expandable_pools_reaches_every_capture(bus: EventBus, expandable: bool) -> None:
+    """``expandable_pools`` is asked of each capture the backend makes, and registered."""
+    backend = SimulatedGraphBackend()
+    graph = EncoderCudaGraph(
+        lambda x: x * 2,
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=0, expandable_pools=expandable),
+        bus=bus,
+        backend=backend,
+    )
+    for rows in (1, 2):
+        graph(torch.ones(rows, 3))
+        graph(torch.ones(rows, 3))
+    assert backend.expandable == [expandable, expandable]
+    assert graph.num_graphs == 2
+
+
+class _Settings:
+    """A stand-in for PyTorch's allocator-settings setter: records what it is given."""
+
+    def __init__(self) -> None:
+        self.given: list[str] = []
+
+    def __call__(self, text: str) -> None:
+        self.given.append(text)
+
+
+@pytest.fixture
+def settings(monkeypatch: pytest.MonkeyPatch) -> _Settings:
+    from omnitrace.graphs.backends import torch as torch_backend
+
+    recorder = _Settings()
+    monkeypatch.setattr(torch_backend, "_allocator_setter", lambda: recorder)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    return recorder
+
+
+def test_expandable_segments_are_on_for_the_block_alone(settings: _Settings) -> None:
+    from omnitrace.graphs.backends.torch import expandable_segments
+
+    with expandable_segments(True):
+        assert settings.given == ["expandable_segments:True"]
+    assert settings.given == ["expandable_segments:True", "expandable_segments:False"]
+    with pytest.raises(RuntimeError, match="capture failed"), expandable_segments(True):
+        raise RuntimeError("capture failed")
+    assert settings.given[2:] == ["expandable_segments:True", "expandable_segments:False"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "conf"),
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("PYTORCH_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True"),
+    ],
+)
+def test_expandable_segments_the_process_configured_are_left_alone(
+    settings: _Settings, monkeypatch: pytest.MonkeyPatch, variable: str, conf: str
+) -> None:
+    """Switching them off after the block would undo the operator's own setting."""
+    from omnitrace.graphs.backends.torch import expandable_segments
+
+    monkeypatch.setenv(variable, conf)
+    with expandable_segments(True):
+        pass
+    assert settings.given == []
+
+
+def test_expandable_segments_change_nothing_when_off_or_on_another_allocator(
+    settings: _Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omnitrace.graphs.backends.torch import expandable_segments
+
+    with expandable_segments(False):
+        pass
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with expandable_segments(True):
+        pass
+    assert settings.given == []

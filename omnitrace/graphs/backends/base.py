@@ -56,6 +56,10 @@ class CaptureRequest:
     """Capture without a device-wide synchronisation first, for background captures, so
     other threads' calls never stall on them (the torch backend honours it; vLLM's manager
     always synchronises). No capture empties the allocators' caches."""
+    expandable: bool = False
+    """Allocate the capture's pool memory in the caching allocator's expandable segments
+    (switched on for the capture alone): a larger capture then reuses what smaller ones
+    in the same pool freed. Simulated and non-native allocators ignore it."""
     layout: OutputLayout | None = None
     """The output layout of warm-ups already run for this key (a background preparation):
     the backend skips its own warm-up and sizes the static outputs from it. A backend that

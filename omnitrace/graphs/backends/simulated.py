@@ -127,6 +127,8 @@ class SimulatedGraphBackend:
         self.capture_streams_created = 0
         self.capture_modes: list[str] = []
         """``capture_error_mode`` of every capture, in order."""
+        self.expandable: list[bool] = []
+        """Whether each capture asked for expandable segments, in order."""
         self._local = threading.local()
 
     # -- knobs for tests -------------------------------------------------------------------
@@ -267,6 +269,7 @@ class SimulatedGraphBackend:
             request.capture_error_mode,
         )
         self.capture_modes.append(capture_error_mode)
+        self.expandable.append(request.expandable)
         static_inputs = static_copies(inputs)
         layout = request.layout
         if layout is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,7 +28,10 @@ __all__ = [
     "TorchCudaGraph",
     "TorchGraphBackend",
     "allocated_total",
+    "expandable_segments",
 ]
+
+logger = logging.getLogger(__name__)
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -84,6 +89,47 @@ def allocated_total(device: torch.device) -> int:
     if total is None:
         return int(torch.cuda.memory_reserved(device))
     return int(total)
+
+
+def _configured_expandable() -> bool:
+    """Whether the process's allocator configuration already asks for expandable segments."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(name, "").replace(" ", "").lower()
+        if "expandable_segments:true" in conf.split(","):
+            return True
+    return False
+
+
+def _allocator_setter() -> Callable[[str], None] | None:
+    """PyTorch's setter of allocator settings at run time; None where it has none."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # before PyTorch 2.9
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    return setter
+
+
+@contextlib.contextmanager
+def expandable_segments(on: bool) -> Iterator[None]:
+    """Let the caching allocator create expandable segments in the block, then fixed ones
+    again: a capture's pool becomes one growing range whose freed blocks merge, so a
+    larger capture in it reuses what smaller ones freed.
+
+    Nothing changes where ``on`` is false, where the process configured expandable
+    segments itself (left as they are), or with another allocator backend. Callers hold
+    the capture lock, so blocks never nest.
+
+    Args:
+        on: switch them on for the block.
+    """
+    setter = _allocator_setter() if on and not _configured_expandable() else None
+    if setter is None or torch.cuda.memory.get_allocator_backend() != "native":
+        yield
+        return
+    setter("expandable_segments:True")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:False")
 
 
 @contextlib.contextmanager
@@ -242,6 +288,7 @@ class TorchGraphBackend(CudaDeviceQuestions):
         try:
             with (
                 capture_ordering(replay_stream, capture_stream, torch.cuda.stream),
+                expandable_segments(request.expandable),
                 _quiet_capture(
                     graph,
                     pool=pool,

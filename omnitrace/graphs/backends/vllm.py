@@ -20,7 +20,11 @@ from omnitrace.graphs.backends.base import (
     static_copies,
     warm_up,
 )
-from omnitrace.graphs.backends.torch import CudaDeviceQuestions, allocated_total
+from omnitrace.graphs.backends.torch import (
+    CudaDeviceQuestions,
+    allocated_total,
+    expandable_segments,
+)
 from omnitrace.graphs.backends.vllm_protocol import (
     ExactShapeEncoder,
     UnsupportedVllmError,
@@ -228,6 +232,7 @@ class VllmGraphBackend(CudaDeviceQuestions):
                 capture_ordering(replay_stream, capture_stream, self._stream_scope),
                 default_capture_stream(capture_stream),
                 caches_kept(),
+                expandable_segments(request.expandable),
             ):
                 manager.capture(pool)
             grown = self._allocated(device) - allocated_before
