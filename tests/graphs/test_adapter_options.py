@@ -854,6 +854,22 @@ def test_expandable_segments_the_process_configured_are_left_alone(
     assert settings.given == []
 
 
+def test_expandable_segments_keep_the_processs_other_settings(
+    settings: _Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some PyTorch versions reset what a settings call leaves out: the operator's other
+    settings go with each switch; the backend, fixed at start-up, does not."""
+    from omnitrace.graphs.backends.torch import expandable_segments
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, backend:native")
+    with expandable_segments(True):
+        pass
+    assert settings.given == [
+        "max_split_size_mb:512,expandable_segments:True",
+        "max_split_size_mb:512,expandable_segments:False",
+    ]
+
+
 def test_expandable_segments_change_nothing_when_off_or_on_another_allocator(
     settings: _Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,13 +91,11 @@ def allocated_total(device: torch.device) -> int:
     return int(total)
 
 
-def _configured_expandable() -> bool:
-    """Whether the process's allocator configuration already asks for expandable segments."""
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        conf = os.environ.get(name, "").replace(" ", "").lower()
-        if "expandable_segments:true" in conf.split(","):
-            return True
-    return False
+def _configured_settings() -> list[str]:
+    """The process's allocator settings (``PYTORCH_ALLOC_CONF``, else the older
+    ``PYTORCH_CUDA_ALLOC_CONF``), one ``key:value`` an item."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return [item.strip() for item in conf.split(",") if item.strip()]
 
 
 def _allocator_setter() -> Callable[[str], None] | None:
@@ -111,25 +109,40 @@ def _allocator_setter() -> Callable[[str], None] | None:
 @contextlib.contextmanager
 def expandable_segments(on: bool) -> Iterator[None]:
     """Let the caching allocator create expandable segments in the block, then fixed ones
-    again: a capture's pool becomes one growing range whose freed blocks merge, so a
-    larger capture in it reuses what smaller ones freed.
+    again: a capture's pool becomes one growing range of mapped pages, so a larger capture
+    in it reuses blocks that smaller ones freed, where fixed segments sized for smaller
+    tensors cannot serve it.
 
     Nothing changes where ``on`` is false, where the process configured expandable
-    segments itself (left as they are), or with another allocator backend. Callers hold
-    the capture lock, so blocks never nest.
+    segments itself (left as they are), or with another allocator backend. The process's
+    other settings are given again with each switch, since some PyTorch versions reset
+    the settings a call leaves out. Callers hold the capture lock, so blocks never nest.
 
     Args:
         on: switch them on for the block.
     """
-    setter = _allocator_setter() if on and not _configured_expandable() else None
-    if setter is None or torch.cuda.memory.get_allocator_backend() != "native":
+    settings = _configured_settings()
+    keys = [item.split(":", 1)[0].strip().lower() for item in settings]
+    setter = _allocator_setter() if on else None
+    if (
+        setter is None
+        or "expandable_segments:true" in (item.replace(" ", "").lower() for item in settings)
+        or torch.cuda.memory.get_allocator_backend() != "native"
+    ):
         yield
         return
-    setter("expandable_segments:True")
+    # The backend is fixed at start-up and a setter may refuse to be told it again.
+    kept = [item for item, key in zip(settings, keys, strict=True) if key not in _SWITCHED]
+    setter(",".join([*kept, "expandable_segments:True"]))
     try:
         yield
     finally:
-        setter("expandable_segments:False")
+        setter(",".join([*kept, "expandable_segments:False"]))
+
+
+#: Settings never given again around a capture: the switch itself, and the allocator
+#: backend, which PyTorch fixes at start-up.
+_SWITCHED = frozenset({"expandable_segments", "backend"})
 
 
 @contextlib.contextmanager
