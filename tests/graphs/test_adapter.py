@@ -870,10 +870,10 @@ def test_a_shape_whose_eager_calls_took_more_than_free_memory_waits(bus: EventBu
     assert (stats["memory_misses"], stats["num_graphs"]) == (1, 1)
 
 
-def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> None:
-    """A call that does not raise the allocator's peak is bounded by it: the bound defers."""
+def _under_an_earlier_peak(bus: EventBus) -> tuple[SimulatedGraphBackend, EncoderCudaGraph]:
+    """An adapter whose calls take 10 bytes, after an earlier call raised the peak to 3000."""
     backend = SimulatedGraphBackend(free_bytes=1000)
-    backend.peak_bytes = 3000  # an earlier, larger call
+    backend.peak_bytes = 3000
     graph = EncoderCudaGraph(
         _needing(backend, 10),
         name="vision",
@@ -881,6 +881,12 @@ def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> 
         bus=bus,
         backend=backend,
     )
+    return backend, graph
+
+
+def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> None:
+    """A call that does not raise the allocator's peak is bounded by it: the bound defers."""
+    _, graph = _under_an_earlier_peak(bus)
     x = torch.ones(2, 3)
     with capture_events(bus) as events:
         graph(x)
@@ -893,15 +899,7 @@ def test_a_later_tighter_bound_replaces_a_looser_one(bus: EventBus) -> None:
     """Every call's figure bounds the same need: the least one decides. A call made with
     more allocated before it reads less under the same earlier peak, and that lets the
     capture go ahead."""
-    backend = SimulatedGraphBackend(free_bytes=1000)
-    backend.peak_bytes = 3000  # an earlier, larger call
-    graph = EncoderCudaGraph(
-        _needing(backend, 10),
-        name="vision",
-        config=EncoderGraphConfig(min_free_bytes=0),
-        bus=bus,
-        backend=backend,
-    )
+    backend, graph = _under_an_earlier_peak(bus)
     x = torch.ones(2, 3)
     with capture_events(bus) as events:
         graph(x)  # warm-up: reads 3000 - 0
