@@ -138,11 +138,12 @@ class EncoderGraphConfig:
             replay stream (false gives every graph its own, for an A/B comparison).
         expandable_pools: captures allocate in PyTorch's expandable segments (the caching
             allocator's ``expandable_segments``, switched on for the capture alone, and
-            left as it is where the process configured it): a pool is then one growing
-            range, so a larger shape's capture reuses what a smaller one freed in it and
-            the pool grows by the difference, where fixed segments sized for the smaller
-            shape's tensors cannot hold the larger's and the pool grows by the larger
-            capture's whole size. Off by default. Native allocator only (not
+            left as it is where the process configured it): a shared pool is then one
+            growing range, so a larger shape's capture reuses blocks smaller ones freed in
+            it, where fixed segments sized for the smaller shapes' tensors cannot hold the
+            larger's and the pool grows by the larger capture's whole size. On by default
+            (MiniCPM-o's vision graphs through ``vllm serve`` on an H100: 16 graphs in
+            1.27 GiB, against 13 in 2.27 GiB without). Native allocator only (not
             ``cudaMallocAsync``); elsewhere it changes nothing.
         compile: capture ``torch.compile(forward)`` (inductor's fused kernels, default mode)
             per exact shape instead of the eager forward; misses still run the eager
@@ -205,7 +206,7 @@ class EncoderGraphConfig:
     min_free_bytes: int = GiB
     pool_budget_bytes: int = _UNSET
     share_pools: bool = True
-    expandable_pools: bool = False
+    expandable_pools: bool = True
     compile: bool = False
     background_capture: bool = False
     device_timing: bool = False

@@ -27,7 +27,7 @@ def test_defaults_capture_on_the_second_call_under_a_pool_budget() -> None:
     assert cfg.by_default_budget
     assert cfg.min_free_bytes == 1073741824
     assert cfg.share_pools is True
-    assert cfg.expandable_pools is False
+    assert cfg.expandable_pools is True
     assert cfg.history_size == 64
     assert cfg.audio_attention == "native"
 
@@ -65,7 +65,7 @@ def test_a_budget_set_alone_keeps_the_default_ceiling_and_a_later_cap_drops_it()
 def test_from_hf_overrides_reads_every_key() -> None:
     """Every documented key sets its field."""
     cfg = EncoderGraphConfig.from_hf_overrides(
-        {ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False, EXPANDABLE: True}
+        {ON: True, MAX: 7, CALLS: 3, FREE: 0, SHARE: False, EXPANDABLE: False}
     )
     assert cfg == EncoderGraphConfig(
         enabled=True,
@@ -73,7 +73,7 @@ def test_from_hf_overrides_reads_every_key() -> None:
         min_capture_calls=3,
         min_free_bytes=0,
         share_pools=False,
-        expandable_pools=True,
+        expandable_pools=False,
     )
 
 
