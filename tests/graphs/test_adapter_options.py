@@ -881,3 +881,22 @@ def test_expandable_segments_change_nothing_when_off_or_on_another_allocator(
     with expandable_segments(True):
         pass
     assert settings.given == []
+
+
+def test_an_allocator_that_refuses_the_switch_leaves_the_capture_to_fixed_segments(
+    settings: _Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A setter that raises is a logged warning, never a failed capture."""
+    from omnitrace.graphs.backends import torch as torch_backend
+
+    def refuse(text: str) -> None:
+        settings.given.append(text)
+        raise RuntimeError("unrecognized option")
+
+    monkeypatch.setattr(torch_backend, "_allocator_setter", lambda: refuse)
+    ran = []
+    with caplog.at_level(logging.WARNING), torch_backend.expandable_segments(True):
+        ran.append(True)
+    assert ran == [True]
+    assert settings.given == ["expandable_segments:True"]
+    assert "expandable segments not switched on for a capture: unrecognized option" in (caplog.text)

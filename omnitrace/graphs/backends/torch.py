@@ -106,6 +106,11 @@ def _allocator_setter() -> Callable[[str], None] | None:
     return setter
 
 
+#: Settings never given again around a capture: the switch itself, and the allocator
+#: backend, which PyTorch fixes at start-up (a setter may refuse to be told it again).
+_SWITCHED = frozenset({"expandable_segments", "backend"})
+
+
 @contextlib.contextmanager
 def expandable_segments(on: bool) -> Iterator[None]:
     """Let the caching allocator create expandable segments in the block, then fixed ones
@@ -116,13 +121,13 @@ def expandable_segments(on: bool) -> Iterator[None]:
     Nothing changes where ``on`` is false, where the process configured expandable
     segments itself (left as they are), or with another allocator backend. The process's
     other settings are given again with each switch, since some PyTorch versions reset
-    the settings a call leaves out. Callers hold the capture lock, so blocks never nest.
+    the settings a call leaves out. A setter that raises is logged as a warning and the
+    capture goes on in fixed segments. Callers hold the capture lock, so blocks never nest.
 
     Args:
         on: switch them on for the block.
     """
     settings = _configured_settings()
-    keys = [item.split(":", 1)[0].strip().lower() for item in settings]
     setter = _allocator_setter() if on else None
     if (
         setter is None
@@ -131,18 +136,24 @@ def expandable_segments(on: bool) -> Iterator[None]:
     ):
         yield
         return
-    # The backend is fixed at start-up and a setter may refuse to be told it again.
-    kept = [item for item, key in zip(settings, keys, strict=True) if key not in _SWITCHED]
-    setter(",".join([*kept, "expandable_segments:True"]))
+    kept = [item for item in settings if item.split(":", 1)[0].strip().lower() not in _SWITCHED]
+    switched = _switch(setter, [*kept, "expandable_segments:True"], "on for a capture")
     try:
         yield
     finally:
-        setter(",".join([*kept, "expandable_segments:False"]))
+        if switched:
+            _switch(setter, [*kept, "expandable_segments:False"], "off")
 
 
-#: Settings never given again around a capture: the switch itself, and the allocator
-#: backend, which PyTorch fixes at start-up.
-_SWITCHED = frozenset({"expandable_segments", "backend"})
+def _switch(setter: Callable[[str], None], settings: list[str], what: str) -> bool:
+    """Give ``settings`` to the allocator; an allocator that refuses is a logged warning
+    (the capture goes on as before), never a failed capture."""
+    try:
+        setter(",".join(settings))
+    except Exception as exc:
+        logger.warning("omnitrace: expandable segments not switched %s: %s", what, exc)
+        return False
+    return True
 
 
 @contextlib.contextmanager
