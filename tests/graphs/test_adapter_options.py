@@ -880,6 +880,13 @@ def test_expandable_segments_change_nothing_when_off_or_on_another_allocator(
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
     with expandable_segments(True):
         pass
+
+    def cannot_say() -> str:  # a CPU build has no CUDA allocator to ask
+        raise AttributeError("module 'torch._C' has no attribute '_cuda_getAllocatorBackend'")
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", cannot_say)
+    with expandable_segments(True):
+        pass
     assert settings.given == []
 
 

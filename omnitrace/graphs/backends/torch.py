@@ -119,7 +119,8 @@ def expandable_segments(on: bool) -> Iterator[None]:
     tensors cannot serve it.
 
     Nothing changes where ``on`` is false, where the process configured expandable
-    segments itself (left as they are), or with another allocator backend. The process's
+    segments itself (left as they are), with another allocator backend, or on a build
+    without PyTorch's CUDA caching allocator. The process's
     other settings are given again with each switch, since some PyTorch versions reset
     the settings a call leaves out. A setter that raises is logged as a warning and the
     capture goes on in fixed segments. Callers hold the capture lock, so blocks never nest.
@@ -132,7 +133,7 @@ def expandable_segments(on: bool) -> Iterator[None]:
     if (
         setter is None
         or "expandable_segments:true" in (item.replace(" ", "").lower() for item in settings)
-        or torch.cuda.memory.get_allocator_backend() != "native"
+        or not _native_allocator()
     ):
         yield
         return
@@ -143,6 +144,15 @@ def expandable_segments(on: bool) -> Iterator[None]:
     finally:
         if switched:
             _switch(setter, [*kept, "expandable_segments:False"], "off")
+
+
+def _native_allocator() -> bool:
+    """Whether PyTorch's own caching allocator serves CUDA memory (False on a build
+    without one, such as a CPU build, which cannot say)."""
+    try:
+        return bool(torch.cuda.memory.get_allocator_backend() == "native")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _switch(setter: Callable[[str], None], settings: list[str], what: str) -> bool:
