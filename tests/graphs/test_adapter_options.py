@@ -906,4 +906,5 @@ def test_an_allocator_that_refuses_the_switch_leaves_the_capture_to_fixed_segmen
         ran.append(True)
     assert ran == [True]
     assert settings.given == ["expandable_segments:True"]
-    assert "expandable segments not switched on for a capture: unrecognized option" in (caplog.text)
+    expected = "expandable segments not switched on for a capture: unrecognized option"
+    assert expected in caplog.text

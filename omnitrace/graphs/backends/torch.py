@@ -91,11 +91,12 @@ def allocated_total(device: torch.device) -> int:
     return int(total)
 
 
-def _configured_settings() -> list[str]:
+def _configured_settings() -> list[tuple[str, str]]:
     """The process's allocator settings (``PYTORCH_ALLOC_CONF``, else the older
-    ``PYTORCH_CUDA_ALLOC_CONF``), one ``key:value`` an item."""
+    ``PYTORCH_CUDA_ALLOC_CONF``): each item as written, and its key in lower case."""
     conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    return [item.strip() for item in conf.split(",") if item.strip()]
+    items = [item.strip() for item in conf.split(",") if item.strip()]
+    return [(item, item.split(":", 1)[0].strip().lower()) for item in items]
 
 
 def _allocator_setter() -> Callable[[str], None] | None:
@@ -120,24 +121,24 @@ def expandable_segments(on: bool) -> Iterator[None]:
 
     Nothing changes where ``on`` is false, where the process configured expandable
     segments itself (left as they are), with another allocator backend, or on a build
-    without PyTorch's CUDA caching allocator. The process's
-    other settings are given again with each switch, since some PyTorch versions reset
-    the settings a call leaves out. A setter that raises is logged as a warning and the
-    capture goes on in fixed segments. Callers hold the capture lock, so blocks never nest.
+    without PyTorch's CUDA caching allocator. The process's other settings are given
+    again with each switch, since some PyTorch versions reset the settings a call leaves
+    out. A setter that raises is logged as a warning and the capture goes on in fixed
+    segments. Callers hold the capture lock, so blocks never nest.
 
     Args:
         on: switch them on for the block.
     """
     settings = _configured_settings()
-    setter = _allocator_setter() if on else None
-    if (
-        setter is None
-        or "expandable_segments:true" in (item.replace(" ", "").lower() for item in settings)
-        or not _native_allocator()
-    ):
+    configured = any(
+        key == "expandable_segments" and item.split(":", 1)[-1].strip().lower() == "true"
+        for item, key in settings
+    )
+    setter = _allocator_setter() if on and not configured else None
+    if setter is None or not _native_allocator():
         yield
         return
-    kept = [item for item in settings if item.split(":", 1)[0].strip().lower() not in _SWITCHED]
+    kept = [item for item, key in settings if key not in _SWITCHED]
     switched = _switch(setter, [*kept, "expandable_segments:True"], "on for a capture")
     try:
         yield
