@@ -732,6 +732,38 @@ def test_warm_up_misses_are_told_apart_and_split_items_named_where_batches_were_
     assert ("encoder_cuda_graph_split_items" in seldom) is (items == "batched")
 
 
+@pytest.mark.parametrize("expandable", [None, False, True])
+def test_the_capture_sizes_note_says_which_segments_they_were_recorded_in(
+    expandable: bool | None,
+) -> None:
+    """The replay takes recorded capture sizes as they are: the note says whether they came
+    from fixed segments (upper bounds under the default) or expandable ones, and nothing
+    where the log's adapter facts do not say."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    calls: list[Call] = [("vision", (n, 16, 8), Phase.SERVING) for n in (1, 2) for _ in range(5)]
+    records = _records(_run(calls, logged), logged)
+    if expandable is not None:
+        (info,) = [r for r in records if isinstance(r.item, AdapterInfo)]
+        facts = {**info.item.info, "expandable_pools": expandable}  # type: ignore[union-attr]
+        records[records.index(info)] = EventRecord(
+            AdapterInfo("vision", facts), info.pid, info.rank
+        )
+    recording = Recording.from_records(records)
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    (sizes,) = [n for n in advice.notes if n.startswith("capture sizes:")]
+    base = "capture sizes: 2 keys recorded, 0 estimated from the recorded bytes per input element"
+    if expandable is None:
+        assert sizes == base
+    elif expandable:
+        assert sizes == base + (
+            "; vision captured in expandable segments: with "
+            "encoder_cuda_graph_expandable_pools false the pools would take more"
+        )
+    else:
+        assert sizes.startswith(base + "; vision captured in fixed segments (expandable_pools off)")
+        assert sizes.endswith("so the pool figures are upper bounds there")
+
+
 def test_only_captures_while_serving_count_as_holding_up_calls() -> None:
     """A capture at start-up held up no call: the warm-up note sums the serving ones."""
     logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)

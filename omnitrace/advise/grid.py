@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -496,7 +496,7 @@ def _notes(recording: Recording) -> tuple[str, ...]:
     estimated = recording.estimated_sizes
     notes.append(
         f"capture sizes: {sizes - estimated} keys recorded, {estimated} estimated from the "
-        "recorded bytes per input element"
+        "recorded bytes per input element" + _segments_note(recording.segments)
     )
     if recording.free_source == "unknown":
         notes.append(
@@ -521,6 +521,25 @@ def _notes(recording: Recording) -> tuple[str, ...]:
                 "and replayed as it moved)"
             )
     return tuple(notes)
+
+
+def _segments_note(segments: Mapping[str, str]) -> str:
+    """What the recorded capture sizes stand for, from the segments they were recorded in."""
+    fixed = sorted(adapter for adapter, kind in segments.items() if kind == "fixed")
+    expandable = sorted(adapter for adapter, kind in segments.items() if kind == "expandable")
+    note = ""
+    if fixed:
+        note += (
+            f"; {', '.join(fixed)} captured in fixed segments (expandable_pools off): with "
+            "encoder_cuda_graph_expandable_pools on, the default, a larger shape's capture "
+            "reuses memory the smaller ones freed, so the pool figures are upper bounds there"
+        )
+    if expandable:
+        note += (
+            f"; {', '.join(expandable)} captured in expandable segments: with "
+            "encoder_cuda_graph_expandable_pools false the pools would take more"
+        )
+    return note
 
 
 def format_seconds(value: float | None) -> str:

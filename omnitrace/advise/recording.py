@@ -190,6 +190,10 @@ class Recording:
     """Per encoder whose calls can carry several images or clips, how it served them:
     ``"batched"`` (one call, one key) or ``"split"`` (one call per item), from its adapter
     facts (``encoder_cuda_graph_split_items``)."""
+    segments: Mapping[str, str] = field(default_factory=dict)
+    """Per encoder whose adapter facts say, the segments its captures were recorded in:
+    ``"expandable"`` or ``"fixed"`` (``encoder_cuda_graph_expandable_pools``). The replay
+    takes the recorded capture sizes as they are, so they stand for that setting only."""
     serving_captures: tuple[float, ...] = ()
     """The host seconds of each capture logged while serving: each held up the call that
     made it (captures at start-up, before serving, are not among them)."""
@@ -566,6 +570,11 @@ class _Builder:
                 adapter: value
                 for adapter, info in self.infos.items()
                 if (value := info.get("items")) in ("batched", "split")
+            },
+            segments={
+                adapter: "expandable" if value else "fixed"
+                for adapter, info in self.infos.items()
+                if isinstance(value := info.get("expandable_pools"), bool)
             },
             serving_captures=tuple(self.serving_captures),
             deferral_cached=self.deferral_cached,
