@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 #: Graphs an encoder may keep when neither ``max_graphs`` nor a pool budget is set: a
 #: ceiling, since the default pool budget decides how many shapes fit.
-DEFAULT_MAX_GRAPHS = 16
+DEFAULT_MAX_GRAPHS = 32
 #: The pool budget of each encoder when neither ``max_graphs`` nor a budget is set.
 DEFAULT_POOL_BUDGET_BYTES = 2 * GiB
 #: Most graphs an encoder may keep. Each holds static buffers and pool memory, and the
@@ -116,7 +116,7 @@ class EncoderGraphConfig:
             call is then an ``ineligible`` miss, detail ``disabled``).
         max_graphs: graphs retained per encoder, at most 1024; 0 captures nothing (a cache
             of zero graphs is full: every eligible call is a ``capacity`` miss). Not set
-            (default): at most ``DEFAULT_MAX_GRAPHS`` (16), and the pool budget decides
+            (default): at most ``DEFAULT_MAX_GRAPHS`` (32), and the pool budget decides
             how many shapes fit (see ``pool_budget_bytes``).
         min_capture_calls: calls with the same key before it is captured (at least 2).
         min_free_bytes: device-free memory floor checked before each capture; 0 disables it.

@@ -19,16 +19,16 @@ AUDIO = "encoder_cuda_graph_audio_attention"
 
 
 def test_defaults_capture_on_the_second_call_under_a_pool_budget() -> None:
-    """Defaults: at most 16 graphs under a 2 GiB pool budget, capture on the second call, a
+    """Defaults: at most 32 graphs under a 2 GiB pool budget, capture on the second call, a
     1 GiB floor, shared pools."""
     cfg = EncoderGraphConfig()
-    assert (cfg.enabled, cfg.max_graphs, cfg.min_capture_calls) == (True, 16, 2)
+    assert (cfg.enabled, cfg.max_graphs, cfg.min_capture_calls) == (True, 32, 2)
     assert cfg.pool_budget_bytes == 2 * 1024**3
     assert cfg.by_default_budget
     assert cfg.min_free_bytes == 1073741824
     assert cfg.share_pools is True
     assert cfg.expandable_pools is True
-    assert cfg.history_size == 64
+    assert cfg.history_size == 128
     assert cfg.audio_attention == "native"
 
 
@@ -51,7 +51,7 @@ def test_a_graph_count_set_alone_follows_the_design_note(given: dict[str, int]) 
 
 def test_a_budget_set_alone_keeps_the_default_ceiling_and_a_later_cap_drops_it() -> None:
     cfg = EncoderGraphConfig(pool_budget_bytes=512 << 20)
-    assert (cfg.max_graphs, cfg.pool_budget_bytes) == (16, 512 << 20)
+    assert (cfg.max_graphs, cfg.pool_budget_bytes) == (32, 512 << 20)
     # A cap set later on the defaults stands alone, as it would have from the start ...
     assert EncoderGraphConfig().replace(max_graphs=4).pool_budget_bytes == 0
     # ... but a budget the user chose is kept, and so is the default pair for other changes.

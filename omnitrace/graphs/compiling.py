@@ -49,7 +49,7 @@ def compile_forward(
     each shape the adapter captures, up to ``max_graphs``.
 
     Admission bounds the shapes an adapter captures, so dynamo's own bound on recompiles
-    (8 by default, far below the default cap of 16 graphs) is raised around each call of
+    (8 by default, far below the default cap of 32 graphs) is raised around each call of
     the compiled forward: without that, the ninth shape and later would be captured from
     the uncompiled kernels. A shape may take two entries: its warm-up on a preparation
     thread and its capture on the caller's thread may differ in a thread-local mode that

@@ -137,17 +137,17 @@ def test_cap_holds_four_graphs_without_eviction(bus: EventBus) -> None:
     assert graph.num_graphs == 4
 
 
-def test_the_default_keeps_sixteen_graphs_when_they_fit_the_budget(bus: EventBus) -> None:
-    """Without a cap or a budget set, 16 shapes get graphs (the simulated ones are small
-    against the 2 GiB budget); the 17th is a capacity miss of the cap, not the budget."""
+def test_the_default_keeps_thirty_two_graphs_when_they_fit_the_budget(bus: EventBus) -> None:
+    """Without a cap or a budget set, 32 shapes get graphs (the simulated ones are small
+    against the 2 GiB budget); the 33rd is a capacity miss of the cap, not the budget."""
     graph, _, _ = make(bus)
-    shapes = [torch.randn(n, 8) for n in range(1, 18)]
-    for x in shapes[:16]:
+    shapes = [torch.randn(n, 8) for n in range(1, 34)]
+    for x in shapes[:32]:
         graph(x)
         graph(x)
-    assert graph.num_graphs == 16
+    assert graph.num_graphs == 32
     with capture_events(bus) as events:
-        graph(shapes[16])
+        graph(shapes[32])
     assert [e.detail for e in events if isinstance(e, GraphMissed)] == ["cap"]
 
 
