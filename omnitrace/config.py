@@ -128,7 +128,9 @@ class EncoderGraphConfig:
             The last graph admitted may take the total past the budget by its own size (a
             capture's memory is known only after it). With a budget, a capture is also
             deferred while device-free memory holds less than the key's eager calls took
-            at their peak and an eighth more (a ``memory`` miss, detail ``need``): a
+            at their peak and an eighth more (a ``memory`` miss, detail ``need``; not where
+            the shared pool the capture would use holds a graph of inputs at least as
+            large in every dimension, whose memory holds it): a
             capture cannot use the allocator's cache that served them, and an allocation
             failing inside it is fatal. 0: no budget. Not set (default):
             ``DEFAULT_POOL_BUDGET_BYTES`` (2 GiB) when ``max_graphs`` is not set either,

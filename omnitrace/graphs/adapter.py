@@ -421,14 +421,18 @@ class EncoderCudaGraph:
                 raise self._terminal_error()
             if key in self._graphs:
                 return "held"
+            here = signature_of(inputs, stream)
             decision = self._admission.decide(
-                key, lambda: self.backend.device_free_bytes(where), recorded=True
+                key,
+                lambda: self.backend.device_free_bytes(where),
+                recorded=True,
+                reused=lambda: self._capturer.pool_holds_larger(here),
             )
             if decision.verdict in (Verdict.CAPACITY, Verdict.MEMORY):
                 return f"{decision.verdict.value}: {decision.detail}"
             if self.prepare_hook is not None:
                 self.prepare_hook(where)
-            due = Due(key, inputs, where, stream, signature_of(inputs, stream))
+            due = Due(key, inputs, where, stream, here)
             # A failed capture makes the adapter terminal; its error propagates untouched.
             graph = self._capturer.capture(
                 due, None, prepared=False, free_bytes=decision.free_bytes
@@ -730,7 +734,11 @@ class EncoderCudaGraph:
             finally:
                 prep.wanted.discard(key)
                 CAPTURE_LOCK.release()
-        decision = self._admission.decide(key, lambda: self.backend.device_free_bytes(device))
+        decision = self._admission.decide(
+            key,
+            lambda: self.backend.device_free_bytes(device),
+            reused=lambda: self._capturer.pool_holds_larger(signature),
+        )
         verdict = decision.verdict
         if verdict is Verdict.CAPACITY:
             return None, (MissReason.CAPACITY, decision.detail, signature)

@@ -98,14 +98,23 @@ class Admission:
         return dict(self._history)
 
     def decide(
-        self, key: Hashable, free_bytes: Callable[[], int], *, recorded: bool = False
+        self,
+        key: Hashable,
+        free_bytes: Callable[[], int],
+        *,
+        recorded: bool = False,
+        reused: Callable[[], bool] | None = None,
     ) -> Decision:
         """Count a call of the uncaptured ``key`` and decide its fate.
 
         ``free_bytes`` is only called when the memory floor is enabled and the key is due
         for capture, because reading device memory costs a driver call. A ``recorded`` key
         (one an earlier run captured, prepared at start-up) needs no warm-up calls; the
-        cap, the budget and the floor apply as to any key.
+        cap, the budget and the floor apply as to any key. ``reused`` is asked only where
+        the key's eager need would defer it: whether the pool its capture would use already
+        holds a graph of inputs at least as large in every dimension. That capture's
+        transient memory is free in the pool again and holds this one's, so the need does
+        not defer it; the floor still does.
         """
         if self.num_graphs >= self._max_graphs:
             return Decision(Verdict.CAPACITY)
@@ -129,7 +138,11 @@ class Admission:
             # cache, which served the eager calls, cannot serve it, and an allocation that
             # fails during a capture is fatal. So a key whose eager calls took more than the
             # device holds free (with an eighth to spare) waits, as under the floor.
-            if need is not None and needed_free_bytes(need) > free:
+            if (
+                need is not None
+                and needed_free_bytes(need) > free
+                and (reused is None or not reused())
+            ):
                 return Decision(Verdict.MEMORY, calls, free, need=need)
             return Decision(Verdict.CAPTURE, calls, free)
         return Decision(Verdict.CAPTURE, calls)

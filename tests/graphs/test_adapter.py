@@ -912,6 +912,62 @@ def test_a_later_tighter_bound_replaces_a_looser_one(bus: EventBus) -> None:
     assert graph.get_cumulative_stats()["num_graphs"] == 1
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_a_shape_no_larger_than_a_graph_in_its_pool_is_not_held_back_by_its_need(
+    bus: EventBus, share: bool
+) -> None:
+    """A graph of inputs at least as large in every dimension, in the pool a capture would
+    use, left its capture's transient memory free there: a smaller shape's capture reuses it,
+    so its eager need does not defer it. A shape larger in one dimension, of another dtype,
+    or in a pool of its own (pools not shared) still waits for free memory."""
+    backend = SimulatedGraphBackend(free_bytes=2000)
+    config = EncoderGraphConfig(min_free_bytes=0, share_pools=share)
+    graph = EncoderCudaGraph(
+        _needing(backend, 900), name="vision", config=config, bus=bus, backend=backend
+    )
+    big = torch.ones(3, 3)
+    graph(big)
+    graph(big)  # 900 + 112 fits in 2000: captured
+    assert graph.get_cumulative_stats()["num_graphs"] == 1
+    backend.free_bytes = 1000  # from now on, 900 + 112 does not fit
+    shapes = {
+        "smaller": torch.ones(2, 3),
+        "wider": torch.ones(2, 4),
+        "half": torch.ones(2, 3, dtype=torch.float16),
+    }
+    deferred: dict[str, list[int | None]] = {}
+    for name, x in shapes.items():
+        with capture_events(bus) as events:
+            graph(x)
+            out = graph(x)
+        torch.testing.assert_close(out, x + 1)
+        deferred[name] = [e.need_bytes for e in events if isinstance(e, MemoryDeferred)]
+    assert deferred == {"smaller": [] if share else [900], "wider": [900], "half": [900]}
+    assert graph.get_cumulative_stats()["num_graphs"] == (2 if share else 1)
+
+
+def test_a_larger_graph_in_the_pool_does_not_lift_the_floor(bus: EventBus) -> None:
+    """The floor is the design note's check before every capture: it still defers a shape
+    that a held graph's pool memory would hold."""
+    backend = SimulatedGraphBackend(free_bytes=2000)
+    graph = EncoderCudaGraph(
+        _needing(backend, 900),
+        name="vision",
+        config=EncoderGraphConfig(min_free_bytes=1500),
+        bus=bus,
+        backend=backend,
+    )
+    graph(torch.ones(3, 3))
+    graph(torch.ones(3, 3))
+    backend.free_bytes = 1000
+    with capture_events(bus) as events:
+        graph(torch.ones(2, 3))
+        graph(torch.ones(2, 3))
+    misses = [(e.reason, e.detail) for e in events if isinstance(e, GraphMissed)]
+    assert misses == [(MissReason.WARMUP, "call 1 of 2"), (MissReason.MEMORY, "floor")]
+    assert graph.get_cumulative_stats()["num_graphs"] == 1
+
+
 def test_an_explicit_graph_count_keeps_the_floor_alone(bus: EventBus) -> None:
     """Without a pool budget (an explicit ``max_graphs`` alone) only the floor defers."""
     backend = SimulatedGraphBackend(free_bytes=1000)

@@ -64,7 +64,10 @@ class Reference:
         if self.floor > 0 and self.free < self.floor:
             return self._eager(key, ["deferred", "miss:memory"])
         need = self.need.get(key)
-        if need is not None and need + need // 8 > self.free:
+        # A graph of as many rows or more on the same replay stream shares the pool, whose
+        # memory holds this capture: the need does not defer it.
+        reused = any(g[1] == key[1] and g[0] >= key[0] for g in self.graphs)
+        if need is not None and need + need // 8 > self.free and not reused:
             return self._eager(key, ["deferred", "miss:memory"])
         self.history = [e for e in self.history if e[0] != key]
         self.need.pop(key, None)
