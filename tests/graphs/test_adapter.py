@@ -843,6 +843,15 @@ def _needing(backend: SimulatedGraphBackend, nbytes: int) -> Callable[[torch.Ten
     return forward
 
 
+def _needing_adapter(
+    bus: EventBus, backend: SimulatedGraphBackend, nbytes: int, config: EncoderGraphConfig
+) -> EncoderCudaGraph:
+    """An adapter named ``vision`` whose forward takes ``nbytes`` at its peak."""
+    return EncoderCudaGraph(
+        _needing(backend, nbytes), name="vision", config=config, bus=bus, backend=backend
+    )
+
+
 def test_a_shape_whose_eager_calls_took_more_than_free_memory_waits(bus: EventBus) -> None:
     """With a pool budget (the default), a capture waits while device-free memory holds less
     than the shape's eager calls took and an eighth more: the capture cannot use the
@@ -874,14 +883,7 @@ def _under_an_earlier_peak(bus: EventBus) -> tuple[SimulatedGraphBackend, Encode
     """An adapter whose calls take 10 bytes, after an earlier call raised the peak to 3000."""
     backend = SimulatedGraphBackend(free_bytes=1000)
     backend.peak_bytes = 3000
-    graph = EncoderCudaGraph(
-        _needing(backend, 10),
-        name="vision",
-        config=EncoderGraphConfig(min_free_bytes=0),
-        bus=bus,
-        backend=backend,
-    )
-    return backend, graph
+    return backend, _needing_adapter(bus, backend, 10, EncoderGraphConfig(min_free_bytes=0))
 
 
 def test_an_eager_call_under_an_earlier_peak_counts_that_peak(bus: EventBus) -> None:
@@ -922,9 +924,7 @@ def test_a_shape_no_larger_than_a_graph_in_its_pool_is_not_held_back_by_its_need
     or in a pool of its own (pools not shared) still waits for free memory."""
     backend = SimulatedGraphBackend(free_bytes=2000)
     config = EncoderGraphConfig(min_free_bytes=0, share_pools=share)
-    graph = EncoderCudaGraph(
-        _needing(backend, 900), name="vision", config=config, bus=bus, backend=backend
-    )
+    graph = _needing_adapter(bus, backend, 900, config)
     big = torch.ones(3, 3)
     graph(big)
     graph(big)  # 900 + 112 fits in 2000: captured
@@ -950,13 +950,7 @@ def test_a_larger_graph_in_the_pool_does_not_lift_the_floor(bus: EventBus) -> No
     """The floor is the design note's check before every capture: it still defers a shape
     that a held graph's pool memory would hold."""
     backend = SimulatedGraphBackend(free_bytes=2000)
-    graph = EncoderCudaGraph(
-        _needing(backend, 900),
-        name="vision",
-        config=EncoderGraphConfig(min_free_bytes=1500),
-        bus=bus,
-        backend=backend,
-    )
+    graph = _needing_adapter(bus, backend, 900, EncoderGraphConfig(min_free_bytes=1500))
     graph(torch.ones(3, 3))
     graph(torch.ones(3, 3))
     backend.free_bytes = 1000
