@@ -116,7 +116,10 @@ class Capturer:
         #: The held graphs by key, in capture order; never removed, so the call path may
         #: read an entry without the adapter's lock.
         self.graphs: dict[Hashable, Entry] = {}
-        self._share = config.share_pools
+        # A compiled graph's capture may take less than an eager forward of smaller inputs
+        # (its kernels are fused), and inside vLLM both kinds share a pool: no reuse is
+        # assumed with compile.
+        self._reuse = config.share_pools and not config.compile
 
     def pool_holds_larger(self, signature: Signature) -> bool:
         """Whether the shared pool a capture of ``signature`` would use holds a graph whose
@@ -124,12 +127,13 @@ class Capturer:
         devices and replay stream). The transient memory of that graph's capture is free
         in the pool between captures, and a capture of smaller inputs allocates no more,
         so it reuses that memory (on an H100, the 11 such captures of a MiniCPM-o run's
-        vision and audio shapes grew their pools by 0 or 2 MiB). False without shared pools.
+        vision and audio shapes grew their pools by 0 or 2 MiB). False without shared pools,
+        and with ``compile``.
 
         Args:
             signature: the signature of the key due for capture.
         """
-        if not self._share:
+        if not self._reuse:
             return False
         return any(_covers(entry.signature, signature) for entry in self.graphs.values())
 

@@ -914,16 +914,21 @@ def test_a_later_tighter_bound_replaces_a_looser_one(bus: EventBus) -> None:
     assert graph.get_cumulative_stats()["num_graphs"] == 1
 
 
-@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("setting", ["shared", "unshared", "compile"])
 def test_a_shape_no_larger_than_a_graph_in_its_pool_is_not_held_back_by_its_need(
-    bus: EventBus, share: bool
+    bus: EventBus, setting: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A graph of inputs at least as large in every dimension, in the pool a capture would
     use, left its capture's transient memory free there: a smaller shape's capture reuses it,
     so its eager need does not defer it. A shape larger in one dimension, of another dtype,
-    or in a pool of its own (pools not shared) still waits for free memory."""
+    in a pool of its own (pools not shared), or with compile (a compiled capture may take
+    less than an eager one of smaller inputs) still waits for free memory."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    share = setting == "shared"
     backend = SimulatedGraphBackend(free_bytes=2000)
-    config = EncoderGraphConfig(min_free_bytes=0, share_pools=share)
+    config = EncoderGraphConfig(
+        min_free_bytes=0, share_pools=setting != "unshared", compile=setting == "compile"
+    )
     graph = _needing_adapter(bus, backend, 900, config)
     big = torch.ones(3, 3)
     graph(big)
