@@ -130,7 +130,7 @@ class EncoderGraphConfig:
             deferred while device-free memory holds less than the key's eager calls took
             at their peak and an eighth more (a ``memory`` miss, detail ``need``; not where
             the shared pool the capture would use holds a graph of inputs at least as
-            large in every dimension, whose memory holds it): a
+            large in every dimension, whose memory holds it, compile off): a
             capture cannot use the allocator's cache that served them, and an allocation
             failing inside it is fatal. 0: no budget. Not set (default):
             ``DEFAULT_POOL_BUDGET_BYTES`` (2 GiB) when ``max_graphs`` is not set either,
