@@ -463,6 +463,103 @@ def test_a_capture_that_the_allocators_cache_alone_could_hold_waits() -> None:
     assert count["error"] == "OutOfMemoryError"
 
 
+#: A shape captured while device-free memory is short of its eager need, where the pool
+#: already holds a graph of larger inputs: argv[1] is "shared" (the default shared pools,
+#: whose freed capture memory the smaller capture reuses) or "unshared" (its own pool, so
+#: the need defers it). Each runs in its own process.
+POOL_REUSE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
+    from omnitrace.testing import capture_events
+
+    MiB = 1 << 20
+    torch.manual_seed(0)
+    w1 = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 16
+    w2 = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16) / 90
+
+    def forward(x):
+        # Two transients of 16 MiB a row of x each: about 1 GiB at 32 rows, 512 MiB at 16.
+        return torch.nn.functional.gelu(x @ w1) @ w2
+
+    config = EncoderGraphConfig(min_free_bytes=256 * MiB, share_pools=sys.argv[1] == "shared")
+    bus = EventBus()
+    graph = EncoderCudaGraph(forward, name="vision", config=config, bus=bus)
+    large = torch.randn(32, 1024, 256, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(16, 1024, 256, device="cuda", dtype=torch.bfloat16)
+    result = {}
+    with torch.no_grad(), capture_events(bus) as events:
+        graph(large)
+        graph(large)  # captured, with room to spare
+        expected = forward(small)
+        outs = [graph(small)]  # warm-up: its eager need is recorded
+        torch.cuda.synchronize()
+        # Leave 384 MiB free: above the floor, short of the small shape's need.
+        free = torch.cuda.mem_get_info()[0]
+        filler = torch.empty(free - 384 * MiB, dtype=torch.uint8, device="cuda")
+        result["free_before"] = torch.cuda.mem_get_info()[0]
+        try:
+            outs.append(graph(small))
+            outs.append(graph(small))
+        except Exception as exc:
+            result["error"] = type(exc).__name__
+        torch.cuda.synchronize()
+        del filler
+        result["close"] = all(
+            torch.allclose(o.float(), expected.float(), rtol=2e-2, atol=2e-2) for o in outs
+        )
+    result["events"] = [
+        [type(e).__name__, e.reason.value, e.detail] if hasattr(e, "reason") else
+        [type(e).__name__, None, None]
+        for e in events
+    ]
+    result["grew"] = [e.bytes_reserved for e in events if type(e).__name__ == "GraphCaptured"]
+    result["need"] = [e.need_bytes for e in events if type(e).__name__ == "MemoryDeferred"]
+    result["failed"] = [e.error_type for e in events if type(e).__name__ == "CaptureFailed"]
+    result["stats"] = graph.get_cumulative_stats()
+    bus.close()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+def test_a_smaller_shape_captured_into_a_pool_holding_a_larger_one_is_not_held_back() -> None:
+    """With shared pools, a shape whose eager need exceeds device-free memory is captured
+    all the same where the pool holds a graph of larger inputs: it reuses that capture's
+    freed memory, grows the pool by little and replays its shape's result. In its own pool
+    the same shape waits as a ``memory`` miss (detail ``need``) and nothing fails."""
+    shared = _run_script(POOL_REUSE_SCRIPT, "shared")
+    MiB = 1 << 20
+    free = shared["free_before"]
+    assert isinstance(free, int)
+    assert 256 * MiB < free < 512 * MiB
+    assert "error" not in shared
+    assert shared["failed"] == []
+    assert shared["need"] == []
+    grew = shared["grew"]
+    assert isinstance(grew, list)
+    assert len(grew) == 2
+    assert grew[0] >= 512 * MiB  # the larger graph's capture took its transients
+    assert grew[1] <= 64 * MiB  # the smaller one's came from what that capture freed
+    assert shared["close"] is True
+    stats = shared["stats"]
+    assert isinstance(stats, dict)
+    assert (stats["num_graphs"], stats["memory_misses"], stats["capture_failures"]) == (2, 0, 0)
+
+    unshared = _run_script(POOL_REUSE_SCRIPT, "unshared")
+    assert "error" not in unshared
+    assert unshared["failed"] == []
+    assert ["GraphMissed", "memory", "need"] in unshared["events"]  # type: ignore[operator]
+    need = unshared["need"]
+    assert isinstance(need, list)
+    assert need
+    assert min(need) >= 512 * MiB
+    assert unshared["close"] is True
+    stats = unshared["stats"]
+    assert isinstance(stats, dict)
+    assert (stats["num_graphs"], stats["memory_misses"], stats["capture_failures"]) == (1, 2, 0)
+
+
 EXPANDABLE_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
