@@ -340,24 +340,50 @@ def test_real_capture_failure_makes_the_adapter_terminal() -> None:
     assert result["stats"]["capture_failures"] == 1
 
 
-#: An eager call whose transient the allocator's cache serves, then a capture of its shape
-#: while device-free memory is short of that transient: argv[1] is "defaults" (omnitrace's
-#: defaults, with their pool budget) or "count" (an explicit max_graphs alone: the floor
-#: only). Each runs in its own process: a failed capture may leave the context unusable.
-CACHE_SERVED_SCRIPT = textwrap.dedent(
+#: The start of the two scripts below: a two-layer forward and its weights, on the device.
+_TWO_LAYER_PRELUDE = textwrap.dedent(
     """
     import json, sys, torch
     from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
     from omnitrace.testing import capture_events
 
-    GiB = 1 << 30
     torch.manual_seed(0)
     w1 = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 16
     w2 = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16) / 90
 
     def forward(x):
-        # A 4 GiB transient at (256, 1024, 8192) bf16, the output small.
+        # Two transients of 16 MiB a row of x (x @ w1 and its gelu), the output small.
         return torch.nn.functional.gelu(x @ w1) @ w2
+    """
+)
+
+#: Their end: the events, the needs of memory deferrals, failed captures and the stats
+#: into ``result``, printed as one RESULT line.
+_EVENTS_EPILOGUE = textwrap.dedent(
+    """
+    result["events"] = [
+        [type(e).__name__, e.reason.value, e.detail] if hasattr(e, "reason") else
+        [type(e).__name__, None, None]
+        for e in events
+    ]
+    result["need"] = [e.need_bytes for e in events if type(e).__name__ == "MemoryDeferred"]
+    result["failed"] = [e.error_type for e in events if type(e).__name__ == "CaptureFailed"]
+    result["stats"] = graph.get_cumulative_stats()
+    bus.close()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+#: An eager call whose transient the allocator's cache serves, then a capture of its shape
+#: while device-free memory is short of that transient: argv[1] is "defaults" (omnitrace's
+#: defaults, with their pool budget) or "count" (an explicit max_graphs alone: the floor
+#: only). Each runs in its own process: a failed capture may leave the context unusable.
+CACHE_SERVED_SCRIPT = (
+    _TWO_LAYER_PRELUDE
+    + textwrap.dedent(
+        """
+    GiB = 1 << 30  # a transient of 4 GiB at 256 rows
 
     config = EncoderGraphConfig() if sys.argv[1] == "defaults" else EncoderGraphConfig(max_graphs=4)
     bus = EventBus()
@@ -390,17 +416,9 @@ CACHE_SERVED_SCRIPT = textwrap.dedent(
             result["close"] = all(
                 torch.allclose(o.float(), expected.float(), rtol=2e-2, atol=2e-2) for o in outs
             )
-    result["events"] = [
-        [type(e).__name__, e.reason.value, e.detail] if hasattr(e, "reason") else
-        [type(e).__name__, None, None]
-        for e in events
-    ]
-    result["need"] = [e.need_bytes for e in events if type(e).__name__ == "MemoryDeferred"]
-    result["failed"] = [e.error_type for e in events if type(e).__name__ == "CaptureFailed"]
-    result["stats"] = graph.get_cumulative_stats()
-    bus.close()
-    print("RESULT " + json.dumps(result))
     """
+    )
+    + _EVENTS_EPILOGUE
 )
 
 
@@ -467,20 +485,11 @@ def test_a_capture_that_the_allocators_cache_alone_could_hold_waits() -> None:
 #: already holds a graph of larger inputs: argv[1] is "shared" (the default shared pools,
 #: whose freed capture memory the smaller capture reuses) or "unshared" (its own pool, so
 #: the need defers it). Each runs in its own process.
-POOL_REUSE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, torch
-    from omnitrace import EncoderCudaGraph, EncoderGraphConfig, EventBus
-    from omnitrace.testing import capture_events
-
-    MiB = 1 << 20
-    torch.manual_seed(0)
-    w1 = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 16
-    w2 = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16) / 90
-
-    def forward(x):
-        # Two transients of 16 MiB a row of x each: about 1 GiB at 32 rows, 512 MiB at 16.
-        return torch.nn.functional.gelu(x @ w1) @ w2
+POOL_REUSE_SCRIPT = (
+    _TWO_LAYER_PRELUDE
+    + textwrap.dedent(
+        """
+    MiB = 1 << 20  # transients of about 1 GiB at 32 rows, 512 MiB at 16
 
     config = EncoderGraphConfig(min_free_bytes=256 * MiB, share_pools=sys.argv[1] == "shared")
     bus = EventBus()
@@ -508,18 +517,10 @@ POOL_REUSE_SCRIPT = textwrap.dedent(
         result["close"] = all(
             torch.allclose(o.float(), expected.float(), rtol=2e-2, atol=2e-2) for o in outs
         )
-    result["events"] = [
-        [type(e).__name__, e.reason.value, e.detail] if hasattr(e, "reason") else
-        [type(e).__name__, None, None]
-        for e in events
-    ]
     result["grew"] = [e.bytes_reserved for e in events if type(e).__name__ == "GraphCaptured"]
-    result["need"] = [e.need_bytes for e in events if type(e).__name__ == "MemoryDeferred"]
-    result["failed"] = [e.error_type for e in events if type(e).__name__ == "CaptureFailed"]
-    result["stats"] = graph.get_cumulative_stats()
-    bus.close()
-    print("RESULT " + json.dumps(result))
     """
+    )
+    + _EVENTS_EPILOGUE
 )
 
 
