@@ -764,6 +764,39 @@ def test_the_capture_sizes_note_says_which_segments_they_were_recorded_in(
         assert sizes.endswith("so the pool figures are upper bounds there")
 
 
+@pytest.mark.parametrize("need", [0, 1, 3])
+def test_the_logs_need_misses_are_named_as_what_the_replay_leaves_out(need: int) -> None:
+    """A log's ``memory`` misses of detail ``need`` are counted per encoder and named in a
+    note, since the replay does not apply that check; a log without them gets no note."""
+    logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
+    calls: list[Call] = [("vision", (n, 16, 8), Phase.SERVING) for n in (1, 2) for _ in range(5)]
+    calls += [("audio", (1, 16, 8), Phase.SERVING) for _ in range(4)]
+    events = _run(calls, logged)
+    # The adapter's own check at work: a key's calls after its warm-up call, deferred.
+    deferred = [e for e in events if isinstance(e, GraphMissed) and e.reason is MissReason.WARMUP][
+        :need
+    ]
+    for event in deferred:
+        events[events.index(event)] = dataclasses.replace(
+            event, reason=MissReason.MEMORY, detail="need"
+        )
+    recording = Recording.from_records(_records(events, logged))
+    expected = Counter(e.adapter for e in deferred)
+    assert recording.need_misses == dict(expected)
+    advice = advise(recording, default_grid(recording, min_capture_calls=[2]))
+    notes = [n for n in advice.notes if n.startswith("need:")]
+    if not need:
+        assert notes == []
+        return
+    each = ", ".join(f"{adapter} {n}" for adapter, n in sorted(expected.items()))
+    assert notes == [
+        f"need: {need} of the log's {recording.call_count} calls ran eagerly because "
+        "device-free memory could not hold what their shape's eager calls took (memory "
+        f"misses, detail need: {each}); the replay does not apply that check, so every "
+        "setting, the logged one too, decides those calls by its other rules"
+    ]
+
+
 def test_only_captures_while_serving_count_as_holding_up_calls() -> None:
     """A capture at start-up held up no call: the warm-up note sums the serving ones."""
     logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)

@@ -520,7 +520,21 @@ def _notes(recording: Recording) -> tuple[str, ...]:
                 "pools (estimated from the free memory read at captures and memory deferrals, "
                 "and replayed as it moved)"
             )
+    if recording.need_misses:
+        notes.append(_need_note(recording))
     return tuple(notes)
+
+
+def _need_note(recording: Recording) -> str:
+    """The log's ``need`` misses, which the replay does not reproduce."""
+    need = recording.need_misses
+    each = ", ".join(f"{adapter} {n}" for adapter, n in sorted(need.items()))
+    return (
+        f"need: {sum(need.values())} of the log's {recording.call_count} calls ran eagerly "
+        "because device-free memory could not hold what their shape's eager calls took "
+        f"(memory misses, detail need: {each}); the replay does not apply that check, so "
+        "every setting, the logged one too, decides those calls by its other rules"
+    )
 
 
 def _segments_note(segments: Mapping[str, str]) -> str:

@@ -208,6 +208,11 @@ class Recording:
     deferral_cached: Mapping[tuple[Worker, str], int] = field(default_factory=dict)
     """Per worker and device, the most its caching allocator held without tensors at a
     memory deferral (``MemoryDeferred.cached_bytes``; absent where no deferral read it)."""
+    need_misses: Mapping[str, int] = field(default_factory=dict)
+    """Per encoder, its calls the log shows as ``memory`` misses of detail ``need``: a
+    capture deferred because device-free memory could not hold what the key's eager calls
+    took. The replay does not apply that check (the log records a need only where it
+    deferred), so it decides these calls by its other rules."""
     unprofiled_runner: str | None = None
     """The engine's start-up profiling run (``ProfilingObserved.runner``) where every one
     the log saw called no encoder: the engine sized its memory without the encoders'
@@ -394,6 +399,7 @@ class _Builder:
         self.profiled = False
         self.profiling = False
         self.ineligible: dict[str, dict[str, int]] = {}
+        self.need_misses: dict[str, int] = {}
         self.serving_captures: list[float] = []
 
     def add(self, record: EventRecord) -> None:
@@ -468,6 +474,8 @@ class _Builder:
             eligible = item.reason is not MissReason.INELIGIBLE or skipped
             if skipped:
                 self.skipped_profiling.add(adapter)
+            elif item.reason is MissReason.MEMORY and item.detail == "need":
+                self.need_misses[adapter] = self.need_misses.get(adapter, 0) + 1
             elif not eligible:
                 details = self.ineligible.get(adapter)
                 if details is None:
@@ -577,6 +585,7 @@ class _Builder:
                 if isinstance(value := info.get("expandable_pools"), bool)
             },
             serving_captures=tuple(self.serving_captures),
+            need_misses=self.need_misses,
             deferral_cached=self.deferral_cached,
             unprofiled_runner=(
                 None if self.profiled or not self.unprofiled else min(self.unprofiled)
