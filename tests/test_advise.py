@@ -772,7 +772,7 @@ def test_the_logs_need_misses_are_named_as_what_the_replay_leaves_out(need: int)
     calls: list[Call] = [("vision", (n, 16, 8), Phase.SERVING) for n in (1, 2) for _ in range(5)]
     calls += [("audio", (1, 16, 8), Phase.SERVING) for _ in range(4)]
     events = _run(calls, logged)
-    # The adapter's own check at work: a key's calls after its warm-up call, deferred.
+    # Stand-ins for the adapter's own check: the first ``need`` warm-up misses, relabelled.
     deferred = [e for e in events if isinstance(e, GraphMissed) and e.reason is MissReason.WARMUP][
         :need
     ]
