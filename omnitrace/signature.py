@@ -58,6 +58,27 @@ class Signature:
     def __reduce__(self) -> tuple[Any, ...]:
         return (Signature, (self.inputs, self.stream))
 
+    def covers(self, other: Signature) -> bool:
+        """Whether this signature's inputs match ``other``'s (count, dtypes, ranks, devices,
+        absent inputs and stream) but for dimensions at least as large in every place.
+
+        Args:
+            other: the signature to compare with.
+        """
+        if self.stream != other.stream or len(self.inputs) != len(other.inputs):
+            return False
+        for big, small in zip(self.inputs, other.inputs, strict=True):
+            if big is None or small is None:
+                if big is not small:
+                    return False
+                continue
+            alike = big.dtype == small.dtype and big.device == small.device
+            if not alike or len(big.shape) != len(small.shape):
+                return False
+            if any(b < s for b, s in zip(big.shape, small.shape, strict=True)):
+                return False
+        return True
+
     @property
     def device(self) -> str | None:
         """The device of the inputs when they share one, else None (no tensor, or mixed)."""

@@ -113,3 +113,25 @@ def test_the_kept_hash_leaves_out_of_pickles_and_copies(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def test_a_signature_covers_one_no_larger_in_any_dimension_and_alike_otherwise() -> None:
+    """covers: same count, dtypes, ranks, devices, absent inputs and stream; every dimension
+    at least as large. Anything else, a larger dimension of the other's included, does not."""
+
+    def sig(*inputs: InputSpec | None, stream: int | None = 7) -> Signature:
+        return Signature(tuple(inputs), stream)
+
+    big = sig(InputSpec("bfloat16", (4, 80, 3000), "cuda:0"), None)
+    assert big.covers(big)
+    assert big.covers(sig(InputSpec("bfloat16", (3, 80, 1000), "cuda:0"), None))
+    for other in (
+        sig(InputSpec("bfloat16", (5, 80, 1000), "cuda:0"), None),  # one dimension larger
+        sig(InputSpec("float16", (3, 80, 1000), "cuda:0"), None),  # dtype
+        sig(InputSpec("bfloat16", (3, 80), "cuda:0"), None),  # rank
+        sig(InputSpec("bfloat16", (3, 80, 1000), "cuda:1"), None),  # device
+        sig(InputSpec("bfloat16", (3, 80, 1000), "cuda:0"), None, stream=8),  # stream
+        sig(InputSpec("bfloat16", (3, 80, 1000), "cuda:0")),  # count
+        sig(InputSpec("bfloat16", (3, 80, 1000), "cuda:0"), InputSpec("int64", (3,), "cuda:0")),
+    ):
+        assert not big.covers(other), other

@@ -58,22 +58,6 @@ class Entry:
         self.signature = signature
 
 
-def _covers(held: Signature, due: Signature) -> bool:
-    """``held``'s inputs match ``due``'s but for dimensions at least as large."""
-    if held.stream != due.stream or len(held.inputs) != len(due.inputs):
-        return False
-    for big, small in zip(held.inputs, due.inputs, strict=True):
-        if big is None or small is None:
-            if big is not small:
-                return False
-            continue
-        if (big.dtype, big.device, len(big.shape)) != (small.dtype, small.device, len(small.shape)):
-            return False
-        if any(b < s for b, s in zip(big.shape, small.shape, strict=True)):
-            return False
-    return True
-
-
 class Due(NamedTuple):
     """A call whose key is due for a graph: what a capture or a preparation starts from."""
 
@@ -135,7 +119,7 @@ class Capturer:
         """
         if not self._reuse:
             return False
-        return any(_covers(entry.signature, signature) for entry in self.graphs.values())
+        return any(entry.signature.covers(signature) for entry in self.graphs.values())
 
     def capture(
         self,
