@@ -765,9 +765,10 @@ def test_the_capture_sizes_note_says_which_segments_they_were_recorded_in(
 
 
 @pytest.mark.parametrize("need", [0, 1, 3])
-def test_the_logs_need_misses_are_named_as_what_the_replay_leaves_out(need: int) -> None:
+def test_the_logs_need_misses_are_named_with_the_keys_the_replay_checks(need: int) -> None:
     """A log's ``memory`` misses of detail ``need`` are counted per encoder and named in a
-    note, since the replay does not apply that check; a log without them gets no note."""
+    note, with the keys whose need the log read (none here: no deferral event carries one),
+    which are all the replay can check; a log without such misses gets no note."""
     logged = EncoderGraphConfig(max_graphs=8, min_capture_calls=2, min_free_bytes=0)
     calls: list[Call] = [("vision", (n, 16, 8), Phase.SERVING) for n in (1, 2) for _ in range(5)]
     calls += [("audio", (1, 16, 8), Phase.SERVING) for _ in range(4)]
@@ -792,8 +793,9 @@ def test_the_logs_need_misses_are_named_as_what_the_replay_leaves_out(need: int)
     assert notes == [
         f"need: {need} of the log's {recording.call_count} calls ran eagerly because "
         "device-free memory could not hold what their shape's eager calls took (memory "
-        f"misses, detail need: {each}); the replay does not apply that check, so every "
-        "setting, the logged one too, decides those calls by its other rules"
+        f"misses, detail need: {each}); no deferral event read a need, so the replay applies "
+        "that check to no key; a key's need is logged only where it deferred, so the others' "
+        "go unchecked"
     ]
 
 
@@ -1193,3 +1195,50 @@ def test_advise_on_the_h200_engine_benchmark_logs_names_a_budget_past_95_percent
     assert recommended["encoder_cuda_graph_pool_budget_bytes"] > 0
     hits, calls = after_warmup(recommended)
     assert hits / calls >= 0.95
+
+
+H100_RESULTS = (
+    Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-2026-12-07f-both"
+)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        "minicpmo_defaults",
+        "minicpmo_defaults_again",
+        "minicpmo_floor_512mib",
+        "qwen2_5_omni_defaults",
+    ],
+)
+def test_the_replay_of_the_logged_setting_is_the_h100_engine_benchmarks_run(
+    run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker logs of the H100 engine benchmark (``vllm serve``, the defaults, and one
+    server with the floor at 512 MiB whose captures waited for their need): replayed under
+    the logged setting, every encoder has exactly the run's hits and misses by reason, and
+    the run's graphs. The 512 MiB run's ``need`` deferrals are among them."""
+    import tarfile
+
+    with tarfile.open(H100_RESULTS / f"engine_events_{run}.tar.xz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    (log,) = tmp_path.glob("events-0-*.jsonl")
+    run_counts: dict[str, Counter[str]] = {}
+    graphs = 0
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        kind = event["type"]
+        graphs += kind == "GraphCaptured"
+        if kind in ("GraphReplayed", "GraphMissed"):
+            outcome = "hits" if kind == "GraphReplayed" else event["reason"]
+            run_counts.setdefault(event["adapter"], Counter())[outcome] += 1
+    if run == "minicpmo_floor_512mib":
+        assert log.read_text().count('"detail":"need"') == 7
+    assert main(["advise", str(log), "--max-graphs", "32", "--json"]) == 0
+    logged = json.loads(capsys.readouterr().out)["logged"]
+    assert logged["graphs"] == graphs
+    replayed = {
+        adapter: Counter({"hits": e["hits"], **e["misses"]})
+        for adapter, e in logged["encoders"].items()
+    }
+    assert {a: +c for a, c in replayed.items()} == run_counts

@@ -4,8 +4,8 @@
 history counts across ``min_capture_calls``; :func:`~omnitrace.advise.replay` runs every
 call through the adapter's own admission policy. On random traffic (several workers and
 encoders, ineligible and profiling calls, calls kept out of admission as profiling, free
-memory known, estimated (moving over the run) or unknown, pool budgets) the two must agree
-setting by setting.
+memory known, estimated (moving over the run) or unknown, pool budgets, needs read at
+deferrals, larger keys whose graphs lift the need) the two must agree setting by setting.
 """
 
 from __future__ import annotations
@@ -55,7 +55,11 @@ def _records(calls: list[tuple[int, str, int, str]], deferrals: bool) -> list[Ev
             records.append(EventRecord(captured, source[1], source[0]))
             if deferrals and n % 3 == 0:
                 free = (900 - 23 * n % 700) * MiB
-                deferred = ev.MemoryDeferred(adapter, signature, n, n, free, GIB, "cuda:0")
+                # Some deferrals read the key's need (several, of one key, its least counts).
+                need = (key + 1) * (60 + n % 250) * MiB if n % 2 == 0 else None
+                deferred = ev.MemoryDeferred(
+                    adapter, signature, n, n, free, GIB, "cuda:0", need_bytes=need
+                )
                 records.append(EventRecord(deferred, source[1], source[0]))
         if kind in ("hit", "capture"):
             event = ev.GraphReplayed(adapter, signature, n, n, 0.001 + key * 1e-4)
@@ -96,7 +100,8 @@ GRID = [
         (2, 3, 5),
         (0, 100 * MiB, 700 * MiB, GIB, 8 * GIB),
         (False, True),
-        (0, 120 * MiB, 600 * MiB),  # pool budgets: after one or two of these captures
+        # Pool budgets: after one or two of these captures, or enough for the needs to bite.
+        (0, 120 * MiB, 600 * MiB, 8 * GIB),
     )
 ]
 
@@ -169,3 +174,49 @@ def test_history_counts_are_those_of_admission_with_nothing_captured(
     capped = advise_replay._count_histogram(every, adapter_of, 0, limit, 3)
     assert capped[:3].tolist() == histogram[:3].tolist()
     assert capped.sum() == histogram.sum()
+
+
+def _deferred_log(*, larger_first: bool) -> list[EventRecord]:
+    """One worker's vision calls: a key called four times, whose capture the log deferred
+    three times for a need of 900 then 600 MiB with 300 MiB free; with ``larger_first``, a
+    key larger in every dimension was captured before it, reading 400 MiB free."""
+    small, large = _signature(0), _signature(3)
+    events: list[ev.Event] = []
+    if larger_first:
+        events.append(
+            ev.GraphMissed("vision", large, 0, 0, MissReason.WARMUP, "call 1 of 2", 0.003)
+        )
+        events.append(
+            ev.GraphCaptured(
+                "vision", large, 1, 1, 0.5, 1, "cuda:0", 7, 8, 100 * MiB, 0, 0, 400 * MiB
+            )
+        )
+        events.append(ev.GraphReplayed("vision", large, 1, 1, 0.001))
+    events.append(ev.GraphMissed("vision", small, 2, 2, MissReason.WARMUP, "call 1 of 2", 0.003))
+    for n, need in ((3, 900 * MiB), (4, 600 * MiB), (5, 600 * MiB)):
+        events.append(
+            ev.MemoryDeferred("vision", small, n, n, 300 * MiB, 0, "cuda:0", need_bytes=need)
+        )
+        events.append(ev.GraphMissed("vision", small, n, n, MissReason.MEMORY, "need", 0.003))
+    return [EventRecord(event, 100, 0) for event in events]
+
+
+@pytest.mark.parametrize("larger_first", [False, True])
+def test_a_key_the_log_deferred_for_its_need_waits_in_the_replay_unless_a_larger_graph_holds_it(
+    larger_first: bool,
+) -> None:
+    """The replay defers a key's capture for the least need its log read while free memory
+    is short of it, under a pool budget only, and not where its encoder holds a graph of a
+    key at least as large in every dimension (whose pool memory the capture reuses)."""
+    recording = Recording.from_records(_deferred_log(larger_first=larger_first))
+    assert recording.needs == {"vision": {_signature(0): 600 * MiB}}
+    budget, none = Setting(8, 2, 0, False, GIB), Setting(8, 2, 0, False, 0)
+    for setting in (budget, none):
+        (vision,) = replay(recording, setting).encoders
+        (fast,) = replay_grid(recording, [setting])[0].encoders
+        assert fast == vision
+        small_hits = vision.hits - (1 if larger_first else 0)
+        if setting is budget and not larger_first:
+            assert (small_hits, vision.misses[MissReason.MEMORY]) == (0, 3)
+        else:
+            assert (small_hits, vision.misses[MissReason.MEMORY]) == (3, 0)

@@ -526,14 +526,22 @@ def _notes(recording: Recording) -> tuple[str, ...]:
 
 
 def _need_note(recording: Recording) -> str:
-    """The log's ``need`` misses, which the replay does not reproduce."""
+    """The log's ``need`` misses, and which keys the replay applies that check to."""
     need = recording.need_misses
     each = ", ".join(f"{adapter} {n}" for adapter, n in sorted(need.items()))
+    keys = sum(len(found) for found in recording.needs.values())
+    checked = (
+        f"the replay applies that check to the {keys} {'key' if keys == 1 else 'keys'} the "
+        "log deferred for it, with the least need read for each, under settings with a pool "
+        "budget"
+        if keys
+        else "no deferral event read a need, so the replay applies that check to no key"
+    )
     return (
         f"need: {sum(need.values())} of the log's {recording.call_count} calls ran eagerly "
         "because device-free memory could not hold what their shape's eager calls took "
-        f"(memory misses, detail need: {each}); the replay does not apply that check, so "
-        "every setting, the logged one too, decides those calls by its other rules"
+        f"(memory misses, detail need: {each}); {checked}; a key's need is logged only where "
+        "it deferred, so the others' go unchecked"
     )
 
 

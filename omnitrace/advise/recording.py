@@ -211,8 +211,11 @@ class Recording:
     need_misses: Mapping[str, int] = field(default_factory=dict)
     """Per encoder, its calls the log shows as ``memory`` misses of detail ``need``: a
     capture deferred because device-free memory could not hold what the key's eager calls
-    took. The replay does not apply that check (the log records a need only where it
-    deferred), so it decides these calls by its other rules."""
+    took."""
+    needs: Mapping[str, Mapping[Signature, int]] = field(default_factory=dict)
+    """Per encoder, per key whose capture the log deferred for its need, the least need
+    read (``MemoryDeferred.need_bytes``). The replay applies the need check to these keys
+    only: the log records a key's need only where it deferred."""
     unprofiled_runner: str | None = None
     """The engine's start-up profiling run (``ProfilingObserved.runner``) where every one
     the log saw called no encoder: the engine sized its memory without the encoders'
@@ -400,6 +403,7 @@ class _Builder:
         self.profiling = False
         self.ineligible: dict[str, dict[str, int]] = {}
         self.need_misses: dict[str, int] = {}
+        self.needs: dict[str, dict[Signature, int]] = {}
         self.serving_captures: list[float] = []
 
     def add(self, record: EventRecord) -> None:
@@ -446,6 +450,10 @@ class _Builder:
             if item.cached_bytes is not None:
                 most = max(self.deferral_cached.get(place, 0), item.cached_bytes)
                 self.deferral_cached[place] = most
+            if item.need_bytes is not None:
+                needs = self.needs.setdefault(item.adapter, {})
+                least = needs.get(item.signature, item.need_bytes)
+                needs[item.signature] = min(least, item.need_bytes)
 
     def _reading(self, worker: Worker, place: tuple[Worker, str], free: int) -> None:
         """Record free memory read on ``place`` before the worker's next call, as the start
@@ -586,6 +594,7 @@ class _Builder:
             },
             serving_captures=tuple(self.serving_captures),
             need_misses=self.need_misses,
+            needs=self.needs,
             deferral_cached=self.deferral_cached,
             unprofiled_runner=(
                 None if self.profiled or not self.unprofiled else min(self.unprofiled)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from omnitrace.advise.recording import (
     Worker,
     first_seen,
 )
-from omnitrace.config import EncoderGraphConfig
+from omnitrace.config import EncoderGraphConfig, needed_free_bytes
 from omnitrace.events import MissReason
 from omnitrace.graphs.admission import Admission, Verdict
 from omnitrace.signature import Signature
@@ -144,6 +145,7 @@ def replay(recording: Recording, setting: Setting) -> Result:
     """
     config = setting.config()
     floor = setting.min_free_bytes
+    reuse = config.share_pools and not config.compile
     per_adapter: dict[str, list[_EncoderState]] = {}
     worker_bytes: list[int] = []
     lowest: int | None = None
@@ -171,7 +173,9 @@ def replay(recording: Recording, setting: Setting) -> Result:
             start = recording.free_at(worker, call.device or "", index)
             # Unknown free memory never bites: the floor itself is what admission reads.
             free_now = floor if start is None else start - used.get(call.device, 0)
-            decision = state.admission.decide(call.key, read_free)
+            decision = state.admission.decide(
+                call.key, read_free, reused=partial(_covered, captured, call.key) if reuse else None
+            )
             verdict = decision.verdict
             if verdict is Verdict.CAPTURE:
                 state.admission.captured(call.key)
@@ -185,6 +189,11 @@ def replay(recording: Recording, setting: Setting) -> Result:
                     lowest = left if lowest is None else min(lowest, left)
             else:
                 state.misses[_VERDICT_REASON[verdict]] += 1
+                # The call ran eagerly, and such a call reports what it took: the need the
+                # log read for this key, where free memory is known to check it against.
+                need = recording.needs.get(call.adapter, {}).get(call.key)
+                if verdict is not Verdict.CAPACITY and need is not None and start is not None:
+                    state.admission.took_eagerly(call.key, need)
         worker_bytes.append(sum(used.values()) if used else 0)
         for name, state in states.items():
             per_adapter.setdefault(name, []).append(state)
@@ -197,6 +206,12 @@ def replay(recording: Recording, setting: Setting) -> Result:
         for name, states in per_adapter.items()
     }
     return Result(setting, encoders, max(worker_bytes, default=0), lowest, keys)
+
+
+def _covered(captured: Mapping[Signature, int], key: Signature) -> bool:
+    """Whether a captured key's inputs are at least as large as ``key``'s in every
+    dimension (``Capturer.pool_holds_larger``: the need does not defer its capture)."""
+    return any(held.covers(key) for held in captured)
 
 
 def _outcome(
@@ -364,6 +379,12 @@ class _WorkerReplay:
             costs[adapter][key].capture_bytes if key in costs.get(adapter, {}) else 0
             for adapter, key, _ in keys
         ]
+        # The need the log read for a key, where free memory is known to check it against.
+        needs = recording.needs
+        self.need_of = [
+            needs.get(adapter, {}).get(key) if start is not None else None
+            for (adapter, key, _), start in zip(keys, self.start_of, strict=True)
+        ]
         self.keys_of: list[list[int]] = [[] for _ in self.adapters]
         for key_id, adapter in enumerate(self.adapter_of):
             self.keys_of[adapter].append(key_id)
@@ -443,12 +464,8 @@ class _WorkerReplay:
         calls = self.calls(skip)
         states = self._states(config, calls)
         names = self.adapters
-        adapter_of, start_of, device_of, size_of = (
-            self.adapter_of,
-            self.start_of,
-            self.device_of,
-            self.size_of,
-        )
+        adapter_of, start_of, device_of = self.adapter_of, self.start_of, self.device_of
+        size_of = self.size_of
         active = np.ones(len(adapter_of), dtype=bool)
         if g == 0:
             active[:] = False  # every encoder is full from the start
@@ -456,6 +473,9 @@ class _WorkerReplay:
         # Admission's own bookkeeping (graphs/admission.py), inlined: this loop is the
         # replay's whole cost, and replay() (which calls Admission) is its reference.
         histories: list[OrderedDict[int, int]] = [OrderedDict() for _ in names]
+        # With a budget, a key's earlier eager calls reported its need: min_capture_calls
+        # is at least 2, so a key due for capture always had one since it was remembered.
+        need_of = self.need_of if budget > 0 else None
         graphs = [0] * len(names)
         limit = config.history_size
         captured: list[list[tuple[int, int]]] = [[] for _ in names]
@@ -492,7 +512,10 @@ class _WorkerReplay:
                     start += int(shifts[device][position])
                 # Unknown free memory never bites: admission reads the floor itself.
                 free_now = floor if start is None else start - used.get(device, 0)
-                if floor > 0 and free_now < floor:
+                if (floor > 0 and free_now < floor) or (
+                    need_of is not None
+                    and self._need_defers(need_of[key_id], key_id, free_now, captured[adapter])
+                ):
                     memory[adapter] += 1
                     continue
                 history.pop(key_id, None)
@@ -513,6 +536,22 @@ class _WorkerReplay:
         self._count_outcomes(states, calls, captured, warm, memory)
         pool = sum(used.values()) if used else 0
         return _Run(states, pool, lowest, reached)
+
+    def _need_defers(
+        self,
+        need: int | None,
+        key_id: int,
+        free_now: int,
+        captured: Sequence[tuple[int, int]],
+    ) -> bool:
+        """Admission's need check: whether ``key_id``'s need (with an eighth to spare) is
+        more than ``free_now``, and no captured key of its encoder, whose pool its capture
+        would reuse, is at least as large."""
+        if need is None or needed_free_bytes(need) <= free_now:
+            return False
+        keys = self.sequence.keys
+        key = keys[key_id][1]
+        return not any(keys[held][1].covers(key) for held, _ in captured)
 
     def _count_outcomes(
         self,
