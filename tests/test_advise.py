@@ -1223,9 +1223,10 @@ def test_the_replay_of_the_logged_setting_is_the_h100_engine_benchmarks_run(
     with tarfile.open(H100_RESULTS / f"engine_events_{run}.tar.xz") as archive:
         archive.extractall(tmp_path, filter="data")
     (log,) = tmp_path.glob("events-0-*.jsonl")
+    text = log.read_text()
     run_counts: dict[str, Counter[str]] = {}
     graphs = 0
-    for line in log.read_text().splitlines():
+    for line in text.splitlines():
         event = json.loads(line)
         kind = event["type"]
         graphs += kind == "GraphCaptured"
@@ -1233,7 +1234,7 @@ def test_the_replay_of_the_logged_setting_is_the_h100_engine_benchmarks_run(
             outcome = "hits" if kind == "GraphReplayed" else event["reason"]
             run_counts.setdefault(event["adapter"], Counter())[outcome] += 1
     if run == "minicpmo_floor_512mib":
-        assert log.read_text().count('"detail":"need"') == 7
+        assert text.count('"detail":"need"') == 7
     assert main(["advise", str(log), "--max-graphs", "32", "--json"]) == 0
     logged = json.loads(capsys.readouterr().out)["logged"]
     assert logged["graphs"] == graphs

@@ -5,7 +5,7 @@ reference), or a whole grid at once from what its settings share (docs/architect
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -208,7 +208,7 @@ def replay(recording: Recording, setting: Setting) -> Result:
     return Result(setting, encoders, max(worker_bytes, default=0), lowest, keys)
 
 
-def _covered(captured: Mapping[Signature, int], key: Signature) -> bool:
+def _covered(captured: Iterable[Signature], key: Signature) -> bool:
     """Whether a captured key's inputs are at least as large as ``key``'s in every
     dimension (``Capturer.pool_holds_larger``: the need does not defer its capture)."""
     return any(held.covers(key) for held in captured)
@@ -550,8 +550,7 @@ class _WorkerReplay:
         if need is None or needed_free_bytes(need) <= free_now:
             return False
         keys = self.sequence.keys
-        key = keys[key_id][1]
-        return not any(keys[held][1].covers(key) for held, _ in captured)
+        return not _covered((keys[held][1] for held, _ in captured), keys[key_id][1])
 
     def _count_outcomes(
         self,
